@@ -1,0 +1,622 @@
+"""The values proxyproto produces and consumes: headers, addresses, TLVs.
+
+Everything in __all__ is re-exported as part of the public API.
+
+All of them are frozen, slotted dataclasses. Constructing one yourself validates
+it (an invalid header cannot exist, so it cannot be encoded); the parser builds
+them through a private path that skips validation it has already done on the
+wire bytes. Don't subclass these.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv6Address
+from typing import TYPE_CHECKING, Literal
+
+from proxyproto._errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "NEED_DATA",
+    "NO_HEADER",
+    "TLV",
+    "Command",
+    "Family",
+    "InetAddress",
+    "ProxyHeader",
+    "SSLClient",
+    "SSLInfo",
+    "TLVType",
+    "Transport",
+    "UnixAddress",
+]
+
+
+class _Sentinel(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+    NO_HEADER = "NO_HEADER"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+#: Returned by ``HeaderReader.next_event()`` when more bytes are needed.
+NEED_DATA: Literal[_Sentinel.NEED_DATA] = _Sentinel.NEED_DATA
+#: Returned by a reader built with ``optional=True`` when the connection does not
+#: start with a PROXY header (all bytes are then in ``trailing_data``).
+NO_HEADER: Literal[_Sentinel.NO_HEADER] = _Sentinel.NO_HEADER
+
+
+class Command(enum.IntEnum):
+    """The v2 command nibble. v1 headers are always PROXY."""
+
+    #: The proxy made this connection itself (e.g. a health check): use the real
+    #: socket endpoints.
+    LOCAL = 0x0
+    #: The connection is relayed on behalf of the client described in the header.
+    PROXY = 0x1
+
+
+class Family(enum.IntEnum):
+    """Address family (high nibble of the v2 family byte)."""
+
+    UNSPEC = 0x0
+    INET = 0x1
+    INET6 = 0x2
+    UNIX = 0x3
+
+
+class Transport(enum.IntEnum):
+    """Transport protocol (low nibble of the v2 family byte)."""
+
+    UNSPEC = 0x0
+    STREAM = 0x1
+    DGRAM = 0x2
+
+
+class TLVType(enum.IntEnum):
+    """Registered v2 TLV types, plus the cloud vendors' custom ones."""
+
+    ALPN = 0x01
+    AUTHORITY = 0x02
+    CRC32C = 0x03
+    NOOP = 0x04
+    UNIQUE_ID = 0x05
+    SSL = 0x20
+    SSL_VERSION = 0x21
+    SSL_CN = 0x22
+    SSL_CIPHER = 0x23
+    SSL_SIG_ALG = 0x24
+    SSL_KEY_ALG = 0x25
+    SSL_GROUP = 0x26
+    SSL_SIG_SCHEME = 0x27
+    SSL_CLIENT_CERT = 0x28
+    NETNS = 0x30
+    #: Google Cloud Private Service Connect: 8-byte big-endian connection id.
+    GCP = 0xE0
+    #: AWS (NLB / PrivateLink): subtype byte, 0x01 = VPC endpoint id.
+    AWS = 0xEA
+    #: Azure Private Link: subtype 0x01 + 4-byte little-endian link id.
+    AZURE = 0xEE
+
+
+class SSLClient(enum.IntFlag):
+    """Bits of the SSL TLV's ``client`` field."""
+
+    #: The client connected over TLS.
+    SSL = 0x01
+    #: The client presented a certificate on this connection.
+    CERT_CONN = 0x02
+    #: The client presented a certificate at least once in this TLS session.
+    CERT_SESS = 0x04
+
+
+# Limits from the spec and from HAProxy's receiver.
+MAX_UNIQUE_ID_LENGTH = 128  # spec: "maximum length of 128 bytes"
+MAX_AUTHORITY_LENGTH = 255  # a DNS name; HAProxy refuses longer
+MAX_TLV_VALUE_LENGTH = 0xFFFF  # u16 length field
+UNIX_PATH_LENGTH = 108  # sun_path, NUL padded in the v2 address block
+AWS_SUBTYPE_VPCE_ID = 0x01
+AZURE_SUBTYPE_PRIVATE_ENDPOINT_LINK_ID = 0x01
+
+
+@dataclass(frozen=True, slots=True)
+class InetAddress:
+    """An IPv4 or IPv6 endpoint."""
+
+    host: IPv4Address | IPv6Address
+    port: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, (IPv4Address, IPv6Address)):
+            raise LocalProtocolError(
+                f"InetAddress.host must be an IPv4Address or IPv6Address, "
+                f"got {type(self.host).__name__}"
+            )
+        if isinstance(self.port, bool) or not isinstance(self.port, int):
+            raise LocalProtocolError(f"port must be an int, got {self.port!r}")
+        if not 0 <= self.port <= 0xFFFF:
+            raise LocalProtocolError(f"port must be 0..65535, got {self.port}")
+
+    @classmethod
+    def parse(cls, host: str, port: int) -> InetAddress:
+        """Build from a textual address, e.g. ``InetAddress.parse("::1", 443)``."""
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise LocalProtocolError(f"not an IP address: {host!r}") from None
+        return cls(ip, port)
+
+    def __str__(self) -> str:
+        if self.host.version == 6:
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class UnixAddress:
+    """A UNIX socket path as sent in the v2 address block (NUL padding removed).
+
+    Abstract-namespace paths keep their leading NUL byte.
+    """
+
+    path: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, bytes):
+            raise LocalProtocolError(
+                f"UnixAddress.path must be bytes, got {type(self.path).__name__}"
+            )
+        if len(self.path) > UNIX_PATH_LENGTH:
+            raise LocalProtocolError(
+                f"UNIX path is {len(self.path)} bytes; at most "
+                f"{UNIX_PATH_LENGTH} fit in the address block"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TLV:
+    """One type-length-value record, exactly as on the wire.
+
+    ``type`` is an int; known types compare equal to their ``TLVType`` member.
+    """
+
+    type: int
+    value: bytes
+
+    def __post_init__(self) -> None:
+        if isinstance(self.type, bool) or not isinstance(self.type, int):
+            raise LocalProtocolError(f"TLV type must be an int, got {self.type!r}")
+        if not 0 <= self.type <= 0xFF:
+            raise LocalProtocolError(f"TLV type must be 0..255, got {self.type}")
+        if not isinstance(self.value, bytes):
+            raise LocalProtocolError(
+                f"TLV value must be bytes, got {type(self.value).__name__}"
+            )
+        if len(self.value) > MAX_TLV_VALUE_LENGTH:
+            raise LocalProtocolError(
+                f"TLV value is {len(self.value)} bytes; at most 65535 fit"
+            )
+
+    # Builders for the well-known types. They validate like the parser does,
+    # raising LocalProtocolError for a value a strict receiver would refuse.
+
+    @classmethod
+    def alpn(cls, protocol: bytes) -> TLV:
+        """ALPN (0x01): the negotiated application protocol, e.g. ``b"h2"``."""
+        return _checked(cls(TLVType.ALPN, protocol))
+
+    @classmethod
+    def authority(cls, host: str) -> TLV:
+        """AUTHORITY (0x02): the host name the client asked for (TLS SNI)."""
+        return _checked(cls(TLVType.AUTHORITY, host.encode("utf-8")))
+
+    @classmethod
+    def unique_id(cls, value: bytes) -> TLV:
+        """UNIQUE_ID (0x05): an opaque connection id of at most 128 bytes."""
+        return _checked(cls(TLVType.UNIQUE_ID, value))
+
+    @classmethod
+    def netns(cls, name: str) -> TLV:
+        """NETNS (0x30): the network namespace name."""
+        return _checked(cls(TLVType.NETNS, name.encode("ascii", "replace")))
+
+    @classmethod
+    def noop(cls, length: int = 0) -> TLV:
+        """NOOP (0x04): *length* bytes of padding."""
+        return cls(TLVType.NOOP, bytes(length))
+
+    @classmethod
+    def ssl(cls, info: SSLInfo) -> TLV:
+        """SSL (0x20) with its sub-TLVs."""
+        return _checked(cls(TLVType.SSL, info.encode()))
+
+    @classmethod
+    def aws_vpce_id(cls, vpce_id: str) -> TLV:
+        """AWS (0xEA) subtype 0x01: the PrivateLink VPC endpoint id."""
+        data = bytes([AWS_SUBTYPE_VPCE_ID]) + vpce_id.encode("ascii", "replace")
+        tlv = cls(TLVType.AWS, data)
+        _decode_aws_vpce_id(tlv.value, LocalProtocolError)
+        return tlv
+
+    @classmethod
+    def azure_link_id(cls, link_id: int) -> TLV:
+        """Azure (0xEE) subtype 0x01: the private endpoint link id (u32)."""
+        if not 0 <= link_id <= 0xFFFFFFFF:
+            raise LocalProtocolError(f"Azure link id must fit in 32 bits: {link_id}")
+        data = bytes([AZURE_SUBTYPE_PRIVATE_ENDPOINT_LINK_ID]) + link_id.to_bytes(
+            4, "little"
+        )
+        return cls(TLVType.AZURE, data)
+
+    @classmethod
+    def gcp_psc_id(cls, connection_id: int) -> TLV:
+        """GCP (0xE0): the Private Service Connect connection id (u64)."""
+        if not 0 <= connection_id <= 0xFFFFFFFFFFFFFFFF:
+            raise LocalProtocolError(
+                f"GCP PSC connection id must fit in 64 bits: {connection_id}"
+            )
+        return cls(TLVType.GCP, connection_id.to_bytes(8, "big"))
+
+
+def _checked(tlv: TLV) -> TLV:
+    from proxyproto._tlv import validate_tlv
+
+    validate_tlv(tlv.type, tlv.value, LocalProtocolError)
+    return tlv
+
+
+_NO_CLIENT_FLAGS = SSLClient(0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SSLInfo:
+    """The SSL TLV (0x20): what the proxy knows about the client's TLS session.
+
+    Text fields are validated ASCII (CN: UTF-8) before you ever see them.
+    """
+
+    #: ``SSLClient`` bits.
+    client: SSLClient = _NO_CLIENT_FLAGS
+    #: 0 if and only if the client presented a certificate and it verified.
+    verify: int = 1
+    version: str | None = None
+    cn: str | None = None
+    cipher: str | None = None
+    sig_alg: str | None = None
+    key_alg: str | None = None
+    group: str | None = None
+    sig_scheme: str | None = None
+    #: The client certificate, DER.
+    client_cert: bytes | None = None
+    #: Every sub-TLV in wire order, including unknown ones.
+    tlvs: tuple[TLV, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.client <= 0xFF:
+            raise LocalProtocolError(f"SSL client flags must fit a byte: {self.client}")
+        if not 0 <= self.verify <= 0xFFFFFFFF:
+            raise LocalProtocolError(f"SSL verify must fit 32 bits: {self.verify}")
+        if not self.tlvs:
+            object.__setattr__(self, "tlvs", self._sub_tlvs_from_fields())
+
+    @property
+    def verified(self) -> bool:
+        """True if the client presented a certificate and it verified."""
+        return self.verify == 0 and bool(self.client & SSLClient.CERT_CONN)
+
+    def _sub_tlvs_from_fields(self) -> tuple[TLV, ...]:
+        fields: list[tuple[TLVType, str | None]] = [
+            (TLVType.SSL_VERSION, self.version),
+            (TLVType.SSL_CN, self.cn),
+            (TLVType.SSL_CIPHER, self.cipher),
+            (TLVType.SSL_SIG_ALG, self.sig_alg),
+            (TLVType.SSL_KEY_ALG, self.key_alg),
+            (TLVType.SSL_GROUP, self.group),
+            (TLVType.SSL_SIG_SCHEME, self.sig_scheme),
+        ]
+        out = [
+            TLV(t, v.encode("utf-8" if t == TLVType.SSL_CN else "ascii", "replace"))
+            for t, v in fields
+            if v is not None
+        ]
+        if self.client_cert is not None:
+            out.append(TLV(TLVType.SSL_CLIENT_CERT, self.client_cert))
+        return tuple(out)
+
+    def encode(self) -> bytes:
+        """The SSL TLV's value: client byte, verify u32, then the sub-TLVs."""
+        parts = [bytes([self.client]), self.verify.to_bytes(4, "big")]
+        for tlv in self.tlvs:
+            parts.append(bytes([tlv.type]) + len(tlv.value).to_bytes(2, "big"))
+            parts.append(tlv.value)
+        return b"".join(parts)
+
+
+Address = InetAddress | UnixAddress
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProxyHeader:
+    """One decoded PROXY header.
+
+    ``source`` and ``destination`` are None when the real socket endpoints apply:
+    LOCAL commands, v1 ``UNKNOWN`` and v2 ``UNSPEC``. For LOCAL headers the
+    family and transport are reported as UNSPEC whatever the sender put there,
+    because the spec tells receivers to ignore them.
+
+    Headers returned by the parser build their address objects on first use
+    (from the validated wire bytes, kept privately): creating four
+    ``ipaddress`` and ``InetAddress`` objects would otherwise be most of the
+    cost of a parse, and many receivers only look at TLVs or log the header.
+    This is invisible to users: equality, hashing, ``repr`` and
+    ``dataclasses.replace`` all see the addresses.
+    """
+
+    version: int
+    command: Command = Command.PROXY
+    family: Family
+    transport: Transport
+    source: Address | None
+    destination: Address | None
+    tlvs: tuple[TLV, ...] = ()
+    # The validated wire bytes the addresses are decoded from, for parsed
+    # headers whose address slots are still empty.
+    _wire: bytes = field(default=b"", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _validate_header(self)
+
+    if not TYPE_CHECKING:  # keep attribute typos visible to type checkers
+
+        def __getattr__(self, name: str) -> object:
+            # Only called for unset slots: the lazily decoded addresses.
+            if name in ("source", "destination") and self._wire:
+                if self.version == 1:
+                    from proxyproto._v1 import decode_v1_addresses as decode
+                else:
+                    from proxyproto._v2 import decode_v2_addresses as decode
+                source, destination = decode(self._wire)
+                object.__setattr__(self, "source", source)
+                object.__setattr__(self, "destination", destination)
+                return source if name == "source" else destination
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            )
+
+    # -- convenient constructors -------------------------------------------
+
+    @classmethod
+    def from_addresses(
+        cls,
+        source: InetAddress | UnixAddress | tuple[object, ...] | str | bytes,
+        destination: InetAddress | UnixAddress | tuple[object, ...] | str | bytes,
+        *,
+        version: int = 2,
+        transport: Transport = Transport.STREAM,
+        tlvs: tuple[TLV, ...] = (),
+    ) -> ProxyHeader:
+        """A PROXY header for a relayed connection.
+
+        *source* and *destination* may be socket addresses as returned by
+        ``getpeername()`` / ``getsockname()`` (``(host, port)`` or the 4-tuple
+        of IPv6, a ``str``/``bytes`` path for UNIX sockets) or address objects.
+        Mixed families are resolved the way HAProxy does: an IPv4 endpoint
+        paired with an IPv6 one is sent as an IPv4-mapped IPv6 address.
+        """
+        src = _to_address(source)
+        dst = _to_address(destination)
+        if isinstance(src, InetAddress) and isinstance(dst, InetAddress):
+            if src.host.version != dst.host.version:
+                src, dst = _as_ipv6(src), _as_ipv6(dst)
+            family = Family.INET if src.host.version == 4 else Family.INET6
+        elif isinstance(src, UnixAddress) and isinstance(dst, UnixAddress):
+            family = Family.UNIX
+        else:
+            raise LocalProtocolError("source and destination are of different kinds")
+        return cls(
+            version=version,
+            command=Command.PROXY,
+            family=family,
+            transport=transport,
+            source=src,
+            destination=dst,
+            tlvs=tlvs,
+        )
+
+    @classmethod
+    def local(cls, *, tlvs: tuple[TLV, ...] = ()) -> ProxyHeader:
+        """A v2 LOCAL header (a health check: use the real endpoints)."""
+        return cls(
+            version=2,
+            command=Command.LOCAL,
+            family=Family.UNSPEC,
+            transport=Transport.UNSPEC,
+            source=None,
+            destination=None,
+            tlvs=tlvs,
+        )
+
+    @classmethod
+    def unknown(cls, *, version: int = 1) -> ProxyHeader:
+        """v1 ``PROXY UNKNOWN`` or v2 PROXY with UNSPEC family."""
+        return cls(
+            version=version,
+            command=Command.PROXY,
+            family=Family.UNSPEC,
+            transport=Transport.UNSPEC,
+            source=None,
+            destination=None,
+        )
+
+    # -- typed TLV accessors ------------------------------------------------
+
+    def tlv(self, tlv_type: int) -> bytes | None:
+        """The value of the first TLV of *tlv_type*, or None."""
+        for t in self.tlvs:
+            if t.type == tlv_type:
+                return t.value
+        return None
+
+    @property
+    def alpn(self) -> bytes | None:
+        """ALPN (0x01), e.g. ``b"h2"``."""
+        return self.tlv(TLVType.ALPN)
+
+    @property
+    def authority(self) -> str | None:
+        """AUTHORITY (0x02): the host name (TLS SNI) the client asked for."""
+        value = self.tlv(TLVType.AUTHORITY)
+        return None if value is None else value.decode("utf-8")
+
+    @property
+    def unique_id(self) -> bytes | None:
+        """UNIQUE_ID (0x05)."""
+        return self.tlv(TLVType.UNIQUE_ID)
+
+    @property
+    def crc32c(self) -> int | None:
+        """The CRC32C TLV's value (already verified by the reader by default)."""
+        value = self.tlv(TLVType.CRC32C)
+        return None if value is None else int.from_bytes(value, "big")
+
+    @property
+    def netns(self) -> str | None:
+        """NETNS (0x30): the network namespace name."""
+        value = self.tlv(TLVType.NETNS)
+        return None if value is None else value.decode("ascii")
+
+    @property
+    def ssl(self) -> SSLInfo | None:
+        """The SSL TLV (0x20), decoded."""
+        from proxyproto._tlv import decode_ssl
+
+        value = self.tlv(TLVType.SSL)
+        return None if value is None else decode_ssl(value, RemoteProtocolError)
+
+    @property
+    def aws_vpce_id(self) -> str | None:
+        """AWS PrivateLink VPC endpoint id (TLV 0xEA, subtype 0x01).
+
+        Raises:
+            RemoteProtocolError: the TLV is there but malformed.
+        """
+        for t in self.tlvs:
+            if t.type == TLVType.AWS and t.value[:1] == b"\x01":
+                return _decode_aws_vpce_id(t.value, RemoteProtocolError)
+        return None
+
+    @property
+    def azure_link_id(self) -> int | None:
+        """Azure private endpoint link id (TLV 0xEE, subtype 0x01).
+
+        Raises:
+            RemoteProtocolError: the TLV is there but malformed.
+        """
+        for t in self.tlvs:
+            if t.type == TLVType.AZURE and t.value[:1] == b"\x01":
+                if len(t.value) != 5:
+                    raise RemoteProtocolError(
+                        f"Azure link id TLV must be 5 bytes, got {len(t.value)}",
+                        reason="bad_tlv",
+                    )
+                return int.from_bytes(t.value[1:], "little")
+        return None
+
+    @property
+    def gcp_psc_id(self) -> int | None:
+        """GCP Private Service Connect connection id (TLV 0xE0).
+
+        Raises:
+            RemoteProtocolError: the TLV is there but is not 8 bytes.
+        """
+        value = self.tlv(TLVType.GCP)
+        if value is None:
+            return None
+        if len(value) != 8:
+            raise RemoteProtocolError(
+                f"GCP PSC TLV must be 8 bytes, got {len(value)}", reason="bad_tlv"
+            )
+        return int.from_bytes(value, "big")
+
+
+def _decode_aws_vpce_id(
+    value: bytes, error: type[LocalProtocolError | RemoteProtocolError]
+) -> str:
+    text = value[1:]
+    if not text or not text.replace(b"-", b"").isalnum() or not text.isascii():
+        raise error(
+            f"AWS VPC endpoint id must be non-empty [A-Za-z0-9-], got {text[:32]!r}",
+            reason="bad_tlv",
+        )
+    return text.decode("ascii")
+
+
+def _to_address(
+    value: InetAddress | UnixAddress | tuple[object, ...] | str | bytes,
+) -> InetAddress | UnixAddress:
+    if isinstance(value, (InetAddress, UnixAddress)):
+        return value
+    if isinstance(value, str):
+        return UnixAddress(value.encode())
+    if isinstance(value, bytes):
+        return UnixAddress(value)
+    if len(value) >= 2:
+        host, port = value[0], value[1]
+        if isinstance(host, str) and isinstance(port, int):
+            return InetAddress.parse(host.partition("%")[0], port)
+    raise LocalProtocolError(f"cannot make an address out of {value!r}")
+
+
+def _as_ipv6(address: InetAddress) -> InetAddress:
+    if isinstance(address.host, IPv4Address):
+        return InetAddress(IPv6Address(f"::ffff:{address.host}"), address.port)
+    return address
+
+
+_FAMILY_HOST_VERSION = {Family.INET: 4, Family.INET6: 6}
+
+
+def _validate_header(h: ProxyHeader) -> None:
+    if h.version not in (1, 2):
+        raise LocalProtocolError(f"version must be 1 or 2, got {h.version!r}")
+    if type(h.tlvs) is not tuple or not all(isinstance(t, TLV) for t in h.tlvs):
+        raise LocalProtocolError("tlvs must be a tuple of TLV")
+    if h.version == 1:
+        if h.command is not Command.PROXY:
+            raise LocalProtocolError("v1 headers only have the PROXY command")
+        if h.tlvs:
+            raise LocalProtocolError("v1 headers cannot carry TLVs")
+        if h.family is Family.UNIX:
+            raise LocalProtocolError("v1 headers cannot carry UNIX addresses")
+        if h.family is not Family.UNSPEC and h.transport is not Transport.STREAM:
+            raise LocalProtocolError("v1 headers only describe TCP (STREAM)")
+    if h.command is Command.LOCAL or h.family is Family.UNSPEC:
+        if h.command is Command.LOCAL and h.family is not Family.UNSPEC:
+            raise LocalProtocolError("LOCAL headers have family UNSPEC")
+        if h.transport is not Transport.UNSPEC:
+            raise LocalProtocolError("UNSPEC family goes with UNSPEC transport")
+        if h.source is not None or h.destination is not None:
+            raise LocalProtocolError(
+                "LOCAL and UNSPEC headers carry no addresses (source and "
+                "destination must be None)"
+            )
+        return
+    if h.transport is Transport.UNSPEC:
+        raise LocalProtocolError(
+            f"family {h.family.name} needs transport STREAM or DGRAM, not UNSPEC"
+        )
+    for role, address in (("source", h.source), ("destination", h.destination)):
+        if h.family is Family.UNIX:
+            if not isinstance(address, UnixAddress):
+                raise LocalProtocolError(f"UNIX family needs a UnixAddress {role}")
+        elif (
+            not isinstance(address, InetAddress)
+            or address.host.version != _FAMILY_HOST_VERSION[h.family]
+        ):
+            raise LocalProtocolError(
+                f"{h.family.name} family needs an InetAddress {role} with an "
+                f"IPv{_FAMILY_HOST_VERSION[h.family]} host, got {address!r}"
+            )

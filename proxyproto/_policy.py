@@ -1,0 +1,144 @@
+"""Trust policies: who may send a PROXY header, decided before any byte is read.
+
+The spec says a receiver must be configured to expect the header and must not
+guess; it also says to accept it only from known sources. A ``TrustPolicy``
+turns CIDR lists into a per-connection ``Policy`` from the peer address (the
+load balancer's) and, optionally, the local address the peer connected to
+(multi-homed listeners). Adapters and the tlsedge edge share it.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+
+from proxyproto._errors import LocalProtocolError
+
+__all__ = ["Policy", "TrustPolicy"]
+
+IPNetwork = IPv4Network | IPv6Network
+IPAddress = IPv4Address | IPv6Address
+
+
+class Policy(enum.Enum):
+    """What to do with one connection.
+
+    =========  ==========================  ==============================
+    policy     header                      client address reported
+    =========  ==========================  ==============================
+    REQUIRE    must be present and valid   from the header
+    IGNORE     must be present and valid   the real peer (TLVs still kept)
+    USE        read if present (guesses!)  from the header, else the peer
+    SKIP       not read; bytes pass raw    the real peer
+    REJECT     not read; close at once     (none)
+    =========  ==========================  ==============================
+
+    USE detects the header, which the spec forbids on ports untrusted clients
+    can reach; it exists for migrations behind a trusted network and is never
+    a default.
+    """
+
+    REQUIRE = "require"
+    IGNORE = "ignore"
+    USE = "use"
+    SKIP = "skip"
+    REJECT = "reject"
+
+
+def _network(value: str | IPNetwork | IPAddress) -> IPNetwork:
+    if isinstance(value, (IPv4Network, IPv6Network)):
+        return value
+    try:
+        return ipaddress.ip_network(value)
+    except ValueError as exc:
+        raise LocalProtocolError(f"not a CIDR or address: {value!r} ({exc})") from None
+
+
+def _address(value: str | IPAddress | tuple[object, ...]) -> IPAddress:
+    if isinstance(value, (IPv4Address, IPv6Address)):
+        address = value
+    else:
+        host = value[0] if isinstance(value, tuple) else value
+        if not isinstance(host, str):
+            raise LocalProtocolError(f"not an IP address: {value!r}")
+        address = ipaddress.ip_address(host.partition("%")[0])
+    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+@dataclass(frozen=True, slots=True)
+class TrustPolicy:
+    """Rules mapping peer (and local) addresses to a ``Policy``.
+
+    The first matching rule wins; ``default`` applies when none matches.
+    IPv4-mapped IPv6 peers (dual-stack sockets) match IPv4 rules.
+
+    Attributes:
+        rules: ``(peer networks, local networks or None for any, policy)``.
+        default: the policy for everyone else.
+    """
+
+    rules: tuple[
+        tuple[tuple[IPNetwork, ...], tuple[IPNetwork, ...] | None, Policy], ...
+    ]
+    default: Policy = Policy.REJECT
+
+    @classmethod
+    def from_cidrs(
+        cls,
+        trusted: Iterable[str | IPNetwork | IPAddress],
+        *,
+        trusted_policy: Policy = Policy.REQUIRE,
+        untrusted: Policy = Policy.REJECT,
+        local: Iterable[str | IPNetwork | IPAddress] | None = None,
+    ) -> TrustPolicy:
+        """Peers in *trusted* (connecting to *local*, if given) get
+        *trusted_policy*; everyone else gets *untrusted*.
+
+        ``TrustPolicy.from_cidrs(["10.0.0.0/8"])`` is the usual setup behind a
+        load balancer: its addresses must send a header, nobody else may
+        connect. ``untrusted=Policy.SKIP`` serves other peers directly.
+
+        Raises:
+            LocalProtocolError: an entry is not a CIDR or address.
+        """
+        peers = tuple(_network(n) for n in trusted)
+        locals_ = None if local is None else tuple(_network(n) for n in local)
+        return cls(rules=((peers, locals_, trusted_policy),), default=untrusted)
+
+    @classmethod
+    def everyone(cls, policy: Policy = Policy.REQUIRE) -> TrustPolicy:
+        """The same policy for every peer (e.g. a port only the LB can reach)."""
+        return cls(rules=(), default=policy)
+
+    def decide(
+        self,
+        peer: str | IPAddress | tuple[object, ...] | None,
+        local: str | IPAddress | tuple[object, ...] | None = None,
+    ) -> Policy:
+        """The policy for a connection from *peer* to *local*.
+
+        Addresses may be ``ipaddress`` objects, strings, or socket address
+        tuples. A peer that is not an IP address (a UNIX socket) matches no
+        CIDR rule and gets the default.
+        """
+        try:
+            peer_ip = None if peer is None else _address(peer)
+            local_ip = None if local is None else _address(local)
+        except (ValueError, LocalProtocolError):
+            return self.default
+        if peer_ip is None:
+            return self.default
+        for peers, locals_, policy in self.rules:
+            if not any(peer_ip in net for net in peers):
+                continue
+            if locals_ is not None and (
+                local_ip is None or not any(local_ip in net for net in locals_)
+            ):
+                continue
+            return policy
+        return self.default

@@ -1,0 +1,191 @@
+"""Validation of TLV values, shared by the parser and the TLV builders.
+
+Text TLVs (AUTHORITY, NETNS, the SSL sub-TLVs) are checked here before anyone
+can log or forward them: a header whose text is not the advertised encoding, or
+contains control characters, is refused (Envoy's CVE-2024-23324 is what happens
+otherwise). Custom (0xE0-0xEF), experimental and future types are opaque: they
+are kept raw, in wire order, duplicates included; the cloud vendors' custom
+types are checked by their accessors on ``ProxyHeader``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from proxyproto._errors import LocalProtocolError, RemoteProtocolError
+from proxyproto._events import (
+    MAX_AUTHORITY_LENGTH,
+    MAX_UNIQUE_ID_LENGTH,
+    TLV,
+    SSLClient,
+    SSLInfo,
+    TLVType,
+)
+
+ErrorType = type[LocalProtocolError] | type[RemoteProtocolError]
+
+_SSL_TEXT_FIELDS: dict[int, str] = {
+    TLVType.SSL_VERSION: "version",
+    TLVType.SSL_CIPHER: "cipher",
+    TLVType.SSL_SIG_ALG: "sig_alg",
+    TLVType.SSL_KEY_ALG: "key_alg",
+    TLVType.SSL_GROUP: "group",
+    TLVType.SSL_SIG_SCHEME: "sig_scheme",
+}
+_SSL_FIXED_LENGTH = 5  # u8 client + u32 verify, packed
+
+
+def _ascii_text(value: bytes, what: str, error: ErrorType) -> str:
+    if not value or not value.isascii():
+        raise error(
+            f"{what} must be non-empty ASCII, got {value[:32]!r}", reason="bad_tlv"
+        )
+    text = value.decode("ascii")
+    if not text.isprintable():
+        raise error(
+            f"{what} contains control characters: {value[:32]!r}", reason="bad_tlv"
+        )
+    return text
+
+
+def _utf8_text(value: bytes, what: str, error: ErrorType) -> str:
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise error(
+            f"{what} is not valid UTF-8: {value[:32]!r}", reason="bad_tlv"
+        ) from None
+    if not text or not text.isprintable():
+        raise error(
+            f"{what} must be non-empty printable text, got {value[:32]!r}",
+            reason="bad_tlv",
+        )
+    return text
+
+
+def _check_alpn(value: bytes, error: ErrorType) -> None:
+    if not 1 <= len(value) <= 255:
+        raise error(
+            f"ALPN TLV must be 1..255 bytes (RFC 7301), got {len(value)}",
+            reason="bad_tlv",
+        )
+
+
+def _check_authority(value: bytes, error: ErrorType) -> None:
+    if len(value) > MAX_AUTHORITY_LENGTH:
+        raise error(
+            f"AUTHORITY TLV is {len(value)} bytes; a host name has at most "
+            f"{MAX_AUTHORITY_LENGTH}",
+            reason="bad_tlv",
+        )
+    if " " in _utf8_text(value, "AUTHORITY TLV", error):
+        raise error(f"AUTHORITY TLV contains a space: {value[:32]!r}", reason="bad_tlv")
+
+
+def _check_crc32c(value: bytes, error: ErrorType) -> None:
+    if len(value) != 4:
+        raise error(f"CRC32C TLV must be 4 bytes, got {len(value)}", reason="bad_tlv")
+
+
+def _check_unique_id(value: bytes, error: ErrorType) -> None:
+    if len(value) > MAX_UNIQUE_ID_LENGTH:
+        raise error(
+            f"UNIQUE_ID TLV is {len(value)} bytes; the spec allows at most "
+            f"{MAX_UNIQUE_ID_LENGTH}",
+            reason="bad_tlv",
+        )
+
+
+def _check_netns(value: bytes, error: ErrorType) -> None:
+    _ascii_text(value, "NETNS TLV", error)
+
+
+def _check_ssl(value: bytes, error: ErrorType) -> None:
+    _walk_ssl(value, error)
+
+
+# The TLV types whose values are checked, by type. Others are opaque.
+TLV_CHECKS: dict[int, Callable[[bytes, ErrorType], None]] = {
+    TLVType.ALPN: _check_alpn,
+    TLVType.AUTHORITY: _check_authority,
+    TLVType.CRC32C: _check_crc32c,
+    TLVType.UNIQUE_ID: _check_unique_id,
+    TLVType.SSL: _check_ssl,
+    TLVType.NETNS: _check_netns,
+}
+
+
+def validate_tlv(tlv_type: int, value: bytes, error: ErrorType) -> None:
+    """Check one top-level TLV's value against what its type allows.
+
+    Raises:
+        LocalProtocolError | RemoteProtocolError: (*error*) the value is invalid.
+    """
+    check = TLV_CHECKS.get(tlv_type)
+    if check is not None:
+        check(value, error)
+
+
+def _walk_ssl(value: bytes, error: ErrorType) -> list[tuple[int, bytes, str | None]]:
+    """Walk and check the SSL TLV: ``(sub-type, value, text or None)`` each."""
+    if len(value) < _SSL_FIXED_LENGTH:
+        raise error(
+            f"SSL TLV must be at least 5 bytes (client + verify), got {len(value)}",
+            reason="bad_tlv",
+        )
+    subs = []
+    has_version = False
+    pos, end = _SSL_FIXED_LENGTH, len(value)
+    while pos < end:
+        if end - pos < 3:
+            raise error(
+                f"SSL sub-TLV header truncated: {end - pos} bytes left, need 3",
+                reason="bad_tlv",
+            )
+        sub_type = value[pos]
+        length = (value[pos + 1] << 8) | value[pos + 2]
+        stop = pos + 3 + length
+        if stop > end:
+            raise error(
+                f"SSL sub-TLV 0x{sub_type:02x} of length {length} overruns the SSL "
+                f"TLV by {stop - end} bytes",
+                reason="bad_tlv",
+            )
+        sub_value = value[pos + 3 : stop]
+        text = None
+        name = _SSL_TEXT_FIELDS.get(sub_type)
+        if name is not None:
+            text = _ascii_text(sub_value, f"SSL {name} sub-TLV", error)
+            has_version = has_version or sub_type == TLVType.SSL_VERSION
+        elif sub_type == TLVType.SSL_CN:
+            text = _utf8_text(sub_value, "SSL CN sub-TLV", error)
+        subs.append((sub_type, sub_value, text))
+        pos = stop
+    if value[0] & SSLClient.SSL and not has_version:
+        raise error(
+            "SSL TLV says the client used TLS but has no VERSION sub-TLV",
+            reason="bad_tlv",
+        )
+    return subs
+
+
+def decode_ssl(value: bytes, error: ErrorType) -> SSLInfo:
+    """Decode and validate the SSL TLV's value.
+
+    Raises:
+        LocalProtocolError | RemoteProtocolError: (*error*) the value is invalid.
+    """
+    fields: dict[str, str | bytes] = {}
+    tlvs = []
+    for sub_type, sub_value, text in _walk_ssl(value, error):
+        tlvs.append(TLV(sub_type, sub_value))
+        if text is not None:
+            fields.setdefault(_SSL_TEXT_FIELDS.get(sub_type, "cn"), text)
+        elif sub_type == TLVType.SSL_CLIENT_CERT:
+            fields.setdefault("client_cert", sub_value)
+    return SSLInfo(
+        client=SSLClient(value[0]),
+        verify=int.from_bytes(value[1:5], "big"),
+        tlvs=tuple(tlvs),
+        **fields,  # type: ignore[arg-type]
+    )

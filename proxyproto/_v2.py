@@ -1,0 +1,333 @@
+"""PROXY protocol v2 (binary): strict decoding and encoding.
+
+Layout: 12-byte signature, ver/cmd byte, family byte, u16 length, then
+``length`` bytes holding the address block and TLVs. The decoder slices the
+header out first (16 + length bytes) and never looks past it, so application
+data that arrived in the same read can never be mistaken for TLVs.
+"""
+
+from __future__ import annotations
+
+import struct
+from ipaddress import IPv4Address, IPv6Address
+
+from proxyproto._crc32c import crc32c
+from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
+from proxyproto._events import (
+    TLV,
+    UNIX_PATH_LENGTH,
+    Command,
+    Family,
+    InetAddress,
+    ProxyHeader,
+    TLVType,
+    Transport,
+    UnixAddress,
+)
+from proxyproto._options import V2_MAX_LENGTH_FIELD, Options
+from proxyproto._tlv import TLV_CHECKS, validate_tlv
+
+V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
+V2_FIXED_LENGTH = 16
+
+# The seven family/transport bytes the spec defines, with the size of their
+# address block. Anything else is refused (0x13 once crashed go-proxyproto).
+_FAMILY_BYTES: dict[int, tuple[Family, Transport, int]] = {
+    0x00: (Family.UNSPEC, Transport.UNSPEC, 0),
+    0x11: (Family.INET, Transport.STREAM, 12),  # the block size tells the family
+    0x12: (Family.INET, Transport.DGRAM, 12),
+    0x21: (Family.INET6, Transport.STREAM, 36),
+    0x22: (Family.INET6, Transport.DGRAM, 36),
+    0x31: (Family.UNIX, Transport.STREAM, 2 * UNIX_PATH_LENGTH),
+    0x32: (Family.UNIX, Transport.DGRAM, 2 * UNIX_PATH_LENGTH),
+}
+_FAMILY_LIST = " ".join(f"0x{b:02x}" for b in _FAMILY_BYTES)
+_BLOCK_SIZE = {(f, t): size for f, t, size in _FAMILY_BYTES.values()}
+_CRC32C = int(TLVType.CRC32C)
+_INET4 = struct.Struct("!IIHH")
+# (ver/cmd, family) byte pairs -> what they mean: one lookup validates both.
+_KINDS = {
+    bytes((0x20 | command, fam_byte)): (command, family, transport, block)
+    for command in Command
+    for fam_byte, (family, transport, block) in _FAMILY_BYTES.items()
+}
+_UNSPEC = (Family.UNSPEC, Transport.UNSPEC)
+
+_INET6_PORTS = struct.Struct("!HH")
+
+
+def _reject(msg: str, reason: str = "bad_v2") -> RemoteProtocolError:
+    return RemoteProtocolError(msg, reason=reason)
+
+
+# The decoder builds frozen dataclasses with object.__setattr__ instead of their
+# constructors, skipping validation it has already done on the wire bytes (h11
+# does the same with its _parsed flag). It halves the cost of a parse.
+_set = object.__setattr__
+
+
+def _unix_path(raw: bytes) -> UnixAddress:
+    # Regular paths end at the first NUL; abstract ones (leading NUL) can only
+    # lose their padding.
+    path = raw.rstrip(b"\x00") if raw[:1] == b"\x00" else raw.partition(b"\x00")[0]
+    return UnixAddress(path)
+
+
+def _reject_fixed_part(buf: bytes) -> None:
+    # Called when bytes 12-13 are not a known (ver/cmd, family) pair, or not
+    # both there yet: say precisely which byte is wrong.
+    if len(buf) > 12:
+        ver_cmd = buf[12]
+        if ver_cmd >> 4 != 2:
+            raise _reject(
+                f"bad v2 version nibble 0x{ver_cmd >> 4:x} in byte 0x{ver_cmd:02x}; "
+                f"expected 0x2",
+                reason="bad_version",
+            )
+        if ver_cmd & 0x0F > 1:
+            raise _reject(
+                f"bad v2 command 0x{ver_cmd & 0x0F:x}; expected 0x0 (LOCAL) or "
+                f"0x1 (PROXY)",
+                reason="bad_command",
+            )
+    if len(buf) > 13:
+        raise _reject(
+            f"bad v2 family byte 0x{buf[13]:02x}; expected one of {_FAMILY_LIST}",
+            reason="bad_family",
+        )
+
+
+def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
+    """Decode a v2 header at the start of *buf* (whose first 12 bytes are the
+    signature).
+
+    Returns:
+        ``(header, bytes consumed)``, or None while the header is incomplete.
+
+    Raises:
+        RemoteProtocolError: the bytes are not a valid v2 header.
+    """
+    kind = _KINDS.get(buf[12:14])
+    if kind is None:
+        _reject_fixed_part(buf)
+        return None
+    command, family, transport, block = kind
+    if len(buf) < V2_FIXED_LENGTH:
+        return None
+    length = (buf[14] << 8) | buf[15]
+    if length > options.max_v2_length:
+        raise _reject(
+            f"v2 header length {length} exceeds the limit of "
+            f"{options.max_v2_length} bytes",
+            reason="too_large",
+        )
+    total = V2_FIXED_LENGTH + length
+    if len(buf) < total:
+        return None
+    lazy = False
+    if command is Command.PROXY:
+        if length < block:
+            raise _reject(
+                f"v2 {family.name} address block needs {block} bytes but the "
+                f"header length is {length}",
+                reason="truncated_addresses",
+            )
+        if block:
+            lazy = True
+        elif not options.accept_unspec_proxy:
+            raise _reject(
+                "v2 PROXY command with UNSPEC family (no addresses); refused "
+                "unless accept_unspec_proxy=True",
+                reason="unspec_proxy",
+            )
+        tlv_start = V2_FIXED_LENGTH + block
+    else:
+        # LOCAL: the receiver must ignore the address block and its family but
+        # honour the length (AWS NLB health checks send dummy INET addresses).
+        family, transport = _UNSPEC
+        tlv_start = V2_FIXED_LENGTH + block if length >= block else total
+    tlvs: tuple[TLV, ...] = ()
+    if tlv_start < total:
+        tlvs = _decode_tlvs(buf, tlv_start, total, options)
+    header = object.__new__(ProxyHeader)
+    _set(header, "version", 2)
+    _set(header, "command", command)
+    _set(header, "family", family)
+    _set(header, "transport", transport)
+    _set(header, "tlvs", tlvs)
+    if lazy:
+        _set(header, "_wire", buf[:tlv_start])
+    else:
+        _set(header, "_wire", b"")
+        _set(header, "source", None)
+        _set(header, "destination", None)
+    return header, total
+
+
+def decode_v2_addresses(
+    wire: bytes,
+) -> tuple[InetAddress, InetAddress] | tuple[UnixAddress, UnixAddress]:
+    """Build the address objects of a parsed v2 header from its validated
+    fixed part and address block (called on first access)."""
+    fam = wire[13] >> 4
+    if fam == Family.INET:
+        src, dst, sport, dport = _INET4.unpack_from(wire, 16)
+        return InetAddress(IPv4Address(src), sport), InetAddress(
+            IPv4Address(dst), dport
+        )
+    if fam == Family.INET6:
+        sport, dport = _INET6_PORTS.unpack_from(wire, 48)
+        return (
+            InetAddress(IPv6Address(wire[16:32]), sport),
+            InetAddress(IPv6Address(wire[32:48]), dport),
+        )
+    return _unix_path(wire[16:124]), _unix_path(wire[124:232])
+
+
+def _decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV, ...]:
+    tlvs = []
+    crc_at = -1
+    while pos < end:
+        if end - pos < 3:
+            raise _reject(
+                f"truncated TLV header at offset {pos}: {end - pos} bytes left, need 3",
+                reason="bad_tlv",
+            )
+        tlv_type = buf[pos]
+        length = (buf[pos + 1] << 8) | buf[pos + 2]
+        stop = pos + 3 + length
+        if stop > end:
+            raise _reject(
+                f"TLV 0x{tlv_type:02x} at offset {pos} has length {length} and "
+                f"overruns the header by {stop - end} bytes",
+                reason="bad_tlv",
+            )
+        value = bytes(buf[pos + 3 : stop])
+        check = TLV_CHECKS.get(tlv_type)
+        if check is not None:
+            check(value, RemoteProtocolError)
+            if tlv_type == _CRC32C:
+                if crc_at >= 0:
+                    raise _reject("more than one CRC32C TLV", reason="bad_tlv")
+                crc_at = pos + 3
+        tlv = object.__new__(TLV)
+        _set(tlv, "type", tlv_type)
+        _set(tlv, "value", value)
+        tlvs.append(tlv)
+        pos = stop
+    if crc_at >= 0 and options.verify_crc32c:
+        _verify_crc32c(bytes(buf[:end]), crc_at)
+    return tuple(tlvs)
+
+
+def _verify_crc32c(header: bytes, at: int) -> None:
+    expected = int.from_bytes(header[at : at + 4], "big")
+    actual = crc32c(header[:at] + b"\x00\x00\x00\x00" + header[at + 4 :])
+    if actual != expected:
+        raise _reject(
+            f"CRC32C mismatch: header says 0x{expected:08x}, bytes give 0x{actual:08x}",
+            reason="crc32c_mismatch",
+        )
+
+
+def check_v2_prefix(buf: bytes) -> None:
+    """Reject a partial v2 signature at its first wrong byte.
+
+    Raises:
+        RemoteProtocolError: *buf* does not start like a v2 signature.
+    """
+    n = min(len(buf), len(V2_SIGNATURE))
+    if buf[:n] != V2_SIGNATURE[:n]:
+        raise _reject(
+            f"bad v2 signature: expected {V2_SIGNATURE!r}, got {quote(buf[:12])}",
+            reason="bad_signature",
+        )
+
+
+def _address_block(header: ProxyHeader) -> bytes:
+    src, dst = header.source, header.destination
+    if isinstance(src, InetAddress) and isinstance(dst, InetAddress):
+        return (
+            src.host.packed
+            + dst.host.packed
+            + src.port.to_bytes(2, "big")
+            + dst.port.to_bytes(2, "big")
+        )
+    if isinstance(src, UnixAddress) and isinstance(dst, UnixAddress):
+        return src.path.ljust(UNIX_PATH_LENGTH, b"\x00") + dst.path.ljust(
+            UNIX_PATH_LENGTH, b"\x00"
+        )
+    return b""
+
+
+def encode_v2(
+    header: ProxyHeader, *, crc32c: bool = False, pad_to: int | None = None
+) -> bytes:
+    """Serialise a version-2 header.
+
+    A CRC32C TLV already among the header's TLVs is always recomputed, so the
+    encoder never emits a wrong checksum.
+
+    Args:
+        header: a header with ``version == 2``.
+        crc32c: append a CRC32C TLV if the header has none.
+        pad_to: pad with a NOOP TLV so the whole header is this many bytes.
+
+    Raises:
+        LocalProtocolError: the header is not version 2, has several CRC32C
+            TLVs or a registered TLV with an invalid value, is too long for
+            the 16-bit length, or cannot be padded to *pad_to* (a NOOP TLV
+            takes at least 3 bytes).
+    """
+    if header.version != 2:
+        raise LocalProtocolError(
+            f"encode_v2 needs a version-2 header, got version {header.version}"
+        )
+    tlvs = list(header.tlvs)
+    crc_count = sum(1 for t in tlvs if t.type == TLVType.CRC32C)
+    if crc_count > 1:
+        raise LocalProtocolError("a header can carry only one CRC32C TLV")
+    if crc32c and not crc_count:
+        tlvs.append(TLV(TLVType.CRC32C, b"\x00\x00\x00\x00"))
+    parts = [_address_block(header)]
+    crc_at = -1
+    offset = V2_FIXED_LENGTH + len(parts[0])
+    for tlv in tlvs:
+        validate_tlv(tlv.type, tlv.value, LocalProtocolError)
+        parts.append(bytes((tlv.type, len(tlv.value) >> 8, len(tlv.value) & 0xFF)))
+        if tlv.type == TLVType.CRC32C:
+            crc_at = offset + 3
+            parts.append(b"\x00\x00\x00\x00")
+        else:
+            parts.append(tlv.value)
+        offset += 3 + len(tlv.value)
+    if pad_to is not None:
+        padding = pad_to - offset
+        if padding != 0:
+            if padding < 3:
+                raise LocalProtocolError(
+                    f"cannot pad a {offset}-byte header to {pad_to} bytes: a NOOP "
+                    f"TLV needs at least 3"
+                )
+            parts.append(
+                bytes((TLVType.NOOP, (padding - 3) >> 8, (padding - 3) & 0xFF))
+            )
+            parts.append(bytes(padding - 3))
+            offset = pad_to
+    length = offset - V2_FIXED_LENGTH
+    if length > V2_MAX_LENGTH_FIELD:
+        raise LocalProtocolError(
+            f"header body is {length} bytes; the length field holds at most 65535"
+        )
+    fam_byte = (header.family << 4) | header.transport
+    fixed = V2_SIGNATURE + bytes(
+        (0x20 | header.command, fam_byte, length >> 8, length & 0xFF)
+    )
+    wire = fixed + b"".join(parts)
+    if crc_at >= 0:
+        wire = wire[:crc_at] + crc32c_of(wire).to_bytes(4, "big") + wire[crc_at + 4 :]
+    return wire
+
+
+# encode_v2's keyword argument shadows the function name inside it.
+crc32c_of = crc32c
