@@ -213,6 +213,15 @@ def encode_v1(header: ProxyHeader) -> bytes:
     if not isinstance(src, InetAddress) or not isinstance(dst, InetAddress):
         return b"PROXY UNKNOWN\r\n"
     proto = "TCP4" if header.family is Family.INET else "TCP6"
-    return f"PROXY {proto} {src.host} {dst.host} {src.port} {dst.port}\r\n".encode(
-        "ascii"
-    )
+    return (
+        f"PROXY {proto} {_host_text(src.host)} {_host_text(dst.host)} "
+        f"{src.port} {dst.port}\r\n"
+    ).encode("ascii")
+
+
+def _host_text(host: IPv4Address | IPv6Address) -> str:
+    # IPv4-mapped addresses in dotted form (as HAProxy writes them), whatever
+    # the Python version: str() gives "::ffff:102:304" before 3.13.
+    if isinstance(host, IPv6Address) and host.ipv4_mapped is not None:
+        return f"::ffff:{host.ipv4_mapped}"
+    return str(host)

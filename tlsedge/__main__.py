@@ -1,0 +1,9 @@
+"""``python -m tlsedge`` is the ``tlsedge`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from tlsedge._cli import main
+
+sys.exit(main())

@@ -1,0 +1,175 @@
+"""The ``tlsedge`` command: run, check, demo.
+
+Signals while running: SIGTERM drains (stop accepting, let connections finish
+until ``drain_timeout``, exit 0); a second SIGTERM, or SIGINT, exits at once;
+SIGHUP reloads the configuration file (a bad new file is refused with a log
+line and the old configuration stays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from tlsedge._config import Config, ConfigError, ensure_supported, load_config
+from tlsedge._server import Edge
+from tlsedge._version import __version__
+
+__all__ = ["main"]
+
+LOGGER = logging.getLogger("tlsedge")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _load(path: str) -> Config:
+    config = load_config(path)
+    ensure_supported(config)
+    return config
+
+
+async def _handle_signals(edge: Edge, config_path: str | None) -> None:
+    with trio.open_signal_receiver(
+        signal.SIGTERM, signal.SIGINT, signal.SIGHUP
+    ) as signals:
+        async for signum in signals:
+            if signum == signal.SIGHUP:
+                if config_path is None:
+                    LOGGER.info("SIGHUP ignored: no configuration file to reload")
+                    continue
+                try:
+                    await edge.reload(_load(config_path))
+                except ConfigError as exc:
+                    LOGGER.error(
+                        "reload refused, keeping the running configuration: %s", exc
+                    )
+            elif signum == signal.SIGTERM and not edge.draining:
+                LOGGER.info("SIGTERM: draining (send it again, or SIGINT, to exit now)")
+                edge.drain()
+            else:
+                LOGGER.info(
+                    "%s: closing every connection now", signal.Signals(signum).name
+                )
+                edge.stop()
+
+
+async def run_edge(
+    edge: Edge,
+    config_path: str | None,
+    *,
+    task_status: trio.TaskStatus[Edge] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run *edge* with signal handling until it has drained.
+
+    Without a *config_path*, SIGHUP is not handled (nothing to reload from).
+    """
+    async with trio.open_nursery() as nursery:
+
+        async def run_then_stop(*, task_status: trio.TaskStatus[Edge]) -> None:
+            await edge.run(task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+        await nursery.start(run_then_stop)
+        nursery.start_soon(_handle_signals, edge, config_path)
+        task_status.started(edge)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    try:
+        config = _load(args.config)
+    except ConfigError as exc:
+        print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if config.edge.workers > 1 and not args.worker:
+        from tlsedge._workers import supervise
+
+        return supervise(
+            config, args.config, sys.argv[1:] if args.argv is None else args.argv
+        )
+    try:
+        trio.run(run_edge, Edge(config), args.config)
+    except ConfigError as exc:
+        LOGGER.error("cannot start: %s", exc)
+        return EXIT_CONFIG
+    return EXIT_OK
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    try:
+        config = _load(args.config)
+    except ConfigError as exc:
+        print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(
+        f"{args.config}: OK ({len(config.listeners)} listeners, "
+        f"{len(config.backends)} backends)"
+    )
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tlsedge._demo import run_demo
+
+    try:
+        trio.run(run_demo, args.host, args.port)
+    except ConfigError as exc:
+        print(f"tlsedge demo: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tlsedge",
+        description="A PROXY-protocol aware TCP edge (trio).",
+    )
+    parser.add_argument("--version", action="version", version=f"tlsedge {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level for stderr (default: info)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the edge described by CONFIG")
+    run.add_argument("config", help="TOML configuration file")
+    run.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    run.set_defaults(func=_cmd_run, argv=None)
+    check = sub.add_parser("check", help="validate CONFIG and exit (2 if invalid)")
+    check.add_argument("config", help="TOML configuration file")
+    check.set_defaults(func=_cmd_check)
+    demo = sub.add_parser(
+        "demo",
+        help="run an edge in front of a built-in backend that shows what it learned",
+    )
+    demo.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    demo.add_argument(
+        "--port", type=int, default=8443, help="first port (default 8443)"
+    )
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tlsedge`` and ``python -m tlsedge``."""
+    args = _parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    if getattr(args, "argv", "unset") is None:
+        args.argv = list(sys.argv[1:] if argv is None else argv)
+    result: int = args.func(args)
+    return result

@@ -1,0 +1,955 @@
+"""TOML configuration for tlsedge: the schema, the loader and the validator.
+
+Theory of operation
+-------------------
+The schema is a tree of frozen, slotted, keyword-only dataclasses (`Config` at the
+root).  Every dataclass field has exactly the name of its TOML key, and every
+default lives in one place: the dataclass.  The loader never repeats a default;
+when a key is absent it asks the dataclass field for it.
+
+Reading goes through `_Table`, a view of one TOML table that knows its dotted path
+(``listeners[0].tls``) and the dataclass it is read into.  Opening a `_Table`
+refuses keys that are not fields of that dataclass (with a did-you-mean hint).
+Each value then passes through a *converter*, a function ``(value, path) -> T``
+that checks the type and range and raises `ConfigError` naming the path.
+Converters are small and composable (`_array(_network)`, `_int_in(1, 64)`,
+`_section(HealthConfig, _health)`), so reading a key is one line and there is one
+place that decides what a duration or a port is.
+
+After the tree is built, `config_from_mapping` runs the checks that span tables:
+unique names, listeners naming existing backends, two sockets not bound to the
+same address.  Nothing here touches the network or the file system beyond reading
+the TOML file itself: host names are resolved and certificate files are opened by
+the layers that use them, so a configuration can be checked on another machine.
+
+Every failure, for any input, is a `ConfigError` (a `ValueError`) whose message
+starts with the dotted path of the offending value, then says what was expected
+and what was seen.  The CLI prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import ipaddress
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from ipaddress import IPv4Network, IPv6Network
+from pathlib import Path
+from typing import Any, Final, Literal, TypeAlias, TypeVar, cast, get_args
+
+__all__ = [
+    "Address",
+    "BackendConfig",
+    "BackendTlsConfig",
+    "CertificateConfig",
+    "Config",
+    "ConfigError",
+    "EdgeConfig",
+    "ForwardedConfig",
+    "HealthConfig",
+    "ListenerConfig",
+    "Network",
+    "ProxyProtocolConfig",
+    "ServerConfig",
+    "TlsConfig",
+    "config_from_mapping",
+    "ensure_supported",
+    "load_config",
+]
+
+Network: TypeAlias = IPv4Network | IPv6Network
+ListenerMode: TypeAlias = Literal["tcp", "http"]
+UntrustedAction: TypeAlias = Literal["reject", "direct"]
+TlsPolicy: TypeAlias = Literal[
+    "modern",
+    "intermediate",
+    "ELBSecurityPolicy-TLS13-1-2-2021-06",
+    "ELBSecurityPolicy-TLS-1-2-2017-01",
+    "ELBSecurityPolicy-2016-08",
+]
+ClientAuth: TypeAlias = Literal["none", "optional", "required"]
+Balance: TypeAlias = Literal[
+    "round-robin", "least-connections", "random-two", "source-ip"
+]
+SendProxy: TypeAlias = Literal["none", "v1", "v2"]
+ProxyTlv: TypeAlias = Literal["alpn", "authority", "ssl", "unique-id", "crc32c"]
+BackendProtocol: TypeAlias = Literal["tcp", "tls"]
+HealthKind: TypeAlias = Literal["tcp", "http"]
+
+LISTENER_MODES: Final[tuple[ListenerMode, ...]] = get_args(ListenerMode)
+UNTRUSTED_ACTIONS: Final[tuple[UntrustedAction, ...]] = get_args(UntrustedAction)
+TLS_POLICIES: Final[tuple[TlsPolicy, ...]] = get_args(TlsPolicy)
+CLIENT_AUTH_MODES: Final[tuple[ClientAuth, ...]] = get_args(ClientAuth)
+BALANCE_ALGORITHMS: Final[tuple[Balance, ...]] = get_args(Balance)
+SEND_PROXY_MODES: Final[tuple[SendProxy, ...]] = get_args(SendProxy)
+PROXY_TLVS: Final[tuple[ProxyTlv, ...]] = get_args(ProxyTlv)
+BACKEND_PROTOCOLS: Final[tuple[BackendProtocol, ...]] = get_args(BackendProtocol)
+HEALTH_KINDS: Final[tuple[HealthKind, ...]] = get_args(HealthKind)
+
+# The PROXY spec: "the receiver ... should wait at least 3 seconds" so that a lost
+# segment carrying the header can be retransmitted before we give up.
+MIN_PROXY_HEADER_TIMEOUT: Final = 3.0
+# More worker processes than this is a typo, not a deployment (one per core).
+MAX_WORKERS: Final = 64
+# HAProxy's server weights run 0..256; 0 ("drained") is not offered here.
+MAX_WEIGHT: Final = 256
+
+T = TypeVar("T")
+S = TypeVar("S", bound=str)
+Converter: TypeAlias = Callable[[object, str], T]
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid.
+
+    The message starts with the dotted path of the offending value
+    (``listeners[0].tls.policy: unknown policy 'x'; choose one of ...``), or with
+    the file name when the file cannot be read or is not valid TOML.
+    """
+
+
+# ---------------------------------------------------------------------------
+# The schema
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Address:
+    """A ``host:port`` pair: an IP address literal or a host name (resolved later).
+
+    IP literals are stored in their canonical form, so ``str()`` gives the same
+    text back for canonical input: ``"[::1]:80"``, ``"0.0.0.0:8443"``.
+    """
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str, *, min_port: int = 0) -> Address:
+        """Parse ``"0.0.0.0:8443"``, ``"[::1]:80"``, ``"localhost:80"`` and the like.
+
+        Args:
+            text: The address.
+            min_port: The lowest port accepted: 0 for binds (0 asks the kernel for
+                an ephemeral port), 1 for addresses we connect to.
+
+        Raises:
+            ValueError: The text is not an address; the message quotes it.
+        """
+        if text.startswith("["):
+            end = text.find("]")
+            if end < 0:
+                raise ValueError(f"missing ']' in {_show(text)}")
+            host, rest = text[1:end], text[end + 1 :]
+            try:
+                host = str(ipaddress.IPv6Address(host))
+            except ValueError:
+                raise ValueError(
+                    f"{_show(text)}: brackets hold an IPv6 address, got {_show(host)}"
+                ) from None
+            if not rest.startswith(":"):
+                raise ValueError(f"expected '[ipv6]:port', got {_show(text)}")
+            port_text = rest[1:]
+        else:
+            host, sep, port_text = text.rpartition(":")
+            if ":" in host:
+                raise ValueError(
+                    f"IPv6 addresses need brackets, as in '[::1]:80'; got {_show(text)}"
+                )
+            if not sep or not host or not port_text:
+                hint = " (use 0.0.0.0 or [::] for every address)" if sep else ""
+                raise ValueError(f"expected 'host:port', got {_show(text)}{hint}")
+            try:
+                host = str(ipaddress.IPv4Address(host))
+            except ValueError:
+                if not _is_hostname(host):
+                    raise ValueError(
+                        f"invalid host {_show(host)} in {_show(text)}: expected an IP "
+                        "address or a host name"
+                    ) from None
+        if not re.fullmatch(r"[0-9]{1,5}", port_text):
+            raise ValueError(f"invalid port {_show(port_text)} in {_show(text)}")
+        port = int(port_text)
+        if not min_port <= port <= 65535:
+            raise ValueError(
+                f"port {port} out of range {min_port}..65535 in {_show(text)}"
+            )
+        return cls(host=host, port=port)
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeConfig:
+    """Process-wide settings (the ``[edge]`` table)."""
+
+    workers: int = 1  # processes sharing the ports via SO_REUSEPORT
+    drain_timeout: float = 30.0  # after SIGTERM, before open connections are closed
+    max_connections: int = 10000
+    admin: Address | None = None  # /metrics, /healthz, /readyz, /status
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProxyProtocolConfig:
+    """Accepting a PROXY header from a load balancer in front (``proxy_protocol``)."""
+
+    versions: frozenset[int] = frozenset({1, 2})
+    trusted: tuple[Network, ...]  # peers that must send a header
+    untrusted: UntrustedAction = "reject"  # what to do with everybody else
+    timeout: float = 5.0  # the whole header must arrive within this
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CertificateConfig:
+    """One certificate chain and its private key (PEM files)."""
+
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TlsConfig:
+    """TLS termination on a listener (``[listeners.tls]``)."""
+
+    certificates: tuple[CertificateConfig, ...]  # several: chosen by SNI
+    policy: TlsPolicy = "intermediate"
+    alpn: tuple[str, ...] = ("http/1.1",)
+    client_auth: ClientAuth = "none"
+    client_ca: Path | None = None  # needed by client_auth "optional" / "required"
+    handshake_timeout: float = 10.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardedConfig:
+    """X-Forwarded-* and RFC 7239 ``Forwarded`` handling (http mode only)."""
+
+    x_forwarded_for: bool = True
+    x_forwarded_proto: bool = True
+    x_forwarded_port: bool = True
+    forwarded: bool = False
+    trusted_proxies: tuple[Network, ...] = ()  # client-sent headers kept from these
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListenerConfig:
+    """One listening socket (a ``[[listeners]]`` table)."""
+
+    name: str
+    bind: Address
+    mode: ListenerMode = "tcp"
+    backend: str
+    idle_timeout: float = 60.0
+    client_fin_timeout: float = 30.0  # how long a half-closed connection may linger
+    max_connections: int = 10000
+    proxy_protocol: ProxyProtocolConfig | None = None
+    tls: TlsConfig | None = None
+    forwarded: ForwardedConfig = field(default_factory=ForwardedConfig)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """One server of a backend."""
+
+    address: Address
+    weight: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackendTlsConfig:
+    """TLS from the edge to a backend's servers (``[backends.tls]``).
+
+    With no ``ca`` the system trust store is used.
+    """
+
+    ca: Path | None = None
+    verify: bool = True
+    sni: str | None = None
+    cert: Path | None = None  # client certificate, together with key
+    key: Path | None = None
+    alpn: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HealthConfig:
+    """Active health checks (``[backends.health]``); defaults are AWS CLB's."""
+
+    kind: HealthKind = "tcp"
+    path: str = "/healthz"  # with kind = "http"
+    interval: float = 10.0
+    timeout: float = 5.0
+    healthy_threshold: int = 2
+    unhealthy_threshold: int = 6
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackendConfig:
+    """A named group of servers (a ``[[backends]]`` table).
+
+    ``tls`` is never None when ``protocol == "tls"`` (an absent table means the
+    defaults); with ``protocol == "tcp"`` a ``[backends.tls]`` table is kept as
+    written but not used.
+    """
+
+    name: str
+    servers: tuple[ServerConfig, ...]
+    balance: Balance = "round-robin"
+    affinity_timeout: float = 10800.0  # with "source-ip": kube-proxy's ClientIP default
+    send_proxy: SendProxy = "none"
+    proxy_tlvs: tuple[ProxyTlv, ...] = PROXY_TLVS  # with send_proxy = "v2"
+    protocol: BackendProtocol = "tcp"
+    connect_timeout: float = 5.0
+    retries: int = 3  # connect retries; the last one goes to another server
+    server_fin_timeout: float = 30.0
+    tls: BackendTlsConfig | None = None
+    health: HealthConfig | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """The whole configuration file."""
+
+    edge: EdgeConfig = field(default_factory=EdgeConfig)
+    listeners: tuple[ListenerConfig, ...]
+    backends: tuple[BackendConfig, ...]
+
+    def backend(self, name: str) -> BackendConfig:
+        """Return the backend called *name* (``KeyError`` if there is none)."""
+        for backend in self.backends:
+            if backend.name == name:
+                return backend
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------
+# Error helpers
+# ---------------------------------------------------------------------------
+
+
+def _fail(path: str, message: str) -> ConfigError:
+    return ConfigError(f"{path or 'top level'}: {message}")
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """A short repr for messages (TOML spelling for booleans)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_KINDS: Final[tuple[tuple[type | tuple[type, ...], str], ...]] = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a float"),
+    (str, "a string"),
+    (Mapping, "a table"),
+    ((list, tuple), "an array"),
+    (datetime.datetime, "a date-time"),
+    (datetime.date, "a date"),
+    (datetime.time, "a time"),
+)
+
+
+def _describe(value: object) -> str:
+    """Name the TOML type of *value*, with the value itself when it is short."""
+    for kind, name in _KINDS:
+        if isinstance(value, kind):
+            if isinstance(value, Mapping | list | tuple):
+                return name
+            return f"{name} ({_show(value)})"
+    return f"a {type(value).__name__}"
+
+
+def _choices(options: Iterable[str]) -> str:
+    return ", ".join(repr(option) for option in options)
+
+
+def _suggest(word: str, options: list[str], noun: str) -> str:
+    matches = difflib.get_close_matches(word, options, n=1)
+    if matches:
+        return f" (did you mean {matches[0]!r}?)"
+    return f"; {noun}: {_choices(options)}" if options else ""
+
+
+# ---------------------------------------------------------------------------
+# Reading tables
+# ---------------------------------------------------------------------------
+
+
+class _Table:
+    """One TOML table being read into the dataclass *schema*."""
+
+    __slots__ = ("_data", "_fields", "path")
+
+    def __init__(self, value: object, path: str, schema: type[Any]) -> None:
+        if not isinstance(value, Mapping):
+            raise _fail(path, f"expected a table, got {_describe(value)}")
+        self._fields = {spec.name: spec for spec in dataclasses.fields(schema)}
+        known = list(self._fields)
+        for key in value:
+            if not isinstance(key, str):
+                raise _fail(path, f"keys must be strings, got {_describe(key)}")
+            if key not in self._fields:
+                hint = _suggest(key, known, "known keys")
+                raise _fail(path, f"unknown key {_show(key)}{hint}")
+        self._data: Mapping[str, object] = value
+        self.path = path
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._data
+
+    def sub(self, key: str) -> str:
+        """The dotted path of *key* in this table."""
+        return f"{self.path}.{key}" if self.path else key
+
+    def get(self, key: str, convert: Converter[T]) -> T:
+        """Convert *key*, or return the schema's default; required keys must exist."""
+        if key in self._data:
+            return convert(self._data[key], self.sub(key))
+        spec = self._fields[key]
+        if spec.default is not dataclasses.MISSING:
+            return cast("T", spec.default)
+        if spec.default_factory is not dataclasses.MISSING:
+            return cast("T", spec.default_factory())
+        raise _fail(self.path, f"missing required key {key!r}")
+
+    def opt(self, key: str, convert: Converter[T]) -> T | None:
+        """Convert *key* if present; None if absent."""
+        return convert(self._data[key], self.sub(key)) if key in self._data else None
+
+
+def _section(schema: type[Any], build: Callable[[_Table], T]) -> Converter[T]:
+    """A converter for a sub-table read into *schema* by *build*."""
+
+    def convert(value: object, path: str) -> T:
+        return build(_Table(value, path, schema))
+
+    return convert
+
+
+# ---------------------------------------------------------------------------
+# Converters: (value, dotted path) -> checked value
+# ---------------------------------------------------------------------------
+
+
+def _seconds(minimum: float = 0.0, why: str = "") -> Converter[float]:
+    """A finite duration in seconds: > 0, or >= *minimum* when that is given."""
+
+    def convert(value: object, path: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _fail(path, f"expected a number of seconds, got {_describe(value)}")
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer too big for a float
+            seconds = math.inf
+        if not math.isfinite(seconds):
+            raise _fail(path, f"expected a finite duration, got {_show(value)}")
+        if minimum > 0 and seconds < minimum:
+            raise _fail(path, f"must be at least {minimum:g} s, got {seconds:g}{why}")
+        if seconds <= 0:
+            raise _fail(path, f"must be greater than 0 s, got {seconds:g}")
+        return seconds
+
+    return convert
+
+
+_DURATION: Final = _seconds()
+
+
+def _int_in(low: int, high: int | None = None) -> Converter[int]:
+    """An integer (not a boolean, not a float) in ``low..high``."""
+
+    def convert(value: object, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(path, f"expected an integer, got {_describe(value)}")
+        if value < low or (high is not None and value > high):
+            wanted = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise _fail(path, f"must be {wanted}, got {_show(value)}")
+        return int(value)
+
+    return convert
+
+
+def _bool(value: object, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(path, f"expected true or false, got {_describe(value)}")
+    return value
+
+
+def _string(value: object, path: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(path, f"expected a string, got {_describe(value)}")
+    return str(value)
+
+
+def _name(value: object, path: str) -> str:
+    text = _string(value, path)
+    if not text or not text.isprintable():
+        raise _fail(path, f"expected a non-empty printable name, got {_show(text)}")
+    return text
+
+
+def _one_of(options: tuple[S, ...], noun: str = "") -> Converter[S]:
+    """One of the strings *options*; *noun* (default: the key) names it in errors."""
+
+    def convert(value: object, path: str) -> S:
+        if not isinstance(value, str):
+            raise _fail(
+                path, f"expected one of {_choices(options)}, got {_describe(value)}"
+            )
+        for option in options:
+            if value == option:
+                return option
+        raise _fail(
+            path,
+            f"unknown {noun or path.rpartition('.')[2]} {_show(value)}; "
+            f"choose one of {_choices(options)}",
+        )
+
+    return convert
+
+
+def _address(min_port: int) -> Converter[Address]:
+    def convert(value: object, path: str) -> Address:
+        if not isinstance(value, str):
+            raise _fail(path, f"expected 'host:port', got {_describe(value)}")
+        try:
+            return Address.parse(value, min_port=min_port)
+        except ValueError as exc:
+            raise _fail(path, str(exc)) from None
+
+    return convert
+
+
+_BIND: Final = _address(0)  # 0 = ephemeral port
+_REMOTE: Final = _address(1)
+
+
+def _network(value: object, path: str) -> Network:
+    """A CIDR network or a single address; host bits must be clear."""
+    if not isinstance(value, str):
+        raise _fail(path, f"expected a CIDR like '10.0.0.0/8', got {_describe(value)}")
+    try:
+        return ipaddress.ip_network(value)
+    except ValueError:
+        pass
+    try:
+        loose = ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise _fail(
+            path,
+            f"expected an IP address or a CIDR like '10.0.0.0/8', got {_show(value)}",
+        ) from None
+    raise _fail(path, f"{_show(value)} has host bits set; did you mean '{loose}'?")
+
+
+def _file(base_dir: Path) -> Converter[Path]:
+    """A file path; relative paths are relative to the configuration's folder."""
+
+    def convert(value: object, path: str) -> Path:
+        text = _string(value, path)
+        if not text or "\0" in text:
+            raise _fail(path, f"expected a file path, got {_show(text)}")
+        return base_dir / text
+
+    return convert
+
+
+def _alpn_id(value: object, path: str) -> str:
+    """An ALPN protocol ID: 1..255 printable ASCII characters (as ssl wants)."""
+    text = _string(value, path)
+    if not 1 <= len(text) <= 255 or not (text.isascii() and text.isprintable()):
+        raise _fail(
+            path, f"expected an ALPN protocol name such as 'h2', got {_show(text)}"
+        )
+    return text
+
+
+def _hostname(value: object, path: str) -> str:
+    text = _string(value, path)
+    if not _is_hostname(text):
+        raise _fail(path, f"expected a DNS host name, got {_show(text)}")
+    return text
+
+
+def _http_path(value: object, path: str) -> str:
+    text = _string(value, path)
+    if not text.startswith("/") or not text.isprintable() or " " in text:
+        raise _fail(
+            path, f"expected a request path starting with '/', got {_show(text)}"
+        )
+    return text
+
+
+def _array(
+    item: Converter[T],
+    *,
+    unique: bool = False,
+    empty_error: str = "",
+    expected: str = "an array",
+) -> Converter[tuple[T, ...]]:
+    """An array whose items pass *item*; *empty_error* refuses an empty one."""
+
+    def convert(value: object, path: str) -> tuple[T, ...]:
+        if not isinstance(value, list | tuple):
+            raise _fail(path, f"expected {expected}, got {_describe(value)}")
+        if empty_error and not value:
+            raise _fail(path, empty_error)
+        items: list[T] = []
+        for index, raw in enumerate(value):
+            converted = item(raw, f"{path}[{index}]")
+            if unique and converted in items:
+                raise _fail(f"{path}[{index}]", f"duplicate entry {_show(raw)}")
+            items.append(converted)
+        return tuple(items)
+
+    return convert
+
+
+_LABEL: Final = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def _is_hostname(text: str) -> bool:
+    """RFC 1123 host names (underscores allowed, as container names use them)."""
+    name = text.removesuffix(".")
+    labels = name.split(".")
+    return (
+        0 < len(name) <= 253
+        and all(_LABEL.fullmatch(label) for label in labels)
+        and not labels[-1].isdigit()  # "10.0.0.300" is a bad address, not a name
+    )
+
+
+# ---------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------
+
+
+def _edge(t: _Table) -> EdgeConfig:
+    return EdgeConfig(
+        workers=t.get("workers", _int_in(1, MAX_WORKERS)),
+        drain_timeout=t.get("drain_timeout", _DURATION),
+        max_connections=t.get("max_connections", _int_in(1)),
+        admin=t.opt("admin", _BIND),
+    )
+
+
+def _versions(value: object, path: str) -> frozenset[int]:
+    versions = _array(_int_in(1, 2), unique=True, empty_error="list 1, 2, or both")
+    return frozenset(versions(value, path))
+
+
+_TRUSTED_EMPTY: Final = (
+    "empty, so no peer may send a PROXY header; list the addresses of the load "
+    'balancers in front (e.g. ["10.0.0.0/8"]) or remove [listeners.proxy_protocol]'
+)
+_SPEC_TIMEOUT: Final = (
+    "; the PROXY spec asks for at least 3 s to cover a TCP retransmit"
+)
+
+
+def _proxy_protocol(t: _Table) -> ProxyProtocolConfig:
+    return ProxyProtocolConfig(
+        versions=t.get("versions", _versions),
+        trusted=t.get("trusted", _array(_network, empty_error=_TRUSTED_EMPTY)),
+        untrusted=t.get("untrusted", _one_of(UNTRUSTED_ACTIONS)),
+        timeout=t.get("timeout", _seconds(MIN_PROXY_HEADER_TIMEOUT, _SPEC_TIMEOUT)),
+    )
+
+
+def _certificate(t: _Table, base_dir: Path) -> CertificateConfig:
+    return CertificateConfig(
+        cert=t.get("cert", _file(base_dir)), key=t.get("key", _file(base_dir))
+    )
+
+
+def _tls(t: _Table, base_dir: Path) -> TlsConfig:
+    certificate = _section(CertificateConfig, partial(_certificate, base_dir=base_dir))
+    tls = TlsConfig(
+        certificates=t.get(
+            "certificates",
+            _array(
+                certificate,
+                empty_error='empty; list at least one { cert = "...", key = "..." }',
+            ),
+        ),
+        policy=t.get("policy", _one_of(TLS_POLICIES)),
+        alpn=t.get("alpn", _array(_alpn_id, unique=True)),
+        client_auth=t.get("client_auth", _one_of(CLIENT_AUTH_MODES)),
+        client_ca=t.opt("client_ca", _file(base_dir)),
+        handshake_timeout=t.get("handshake_timeout", _DURATION),
+    )
+    if tls.client_auth != "none" and tls.client_ca is None:
+        raise _fail(
+            t.sub("client_auth"),
+            f"{tls.client_auth!r} needs client_ca, the CA file that signs the "
+            "client certificates",
+        )
+    return tls
+
+
+def _forwarded(t: _Table) -> ForwardedConfig:
+    return ForwardedConfig(
+        x_forwarded_for=t.get("x_forwarded_for", _bool),
+        x_forwarded_proto=t.get("x_forwarded_proto", _bool),
+        x_forwarded_port=t.get("x_forwarded_port", _bool),
+        forwarded=t.get("forwarded", _bool),
+        trusted_proxies=t.get("trusted_proxies", _array(_network)),
+    )
+
+
+def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
+    mode = t.get("mode", _one_of(LISTENER_MODES))
+    if mode != "http" and "forwarded" in t:
+        raise _fail(
+            t.sub("forwarded"),
+            'only applies with mode = "http" (a TCP relay does not read HTTP '
+            'headers); remove the table or set mode = "http"',
+        )
+    return ListenerConfig(
+        name=t.get("name", _name),
+        bind=t.get("bind", _BIND),
+        mode=mode,
+        backend=t.get("backend", _name),
+        idle_timeout=t.get("idle_timeout", _DURATION),
+        client_fin_timeout=t.get("client_fin_timeout", _DURATION),
+        max_connections=t.get("max_connections", _int_in(1)),
+        proxy_protocol=t.opt(
+            "proxy_protocol", _section(ProxyProtocolConfig, _proxy_protocol)
+        ),
+        tls=t.opt("tls", _section(TlsConfig, partial(_tls, base_dir=base_dir))),
+        forwarded=t.get("forwarded", _section(ForwardedConfig, _forwarded)),
+    )
+
+
+def _server(value: object, path: str) -> ServerConfig:
+    """``"host:port"`` or ``{ address = "host:port", weight = 2 }``."""
+    if isinstance(value, str):
+        return ServerConfig(address=_REMOTE(value, path))
+    if isinstance(value, Mapping):
+        t = _Table(value, path, ServerConfig)
+        return ServerConfig(
+            address=t.get("address", _REMOTE),
+            weight=t.get("weight", _int_in(1, MAX_WEIGHT)),
+        )
+    raise _fail(
+        path,
+        "expected 'host:port' or { address = \"host:port\", weight = 1 }, "
+        f"got {_describe(value)}",
+    )
+
+
+def _servers(value: object, path: str) -> tuple[ServerConfig, ...]:
+    servers = _array(_server, empty_error="a backend needs at least one server")
+    result = servers(value, path)
+    seen: dict[Address, int] = {}
+    for index, server in enumerate(result):
+        first = seen.setdefault(server.address, index)
+        if first != index:
+            raise _fail(
+                f"{path}[{index}]",
+                f"duplicate server {server.address} (also {path}[{first}]); "
+                "use weight to give a server more traffic",
+            )
+    return result
+
+
+def _backend_tls(t: _Table, base_dir: Path) -> BackendTlsConfig:
+    tls = BackendTlsConfig(
+        ca=t.opt("ca", _file(base_dir)),
+        verify=t.get("verify", _bool),
+        sni=t.opt("sni", _hostname),
+        cert=t.opt("cert", _file(base_dir)),
+        key=t.opt("key", _file(base_dir)),
+        alpn=t.get("alpn", _array(_alpn_id, unique=True)),
+    )
+    if (tls.cert is None) != (tls.key is None):
+        raise _fail(t.path, "cert and key go together: set both or neither")
+    return tls
+
+
+def _health(t: _Table) -> HealthConfig:
+    health = HealthConfig(
+        kind=t.get("kind", _one_of(HEALTH_KINDS)),
+        path=t.get("path", _http_path),
+        interval=t.get("interval", _DURATION),
+        timeout=t.get("timeout", _DURATION),
+        healthy_threshold=t.get("healthy_threshold", _int_in(1)),
+        unhealthy_threshold=t.get("unhealthy_threshold", _int_in(1)),
+    )
+    if health.timeout > health.interval:
+        raise _fail(
+            t.sub("timeout"),
+            f"must not exceed interval ({health.interval:g} s), got {health.timeout:g}",
+        )
+    return health
+
+
+def _backend(t: _Table, base_dir: Path) -> BackendConfig:
+    protocol = t.get("protocol", _one_of(BACKEND_PROTOCOLS))
+    build_tls = partial(_backend_tls, base_dir=base_dir)
+    tls = t.opt("tls", _section(BackendTlsConfig, build_tls))
+    if protocol == "tls" and tls is None:
+        tls = BackendTlsConfig()  # system trust store, verification on
+    return BackendConfig(
+        name=t.get("name", _name),
+        servers=t.get("servers", _servers),
+        balance=t.get("balance", _one_of(BALANCE_ALGORITHMS)),
+        affinity_timeout=t.get("affinity_timeout", _DURATION),
+        send_proxy=t.get("send_proxy", _one_of(SEND_PROXY_MODES)),
+        proxy_tlvs=t.get("proxy_tlvs", _array(_one_of(PROXY_TLVS, "TLV"), unique=True)),
+        protocol=protocol,
+        connect_timeout=t.get("connect_timeout", _DURATION),
+        retries=t.get("retries", _int_in(0)),
+        server_fin_timeout=t.get("server_fin_timeout", _DURATION),
+        tls=tls,
+        health=t.opt("health", _section(HealthConfig, _health)),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Checks across tables
+# ---------------------------------------------------------------------------
+
+
+def _check_unique_names(kind: str, names: list[str]) -> None:
+    seen: dict[str, int] = {}
+    for index, name in enumerate(names):
+        if name in seen:
+            raise _fail(
+                f"{kind}s[{index}].name",
+                f"duplicate {kind} name {name!r} (also {kind}s[{seen[name]}])",
+            )
+        seen[name] = index
+
+
+def _family(host: str) -> int | None:
+    try:
+        return ipaddress.ip_address(host).version
+    except ValueError:
+        return None  # a host name: its family is known only once resolved
+
+
+def _same_socket(a: Address, b: Address) -> bool:
+    """Would binding *a* and *b* collide?  Port 0 never does.
+
+    A wildcard collides with every address of its family.  "0.0.0.0" and "::"
+    do not collide: trio sets IPV6_V6ONLY on IPv6 listeners.
+    """
+    if a.port != b.port or a.port == 0:
+        return False
+    if a.host.lower() == b.host.lower():
+        return True
+    family = _family(a.host)
+    if family is None or family != _family(b.host):
+        return False
+    return a.host in {"0.0.0.0", "::"} or b.host in {"0.0.0.0", "::"}
+
+
+def _check_binds(config: Config) -> None:
+    binds = [(f"listeners[{i}].bind", x.bind) for i, x in enumerate(config.listeners)]
+    if config.edge.admin is not None:
+        binds.append(("edge.admin", config.edge.admin))
+    for index, (path, address) in enumerate(binds):
+        for other_path, other in binds[:index]:
+            if _same_socket(address, other):
+                raise _fail(path, f"{address} collides with {other} of {other_path}")
+
+
+def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path) -> Config:
+    """Validate parsed TOML (or any mapping of the same shape) into a `Config`.
+
+    Args:
+        data: The document, as `tomllib` returns it.
+        base_dir: Relative file paths (certificates, CAs) are relative to this,
+            normally the folder holding the configuration file.
+
+    Raises:
+        ConfigError: Anything is wrong; the message starts with the dotted path.
+    """
+    t = _Table(data, "", Config)
+    listener = _section(ListenerConfig, partial(_listener, base_dir=base_dir))
+    backend = _section(BackendConfig, partial(_backend, base_dir=base_dir))
+    config = Config(
+        edge=t.get("edge", _section(EdgeConfig, _edge)),
+        listeners=t.get(
+            "listeners",
+            _array(
+                listener,
+                expected="an array of tables ([[listeners]])",
+                empty_error="at least one [[listeners]] table is required",
+            ),
+        ),
+        backends=t.get(
+            "backends",
+            _array(backend, expected="an array of tables ([[backends]])"),
+        ),
+    )
+    _check_unique_names("listener", [lst.name for lst in config.listeners])
+    _check_unique_names("backend", [b.name for b in config.backends])
+    backend_names = [b.name for b in config.backends]
+    for index, lst in enumerate(config.listeners):
+        if lst.backend not in backend_names:
+            hint = _suggest(lst.backend, backend_names, "defined backends")
+            raise _fail(
+                f"listeners[{index}].backend", f"no backend named {lst.backend!r}{hint}"
+            )
+    _check_binds(config)
+    return config
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a TOML configuration file.
+
+    Relative paths inside it are resolved against the file's folder.
+
+    Raises:
+        ConfigError: The file cannot be read, is not TOML (the message starts with
+            the file name), or is not a valid configuration (it starts with the
+            dotted path).
+    """
+    file = Path(path)
+    try:
+        with file.open("rb") as stream:
+            data = tomllib.load(stream)
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{file}: invalid TOML: not UTF-8 ({exc.reason})") from None
+    return config_from_mapping(data, base_dir=file.absolute().parent)
+
+
+def ensure_supported(config: Config) -> None:
+    """Refuse features whose implementation has not landed yet.
+
+    Raises:
+        ConfigError: The configuration uses TLS termination, HTTP mode or TLS to
+            backends.
+    """
+    for index, lst in enumerate(config.listeners):
+        if lst.tls is not None:
+            raise _fail(
+                f"listeners[{index}].tls", "TLS termination is not supported yet"
+            )
+        if lst.mode == "http":
+            raise _fail(
+                f"listeners[{index}].mode",
+                'HTTP mode is not supported yet; use mode = "tcp"',
+            )
+    for index, backend in enumerate(config.backends):
+        if backend.protocol == "tls":
+            raise _fail(
+                f"backends[{index}].protocol",
+                'TLS to backends is not supported yet; use protocol = "tcp"',
+            )

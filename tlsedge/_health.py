@@ -1,0 +1,594 @@
+"""Backend health: active checks (trio) and passive marking from real traffic.
+
+Theory of operation
+-------------------
+Each server has a `HealthState` (pure bookkeeping) next to its `Server` (the state
+the balancer reads). Results flow in from two places and both count as
+*consecutive* results:
+
+- Active checks: `run_health_checks` probes the server every ``interval`` seconds
+  (a TCP connect, or an HTTP GET whose status line must be 2xx/3xx) and records
+  a pass or a failure.
+- Passive results: the relay reports every upstream connect. A failed connect
+  counts as a failure toward ``unhealthy_threshold``; a successful one resets the
+  consecutive failure count.
+
+A server starts healthy, so traffic flows at startup and with no checks at all.
+The first active check result then decides the initial state outright
+(`HealthState.record_first_check`; HAProxy's ``init-state up``): a backend that
+refuses the very first probe should not receive traffic for another
+``unhealthy_threshold * interval`` seconds (a minute with AWS defaults).
+After that, a healthy server goes down after ``unhealthy_threshold``
+consecutive failures, and a down server comes back after ``healthy_threshold``
+consecutive active passes.
+
+Without active checks nothing would ever bring a passively marked server back, so
+then it is down for `PASSIVE_DOWN_TIME` (Envoy's base ejection time) and the
+balancer offers it traffic again afterwards (`Server.down_until`, a half-open
+trial): the first successful connect brings it back, the next failed one ejects it
+for another cool-down. `run_health_checks` switches its `HealthState` to active
+mode while it runs and back to passive mode when it stops (on reload), so a
+server never stays down with nobody to bring it back.
+
+Every change of ``HealthState`` goes through a helper here that copies it to the
+`Server` and logs UP/DOWN transitions at WARNING on ``tlsedge.health``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import logging
+import re
+import socket
+import time
+from collections.abc import Callable
+from typing import Final, NamedTuple, NoReturn
+
+import trio
+
+from tlsedge._balancer import Server
+
+__all__ = [
+    "DEFAULT_HEALTHY_THRESHOLD",
+    "DEFAULT_INTERVAL",
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_UNHEALTHY_THRESHOLD",
+    "HEALTH_CHECK_KINDS",
+    "HISTORY_LENGTH",
+    "MAX_STATUS_LINE",
+    "PASSIVE_DOWN_TIME",
+    "CheckResult",
+    "HealthState",
+    "ServerHealth",
+    "run_health_checks",
+]
+
+LOGGER = logging.getLogger("tlsedge.health")
+
+# Defaults are the AWS Classic Load Balancer health-check defaults (the seeds'
+# `aws-load-balancer-healthcheck-*` annotations): interval 10 s, timeout 5 s,
+# healthy threshold 2, unhealthy threshold 6.
+DEFAULT_INTERVAL: Final = 10.0
+DEFAULT_TIMEOUT: Final = 5.0
+DEFAULT_HEALTHY_THRESHOLD: Final = 2
+DEFAULT_UNHEALTHY_THRESHOLD: Final = 6
+
+#: How long a server marked down by failed real traffic stays out when no active
+#: check runs: Envoy outlier detection's ``base_ejection_time`` default (30 s).
+PASSIVE_DOWN_TIME: Final = 30.0
+
+#: Results kept per server for the status page.
+HISTORY_LENGTH: Final = 10
+
+#: Bytes read at most while waiting for an HTTP check's status line. A status
+#: line is ~20 bytes; 4 KiB leaves room for odd servers without letting a
+#: misbehaving one make us buffer much.
+MAX_STATUS_LINE: Final = 4096
+
+#: The ``kind`` values of ``[backends.health]``.
+HEALTH_CHECK_KINDS: Final = ("tcp", "http")
+
+_USER_AGENT: Final = "tlsedge-health"
+
+# "HTTP/1.x NNN" then a space (reason phrase) or the end of the line.
+_STATUS_LINE: Final = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?:[ \t][^\r\n]*)?\r?\n")
+
+# Characters that would let a config value inject headers into the check request.
+_FORBIDDEN_IN_REQUEST: Final = re.compile(r"[\x00-\x20\x7f]")
+
+
+class CheckResult(NamedTuple):
+    """One entry of `HealthState.history`."""
+
+    #: Caller-supplied timestamp.
+    time: float
+    #: Whether it counted as a pass.
+    ok: bool
+    #: What happened ("HTTP 200", "connection refused", "timeout after 5 s").
+    detail: str
+    #: "check" for active checks, "traffic" for real connections.
+    source: str
+
+
+class HealthState:
+    """Consecutive-result bookkeeping for one server. Pure: no I/O, no clock.
+
+    Callers pass the current time (the same monotonic clock the `Balancer`
+    uses) to every ``record_*`` method; each returns whether the server's
+    healthy/down state changed.
+
+    Args:
+        healthy_threshold: Consecutive active passes that bring a down server up.
+        unhealthy_threshold: Consecutive failures (active or from traffic) that
+            take a healthy server down.
+        active_checks: Whether an active checker runs for this server.
+            `run_health_checks` sets this itself while it runs.
+        passive_down_time: Cool-down before a passively marked server gets trial
+            traffic, when no active checks run.
+
+    Attributes:
+        healthy: Current state; starts True so traffic flows at startup.
+        successes: Consecutive active passes.
+        failures: Consecutive failures.
+        down_until: When a passive-mode down server may get trial traffic (copied
+            to `Server.down_until`); None while healthy or in active mode.
+        history: The last `HISTORY_LENGTH` active results and traffic failures
+            (successful real connections are too frequent to be worth keeping).
+
+    Raises:
+        ValueError: a threshold below 1 or a negative passive_down_time.
+    """
+
+    __slots__ = (
+        "active_checks",
+        "down_until",
+        "failures",
+        "healthy",
+        "healthy_threshold",
+        "history",
+        "passive_down_time",
+        "successes",
+        "unhealthy_threshold",
+    )
+
+    def __init__(
+        self,
+        *,
+        healthy_threshold: int = DEFAULT_HEALTHY_THRESHOLD,
+        unhealthy_threshold: int = DEFAULT_UNHEALTHY_THRESHOLD,
+        active_checks: bool = False,
+        passive_down_time: float = PASSIVE_DOWN_TIME,
+    ) -> None:
+        """Create a healthy state; see the class docstring for the arguments."""
+        if healthy_threshold < 1 or unhealthy_threshold < 1:
+            raise ValueError(
+                "thresholds must be at least 1, got "
+                f"healthy={healthy_threshold} unhealthy={unhealthy_threshold}"
+            )
+        if passive_down_time < 0:
+            raise ValueError(f"passive_down_time must be >= 0: {passive_down_time}")
+        self.healthy_threshold = healthy_threshold
+        self.unhealthy_threshold = unhealthy_threshold
+        self.active_checks = active_checks
+        self.passive_down_time = passive_down_time
+        self.healthy = True
+        self.successes = 0
+        self.failures = 0
+        self.down_until: float | None = None
+        self.history: collections.deque[CheckResult] = collections.deque(
+            maxlen=HISTORY_LENGTH
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"HealthState(healthy={self.healthy}, successes={self.successes}, "
+            f"failures={self.failures}, down_until={self.down_until})"
+        )
+
+    @property
+    def last_detail(self) -> str:
+        """The detail of the most recent recorded result ("" if none)."""
+        return self.history[-1].detail if self.history else ""
+
+    def is_available(self, now: float) -> bool:
+        """Whether the balancer may use the server at ``now`` (healthy or trial)."""
+        return self.healthy or (self.down_until is not None and now >= self.down_until)
+
+    def record_success(self, now: float, detail: str = "ok") -> bool:
+        """Record a passed active check.
+
+        Returns:
+            True if this brought the server up.
+        """
+        self.history.append(CheckResult(now, True, detail, "check"))
+        self.failures = 0
+        self.successes += 1
+        if not self.healthy and self.successes >= self.healthy_threshold:
+            self._mark_up()
+            return True
+        return False
+
+    def record_failure(self, now: float, detail: str) -> bool:
+        """Record a failed active check.
+
+        Returns:
+            True if this took the server down.
+        """
+        self.history.append(CheckResult(now, False, detail, "check"))
+        self.successes = 0
+        self.failures += 1
+        if self.healthy and self.failures >= self.unhealthy_threshold:
+            self._mark_down(now)
+            return True
+        return False
+
+    def record_first_check(self, now: float, ok: bool, detail: str) -> bool:
+        """Record the first active check, which sets the state outright.
+
+        Returns:
+            True if the state changed.
+        """
+        self.history.append(CheckResult(now, ok, detail, "check"))
+        if ok:
+            self.failures = 0
+            self.successes = 1
+            if not self.healthy:
+                self._mark_up()
+                return True
+            return False
+        self.successes = 0
+        self.failures += 1
+        if self.healthy:
+            self._mark_down(now)
+            return True
+        return False
+
+    def record_connect_success(self, now: float) -> bool:
+        """Record a successful upstream connect from real traffic.
+
+        Resets the consecutive failure count. In passive mode it also ends a
+        passive ejection (the half-open trial succeeded); in active mode only
+        active checks bring a server back.
+
+        Returns:
+            True if this brought the server up.
+        """
+        self.failures = 0
+        if not self.healthy and not self.active_checks:
+            self._mark_up()
+            return True
+        return False
+
+    def record_connect_failure(self, now: float, detail: str) -> bool:
+        """Record a failed upstream connect from real traffic.
+
+        Counts toward ``unhealthy_threshold``. In passive mode, a failure while
+        already down (a failed trial) restarts the cool-down.
+
+        Returns:
+            True if this took the server down.
+        """
+        self.history.append(CheckResult(now, False, detail, "traffic"))
+        self.successes = 0
+        self.failures += 1
+        if self.healthy:
+            if self.failures >= self.unhealthy_threshold:
+                self._mark_down(now)
+                return True
+            return False
+        if not self.active_checks:
+            self.down_until = now + self.passive_down_time
+        return False
+
+    def start_active_checks(self) -> None:
+        """Switch to active mode: only active passes bring a down server back."""
+        self.active_checks = True
+        self.down_until = None
+
+    def stop_active_checks(self, now: float) -> None:
+        """Switch to passive mode; a down server gets a trial after the cool-down."""
+        self.active_checks = False
+        if not self.healthy and self.down_until is None:
+            self.down_until = now + self.passive_down_time
+
+    def _mark_up(self) -> None:
+        self.healthy = True
+        self.down_until = None
+
+    def _mark_down(self, now: float) -> None:
+        self.healthy = False
+        self.successes = 0
+        self.down_until = None if self.active_checks else now + self.passive_down_time
+
+
+def _sync(server: Server, state: HealthState) -> None:
+    server.healthy = state.healthy
+    server.down_until = state.down_until
+
+
+def _log_transition(
+    backend: str, server: Server, state: HealthState, what: str
+) -> None:
+    """Log an UP/DOWN change at WARNING. ``what`` is "check" or "connect"."""
+    if state.healthy:
+        if what == "connect":
+            LOGGER.warning(
+                "backend %s server %s is UP (trial connection succeeded)",
+                backend,
+                server,
+            )
+        else:
+            LOGGER.warning(
+                "backend %s server %s is UP after %d passed %s%s",
+                backend,
+                server,
+                state.successes,
+                what,
+                "" if state.successes == 1 else "s",
+            )
+    elif state.down_until is not None:
+        LOGGER.warning(
+            "backend %s server %s is DOWN after %d failed %s%s (last: %s); "
+            "trial traffic in %g s",
+            backend,
+            server,
+            state.failures,
+            what,
+            "" if state.failures == 1 else "s",
+            state.last_detail,
+            state.passive_down_time,
+        )
+    else:
+        LOGGER.warning(
+            "backend %s server %s is DOWN after %d failed %s%s (last: %s)",
+            backend,
+            server,
+            state.failures,
+            what,
+            "" if state.failures == 1 else "s",
+            state.last_detail,
+        )
+
+
+class ServerHealth:
+    """A `Server` with its `HealthState`: what the relay reports connects to.
+
+    Args:
+        server: The shared server state the balancer reads.
+        state: Its health bookkeeping (a fresh passive-mode one by default).
+        backend: Backend name for log lines.
+        clock: Must be the `Balancer`'s clock (default `time.monotonic`), since
+            it sets `Server.down_until`, which the balancer compares against.
+    """
+
+    __slots__ = ("backend", "clock", "server", "state")
+
+    def __init__(
+        self,
+        server: Server,
+        state: HealthState | None = None,
+        *,
+        backend: str = "-",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Bundle a server and its state; see the class docstring."""
+        self.server = server
+        self.state = state if state is not None else HealthState()
+        self.backend = backend
+        self.clock = clock
+
+    def connect_succeeded(self) -> None:
+        """Report a successful upstream connect from real traffic."""
+        if self.state.record_connect_success(self.clock()):
+            _sync(self.server, self.state)
+            _log_transition(self.backend, self.server, self.state, "connect")
+
+    def connect_failed(self, detail: str) -> None:
+        """Report a failed upstream connect (refused, reset, timed out)."""
+        state = self.state
+        was_down = not state.healthy
+        changed = state.record_connect_failure(self.clock(), detail)
+        _sync(self.server, state)
+        if changed:
+            _log_transition(self.backend, self.server, state, "connect")
+        elif was_down and state.down_until is not None:
+            LOGGER.info(
+                "backend %s server %s trial connection failed (%s); next trial in %g s",
+                self.backend,
+                self.server,
+                detail,
+                state.passive_down_time,
+            )
+
+    async def run_checks(
+        self,
+        *,
+        kind: str = "tcp",
+        path: str = "/",
+        interval: float = DEFAULT_INTERVAL,
+        timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 (per check, see below)
+        host_header: str = "",
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> NoReturn:
+        """`run_health_checks` for this server, state, backend name and clock."""
+        await run_health_checks(
+            self.server,
+            self.state,
+            kind=kind,
+            path=path,
+            interval=interval,
+            timeout=timeout,
+            host_header=host_header,
+            backend=self.backend,
+            clock=self.clock,
+            task_status=task_status,
+        )
+
+
+def _describe_error(exc: OSError) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, ConnectionResetError):
+        return "connection reset"
+    return (exc.strerror or type(exc).__name__).lower()
+
+
+async def _read_status_line(sock: trio.socket.SocketType) -> tuple[bool, str]:
+    """Read up to `MAX_STATUS_LINE` bytes until the first line; judge the status."""
+    buffer = bytearray()
+    while b"\n" not in buffer:
+        if len(buffer) >= MAX_STATUS_LINE:
+            return False, f"no status line in the first {MAX_STATUS_LINE} bytes"
+        chunk = await sock.recv(MAX_STATUS_LINE - len(buffer))
+        if not chunk:
+            return False, "connection closed before the status line"
+        buffer += chunk
+    match = _STATUS_LINE.match(buffer)
+    if match is None:
+        line = bytes(buffer[: buffer.index(b"\n")]).rstrip(b"\r")
+        return False, f"bad status line {line[:80]!r}"
+    status = int(match[1])
+    return 200 <= status < 400, f"HTTP {status}"
+
+
+async def _check_once(
+    family: int, address: tuple[str, int], request: bytes | None
+) -> tuple[bool, str]:
+    """One check: connect (and with a request, send it and judge the reply).
+
+    The caller bounds it with the ``timeout`` scope; the socket is closed on
+    every path, cancellation included.
+    """
+    sock: trio.socket.SocketType | None = None
+    try:
+        sock = trio.socket.socket(family, socket.SOCK_STREAM)
+        # Numeric address: trio converts it without a resolver thread.
+        await sock.connect(address)
+        if request is None:
+            return True, "connected"
+        view = memoryview(request)
+        while view:
+            sent = await sock.send(view)
+            view = view[sent:]
+        return await _read_status_line(sock)
+    except OSError as exc:
+        return False, _describe_error(exc)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+async def _timed_check(
+    family: int, address: tuple[str, int], request: bytes | None, limit: float
+) -> tuple[bool, str]:
+    """`_check_once` within the health ``timeout`` (passed here as ``limit``)."""
+    with trio.move_on_after(limit) as timeout:
+        return await _check_once(family, address, request)
+    assert timeout.cancelled_caught
+    return False, f"timeout after {limit:g} s"
+
+
+async def run_health_checks(
+    server: Server,
+    state: HealthState,
+    *,
+    kind: str = "tcp",
+    path: str = "/",
+    interval: float = DEFAULT_INTERVAL,
+    # Not this function's deadline (it runs forever) but each check's: the
+    # `[backends.health] timeout` field, applied as a move_on_after scope.
+    timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
+    host_header: str = "",
+    backend: str = "-",
+    clock: Callable[[], float] = time.monotonic,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Check ``server`` every ``interval`` seconds until cancelled.
+
+    Each check must finish within ``timeout`` (a `trio.move_on_after` scope):
+
+    - ``"tcp"``: the connect succeeds (the socket is closed right away);
+    - ``"http"``: connect, send ``GET {path} HTTP/1.1`` with ``Host:
+      {host_header}`` and ``Connection: close``, and read the status line (at
+      most `MAX_STATUS_LINE` bytes): 2xx and 3xx pass, anything else (another
+      status, garbage, EOF, reset, timeout) fails.
+
+    The first result sets the initial state outright; see the module docstring.
+    Results update ``state`` and are copied to ``server``; UP/DOWN transitions
+    are logged at WARNING. While running, ``state`` is in active mode; when
+    cancelled it returns to passive mode, so a down server gets trial traffic
+    after the passive cool-down rather than staying down forever.
+
+    Checks are spaced ``interval`` apart start to start; a check that overruns
+    the interval is followed by the next one at once.
+
+    Args:
+        server: The server to check (its numeric ``address`` is used as is).
+        state: Its health state.
+        kind: "tcp" or "http".
+        path: Request target for "http".
+        interval: Seconds between check starts.
+        timeout: Seconds one check may take.
+        host_header: Host header for "http" (default: the server's address).
+        backend: Backend name for log lines.
+        clock: Clock for `HealthState` timestamps; the `Balancer`'s clock.
+        task_status: Started (with None) after the first check has completed,
+            so that startup knows the initial state.
+
+    Raises:
+        ValueError: unknown kind, non-positive interval or timeout, or a path or
+            host_header that is empty or has spaces or control characters.
+    """
+    if kind not in HEALTH_CHECK_KINDS:
+        raise ValueError(
+            f"unknown health check kind {kind!r}; "
+            f"choose one of {', '.join(HEALTH_CHECK_KINDS)}"
+        )
+    if not (interval > 0 and timeout > 0):
+        raise ValueError(f"interval and timeout must be > 0: {interval}, {timeout}")
+    request: bytes | None = None
+    if kind == "http":
+        host = host_header or str(server)
+        if not path.startswith("/") or _FORBIDDEN_IN_REQUEST.search(path):
+            raise ValueError(f"bad health check path {path!r}")
+        if _FORBIDDEN_IN_REQUEST.search(host):
+            raise ValueError(f"bad health check host_header {host!r}")
+        request = (
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+            f"User-Agent: {_USER_AGENT}\r\n\r\n"
+        ).encode("ascii")
+    address = server.address
+    family = (
+        socket.AF_INET6
+        if ipaddress.ip_address(address[0]).version == 6
+        else socket.AF_INET
+    )
+
+    state.start_active_checks()
+    _sync(server, state)
+    try:
+        next_check = trio.current_time()
+        ok, detail = await _timed_check(family, address, request, timeout)
+        changed = state.record_first_check(clock(), ok, detail)
+        _sync(server, state)
+        if changed:
+            _log_transition(backend, server, state, "check")
+        task_status.started()
+        while True:
+            next_check = max(next_check + interval, trio.current_time())
+            await trio.sleep_until(next_check)
+            ok, detail = await _timed_check(family, address, request, timeout)
+            if ok:
+                changed = state.record_success(clock(), detail)
+            else:
+                changed = state.record_failure(clock(), detail)
+                LOGGER.debug(
+                    "backend %s server %s check failed: %s", backend, server, detail
+                )
+            _sync(server, state)
+            if changed:
+                _log_transition(backend, server, state, "check")
+    finally:
+        state.stop_active_checks(clock())
+        _sync(server, state)

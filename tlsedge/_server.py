@@ -1,0 +1,509 @@
+"""The edge: listeners, the per-connection pipeline, drain and reload.
+
+Theory of operation
+-------------------
+``Edge.run()`` owns two nurseries. The *services* nursery runs the accept loops
+and the backends' health checks; the *connections* nursery runs one task per
+client connection. Splitting them is what makes drain work: ``drain()`` closes
+the listening sockets (new connections are refused by the kernel, not left
+hanging), the accept loops end, and the connections nursery gets a deadline of
+``drain_timeout``. Connections that finish before it end normally; those still
+open are cancelled at the deadline and logged as ``drained``. ``run()`` returns
+once the last connection has gone.
+
+Each accept loop first takes a slot from the listener's and the edge's
+``max_connections`` limiters, then accepts: at the limit it simply stops
+accepting, and the kernel's backlog holds new clients (HAProxy's behaviour)
+instead of resetting them.
+
+One connection goes through the pipeline of DESIGN.md section 2:
+
+  accept -> PROXY unwrap (policy from the peer address, header within
+  ``proxy_protocol.timeout``) -> pick and connect a backend server (retries)
+  -> send our PROXY header, if configured -> relay with half-close rules
+  -> one access-log line with the termination cause.
+
+Reload swaps the configuration object the accept loops read at each accept, so
+existing connections keep the settings they started with.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from proxyproto import Policy, RemoteProtocolError, TrustPolicy
+from proxyproto.trio import read_proxy_header, socket_addresses
+from tlsedge._accesslog import ConnectionLog, format_address
+from tlsedge._config import Config, ConfigError, ListenerConfig
+from tlsedge._proxy_wrap import ConnectionFacts, build_proxy_header
+from tlsedge._relay import RelayStats, Termination, relay, set_abortive_close
+from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
+
+__all__ = ["Edge", "serve"]
+
+LOGGER = logging.getLogger("tlsedge.server")
+
+# accept() errors that mean "out of resources right now": wait and retry
+# instead of dying (trio.serve_listeners does the same).
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+_ACCEPT_RETRY_DELAY = 0.1
+# Ask for the largest accept queue; the kernel caps it at net.core.somaxconn.
+_LISTEN_BACKLOG = 65535
+
+
+@dataclass(slots=True)
+class _Listener:
+    """A configured listener at run time: its sockets and current settings."""
+
+    config: ListenerConfig
+    sockets: list[trio.socket.SocketType]
+    limiter: trio.CapacityLimiter
+    trust: TrustPolicy | None
+    cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return [
+            (str(s.getsockname()[0]), int(s.getsockname()[1])) for s in self.sockets
+        ]
+
+
+def _trust_policy(config: ListenerConfig) -> TrustPolicy | None:
+    pp = config.proxy_protocol
+    if pp is None:
+        return None
+    untrusted = Policy.SKIP if pp.untrusted == "direct" else Policy.REJECT
+    return TrustPolicy.from_cidrs(pp.trusted, untrusted=untrusted)
+
+
+async def _bind(
+    config: ListenerConfig, *, reuse_port: bool
+) -> list[trio.socket.SocketType]:
+    """Open the listening sockets of *config* (all addresses its host has)."""
+    infos = await trio.socket.getaddrinfo(
+        config.bind.host,
+        config.bind.port,
+        type=socket.SOCK_STREAM,
+        flags=socket.AI_PASSIVE,
+    )
+    sockets: list[trio.socket.SocketType] = []
+    seen: set[tuple[object, ...]] = set()
+    try:
+        for family, type_, proto, _, sockaddr in infos:
+            if sockaddr in seen or (config.bind.port == 0 and sockets):
+                continue
+            seen.add(sockaddr)
+            sock = trio.socket.socket(family, type_, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            await sock.bind(sockaddr)
+            sock.listen(_LISTEN_BACKLOG)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+class Edge:
+    """A running tlsedge: use ``serve(config)`` or ``Edge(config).run()``.
+
+    Attributes:
+        config: the configuration in force (replaced by ``reload``).
+        draining: True once ``drain()`` was called.
+        ready: True while listeners are up and the edge is not draining.
+    """
+
+    def __init__(self, config: Config, *, reuse_port: bool | None = None) -> None:
+        self.config = config
+        self.draining = False
+        self.ready = False
+        self.active_connections = 0
+        self._reuse_port = config.edge.workers > 1 if reuse_port is None else reuse_port
+        self._listeners: dict[str, _Listener] = {}
+        self._pools: dict[str, BackendPool] = {}
+        self._edge_limiter = trio.CapacityLimiter(config.edge.max_connections)
+        self._drain_event = trio.Event()
+        self._health_scope = trio.CancelScope()
+        self._services: trio.Nursery | None = None
+        self._connections: trio.Nursery | None = None
+
+    # -- public API -------------------------------------------------------
+
+    @property
+    def listen_addresses(self) -> dict[str, list[tuple[str, int]]]:
+        """The bound ``(host, port)`` of each listener, by name."""
+        return {name: lst.addresses for name, lst in self._listeners.items()}
+
+    def drain(self) -> None:
+        """Stop accepting now; let connections finish until ``drain_timeout``."""
+        if self.draining:
+            return
+        self.draining = True
+        self.ready = False
+        LOGGER.info(
+            "draining: listeners closed, %d connections get up to %g s to finish",
+            self.active_connections,
+            self.config.edge.drain_timeout,
+        )
+        for listener in self._listeners.values():
+            self._close_listener(listener)
+        if self._connections is not None:
+            self._connections.cancel_scope.deadline = (
+                trio.current_time() + self.config.edge.drain_timeout
+            )
+        self._drain_event.set()
+
+    def stop(self) -> None:
+        """Close everything at once (a second SIGTERM, or SIGINT)."""
+        self.drain()
+        if self._connections is not None:
+            self._connections.cancel_scope.cancel()
+
+    async def reload(self, config: Config) -> None:
+        """Apply a new configuration to new connections.
+
+        Listeners are matched by name: an unchanged ``bind`` keeps its sockets,
+        a new or changed one is opened, a removed one closed. Backends keep the
+        state of servers whose address is unchanged. Open connections carry on
+        with the settings they started with.
+
+        Raises:
+            ConfigError: the new configuration cannot be applied (a name does
+                not resolve, an address cannot be bound); the old one stays.
+        """
+        if self.draining or self._services is None:
+            raise ConfigError("edge: cannot reload while draining or stopped")
+        pools: dict[str, BackendPool] = {}
+        try:
+            for backend in config.backends:
+                pool = self._pools.get(backend.name)
+                if pool is None:
+                    pool = await BackendPool.create(backend)
+                else:
+                    await pool.update(backend)
+                pools[backend.name] = pool
+        except OSError as exc:
+            raise ConfigError(f"backends: {exc}") from exc
+        opened: dict[str, _Listener] = {}
+        try:
+            for lconf in config.listeners:
+                old = self._listeners.get(lconf.name)
+                if old is None or old.config.bind != lconf.bind:
+                    opened[lconf.name] = self._make_listener(
+                        lconf, await _bind(lconf, reuse_port=self._reuse_port)
+                    )
+        except OSError as exc:
+            for listener in opened.values():
+                self._close_listener(listener)
+            raise ConfigError(f"listeners: {exc}") from exc
+        # Nothing can fail from here on: swap.
+        listeners: dict[str, _Listener] = {}
+        for lconf in config.listeners:
+            if lconf.name in opened:
+                listeners[lconf.name] = opened[lconf.name]
+            else:
+                kept = self._listeners[lconf.name]
+                kept.config = lconf
+                kept.trust = _trust_policy(lconf)
+                kept.limiter.total_tokens = lconf.max_connections
+                listeners[lconf.name] = kept
+        for name, listener in self._listeners.items():
+            if listeners.get(name) is not listener:
+                self._close_listener(listener)
+        self.config = config
+        self._pools = pools
+        self._listeners = listeners
+        self._edge_limiter.total_tokens = config.edge.max_connections
+        for listener in opened.values():
+            self._start_listener(listener)
+        self._restart_health_checks()
+        LOGGER.info(
+            "configuration reloaded: %d listeners, %d backends",
+            len(listeners),
+            len(pools),
+        )
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[Edge] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until drained (or stopped); reports itself when listening.
+
+        Raises:
+            ConfigError: a listener cannot bind or a backend does not resolve.
+        """
+        try:
+            for backend in self.config.backends:
+                self._pools[backend.name] = await BackendPool.create(backend)
+        except OSError as exc:
+            raise ConfigError(f"backends: {exc}") from exc
+        try:
+            for lconf in self.config.listeners:
+                self._listeners[lconf.name] = self._make_listener(
+                    lconf, await _bind(lconf, reuse_port=self._reuse_port)
+                )
+        except OSError as exc:
+            for listener in self._listeners.values():
+                self._close_listener(listener)
+            raise ConfigError(f"listeners: cannot bind: {exc}") from exc
+        async with trio.open_nursery() as services:
+            self._services = services
+            self._restart_health_checks()
+            async with trio.open_nursery() as connections:
+                self._connections = connections
+                for listener in self._listeners.values():
+                    self._start_listener(listener)
+                self.ready = True
+                for name, addresses in self.listen_addresses.items():
+                    LOGGER.info(
+                        "listener %s on %s",
+                        name,
+                        ", ".join(str(format_address(a)) for a in addresses),
+                    )
+                task_status.started(self)
+                await self._drain_event.wait()
+            services.cancel_scope.cancel()
+        self._services = None
+        LOGGER.info("all connections closed; stopped")
+
+    # -- listeners --------------------------------------------------------
+
+    def _make_listener(
+        self, config: ListenerConfig, sockets: list[trio.socket.SocketType]
+    ) -> _Listener:
+        return _Listener(
+            config=config,
+            sockets=sockets,
+            limiter=trio.CapacityLimiter(config.max_connections),
+            trust=_trust_policy(config),
+        )
+
+    def _start_listener(self, listener: _Listener) -> None:
+        assert self._services is not None
+        for sock in listener.sockets:
+            self._services.start_soon(self._accept_loop, listener, sock)
+
+    @staticmethod
+    def _close_listener(listener: _Listener) -> None:
+        listener.cancel_scope.cancel()
+        for sock in listener.sockets:
+            sock.close()
+
+    def _restart_health_checks(self) -> None:
+        assert self._services is not None
+        self._health_scope.cancel()
+        self._health_scope = scope = trio.CancelScope()
+
+        async def run_checks() -> None:
+            with scope:
+                async with trio.open_nursery() as nursery:
+                    for pool in self._pools.values():
+                        nursery.start_soon(pool.run_health_checks)
+
+        self._services.start_soon(run_checks)
+
+    async def _accept_loop(
+        self, listener: _Listener, sock: trio.socket.SocketType
+    ) -> None:
+        assert self._connections is not None
+        connections = self._connections
+        with listener.cancel_scope:
+            while True:
+                token = object()
+                await self._edge_limiter.acquire_on_behalf_of(token)
+                try:
+                    await listener.limiter.acquire_on_behalf_of(token)
+                except BaseException:
+                    self._edge_limiter.release_on_behalf_of(token)
+                    raise
+                try:
+                    conn, _ = await sock.accept()
+                except (OSError, trio.ClosedResourceError) as exc:
+                    listener.limiter.release_on_behalf_of(token)
+                    self._edge_limiter.release_on_behalf_of(token)
+                    if (
+                        isinstance(exc, OSError)
+                        and exc.errno in _ACCEPT_CAPACITY_ERRNOS
+                    ):
+                        LOGGER.error(
+                            "listener %s: accept failed (%s); retrying in %g s",
+                            listener.config.name,
+                            os.strerror(exc.errno or 0),
+                            _ACCEPT_RETRY_DELAY,
+                        )
+                        await trio.sleep(_ACCEPT_RETRY_DELAY)
+                        continue
+                    if isinstance(exc, trio.ClosedResourceError) or sock.fileno() == -1:
+                        return
+                    raise
+                connections.start_soon(
+                    self._handle_connection,
+                    listener.config,
+                    listener.trust,
+                    listener.limiter,
+                    token,
+                    trio.SocketStream(conn),
+                )
+
+    # -- one connection ---------------------------------------------------
+
+    async def _handle_connection(
+        self,
+        config: ListenerConfig,
+        trust: TrustPolicy | None,
+        limiter: trio.CapacityLimiter,
+        token: object,
+        stream: trio.SocketStream,
+    ) -> None:
+        peer, local = socket_addresses(stream)
+        log = ConnectionLog(
+            id=os.urandom(8).hex(),
+            listener=config.name,
+            peer=format_address(peer),
+            start=time.time(),
+        )
+        started = trio.current_time()
+        self.active_connections += 1
+        upstream: trio.abc.Stream | None = None
+        client: trio.abc.Stream = stream
+        try:
+            upstream, client = await self._serve(
+                config, trust, stream, peer=peer, local=local, log=log
+            )
+        except trio.Cancelled:
+            if log.termination == "unknown":
+                log.termination = "drained"
+            raise
+        finally:
+            self.active_connections -= 1
+            limiter.release_on_behalf_of(token)
+            self._edge_limiter.release_on_behalf_of(token)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(client)
+                if upstream is not None:
+                    await trio.aclose_forcefully(upstream)
+            log.duration = trio.current_time() - started
+            log.emit()
+
+    async def _serve(
+        self,
+        config: ListenerConfig,
+        trust: TrustPolicy | None,
+        stream: trio.SocketStream,
+        *,
+        peer: tuple[str, int] | None,
+        local: tuple[str, int] | None,
+        log: ConnectionLog,
+    ) -> tuple[trio.abc.Stream | None, trio.abc.Stream]:
+        """Run one connection; returns (upstream, client) for the caller to close."""
+        client_address, destination = peer, local
+        leftover = b""
+        pp = config.proxy_protocol
+        if pp is not None and trust is not None:
+            policy = trust.decide(peer, local)
+            try:
+                proxy_stream = await read_proxy_header(
+                    stream,
+                    policy=policy,
+                    header_timeout=pp.timeout,
+                    versions=pp.versions,
+                )
+            except RemoteProtocolError as exc:
+                log.termination = {
+                    "rejected": "rejected",
+                    "timeout": "header_timeout",
+                }.get(exc.reason, "header_error")
+                log.detail = str(exc)
+                LOGGER.info("listener %s: closing %s: %s", config.name, log.peer, exc)
+                return None, stream
+            except trio.BrokenResourceError as exc:
+                log.termination, log.detail = "client_error", str(exc)
+                return None, stream
+            client_address = proxy_stream.client_address or peer
+            destination = proxy_stream.server_address or local
+            _, leftover = proxy_stream.detach()
+        log.client = format_address(client_address)
+        log.destination = format_address(destination)
+        log.backend = config.backend
+        pool = self._pools[config.backend]
+        try:
+            connected = await pool.connect(
+                client_address[0] if client_address else None
+            )
+        except NoServerError as exc:
+            log.termination, log.detail = "no_server", str(exc)
+            LOGGER.warning("listener %s: %s", config.name, exc)
+            return None, stream
+        except ConnectFailedError as exc:
+            log.termination, log.detail = "connect_failed", str(exc)
+            LOGGER.warning("listener %s: %s", config.name, exc)
+            return None, stream
+        upstream = connected.stream
+        server = connected.server
+        log.server = format_address(server.address)
+        stats = RelayStats()
+        try:
+            backend = pool.config
+            first = leftover
+            if backend.send_proxy != "none" and client_address and destination:
+                facts = ConnectionFacts(
+                    client=client_address,
+                    destination=destination,
+                    unique_id=log.id.encode("ascii"),
+                )
+                first = (
+                    build_proxy_header(backend.send_proxy, backend.proxy_tlvs, facts)
+                    + first
+                )
+            if first:
+                try:
+                    await upstream.send_all(first)
+                except (trio.BrokenResourceError, OSError) as exc:
+                    log.termination, log.detail = "server_error", str(exc)
+                    set_abortive_close(stream)
+                    return upstream, stream
+            stats.bytes_from_client = len(leftover)
+            await relay(
+                stream,
+                upstream,
+                stats=stats,
+                idle_timeout=config.idle_timeout,
+                client_fin_timeout=config.client_fin_timeout,
+                server_fin_timeout=backend.server_fin_timeout,
+            )
+        finally:
+            server.active -= 1
+            log.bytes_from_client = stats.bytes_from_client
+            log.bytes_from_server = stats.bytes_from_server
+            if stats.termination is not None:
+                log.termination = (
+                    "drained"
+                    if stats.termination is Termination.CANCELLED
+                    else stats.termination.value
+                )
+        return upstream, stream
+
+
+async def serve(
+    config: Config, *, task_status: trio.TaskStatus[Edge] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run an edge for *config* inside any trio program.
+
+    ``edge = await nursery.start(serve, config)`` returns once every listener
+    is bound; ``edge.drain()`` stops it gracefully.
+
+    Raises:
+        ConfigError: a listener cannot bind or a backend does not resolve.
+    """
+    await Edge(config).run(task_status=task_status)

@@ -1,0 +1,229 @@
+"""Backends at run time: resolved servers, balancing, health, connecting.
+
+A ``BackendPool`` is built from one ``[[backends]]`` table. Server host names
+are resolved once when the pool is built (and again on reload), never per
+connection: ``connect()`` only picks a server and opens a socket to a numeric
+address. Connect failures count against the server's health (passive
+checking); retries follow HAProxy: the same server again after a short pause,
+the last try on another server ("redispatch").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+
+from tlsedge._balancer import Balancer, Server
+from tlsedge._config import BackendConfig
+from tlsedge._health import HealthState, ServerHealth, run_health_checks
+
+__all__ = ["BackendPool", "ConnectFailedError", "NoServerError", "resolve"]
+
+LOGGER = logging.getLogger("tlsedge.upstream")
+
+#: Pause before retrying a failed connect (HAProxy waits min(connect, 1 s));
+#: short, so a client waits little when the last try goes elsewhere.
+RETRY_DELAY = 0.1
+
+
+class NoServerError(Exception):
+    """No healthy server in the backend."""
+
+
+class ConnectFailedError(Exception):
+    """Every connect attempt failed; the message lists them."""
+
+
+@dataclass(slots=True)
+class Connected:
+    """A connected upstream socket and the server it goes to."""
+
+    stream: trio.SocketStream
+    server: Server
+    attempts: int
+
+
+async def resolve(host: str, port: int) -> tuple[str, int]:
+    """Resolve *host* once to a numeric ``(ip, port)`` (first result).
+
+    Raises:
+        OSError: the name does not resolve.
+    """
+    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"{host} does not resolve")
+    address = infos[0][4]
+    return (str(address[0]), int(address[1]))
+
+
+def _describe(exc: OSError) -> str:
+    if exc.errno is not None:
+        return os.strerror(exc.errno).lower()
+    return str(exc) or type(exc).__name__
+
+
+class BackendPool:
+    """One backend's servers, balancer and health state.
+
+    Build it with ``await BackendPool.create(config)``. ``update()`` takes a
+    reloaded config and keeps the state of servers whose address is unchanged.
+    """
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self._health: dict[tuple[str, int], ServerHealth] = {}
+        self.balancer = Balancer(
+            [], config.balance, affinity_timeout=config.affinity_timeout
+        )
+
+    @classmethod
+    async def create(cls, config: BackendConfig) -> BackendPool:
+        """Resolve the servers of *config* and build the pool.
+
+        Raises:
+            OSError: a server name does not resolve.
+        """
+        pool = cls(config)
+        await pool.update(config)
+        return pool
+
+    async def update(self, config: BackendConfig) -> None:
+        """Apply a (re)loaded config; servers that stay keep their state.
+
+        Raises:
+            OSError: a server name does not resolve (nothing is changed then).
+        """
+        resolved = [
+            (await resolve(s.address.host, s.address.port), s.weight)
+            for s in config.servers
+        ]
+        health: dict[tuple[str, int], ServerHealth] = {}
+        for address, weight in resolved:
+            existing = self._health.get(address)
+            if existing is None:
+                state = HealthState(
+                    healthy_threshold=config.health.healthy_threshold
+                    if config.health
+                    else 2,
+                    unhealthy_threshold=config.health.unhealthy_threshold
+                    if config.health
+                    else 6,
+                )
+                existing = ServerHealth(
+                    Server(address, weight), state, backend=config.name
+                )
+            existing.server.weight = weight
+            health[address] = existing
+        self.config = config
+        self._health = health
+        self.balancer = (
+            self.balancer
+            if self.balancer.policy == config.balance
+            else Balancer([], config.balance, affinity_timeout=config.affinity_timeout)
+        )
+        self.balancer.set_servers([h.server for h in health.values()])
+
+    @property
+    def servers(self) -> list[ServerHealth]:
+        """The servers with their health state."""
+        return list(self._health.values())
+
+    async def run_health_checks(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the active checks of ``[backends.health]`` until cancelled.
+
+        Reports started once every server had its first check.
+        """
+        health = self.config.health
+        if health is None:
+            task_status.started()
+            return
+        async with trio.open_nursery() as nursery:
+            for server_health in self._health.values():
+                await nursery.start(
+                    partial(
+                        run_health_checks,
+                        server_health.server,
+                        server_health.state,
+                        kind=health.kind,
+                        path=health.path,
+                        interval=health.interval,
+                        timeout=health.timeout,
+                        backend=self.name,
+                    )
+                )
+            task_status.started()
+
+    async def connect(self, client_ip: str | None) -> Connected:
+        """Pick a server and connect to it, retrying as configured.
+
+        Each attempt is bounded by ``connect_timeout`` (a cancel scope).
+
+        Raises:
+            NoServerError: no healthy server.
+            ConnectFailedError: every attempt failed.
+        """
+        config = self.config
+        attempts = 1 + config.retries
+        tried: list[Server] = []
+        failures: list[str] = []
+        server = self.balancer.pick(client_ip)
+        for attempt in range(1, attempts + 1):
+            if server is None:
+                break
+            tried.append(server)
+            health = self._health.get(server.address)
+            server.active += 1
+            try:
+                stream = await self._open(server, config.connect_timeout)
+            except (OSError, trio.TooSlowError) as exc:
+                server.active -= 1
+                detail = (
+                    f"timeout after {config.connect_timeout:g} s"
+                    if isinstance(exc, trio.TooSlowError)
+                    else _describe(exc)
+                )
+                failures.append(f"{server}: {detail}")
+                if health is not None:
+                    health.connect_failed(detail)
+            else:
+                if health is not None:
+                    health.connect_succeeded()
+                return Connected(stream, server, attempt)
+            if attempt == attempts:
+                break
+            await trio.sleep(RETRY_DELAY)
+            if attempt == attempts - 1:
+                # The last try goes to another server if there is one.
+                server = self.balancer.pick(
+                    client_ip, exclude=tried
+                ) or self.balancer.pick(client_ip)
+            elif not server.healthy:
+                server = self.balancer.pick(client_ip, exclude=tried)
+        if not tried:
+            raise NoServerError(f"backend {self.name}: no healthy server")
+        raise ConnectFailedError(
+            f"backend {self.name}: {len(failures)} connect attempts failed ("
+            + "; ".join(failures)
+            + ")"
+        )
+
+    @staticmethod
+    async def _open(server: Server, connect_timeout: float) -> trio.SocketStream:
+        host, port = server.address
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = trio.socket.socket(family, socket.SOCK_STREAM)
+        try:
+            with trio.fail_after(connect_timeout):
+                await sock.connect((host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return trio.SocketStream(sock)
