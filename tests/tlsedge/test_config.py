@@ -1,0 +1,1328 @@
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import re
+import tomllib
+from ipaddress import ip_network
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, strategies as st
+
+from tlsedge._config import (
+    Address,
+    BackendConfig,
+    BackendTlsConfig,
+    CertificateConfig,
+    Config,
+    ConfigError,
+    EdgeConfig,
+    ForwardedConfig,
+    HealthConfig,
+    ListenerConfig,
+    ProxyProtocolConfig,
+    ServerConfig,
+    TlsConfig,
+    config_from_mapping,
+    ensure_supported,
+    load_config,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+BASE = Path("/etc/tlsedge")
+
+
+def parse(text: str, base_dir: Path = BASE) -> Config:
+    return config_from_mapping(tomllib.loads(text), base_dir=base_dir)
+
+
+# A document that sets every key to a value other than its default.
+FULL = """
+[edge]
+workers = 4
+drain_timeout = 45
+max_connections = 20000
+admin = "127.0.0.1:9901"
+
+[[listeners]]
+name = "public"
+bind = "0.0.0.0:8443"
+mode = "http"
+backend = "app"
+idle_timeout = 120.5
+client_fin_timeout = 15.0
+max_connections = 5000
+
+[listeners.proxy_protocol]
+versions = [2]
+trusted = ["10.0.0.0/8", "192.168.1.7", "fd00::/8"]
+untrusted = "direct"
+timeout = 3
+
+[listeners.tls]
+certificates = [
+    { cert = "site.pem", key = "site.key" },
+    { cert = "/abs/other.pem", key = "keys/other.key" },
+]
+policy = "ELBSecurityPolicy-TLS13-1-2-2021-06"
+alpn = ["h2", "http/1.1"]
+client_auth = "optional"
+client_ca = "clients-ca.pem"
+handshake_timeout = 7.5
+
+[listeners.forwarded]
+x_forwarded_for = false
+x_forwarded_proto = false
+x_forwarded_port = false
+forwarded = true
+trusted_proxies = ["172.16.0.0/12", "::1"]
+
+[[listeners]]
+name = "relay"
+bind = "[::]:0"
+backend = "db"
+
+[[backends]]
+name = "app"
+servers = ["127.0.0.1:8080", { address = "10.0.0.5:8080", weight = 2 }]
+balance = "source-ip"
+affinity_timeout = 600
+send_proxy = "v2"
+proxy_tlvs = ["crc32c", "alpn"]
+protocol = "tls"
+connect_timeout = 2.5
+retries = 0
+server_fin_timeout = 10
+
+[backends.tls]
+ca = "backend-ca.pem"
+verify = false
+sni = "app.internal"
+cert = "client.pem"
+key = "client.key"
+alpn = ["http/1.1"]
+
+[backends.health]
+kind = "http"
+path = "/ready?full=1"
+interval = 5
+timeout = 5
+healthy_threshold = 3
+unhealthy_threshold = 1
+
+[[backends]]
+name = "db"
+servers = [{ address = "db.internal:5432" }]
+send_proxy = "v1"
+protocol = "tls"
+"""
+
+FULL_EXPECTED = Config(
+    edge=EdgeConfig(
+        workers=4,
+        drain_timeout=45.0,
+        max_connections=20000,
+        admin=Address(host="127.0.0.1", port=9901),
+    ),
+    listeners=(
+        ListenerConfig(
+            name="public",
+            bind=Address(host="0.0.0.0", port=8443),
+            mode="http",
+            backend="app",
+            idle_timeout=120.5,
+            client_fin_timeout=15.0,
+            max_connections=5000,
+            proxy_protocol=ProxyProtocolConfig(
+                versions=frozenset({2}),
+                trusted=(
+                    ip_network("10.0.0.0/8"),
+                    ip_network("192.168.1.7/32"),
+                    ip_network("fd00::/8"),
+                ),
+                untrusted="direct",
+                timeout=3.0,
+            ),
+            tls=TlsConfig(
+                certificates=(
+                    CertificateConfig(cert=BASE / "site.pem", key=BASE / "site.key"),
+                    CertificateConfig(
+                        cert=Path("/abs/other.pem"), key=BASE / "keys/other.key"
+                    ),
+                ),
+                policy="ELBSecurityPolicy-TLS13-1-2-2021-06",
+                alpn=("h2", "http/1.1"),
+                client_auth="optional",
+                client_ca=BASE / "clients-ca.pem",
+                handshake_timeout=7.5,
+            ),
+            forwarded=ForwardedConfig(
+                x_forwarded_for=False,
+                x_forwarded_proto=False,
+                x_forwarded_port=False,
+                forwarded=True,
+                trusted_proxies=(ip_network("172.16.0.0/12"), ip_network("::1/128")),
+            ),
+        ),
+        ListenerConfig(name="relay", bind=Address(host="::", port=0), backend="db"),
+    ),
+    backends=(
+        BackendConfig(
+            name="app",
+            servers=(
+                ServerConfig(address=Address(host="127.0.0.1", port=8080)),
+                ServerConfig(address=Address(host="10.0.0.5", port=8080), weight=2),
+            ),
+            balance="source-ip",
+            affinity_timeout=600.0,
+            send_proxy="v2",
+            proxy_tlvs=("crc32c", "alpn"),
+            protocol="tls",
+            connect_timeout=2.5,
+            retries=0,
+            server_fin_timeout=10.0,
+            tls=BackendTlsConfig(
+                ca=BASE / "backend-ca.pem",
+                verify=False,
+                sni="app.internal",
+                cert=BASE / "client.pem",
+                key=BASE / "client.key",
+                alpn=("http/1.1",),
+            ),
+            health=HealthConfig(
+                kind="http",
+                path="/ready?full=1",
+                interval=5.0,
+                timeout=5.0,
+                healthy_threshold=3,
+                unhealthy_threshold=1,
+            ),
+        ),
+        BackendConfig(
+            name="db",
+            servers=(ServerConfig(address=Address(host="db.internal", port=5432)),),
+            send_proxy="v1",
+            protocol="tls",
+            tls=BackendTlsConfig(),  # protocol = "tls" without a table: defaults
+        ),
+    ),
+)
+
+
+def test_full_config() -> None:
+    config = parse(FULL)
+    assert config == FULL_EXPECTED
+    assert config.backend("db") is config.backends[1]
+    with pytest.raises(KeyError):
+        config.backend("nope")
+    for value in (config.edge.drain_timeout, config.listeners[0].proxy_protocol):
+        assert not isinstance(value, int)
+
+
+def test_full_config_sets_every_key() -> None:
+    # Guards FULL against schema growth: every field of every table appears in it.
+    data = tomllib.loads(FULL)
+    listener, backend = data["listeners"][0], data["backends"][0]
+    tables: list[tuple[type[Any], dict[str, Any]]] = [
+        (Config, data),
+        (EdgeConfig, data["edge"]),
+        (ListenerConfig, listener),
+        (ProxyProtocolConfig, listener["proxy_protocol"]),
+        (TlsConfig, listener["tls"]),
+        (CertificateConfig, listener["tls"]["certificates"][0]),
+        (ForwardedConfig, listener["forwarded"]),
+        (BackendConfig, backend),
+        (ServerConfig, backend["servers"][1]),
+        (BackendTlsConfig, backend["tls"]),
+        (HealthConfig, backend["health"]),
+    ]
+    for schema, table in tables:
+        assert {f.name for f in dataclasses.fields(schema)} == set(table), schema
+
+
+MINIMAL = """
+[[listeners]]
+name = "l"
+bind = "127.0.0.1:0"
+backend = "b"
+
+[[backends]]
+name = "b"
+servers = ["127.0.0.1:8080"]
+"""
+
+
+def test_minimal_config_gets_every_default() -> None:
+    config = parse(MINIMAL)
+    edge = config.edge
+    assert edge.workers == 1
+    assert edge.drain_timeout == 30.0
+    assert edge.max_connections == 10000
+    assert edge.admin is None
+
+    (listener,) = config.listeners
+    assert listener.name == "l"
+    assert listener.bind == Address(host="127.0.0.1", port=0)
+    assert listener.backend == "b"
+    assert listener.mode == "tcp"
+    assert listener.idle_timeout == 60.0
+    assert listener.client_fin_timeout == 30.0
+    assert listener.max_connections == 10000
+    assert listener.proxy_protocol is None
+    assert listener.tls is None
+    assert listener.forwarded == ForwardedConfig()
+    assert listener.forwarded.x_forwarded_for is True
+    assert listener.forwarded.x_forwarded_proto is True
+    assert listener.forwarded.x_forwarded_port is True
+    assert listener.forwarded.forwarded is False
+    assert listener.forwarded.trusted_proxies == ()
+
+    (backend,) = config.backends
+    assert backend.servers == (
+        ServerConfig(address=Address(host="127.0.0.1", port=8080), weight=1),
+    )
+    assert backend.balance == "round-robin"
+    assert backend.affinity_timeout == 10800.0
+    assert backend.send_proxy == "none"
+    assert backend.proxy_tlvs == ("alpn", "authority", "ssl", "unique-id", "crc32c")
+    assert backend.protocol == "tcp"
+    assert backend.connect_timeout == 5.0
+    assert backend.retries == 3
+    assert backend.server_fin_timeout == 30.0
+    assert backend.tls is None
+    assert backend.health is None
+
+
+def test_sub_table_defaults() -> None:
+    config = parse(
+        MINIMAL
+        + """
+[listeners.proxy_protocol]
+trusted = ["127.0.0.1"]
+[listeners.tls]
+certificates = [{ cert = "c.pem", key = "k.pem" }]
+[backends.tls]
+[backends.health]
+"""
+    )
+    proxy = config.listeners[0].proxy_protocol
+    assert proxy == ProxyProtocolConfig(trusted=(ip_network("127.0.0.1/32"),))
+    assert proxy.versions == frozenset({1, 2})
+    assert proxy.untrusted == "reject"
+    assert proxy.timeout == 5.0
+    tls = config.listeners[0].tls
+    assert tls is not None
+    assert tls.policy == "intermediate"
+    assert tls.alpn == ("http/1.1",)
+    assert tls.client_auth == "none"
+    assert tls.client_ca is None
+    assert tls.handshake_timeout == 10.0
+    backend_tls = config.backends[0].tls
+    assert backend_tls == BackendTlsConfig(
+        ca=None, verify=True, sni=None, cert=None, key=None, alpn=()
+    )
+    assert config.backends[0].health == HealthConfig(
+        kind="tcp",
+        path="/healthz",
+        interval=10.0,
+        timeout=5.0,
+        healthy_threshold=2,
+        unhealthy_threshold=6,
+    )
+
+
+# The example of DESIGN.md section 4, verbatim: the contract's own example loads.
+DESIGN_EXAMPLE = """
+[edge]
+workers = 1
+drain_timeout = 30.0
+max_connections = 10000
+admin = "127.0.0.1:9901"
+
+[[listeners]]
+name = "public"
+bind = "0.0.0.0:8443"
+mode = "http"
+backend = "app"
+idle_timeout = 60.0
+client_fin_timeout = 30.0
+max_connections = 10000
+
+[listeners.proxy_protocol]
+versions = [1, 2]
+trusted = ["10.0.0.0/8"]
+untrusted = "reject"
+timeout = 5.0
+
+[listeners.tls]
+certificates = [{ cert = "site.pem", key = "site.key" }]
+policy = "intermediate"
+alpn = ["http/1.1"]
+client_auth = "none"
+client_ca = "clients-ca.pem"
+handshake_timeout = 10.0
+
+[listeners.forwarded]
+x_forwarded_for = true
+x_forwarded_proto = true
+x_forwarded_port = true
+forwarded = false
+trusted_proxies = []
+
+[[backends]]
+name = "app"
+servers = ["127.0.0.1:8080", { address = "10.0.0.5:8080", weight = 2 }]
+balance = "round-robin"
+affinity_timeout = 10800.0
+send_proxy = "none"
+proxy_tlvs = ["alpn", "authority", "ssl", "unique-id", "crc32c"]
+protocol = "tcp"
+connect_timeout = 5.0
+retries = 3
+server_fin_timeout = 30.0
+
+[backends.tls]
+ca = "backend-ca.pem"
+verify = true
+sni = "app.internal"
+
+[backends.health]
+kind = "tcp"
+path = "/healthz"
+interval = 10.0
+timeout = 5.0
+healthy_threshold = 2
+unhealthy_threshold = 6
+"""
+
+
+def test_design_example_loads() -> None:
+    config = parse(DESIGN_EXAMPLE)
+    assert config.listeners[0].tls is not None
+    assert config.backends[0].health == HealthConfig()
+    assert config.edge == EdgeConfig(admin=Address(host="127.0.0.1", port=9901))
+
+
+# --- errors -----------------------------------------------------------------
+
+
+def listener(**keys: str) -> str:
+    """A [[listeners]] table; values are TOML literals."""
+    fields = {"name": '"l"', "bind": '"0.0.0.0:8443"', "backend": '"b"'} | keys
+    lines = [f"{key} = {value}" for key, value in fields.items() if value]
+    return "[[listeners]]\n" + "\n".join(lines) + "\n"
+
+
+def backend(**keys: str) -> str:
+    """A [[backends]] table; values are TOML literals."""
+    fields = {"name": '"b"', "servers": '["127.0.0.1:8080"]'} | keys
+    lines = [f"{key} = {value}" for key, value in fields.items() if value]
+    return "[[backends]]\n" + "\n".join(lines) + "\n"
+
+
+L, B = listener(), backend()
+HTTP = listener(mode='"http"')
+CERTS = 'certificates = [{ cert = "c.pem", key = "k.pem" }]\n'
+PP = "[listeners.proxy_protocol]\n"
+PPT = PP + 'trusted = ["10.0.0.0/8"]\n'
+
+ERRORS: list[tuple[str, str]] = [
+    # unknown and missing keys, wrong table shapes
+    (
+        L.replace("bind", "bnd") + B,
+        "listeners[0]: unknown key 'bnd' (did you mean 'bind'?)",
+    ),
+    (
+        "listener = []\n" + L + B,
+        "top level: unknown key 'listener' (did you mean 'listeners'?)",
+    ),
+    ("[edge]\nzzz = 1\n" + L + B, "edge: unknown key 'zzz'; known keys: 'workers', "),
+    (
+        L + B + "[backends.health]\nintervl = 3\n",
+        "backends[0].health: unknown key 'intervl' (did you mean 'interval'?)",
+    ),
+    (
+        L + B + "[backends.tls]\nverfy = true\n",
+        "backends[0].tls: unknown key 'verfy' (did you mean 'verify'?)",
+    ),
+    (listener(bind="") + B, "listeners[0]: missing required key 'bind'"),
+    (listener(name="") + B, "listeners[0]: missing required key 'name'"),
+    (L + backend(servers=""), "backends[0]: missing required key 'servers'"),
+    (B, "top level: missing required key 'listeners'"),
+    (L, "top level: missing required key 'backends'"),
+    ("listeners = []\n" + B, "listeners: at least one [[listeners]] table is required"),
+    (
+        "[listeners]\nname = 'l'\n" + B,
+        "listeners: expected an array of tables ([[listeners]]), got a table",
+    ),
+    (
+        "backends = 'b'\n" + L,
+        "backends: expected an array of tables ([[backends]]), got a string ('b')",
+    ),
+    ("edge = 1\n" + L + B, "edge: expected a table, got an integer (1)"),
+    (
+        listener(tls='"yes"') + B,
+        "listeners[0].tls: expected a table, got a string ('yes')",
+    ),
+    (
+        listener(proxy_protocol="[]") + B,
+        "listeners[0].proxy_protocol: expected a table, got an array",
+    ),
+    # edge
+    ("[edge]\nworkers = 0\n" + L + B, "edge.workers: must be between 1 and 64, got 0"),
+    (
+        "[edge]\nworkers = 65\n" + L + B,
+        "edge.workers: must be between 1 and 64, got 65",
+    ),
+    (
+        "[edge]\nworkers = true\n" + L + B,
+        "edge.workers: expected an integer, got a boolean (true)",
+    ),
+    (
+        "[edge]\nworkers = 2.0\n" + L + B,
+        "edge.workers: expected an integer, got a float (2.0)",
+    ),
+    (
+        "[edge]\ndrain_timeout = -1\n" + L + B,
+        "edge.drain_timeout: must be greater than 0 s, got -1",
+    ),
+    (
+        "[edge]\nmax_connections = 0\n" + L + B,
+        "edge.max_connections: must be at least 1, got 0",
+    ),
+    (
+        "[edge]\nadmin = 'localhost'\n" + L + B,
+        "edge.admin: expected 'host:port', got 'localhost'",
+    ),
+    (
+        "[edge]\nadmin = '0.0.0.0:8443'\n" + L + B,
+        "edge.admin: 0.0.0.0:8443 collides with 0.0.0.0:8443 of listeners[0].bind",
+    ),
+    # listener scalars
+    (
+        listener(name='""') + B,
+        "listeners[0].name: expected a non-empty printable name, got ''",
+    ),
+    (
+        listener(name="1") + B,
+        "listeners[0].name: expected a string, got an integer (1)",
+    ),
+    (
+        listener(bind='"10.0.0.1"') + B,
+        "listeners[0].bind: expected 'host:port', got '10.0.0.1'",
+    ),
+    (
+        listener(bind='":80"') + B,
+        "listeners[0].bind: expected 'host:port', got ':80' (use 0.0.0.0 or [::]",
+    ),
+    (
+        listener(bind='"::1:80"') + B,
+        "listeners[0].bind: IPv6 addresses need brackets, as in '[::1]:80'",
+    ),
+    (
+        listener(bind='"[10.0.0.1]:80"') + B,
+        "listeners[0].bind: '[10.0.0.1]:80': brackets hold an IPv6 address",
+    ),
+    (
+        listener(bind='"[::1]80"') + B,
+        "listeners[0].bind: expected '[ipv6]:port', got '[::1]80'",
+    ),
+    (listener(bind='"[::1:80"') + B, "listeners[0].bind: missing ']' in '[::1:80'"),
+    (
+        listener(bind='"localhost:http"') + B,
+        "listeners[0].bind: invalid port 'http' in 'localhost:http'",
+    ),
+    (listener(bind='"localhost:-1"') + B, "listeners[0].bind: invalid port '-1'"),
+    (
+        listener(bind='"0.0.0.0:70000"') + B,
+        "listeners[0].bind: port 70000 out of range 0..65535",
+    ),
+    (
+        listener(bind='"bad host:80"') + B,
+        "listeners[0].bind: invalid host 'bad host' in 'bad host:80'",
+    ),
+    (
+        listener(bind='"10.0.0.300:80"') + B,
+        "listeners[0].bind: invalid host '10.0.0.300'",
+    ),
+    (
+        listener(bind="8443") + B,
+        "listeners[0].bind: expected 'host:port', got an integer (8443)",
+    ),
+    (
+        listener(mode='"udp"') + B,
+        "listeners[0].mode: unknown mode 'udp'; choose one of 'tcp', 'http'",
+    ),
+    (
+        listener(mode="true") + B,
+        "listeners[0].mode: expected one of 'tcp', 'http', got a boolean (true)",
+    ),
+    (
+        listener(idle_timeout="0") + B,
+        "listeners[0].idle_timeout: must be greater than 0 s, got 0",
+    ),
+    (
+        listener(idle_timeout="-0.5") + B,
+        "listeners[0].idle_timeout: must be greater than 0 s, got -0.5",
+    ),
+    (
+        listener(idle_timeout='"60"') + B,
+        "listeners[0].idle_timeout: expected a number of seconds, got a string ('60')",
+    ),
+    (
+        listener(idle_timeout="true") + B,
+        "listeners[0].idle_timeout: expected a number of seconds, got a boolean (true)",
+    ),
+    (
+        listener(idle_timeout="inf") + B,
+        "listeners[0].idle_timeout: expected a finite duration, got inf",
+    ),
+    (
+        listener(idle_timeout="nan") + B,
+        "listeners[0].idle_timeout: expected a finite duration, got nan",
+    ),
+    (
+        listener(idle_timeout="1979-05-27") + B,
+        "listeners[0].idle_timeout: expected a number of seconds, got a date",
+    ),
+    (
+        listener(idle_timeout="[1]") + B,
+        "listeners[0].idle_timeout: expected a number of seconds, got an array",
+    ),
+    (
+        listener(client_fin_timeout="0") + B,
+        "listeners[0].client_fin_timeout: must be greater than 0 s",
+    ),
+    (
+        listener(max_connections="0") + B,
+        "listeners[0].max_connections: must be at least 1, got 0",
+    ),
+    (
+        listener(max_connections="1.5") + B,
+        "listeners[0].max_connections: expected an integer, got a float (1.5)",
+    ),
+    (
+        listener(backend='"nope"') + B,
+        "listeners[0].backend: no backend named 'nope'; defined backends: 'b'",
+    ),
+    (
+        listener(backend='"bb"') + B,
+        "listeners[0].backend: no backend named 'bb' (did you mean 'b'?)",
+    ),
+    # cross checks
+    (
+        L + listener(bind='"127.0.0.1:9000"') + B,
+        "listeners[1].name: duplicate listener name 'l' (also listeners[0])",
+    ),
+    (
+        L + B + backend(),
+        "backends[1].name: duplicate backend name 'b' (also backends[0])",
+    ),
+    (
+        L + listener(name='"m"') + B,
+        "listeners[1].bind: 0.0.0.0:8443 collides with 0.0.0.0:8443 of "
+        "listeners[0].bind",
+    ),
+    (
+        L + listener(name='"m"', bind='"127.0.0.1:8443"') + B,
+        "listeners[1].bind: 127.0.0.1:8443 collides with 0.0.0.0:8443 of "
+        "listeners[0].bind",
+    ),
+    (
+        listener(bind='"[::1]:80"') + listener(name='"m"', bind='"[::]:80"') + B,
+        "listeners[1].bind: [::]:80 collides with [::1]:80 of listeners[0].bind",
+    ),
+    (
+        listener(bind='"Example.com:80"')
+        + listener(name='"m"', bind='"example.COM:80"')
+        + B,
+        "listeners[1].bind: example.COM:80 collides with Example.com:80",
+    ),
+    # proxy_protocol
+    (L + PP + B, "listeners[0].proxy_protocol: missing required key 'trusted'"),
+    (
+        L + PP + "trusted = []\n" + B,
+        "listeners[0].proxy_protocol.trusted: empty, so no peer may send a PROXY "
+        "header",
+    ),
+    (
+        L + PP + 'trusted = ["10.0.0.1/8"]\n' + B,
+        "listeners[0].proxy_protocol.trusted[0]: '10.0.0.1/8' has host bits set; did "
+        "you mean '10.0.0.0/8'?",
+    ),
+    (
+        L + PP + 'trusted = ["::/0", "lb.internal"]\n' + B,
+        "listeners[0].proxy_protocol.trusted[1]: expected an IP address or a CIDR "
+        "like '10.0.0.0/8', got 'lb.internal'",
+    ),
+    (
+        L + PP + "trusted = [10]\n" + B,
+        "listeners[0].proxy_protocol.trusted[0]: expected a CIDR like '10.0.0.0/8', "
+        "got an integer (10)",
+    ),
+    (
+        L + PP + 'trusted = "10.0.0.0/8"\n' + B,
+        "listeners[0].proxy_protocol.trusted: expected an array, got a string "
+        "('10.0.0.0/8')",
+    ),
+    (
+        L + PPT + "versions = [3]\n" + B,
+        "listeners[0].proxy_protocol.versions[0]: must be between 1 and 2, got 3",
+    ),
+    (
+        L + PPT + "versions = []\n" + B,
+        "listeners[0].proxy_protocol.versions: list 1, 2, or both",
+    ),
+    (
+        L + PPT + "versions = [2, 2]\n" + B,
+        "listeners[0].proxy_protocol.versions[1]: duplicate entry 2",
+    ),
+    (
+        L + PPT + "versions = [true]\n" + B,
+        "listeners[0].proxy_protocol.versions[0]: expected an integer, got a boolean "
+        "(true)",
+    ),
+    (
+        L + PPT + 'untrusted = "allow"\n' + B,
+        "listeners[0].proxy_protocol.untrusted: unknown untrusted 'allow'; choose one "
+        "of 'reject', 'direct'",
+    ),
+    (
+        L + PPT + "timeout = 2.9\n" + B,
+        "listeners[0].proxy_protocol.timeout: must be at least 3 s, got 2.9; the "
+        "PROXY spec asks for at least 3 s to cover a TCP retransmit",
+    ),
+    (
+        L + PPT + "timeout = 0\n" + B,
+        "listeners[0].proxy_protocol.timeout: must be at least 3 s, got 0",
+    ),
+    # tls
+    (
+        L + "[listeners.tls]\n" + B,
+        "listeners[0].tls: missing required key 'certificates'",
+    ),
+    (
+        L + "[listeners.tls]\ncertificates = []\n" + B,
+        "listeners[0].tls.certificates: empty; list at least one",
+    ),
+    (
+        L + "[listeners.tls]\ncertificates = ['c.pem']\n" + B,
+        "listeners[0].tls.certificates[0]: expected a table, got a string ('c.pem')",
+    ),
+    (
+        L + "[listeners.tls]\ncertificates = [{ cert = 'c.pem' }]\n" + B,
+        "listeners[0].tls.certificates[0]: missing required key 'key'",
+    ),
+    (
+        L + "[listeners.tls]\ncertificates = [{ cert = '', key = 'k' }]\n" + B,
+        "listeners[0].tls.certificates[0].cert: expected a file path, got ''",
+    ),
+    (
+        L
+        + "[listeners.tls]\ncertificates = [{ cert = 'c', key = 'k', chain = 'x' }]\n"
+        + B,
+        "listeners[0].tls.certificates[0]: unknown key 'chain'",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + 'policy = "x"\n' + B,
+        "listeners[0].tls.policy: unknown policy 'x'; choose one of 'modern', "
+        "'intermediate', 'ELBSecurityPolicy-TLS13-1-2-2021-06', "
+        "'ELBSecurityPolicy-TLS-1-2-2017-01', 'ELBSecurityPolicy-2016-08'",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + 'client_auth = "required"\n' + B,
+        "listeners[0].tls.client_auth: 'required' needs client_ca",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + 'client_auth = "optional"\n' + B,
+        "listeners[0].tls.client_auth: 'optional' needs client_ca",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + 'client_auth = "maybe"\n' + B,
+        "listeners[0].tls.client_auth: unknown client_auth 'maybe'; choose one of "
+        "'none', 'optional', 'required'",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + 'alpn = [""]\n' + B,
+        "listeners[0].tls.alpn[0]: expected an ALPN protocol name such as 'h2', got ''",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + 'alpn = ["h2", "h2"]\n' + B,
+        "listeners[0].tls.alpn[1]: duplicate entry 'h2'",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + 'alpn = "h2"\n' + B,
+        "listeners[0].tls.alpn: expected an array, got a string ('h2')",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + "handshake_timeout = 0\n" + B,
+        "listeners[0].tls.handshake_timeout: must be greater than 0 s",
+    ),
+    # forwarded
+    (
+        L + "[listeners.forwarded]\n" + B,
+        'listeners[0].forwarded: only applies with mode = "http"',
+    ),
+    (
+        HTTP + "[listeners.forwarded]\nx_forwarded_for = 'yes'\n" + B,
+        "listeners[0].forwarded.x_forwarded_for: expected true or false, got a string "
+        "('yes')",
+    ),
+    (
+        HTTP + "[listeners.forwarded]\nforwarded = 1\n" + B,
+        "listeners[0].forwarded.forwarded: expected true or false, got an integer (1)",
+    ),
+    (
+        HTTP + "[listeners.forwarded]\ntrusted_proxies = ['10.0.0.1/8']\n" + B,
+        "listeners[0].forwarded.trusted_proxies[0]: '10.0.0.1/8' has host bits set",
+    ),
+    # backends and servers
+    (
+        L + backend(servers="[]"),
+        "backends[0].servers: a backend needs at least one server",
+    ),
+    (
+        L + backend(name='"a"') + backend(servers='["10.0.0.1"]'),
+        "backends[1].servers[0]: expected 'host:port', got '10.0.0.1'",
+    ),
+    (
+        L + backend(servers='["10.0.0.1:0"]'),
+        "backends[0].servers[0]: port 0 out of range 1..65535 in '10.0.0.1:0'",
+    ),
+    (
+        L + backend(servers="[8080]"),
+        "backends[0].servers[0]: expected 'host:port' or { address = \"host:port\", "
+        "weight = 1 }, got an integer (8080)",
+    ),
+    (
+        L + backend(servers='"10.0.0.1:80"'),
+        "backends[0].servers: expected an array, got a string ('10.0.0.1:80')",
+    ),
+    (
+        L + backend(servers="[{ weight = 2 }]"),
+        "backends[0].servers[0]: missing required key 'address'",
+    ),
+    (
+        L + backend(servers="[{ address = 'a:1', wieght = 2 }]"),
+        "backends[0].servers[0]: unknown key 'wieght' (did you mean 'weight'?)",
+    ),
+    (
+        L + backend(servers="[{ address = 'a:1', weight = 0 }]"),
+        "backends[0].servers[0].weight: must be between 1 and 256, got 0",
+    ),
+    (
+        L + backend(servers="[{ address = 'a:1', weight = 257 }]"),
+        "backends[0].servers[0].weight: must be between 1 and 256, got 257",
+    ),
+    (
+        L + backend(servers="[{ address = 'a:1', weight = 1.5 }]"),
+        "backends[0].servers[0].weight: expected an integer, got a float (1.5)",
+    ),
+    (
+        L + backend(servers="[{ address = 'a' }]"),
+        "backends[0].servers[0].address: expected 'host:port', got 'a'",
+    ),
+    (
+        L + backend(servers="['a:1', { address = 'a:1' }]"),
+        "backends[0].servers[1]: duplicate server a:1 (also backends[0].servers[0]); "
+        "use weight",
+    ),
+    (
+        L + backend(name='""'),
+        "backends[0].name: expected a non-empty printable name, got ''",
+    ),
+    (
+        L + backend(name='"b\\n"'),
+        "backends[0].name: expected a non-empty printable name, got 'b\\n'",
+    ),
+    (
+        L + backend(balance='"rr"'),
+        "backends[0].balance: unknown balance 'rr'; choose one of 'round-robin', "
+        "'least-connections', 'random-two', 'source-ip'",
+    ),
+    (
+        L + backend(send_proxy='"v3"'),
+        "backends[0].send_proxy: unknown send_proxy 'v3'; choose one of 'none', 'v1', "
+        "'v2'",
+    ),
+    (
+        L + backend(send_proxy="2"),
+        "backends[0].send_proxy: expected one of 'none', 'v1', 'v2', got an integer "
+        "(2)",
+    ),
+    (
+        L + backend(proxy_tlvs='["netns"]'),
+        "backends[0].proxy_tlvs[0]: unknown TLV 'netns'; choose one of 'alpn', "
+        "'authority', 'ssl', 'unique-id', 'crc32c'",
+    ),
+    (
+        L + backend(proxy_tlvs='["ssl", "alpn", "ssl"]'),
+        "backends[0].proxy_tlvs[2]: duplicate entry 'ssl'",
+    ),
+    (
+        L + backend(protocol='"https"'),
+        "backends[0].protocol: unknown protocol 'https'; choose one of 'tcp', 'tls'",
+    ),
+    (
+        L + backend(connect_timeout='"5s"'),
+        "backends[0].connect_timeout: expected a number of seconds, got a string "
+        "('5s')",
+    ),
+    (
+        L + backend(affinity_timeout="0"),
+        "backends[0].affinity_timeout: must be greater than 0 s",
+    ),
+    (
+        L + backend(server_fin_timeout="-inf"),
+        "backends[0].server_fin_timeout: expected a finite duration, got -inf",
+    ),
+    (L + backend(retries="-1"), "backends[0].retries: must be at least 0, got -1"),
+    (
+        L + backend(retries="false"),
+        "backends[0].retries: expected an integer, got a boolean (false)",
+    ),
+    # backend tls
+    (
+        L + B + "[backends.tls]\ncert = 'c.pem'\n",
+        "backends[0].tls: cert and key go together: set both or neither",
+    ),
+    (
+        L + B + "[backends.tls]\nkey = 'k.pem'\n",
+        "backends[0].tls: cert and key go together",
+    ),
+    (
+        L + B + "[backends.tls]\nverify = 'no'\n",
+        "backends[0].tls.verify: expected true or false, got a string ('no')",
+    ),
+    (
+        L + B + "[backends.tls]\nsni = '10.0.0.1'\n",
+        "backends[0].tls.sni: expected a DNS host name, got '10.0.0.1'",
+    ),
+    (
+        L + B + "[backends.tls]\nsni = 'a b'\n",
+        "backends[0].tls.sni: expected a DNS host name, got 'a b'",
+    ),
+    (
+        L + B + "[backends.tls]\nca = 5\n",
+        "backends[0].tls.ca: expected a string, got an integer (5)",
+    ),
+    (
+        L + B + "[backends.tls]\nalpn = ['h2', 7]\n",
+        "backends[0].tls.alpn[1]: expected a string, got an integer (7)",
+    ),
+    # health
+    (
+        L + B + "[backends.health]\ntimeout = 20\n",
+        "backends[0].health.timeout: must not exceed interval (10 s), got 20",
+    ),
+    (
+        L + B + "[backends.health]\ninterval = 2\n",
+        "backends[0].health.timeout: must not exceed interval (2 s), got 5",
+    ),
+    (
+        L + B + "[backends.health]\npath = 'healthz'\n",
+        "backends[0].health.path: expected a request path starting with '/', got "
+        "'healthz'",
+    ),
+    (
+        L + B + "[backends.health]\npath = '/a b'\n",
+        "backends[0].health.path: expected a request path starting with '/'",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'udp'\n",
+        "backends[0].health.kind: unknown kind 'udp'; choose one of 'tcp', 'http'",
+    ),
+    (
+        L + B + "[backends.health]\nhealthy_threshold = 0\n",
+        "backends[0].health.healthy_threshold: must be at least 1, got 0",
+    ),
+    (
+        L + B + "[backends.health]\nunhealthy_threshold = 0\n",
+        "backends[0].health.unhealthy_threshold: must be at least 1, got 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), ERRORS)
+def test_error_names_the_dotted_path(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(text)
+    assert message in str(info.value)
+    # The message starts with the path: the part of the fragment before ": ".
+    assert str(info.value).startswith(message.split(": ", maxsplit=1)[0] + ": ")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # port 0 never collides
+        L.replace("0.0.0.0:8443", "0.0.0.0:0")
+        + listener(name='"m"', bind='"0.0.0.0:0"')
+        + B,
+        # trio sets IPV6_V6ONLY, so the two wildcards do not collide
+        L + listener(name='"m"', bind='"[::]:8443"') + B,
+        # different addresses of one family
+        listener(bind='"127.0.0.1:80"')
+        + listener(name='"m"', bind='"127.0.0.2:80"')
+        + B,
+        # host names are resolved later; only identical names collide
+        listener(bind='"localhost:80"')
+        + listener(name='"m"', bind='"127.0.0.1:80"')
+        + B,
+        # one backend for two listeners, and a backend nobody uses
+        L + listener(name='"m"', bind='"0.0.0.0:9"') + B + backend(name='"spare"'),
+    ],
+)
+def test_valid_variants(text: str) -> None:
+    parse(text)
+
+
+def test_keys_that_toml_cannot_produce() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^top level: expected a table, got an array"
+    ):
+        config_from_mapping([], base_dir=BASE)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^top level: keys must be strings"):
+        config_from_mapping({1: 2}, base_dir=BASE)  # type: ignore[dict-item]
+    data = tomllib.loads(MINIMAL)
+    data["listeners"] = tuple(data["listeners"])  # tuples are arrays too
+    data["edge"] = {"drain_timeout": 10**400}  # too big for a float
+    with pytest.raises(ConfigError, match=r"^edge.drain_timeout: expected a finite"):
+        config_from_mapping(data, base_dir=BASE)
+    data["edge"] = {"admin": None}
+    with pytest.raises(ConfigError, match=r"^edge.admin: expected 'host:port', got a"):
+        config_from_mapping(data, base_dir=BASE)
+
+
+def test_long_values_are_shortened_in_messages() -> None:
+    text = listener(bind='"' + "x" * 500 + '"') + B
+    with pytest.raises(ConfigError) as info:
+        parse(text)
+    assert len(str(info.value)) < 200
+    assert "..." in str(info.value)
+
+
+# --- addresses ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "host", "port"),
+    [
+        ("0.0.0.0:8443", "0.0.0.0", 8443),
+        ("127.0.0.1:0", "127.0.0.1", 0),
+        ("localhost:80", "localhost", 80),
+        ("[::1]:80", "::1", 80),
+        ("[::]:65535", "::", 65535),
+        ("[fe80::1%eth0]:443", "fe80::1%eth0", 443),
+        ("app.internal.:8080", "app.internal.", 8080),
+        ("my_service:8080", "my_service", 8080),
+    ],
+)
+def test_address_round_trip(text: str, host: str, port: int) -> None:
+    address = Address.parse(text)
+    assert address == Address(host=host, port=port)
+    assert str(address) == text
+    assert Address.parse(str(address)) == address
+
+
+def test_address_canonical_ip() -> None:
+    assert str(Address.parse("[0:0::0:1]:80")) == "[::1]:80"
+    assert Address.parse("[2001:DB8::1]:80").host == "2001:db8::1"
+
+
+@pytest.mark.parametrize(
+    ("text", "min_port"),
+    [
+        ("10.0.0.1", 0),
+        ("10.0.0.1:", 0),
+        (":80", 0),
+        ("::1", 0),
+        ("[::1]", 0),
+        ("[host]:80", 0),
+        ("host:0", 1),
+        ("host:65536", 0),
+        ("host:+80", 0),
+        ("host: 80", 0),
+        ("host:٨٠", 0),  # non-ASCII digits
+        ("-bad-:80", 0),
+        ("a..b:80", 0),
+        ("1.2.3.4.5:80", 0),
+        ("", 0),
+    ],
+)
+def test_address_parse_rejects(text: str, min_port: int) -> None:
+    with pytest.raises(ValueError, match=r"."):
+        Address.parse(text, min_port=min_port)
+
+
+@given(st.text(max_size=40))
+def test_address_parse_never_crashes(text: str) -> None:
+    try:
+        address = Address.parse(text)
+    except ValueError:
+        return
+    assert Address.parse(str(address)) == address
+
+
+# --- files -------------------------------------------------------------------
+
+
+TLS_MINIMAL = """
+[[listeners]]
+name = "l"
+bind = "127.0.0.1:0"
+backend = "b"
+[listeners.tls]
+certificates = [{ cert = "certs/site.pem", key = "/keys/site.key" }]
+client_auth = "required"
+client_ca = "../ca.pem"
+[[backends]]
+name = "b"
+servers = ["127.0.0.1:8080"]
+[backends.tls]
+ca = "backend-ca.pem"
+"""
+
+
+def test_relative_paths_resolve_against_the_config_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    (conf_dir / "edge.toml").write_text(TLS_MINIMAL)
+    monkeypatch.chdir(tmp_path)
+    config = load_config("conf/edge.toml")  # a relative path: base_dir is absolute
+    tls = config.listeners[0].tls
+    assert tls is not None
+    assert tls.certificates[0].cert == conf_dir / "certs/site.pem"
+    assert tls.certificates[0].cert.is_absolute()
+    assert tls.certificates[0].key == Path("/keys/site.key")
+    assert tls.client_ca == conf_dir / "../ca.pem"
+    backend_tls = config.backends[0].tls
+    assert backend_tls is not None
+    assert backend_tls.ca == conf_dir / "backend-ca.pem"
+    # files are not opened here: none of them exists
+    assert not (conf_dir / "certs/site.pem").exists()
+
+
+def test_load_config_accepts_pathlike(tmp_path: Path) -> None:
+    file = tmp_path / "edge.toml"
+    file.write_text(MINIMAL)
+    assert load_config(file) == parse(MINIMAL)
+
+
+def test_toml_syntax_error(tmp_path: Path) -> None:
+    file = tmp_path / "bad.toml"
+    file.write_text("[edge]\nworkers = = 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(file)
+    message = str(info.value)
+    assert message.startswith(f"{file}: invalid TOML: ")
+    assert "line 2" in message
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    file = tmp_path / "bad.toml"
+    file.write_bytes(b"# \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"invalid TOML"):
+        load_config(file)
+
+
+@pytest.mark.parametrize("name", ["missing.toml", "."])
+def test_unreadable_file(tmp_path: Path, name: str) -> None:
+    file = tmp_path / name
+    with pytest.raises(ConfigError) as info:
+        load_config(file)
+    assert str(info.value).startswith(f"{file}: cannot read: ")
+
+
+# --- ensure_supported and the examples ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            L + "[listeners.tls]\n" + CERTS + B,
+            "listeners[0].tls: TLS termination is not supported yet",
+        ),
+        (
+            HTTP + B,
+            'listeners[0].mode: HTTP mode is not supported yet; use mode = "tcp"',
+        ),
+        (
+            L + backend(name='"a"') + backend(protocol='"tls"'),
+            "backends[1].protocol: TLS to backends is not supported yet; use protocol "
+            '= "tcp"',
+        ),
+    ],
+)
+def test_ensure_supported_refuses(text: str, message: str) -> None:
+    config = parse(text)
+    with pytest.raises(ConfigError) as info:
+        ensure_supported(config)
+    assert str(info.value) == message
+
+
+def test_ensure_supported_accepts_tcp() -> None:
+    ensure_supported(parse(MINIMAL + "[backends.tls]\n"))  # unused without "tls"
+
+
+def test_example_tcp_relay() -> None:
+    config = load_config(EXAMPLES / "tcp-relay.toml")
+    ensure_supported(config)
+    (lst,) = config.listeners
+    assert lst.mode == "tcp"
+    assert lst.proxy_protocol is not None
+    assert lst.proxy_protocol.trusted == (ip_network("127.0.0.1/32"),)
+    (bk,) = config.backends
+    assert bk.send_proxy == "v2"
+    assert bk.servers == (ServerConfig(address=Address(host="127.0.0.1", port=8080)),)
+
+
+def test_example_edge_documents_every_section() -> None:
+    config = load_config(EXAMPLES / "edge.toml")
+    lst = config.listeners[0]
+    assert lst.tls is not None
+    assert lst.proxy_protocol is not None
+    assert lst.mode == "http"
+    assert lst.tls.certificates[0].cert.parent == EXAMPLES
+    assert config.edge.admin is not None
+    assert any(b.health is not None for b in config.backends)
+    assert any(b.tls is not None for b in config.backends)
+    text = (EXAMPLES / "edge.toml").read_text()
+    schemas: list[type[Any]] = [
+        EdgeConfig,
+        ListenerConfig,
+        ProxyProtocolConfig,
+        TlsConfig,
+        ForwardedConfig,
+        BackendConfig,
+        BackendTlsConfig,
+        HealthConfig,
+    ]
+    for schema in schemas:
+        for spec in dataclasses.fields(schema):
+            pattern = rf"^(\[\w+\.{spec.name}\]|{spec.name} =)"
+            assert re.search(pattern, text, re.MULTILINE), spec.name
+
+
+# --- property: any input gives a Config or a ConfigError ----------------------
+
+
+def _schema_keys() -> list[str]:
+    schemas = (
+        Config,
+        EdgeConfig,
+        ListenerConfig,
+        ProxyProtocolConfig,
+        TlsConfig,
+        CertificateConfig,
+        ForwardedConfig,
+        BackendConfig,
+        ServerConfig,
+        BackendTlsConfig,
+        HealthConfig,
+    )
+    return sorted(
+        {spec.name for schema in schemas for spec in dataclasses.fields(schema)}
+    )
+
+
+# Strings that get past the type checks and exercise the value checks.
+interesting_strings = st.sampled_from(
+    [
+        "",
+        "b",
+        "l",
+        "tcp",
+        "http",
+        "tls",
+        "v2",
+        "none",
+        "required",
+        "source-ip",
+        "alpn",
+        "127.0.0.1:8080",
+        "0.0.0.0:0",
+        "[::1]:80",
+        "10.0.0.0/8",
+        "10.0.0.1/8",
+        "/healthz",
+        "c.pem",
+        "\x00",
+    ]
+)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=12)
+    | interesting_strings
+    | st.dates()
+    | st.datetimes()
+    | st.times()
+    | st.binary(max_size=4)
+)
+keys = st.sampled_from(_schema_keys()) | st.text(max_size=8)
+values = st.recursive(
+    scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(keys, children, max_size=6)
+    ),
+    max_leaves=25,
+)
+
+
+def _load_or_reject(data: Any) -> None:
+    try:
+        config = config_from_mapping(data, base_dir=BASE)
+    except ConfigError:
+        return
+    assert isinstance(config, Config)
+
+
+@given(values)
+def test_any_document_gives_config_or_config_error(data: Any) -> None:
+    _load_or_reject(data)
+
+
+@given(st.dictionaries(keys, values, max_size=4))
+def test_any_table_gives_config_or_config_error(data: dict[str, Any]) -> None:
+    _load_or_reject(data)
+
+
+@given(st.data())
+def test_any_change_to_a_valid_config_gives_config_or_config_error(
+    data: st.DataObject,
+) -> None:
+    document: Any = tomllib.loads(FULL)
+    node = document
+    for _ in range(data.draw(st.integers(0, 4), label="depth")):
+        if isinstance(node, dict) and node:
+            child = node[data.draw(st.sampled_from(sorted(node)))]
+        elif isinstance(node, list) and node:
+            child = node[data.draw(st.integers(0, len(node) - 1))]
+        else:
+            break
+        if not isinstance(child, dict | list):
+            break
+        node = child
+    new = data.draw(values, label="value")
+    if isinstance(node, dict):
+        node[data.draw(keys, label="key")] = new
+    elif node:
+        node[data.draw(st.integers(0, len(node) - 1))] = new
+    _load_or_reject(document)
+
+
+def test_datetime_values_are_described() -> None:
+    data = tomllib.loads(MINIMAL)
+    data["edge"] = {"workers": datetime.time(1, 2)}
+    with pytest.raises(
+        ConfigError, match=r"^edge.workers: expected an integer, got a time"
+    ):
+        config_from_mapping(data, base_dir=BASE)
