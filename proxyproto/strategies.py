@@ -316,6 +316,11 @@ def tlvs(
 # Headers
 # ---------------------------------------------------------------------------
 
+_HOSTS: dict[Family, st.SearchStrategy[IPv4Address | IPv6Address]] = {
+    Family.INET: ipv4_addresses,
+    Family.INET6: ipv6_addresses,
+}
+
 # Room kept for a CRC32C TLV (7 bytes) and NOOP padding (at least 3) so any
 # valid header can be drawn with either and still fit MAX_ENCODED_V2_LENGTH.
 _ENCODER_ROOM = 7 + 3
@@ -343,9 +348,7 @@ def proxy_headers(
         kind = draw(st.sampled_from(["TCP4", "TCP6", "UNKNOWN"]))
         if kind == "UNKNOWN":
             return ProxyHeader.unknown(version=1)
-        hosts: st.SearchStrategy[IPv4Address | IPv6Address] = (
-            ipv4_addresses if kind == "TCP4" else ipv6_addresses
-        )
+        hosts = _HOSTS[Family.INET if kind == "TCP4" else Family.INET6]
         return ProxyHeader(
             version=1,
             command=Command.PROXY,
@@ -369,7 +372,7 @@ def proxy_headers(
             source: InetAddress | UnixAddress = draw(unix_addresses)
             destination: InetAddress | UnixAddress = draw(unix_addresses)
         else:
-            hosts = ipv4_addresses if family is Family.INET else ipv6_addresses
+            hosts = _HOSTS[family]
             source = InetAddress(draw(hosts), draw(ports))
             destination = InetAddress(draw(hosts), draw(ports))
         header = ProxyHeader(

@@ -35,13 +35,13 @@ async def open_client(address: tuple[str, int]) -> trio.SocketStream:
 
 async def read_all(stream: trio.abc.ReceiveStream, limit: int = 1 << 26) -> bytes:
     """Read until EOF."""
-    chunks = []
+    chunks: list[bytes] = []
     total = 0
     while True:
         chunk = await stream.receive_some(65536)
         if not chunk:
             return b"".join(chunks)
-        chunks.append(chunk)
+        chunks.append(bytes(chunk))
         total += len(chunk)
         if total > limit:
             raise AssertionError("more data than expected")
