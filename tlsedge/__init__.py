@@ -1,7 +1,30 @@
-"""tlsedge: a trio-based edge that unwraps and wraps PROXY headers and relays TCP."""
+"""tlsedge: a trio-based edge that unwraps and wraps PROXY headers and relays TCP.
+
+Use it as the ``tlsedge`` command, or inside a trio program::
+
+    config = tlsedge.load_config("edge.toml")
+    edge = await nursery.start(tlsedge.serve, config)
+    ...
+    edge.drain()
+"""
 
 from __future__ import annotations
 
+from tlsedge._config import (
+    Config as Config,
+    ConfigError as ConfigError,
+    config_from_mapping as config_from_mapping,
+    load_config as load_config,
+)
+from tlsedge._server import Edge as Edge, serve as serve
 from tlsedge._version import __version__ as __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "Edge",
+    "__version__",
+    "config_from_mapping",
+    "load_config",
+    "serve",
+]
