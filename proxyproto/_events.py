@@ -139,6 +139,12 @@ class InetAddress:
             raise LocalProtocolError(f"port must be an int, got {self.port!r}")
         if not 0 <= self.port <= 0xFFFF:
             raise LocalProtocolError(f"port must be 0..65535, got {self.port}")
+        if isinstance(self.host, IPv6Address) and self.host.scope_id is not None:
+            # Neither v1 text nor the v2 address block can carry a zone id: the
+            # encoders would emit a line receivers refuse, or silently drop it.
+            raise LocalProtocolError(
+                f"IPv6 zone ids cannot be sent in a PROXY header: {self.host}"
+            )
 
     @classmethod
     def parse(cls, host: str, port: int) -> InetAddress:
@@ -173,6 +179,18 @@ class UnixAddress:
             raise LocalProtocolError(
                 f"UNIX path is {len(self.path)} bytes; at most "
                 f"{UNIX_PATH_LENGTH} fit in the address block"
+            )
+        # The block is NUL padded: a regular path ends at its first NUL and an
+        # abstract one (leading NUL) cannot end with NULs, or it would not
+        # decode to the same path.
+        if self.path[:1] == b"\x00":
+            if self.path.endswith(b"\x00"):
+                raise LocalProtocolError(
+                    f"abstract UNIX path cannot end with NUL: {self.path[:32]!r}"
+                )
+        elif b"\x00" in self.path:
+            raise LocalProtocolError(
+                f"UNIX path cannot contain NUL: {self.path[:32]!r}"
             )
 
 
@@ -211,7 +229,7 @@ class TLV:
     @classmethod
     def authority(cls, host: str) -> TLV:
         """AUTHORITY (0x02): the host name the client asked for (TLS SNI)."""
-        return _checked(cls(TLVType.AUTHORITY, host.encode("utf-8")))
+        return _checked(cls(TLVType.AUTHORITY, _encode_text(host, "utf-8")))
 
     @classmethod
     def unique_id(cls, value: bytes) -> TLV:
@@ -221,11 +239,13 @@ class TLV:
     @classmethod
     def netns(cls, name: str) -> TLV:
         """NETNS (0x30): the network namespace name."""
-        return _checked(cls(TLVType.NETNS, name.encode("ascii", "replace")))
+        return _checked(cls(TLVType.NETNS, _encode_text(name, "ascii")))
 
     @classmethod
     def noop(cls, length: int = 0) -> TLV:
         """NOOP (0x04): *length* bytes of padding."""
+        if length < 0:
+            raise LocalProtocolError(f"NOOP length must be >= 0, got {length}")
         return cls(TLVType.NOOP, bytes(length))
 
     @classmethod
@@ -236,7 +256,7 @@ class TLV:
     @classmethod
     def aws_vpce_id(cls, vpce_id: str) -> TLV:
         """AWS (0xEA) subtype 0x01: the PrivateLink VPC endpoint id."""
-        data = bytes([AWS_SUBTYPE_VPCE_ID]) + vpce_id.encode("ascii", "replace")
+        data = bytes([AWS_SUBTYPE_VPCE_ID]) + _encode_text(vpce_id, "ascii")
         tlv = cls(TLVType.AWS, data)
         _decode_aws_vpce_id(tlv.value, LocalProtocolError)
         return tlv
@@ -259,6 +279,17 @@ class TLV:
                 f"GCP PSC connection id must fit in 64 bits: {connection_id}"
             )
         return cls(TLVType.GCP, connection_id.to_bytes(8, "big"))
+
+
+def _encode_text(text: str, encoding: str) -> bytes:
+    # Strict: silently replacing what does not fit ("?") would send a
+    # different value than the caller asked for.
+    try:
+        return text.encode(encoding)
+    except UnicodeEncodeError as exc:
+        raise LocalProtocolError(
+            f"{text[:32]!r} cannot be encoded as {encoding}: {exc.reason}"
+        ) from None
 
 
 def _checked(tlv: TLV) -> TLV:
@@ -318,7 +349,7 @@ class SSLInfo:
             (TLVType.SSL_SIG_SCHEME, self.sig_scheme),
         ]
         out = [
-            TLV(t, v.encode("utf-8" if t == TLVType.SSL_CN else "ascii", "replace"))
+            TLV(t, _encode_text(v, "utf-8" if t == TLVType.SSL_CN else "ascii"))
             for t, v in fields
             if v is not None
         ]
@@ -560,7 +591,9 @@ def _to_address(
     if isinstance(value, (InetAddress, UnixAddress)):
         return value
     if isinstance(value, str):
-        return UnixAddress(value.encode())
+        # Socket paths are decoded with the filesystem encoding's error
+        # handler (surrogateescape): undo that exactly.
+        return UnixAddress(value.encode("utf-8", "surrogateescape"))
     if isinstance(value, bytes):
         return UnixAddress(value)
     if len(value) >= 2:

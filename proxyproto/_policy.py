@@ -70,6 +70,17 @@ def _address(value: str | IPAddress | tuple[object, ...]) -> IPAddress:
     return address
 
 
+def _address_or_none(
+    value: str | IPAddress | tuple[object, ...] | None,
+) -> IPAddress | None:
+    if value is None:
+        return None
+    try:
+        return _address(value)
+    except (ValueError, LocalProtocolError):
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class TrustPolicy:
     """Rules mapping peer (and local) addresses to a ``Policy``.
@@ -126,11 +137,10 @@ class TrustPolicy:
         tuples. A peer that is not an IP address (a UNIX socket) matches no
         CIDR rule and gets the default.
         """
-        try:
-            peer_ip = None if peer is None else _address(peer)
-            local_ip = None if local is None else _address(local)
-        except (ValueError, LocalProtocolError):
-            return self.default
+        # Parsed separately: a local address that is not an IP (a UNIX
+        # listener) only fails the rules that name local networks.
+        peer_ip = _address_or_none(peer)
+        local_ip = _address_or_none(local)
         if peer_ip is None:
             return self.default
         for peers, locals_, policy in self.rules:

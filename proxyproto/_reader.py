@@ -79,6 +79,11 @@ def _decode(
             reason="version_not_allowed",
         )
     if first == 0x50 and buf[:6] == V1_PREFIX[: len(buf[:6])]:
+        if len(buf) < len(V1_PREFIX):
+            # Only "PROXY " is a v1 header: until it is all there, the verdict
+            # (wrong version or plain garbage) could still go either way, and
+            # it must not depend on how the bytes were split.
+            return NEED_DATA
         raise RemoteProtocolError(
             "got a PROXY v1 header but only v2 is accepted here",
             reason="version_not_allowed",
@@ -185,6 +190,8 @@ class HeaderReader:
             raise LocalProtocolError(
                 "the header was already read; use trailing_data for what follows"
             )
+        if self._state is _State.ERROR:
+            return  # already refused: keep nothing (the buffer stays bounded)
         if not data:
             self._eof = True
         elif self._eof:

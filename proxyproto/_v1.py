@@ -17,6 +17,7 @@ from proxyproto._options import V1_MAX_LENGTH, Options
 
 V1_PREFIX = b"PROXY "
 _UNKNOWN = b"UNKNOWN"
+_UNKNOWN_SP = b"UNKNOWN "
 _TCP_PROTOCOLS = (b"TCP4", b"TCP6")
 # Bytes that may appear in a TCP4/TCP6 line before the CRLF.
 _TCP_LINE_BYTES = b"PROXYTCP46 0123456789abcdefABCDEF.:"
@@ -50,18 +51,18 @@ def check_v1_prefix(buf: bytes) -> None:
     Raises:
         RemoteProtocolError: *buf* cannot be the start of a valid v1 header.
     """
-    if len(buf) >= V1_MAX_LENGTH:
-        raise _reject(
-            f"no CRLF within the first {V1_MAX_LENGTH} bytes of a v1 header: "
-            f"{quote(buf)}",
-            reason="v1_too_long",
-        )
-    rest = buf[len(V1_PREFIX) :]
-    if rest.startswith(_UNKNOWN) or _UNKNOWN.startswith(rest):
+    # Each check judges the bytes as decode_v1 will once the CRLF arrives, so
+    # any split of the input gives the same outcome and the same reason: a
+    # final CR may be the start of the CRLF (judge the line without it), and
+    # the length check comes last so a bad byte is reported as such.
+    body = buf[:-1] if buf.endswith(b"\r") else buf
+    rest = body[len(V1_PREFIX) :]
+    if rest.startswith(_UNKNOWN_SP) or _UNKNOWN.startswith(rest):
         # "PROXY UNKNOWN" may be followed by anything up to the CRLF, but a lone
         # CR or LF is never a terminator.
         if b"\n" in buf or b"\r" in buf[:-1]:
             raise _reject(f"stray CR or LF in a v1 header: {quote(buf)}")
+        _check_v1_length(buf)
         return
     token, space, _ = rest.partition(b" ")
     if (space and token not in _TCP_PROTOCOLS) or not any(
@@ -71,9 +72,18 @@ def check_v1_prefix(buf: bytes) -> None:
             f"v1 protocol must be TCP4, TCP6 or UNKNOWN, got {quote(token)}",
             reason="bad_v1_protocol",
         )
-    body = buf[:-1] if buf.endswith(b"\r") else buf
     if body.translate(None, _TCP_LINE_BYTES):
         raise _reject(f"invalid byte in a v1 header: {quote(buf)}")
+    _check_v1_length(buf)
+
+
+def _check_v1_length(buf: bytes) -> None:
+    if len(buf) >= V1_MAX_LENGTH:
+        raise _reject(
+            f"no CRLF within the first {V1_MAX_LENGTH} bytes of a v1 header: "
+            f"{quote(buf)}",
+            reason="v1_too_long",
+        )
 
 
 def _port(field: bytes) -> int:

@@ -94,20 +94,30 @@ def socket_addresses(
 
     Follows ``transport_stream`` through wrapper streams (e.g. ``SSLStream``).
     """
+    sock = _find_socket(stream)
+    if sock is None:
+        return None, None
+    try:
+        peer = _format_address(sock.getpeername())
+    except OSError:  # e.g. ENOTCONN: the peer reset the connection already
+        peer = None
+    try:
+        local = _format_address(sock.getsockname())
+    except OSError:
+        local = None
+    return peer, local
+
+
+def _find_socket(stream: trio.abc.Stream) -> Any:
     current: object = stream
     for _ in range(8):
         sock = getattr(current, "socket", None)
         if sock is not None:
-            try:
-                return _format_address(sock.getpeername()), _format_address(
-                    sock.getsockname()
-                )
-            except OSError:
-                return None, None
+            return sock
         current = getattr(current, "transport_stream", None)
         if current is None:
             break
-    return None, None
+    return None
 
 
 def _header_address(address: InetAddress | UnixAddress | None) -> SocketAddress | None:
@@ -332,8 +342,10 @@ class ProxyListener(trio.abc.Listener[ProxyStream]):
             raise trio.ClosedResourceError("this ProxyListener was closed") from None
 
     async def aclose(self) -> None:
-        await self._receive.aclose()
-        await self.inner.aclose()
+        try:
+            await self._receive.aclose()
+        finally:  # close the socket even when cancelled at the checkpoint
+            await self.inner.aclose()
 
 
 @asynccontextmanager
@@ -356,6 +368,8 @@ async def open_proxy_listener(
 
     Connections whose policy is REJECT, whose header is bad or late, are closed
     and logged (logger ``proxyproto.trio``) and never reach ``accept()``.
+    Leaving the block closes *listener* and the connections whose header
+    was still being read.
 
     Args:
         listener: e.g. a ``trio.SocketListener``.
@@ -373,20 +387,38 @@ async def open_proxy_listener(
         peer = None
         try:
             peer, local = socket_addresses(stream)
+            if peer is None and _find_socket(stream) is not None:
+                # getpeername() failed: the peer is already gone (HAProxy's
+                # health checks reset right after connecting). Nothing to
+                # serve, and nothing wrong with the peer's bytes.
+                LOGGER.info("connection closed by its peer before its header")
+                await trio.aclose_forcefully(stream)
+                return
             policy = trust.decide(peer, local)
             result = await read_proxy_header(
                 stream, policy=policy, header_timeout=header_timeout, **reader_options
             )
-        except (RemoteProtocolError, trio.BrokenResourceError) as exc:
+        except RemoteProtocolError as exc:
             LOGGER.warning("closing connection from %s: %s", peer, exc)
             await trio.aclose_forcefully(stream)
             return
+        except trio.BrokenResourceError as exc:
+            LOGGER.info("connection from %s broke before its header: %s", peer, exc)
+            await trio.aclose_forcefully(stream)
+            return
+        except BaseException:
+            # Cancelled (the listener is closing) or a bug: never leak the fd.
+            await trio.aclose_forcefully(stream)
+            raise
         finally:
             pending.release_on_behalf_of(stream)
         try:
             await send.send(result)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await trio.aclose_forcefully(result)
+        except BaseException:
+            await trio.aclose_forcefully(result)
+            raise
 
     async def accept_loop() -> None:
         while True:
@@ -407,4 +439,5 @@ async def open_proxy_listener(
             yield wrapped
         finally:
             nursery.cancel_scope.cancel()
-            await send.aclose()
+            send.close()
+            await trio.aclose_forcefully(wrapped)

@@ -43,10 +43,16 @@ def _load(path: str) -> Config:
     return config
 
 
-async def _handle_signals(edge: Edge, config_path: str | None) -> None:
+async def _handle_signals(
+    edge: Edge,
+    config_path: str | None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
     with trio.open_signal_receiver(
         signal.SIGTERM, signal.SIGINT, signal.SIGHUP
     ) as signals:
+        task_status.started()
         async for signum in signals:
             if signum == signal.SIGHUP:
                 if config_path is None:
@@ -84,8 +90,10 @@ async def run_edge(
             await edge.run(task_status=task_status)
             nursery.cancel_scope.cancel()
 
+        # Handlers first: a signal sent as soon as the port answers must not
+        # meet the default action (SIGHUP and SIGTERM would kill the process).
+        await nursery.start(_handle_signals, edge, config_path)
         await nursery.start(run_then_stop)
-        nursery.start_soon(_handle_signals, edge, config_path)
         task_status.started(edge)
 
 

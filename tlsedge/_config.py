@@ -226,6 +226,8 @@ class TlsConfig:
     client_auth: ClientAuth = "none"
     client_ca: Path | None = None  # needed by client_auth "optional" / "required"
     handshake_timeout: float = 10.0
+    strict_sni: bool = False  # refuse unknown or missing SNI (unrecognized_name)
+    allow_expired: bool = False  # serve expired certificates (with a warning)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -687,6 +689,8 @@ def _tls(t: _Table, base_dir: Path) -> TlsConfig:
         client_auth=t.get("client_auth", _one_of(CLIENT_AUTH_MODES)),
         client_ca=t.opt("client_ca", _file(base_dir)),
         handshake_timeout=t.get("handshake_timeout", _DURATION),
+        strict_sni=t.get("strict_sni", _bool),
+        allow_expired=t.get("allow_expired", _bool),
     )
     if tls.client_auth != "none" and tls.client_ca is None:
         raise _fail(

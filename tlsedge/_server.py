@@ -11,10 +11,11 @@ hanging), the accept loops end, and the connections nursery gets a deadline of
 open are cancelled at the deadline and logged as ``drained``. ``run()`` returns
 once the last connection has gone.
 
-Each accept loop first takes a slot from the listener's and the edge's
-``max_connections`` limiters, then accepts: at the limit it simply stops
+Each accept loop waits for a client, takes a slot from the listener's and the
+edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
 accepting, and the kernel's backlog holds new clients (HAProxy's behaviour)
-instead of resetting them.
+instead of resetting them. (Taking the slots before a client is there would let
+idle accept loops hold slots that connections on other listeners need.)
 
 One connection goes through the pipeline of DESIGN.md section 2:
 
@@ -29,6 +30,7 @@ existing connections keep the settings they started with.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -73,6 +75,12 @@ class _Listener:
         return [
             (str(s.getsockname()[0]), int(s.getsockname()[1])) for s in self.sockets
         ]
+
+
+def _socket_address(address: object) -> tuple[str, int] | None:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return (str(address[0]), int(address[1]))
+    return None
 
 
 def _trust_policy(config: ListenerConfig) -> TrustPolicy | None:
@@ -320,6 +328,13 @@ class Edge:
         connections = self._connections
         with listener.cancel_scope:
             while True:
+                # Take the slots only once a client is waiting: a loop idling
+                # in accept() with a slot would keep it from the other accept
+                # loops (other listeners, other addresses of this one).
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except trio.ClosedResourceError:
+                    return
                 token = object()
                 await self._edge_limiter.acquire_on_behalf_of(token)
                 try:
@@ -328,7 +343,7 @@ class Edge:
                     self._edge_limiter.release_on_behalf_of(token)
                     raise
                 try:
-                    conn, _ = await sock.accept()
+                    conn, peer_address = await sock.accept()
                 except (OSError, trio.ClosedResourceError) as exc:
                     listener.limiter.release_on_behalf_of(token)
                     self._edge_limiter.release_on_behalf_of(token)
@@ -347,26 +362,38 @@ class Edge:
                     if isinstance(exc, trio.ClosedResourceError) or sock.fileno() == -1:
                         return
                     raise
+                # The backend is looked up now: a reload may remove it while
+                # this connection still reads its PROXY header.
                 connections.start_soon(
                     self._handle_connection,
                     listener.config,
+                    self._pools[listener.config.backend],
                     listener.trust,
                     listener.limiter,
                     token,
                     trio.SocketStream(conn),
+                    peer_address,
                 )
 
     # -- one connection ---------------------------------------------------
 
-    async def _handle_connection(
+    async def _handle_connection(  # noqa: PLR0917 (start_soon passes positionals)
         self,
         config: ListenerConfig,
+        pool: BackendPool,
         trust: TrustPolicy | None,
         limiter: trio.CapacityLimiter,
         token: object,
         stream: trio.SocketStream,
+        peer_address: object,
     ) -> None:
         peer, local = socket_addresses(stream)
+        if peer is None:
+            # Reset before we got here (HAProxy's health checks close with an
+            # RST): getpeername() fails, but accept() told us who it was.
+            peer = _socket_address(peer_address)
+            with contextlib.suppress(OSError):
+                local = _socket_address(stream.socket.getsockname())
         log = ConnectionLog(
             id=os.urandom(8).hex(),
             listener=config.name,
@@ -379,7 +406,7 @@ class Edge:
         client: trio.abc.Stream = stream
         try:
             upstream, client = await self._serve(
-                config, trust, stream, peer=peer, local=local, log=log
+                config, pool, trust, stream, peer=peer, local=local, log=log
             )
         except trio.Cancelled:
             if log.termination == "unknown":
@@ -399,6 +426,7 @@ class Edge:
     async def _serve(
         self,
         config: ListenerConfig,
+        pool: BackendPool,
         trust: TrustPolicy | None,
         stream: trio.SocketStream,
         *,
@@ -436,7 +464,6 @@ class Edge:
         log.client = format_address(client_address)
         log.destination = format_address(destination)
         log.backend = config.backend
-        pool = self._pools[config.backend]
         try:
             connected = await pool.connect(
                 client_address[0] if client_address else None
@@ -482,6 +509,12 @@ class Edge:
                 client_fin_timeout=config.client_fin_timeout,
                 server_fin_timeout=backend.server_fin_timeout,
             )
+        except BaseException:
+            # Cancelled (drain deadline, stop()): the caller never gets the
+            # upstream stream back to close, so close it here, not leak it.
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(upstream)
+            raise
         finally:
             server.active -= 1
             log.bytes_from_client = stats.bytes_from_client

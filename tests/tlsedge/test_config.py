@@ -71,6 +71,8 @@ alpn = ["h2", "http/1.1"]
 client_auth = "optional"
 client_ca = "clients-ca.pem"
 handshake_timeout = 7.5
+strict_sni = true
+allow_expired = true
 
 [listeners.forwarded]
 x_forwarded_for = false
@@ -157,6 +159,8 @@ FULL_EXPECTED = Config(
                 client_auth="optional",
                 client_ca=BASE / "clients-ca.pem",
                 handshake_timeout=7.5,
+                strict_sni=True,
+                allow_expired=True,
             ),
             forwarded=ForwardedConfig(
                 x_forwarded_for=False,
@@ -319,6 +323,8 @@ certificates = [{ cert = "c.pem", key = "k.pem" }]
     assert tls.client_auth == "none"
     assert tls.client_ca is None
     assert tls.handshake_timeout == 10.0
+    assert tls.strict_sni is False
+    assert tls.allow_expired is False
     backend_tls = config.backends[0].tls
     assert backend_tls == BackendTlsConfig(
         ca=None, verify=True, sni=None, cert=None, key=None, alpn=()
@@ -759,6 +765,14 @@ ERRORS: list[tuple[str, str]] = [
     (
         L + "[listeners.tls]\n" + CERTS + "handshake_timeout = 0\n" + B,
         "listeners[0].tls.handshake_timeout: must be greater than 0 s",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + 'strict_sni = "yes"\n' + B,
+        "listeners[0].tls.strict_sni: expected true or false, got a string ('yes')",
+    ),
+    (
+        L + "[listeners.tls]\n" + CERTS + "allow_expired = 1\n" + B,
+        "listeners[0].tls.allow_expired: expected true or false, got an integer (1)",
     ),
     # forwarded
     (

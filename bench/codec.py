@@ -1,0 +1,833 @@
+"""PROXY header codec speed: ``proxyproto`` (ours) vs ``proxy-protocol`` 0.11.3.
+
+Run: ``python bench/codec.py [--reps 40] [--pool 1000] [--quick]``
+
+Both codecs run in this process, case by case, interleaved: each repetition
+times one pass of each implementation over the same pool of distinct headers
+(random addresses, ports and unique ids, cycled so nothing benefits from a
+cache), alternating which one goes first. A pass is ``--pool`` calls; the
+per-call time is the pass time divided by the pool size, loop overhead
+included (the same ``for`` loop for both sides). The garbage collector is off
+while a pass runs (as ``timeit`` does). The table gives the median and best
+per-call time of each side and the ratios theirs/ours (> 1: ours is faster).
+Absolute numbers on a shared machine are noise; the ratios are the result.
+
+APIs used:
+
+* ours: ``proxyproto.parse(data)`` (one-shot; the "HeaderReader" rows use
+  ``HeaderReader().receive_data(data); next_event()`` as a server does),
+  ``encode_v1(header)``, ``encode_v2(header)``.
+* theirs: ``ProxyProtocolV1().unpack(data)``, ``ProxyProtocolV2().unpack(data)``,
+  ``.pack(result)``.
+
+Our parser builds the address objects lazily, on first access to
+``header.source``/``destination``; theirs builds them during ``unpack``. The
+"+ read source" rows touch ``header.source.host`` (ours) and
+``result.source[0]`` (theirs) after the parse: that is the honest comparison
+for a receiver that looks at the client address.
+
+CRC32C: ours uses ``google-crc32c`` (C) when installed, else a pure-Python
+slicing-by-8 table; the "pure-Python CRC" rows force the latter by patching
+``proxyproto._v2.crc32c``/``crc32c_of`` with ``crc32c_pure``. Theirs uses the
+``crc32c`` package (ICRAR, C with SSE4.2) when installed and otherwise does not
+verify at all. Their ``pack`` adds a CRC32C TLV to *every* v2 header whenever
+``crc32c`` is installed, so the plain v2 build rows switch that off (patching
+``proxyprotocol.tlv.crc32c_checksum`` to None) and the CRC build rows compare
+like with like. Their CRC check is computed over the TLVs re-serialised in
+ascending type order, not over the wire bytes, so it only accepts headers
+whose TLVs are already sorted by type: the CRC inputs here are sorted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import random
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv6Address
+from typing import Any
+
+import proxyprotocol.tlv as their_tlv
+from _common import banner, fmt_ratio, median, render_table
+from proxyprotocol.result import ProxyResult, ProxyResultIPv4, ProxyResultIPv6
+from proxyprotocol.tlv import ProxyProtocolSSLTLV, ProxyProtocolTLV
+from proxyprotocol.v1 import ProxyProtocolV1
+from proxyprotocol.v2 import ProxyProtocolV2
+
+import proxyproto._v2 as our_v2
+from proxyproto import (
+    TLV,
+    Command,
+    Family,
+    HeaderReader,
+    InetAddress,
+    ProxyHeader,
+    SSLClient,
+    SSLInfo,
+    TLVType,
+    Transport,
+    encode_v1,
+    encode_v2,
+    parse,
+)
+from proxyproto._crc32c import ACCELERATED, crc32c_pure
+from proxyproto._options import DEFAULT_OPTIONS as DEFAULT_OPTIONS_
+
+# One pass over the pool: returns elapsed nanoseconds.
+Pass = Callable[[], int]
+
+
+@dataclass(slots=True)
+class Case:
+    """One row of the table: our pass and their pass over the same inputs."""
+
+    name: str
+    ours: Pass
+    theirs: Pass | None
+    ours_times: list[float] = field(default_factory=list)
+    theirs_times: list[float] = field(default_factory=list)
+
+
+# -- inputs ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Endpoints:
+    """Random source/destination of one header."""
+
+    v6: bool
+    src: IPv4Address | IPv6Address
+    dst: IPv4Address | IPv6Address
+    sport: int
+    dport: int
+    unique_id: bytes
+
+
+def _endpoints(rng: random.Random, n: int, *, v6: bool) -> list[Endpoints]:
+    out = []
+    for _ in range(n):
+        if v6:
+            src: IPv4Address | IPv6Address = IPv6Address(rng.getrandbits(128))
+            dst: IPv4Address | IPv6Address = IPv6Address(
+                (0x2001_0DB8 << 96) | rng.getrandbits(32)
+            )
+        else:
+            src = IPv4Address(rng.getrandbits(32))
+            dst = IPv4Address((10 << 24) | rng.getrandbits(24))
+        out.append(
+            Endpoints(
+                v6=v6,
+                src=src,
+                dst=dst,
+                sport=rng.randrange(1024, 65536),
+                dport=rng.choice((80, 443, 8443)),
+                unique_id=rng.randbytes(16),
+            )
+        )
+    return out
+
+
+_SSL_INFO = SSLInfo(
+    client=SSLClient.SSL | SSLClient.CERT_CONN | SSLClient.CERT_SESS,
+    verify=0,
+    version="TLSv1.3",
+    cn="client.example.com",
+    cipher="TLS_AES_128_GCM_SHA256",
+    sig_alg="SHA256",
+    key_alg="RSA2048",
+)
+_THEIR_SSL = ProxyProtocolSSLTLV(
+    has_ssl=True,
+    has_cert_conn=True,
+    has_cert_sess=True,
+    verified=True,
+    version="TLSv1.3",
+    cn="client.example.com",
+    cipher="TLS_AES_128_GCM_SHA256",
+    sig_alg="SHA256",
+    key_alg="RSA2048",
+)
+
+
+def our_header(ep: Endpoints, version: int, *, tlvs: bool, crc: bool) -> ProxyHeader:
+    """The header for *ep*, built (and validated) with the public constructor."""
+    items: list[TLV] = []
+    if tlvs:
+        # Ascending type order (see the module docstring: their CRC check needs it).
+        items = [TLV.alpn(b"h2"), TLV.authority("www.example.com")]
+        if crc:
+            items.append(TLV(TLVType.CRC32C, b"\x00\x00\x00\x00"))
+        items += [TLV.unique_id(ep.unique_id), TLV.ssl(_SSL_INFO)]
+    return ProxyHeader(
+        version=version,
+        command=Command.PROXY,
+        family=Family.INET6 if ep.v6 else Family.INET,
+        transport=Transport.STREAM,
+        source=InetAddress(ep.src, ep.sport),
+        destination=InetAddress(ep.dst, ep.dport),
+        tlvs=tuple(items),
+    )
+
+
+def their_result(ep: Endpoints, *, tlvs: bool) -> ProxyResult:
+    """The equivalent ``proxyprotocol`` result (CRC added by their ``pack``)."""
+    tlv = (
+        ProxyProtocolTLV(
+            alpn=b"h2",
+            authority="www.example.com",
+            unique_id=ep.unique_id,
+            ssl=_THEIR_SSL,
+        )
+        if tlvs
+        else ProxyProtocolTLV()
+    )
+    if ep.v6:
+        assert isinstance(ep.src, IPv6Address)
+        assert isinstance(ep.dst, IPv6Address)
+        return ProxyResultIPv6(
+            (ep.src, ep.sport), (ep.dst, ep.dport), protocol=socket.SOCK_STREAM, tlv=tlv
+        )
+    assert isinstance(ep.src, IPv4Address)
+    assert isinstance(ep.dst, IPv4Address)
+    return ProxyResultIPv4(
+        (ep.src, ep.sport), (ep.dst, ep.dport), protocol=socket.SOCK_STREAM, tlv=tlv
+    )
+
+
+# -- patches -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def pure_python_crc() -> Iterator[None]:
+    """Make our v2 codec use the pure-Python CRC32C (verify and encode)."""
+    saved = our_v2.crc32c, our_v2.crc32c_of
+    our_v2.crc32c = our_v2.crc32c_of = crc32c_pure
+    try:
+        yield
+    finally:
+        our_v2.crc32c, our_v2.crc32c_of = saved
+
+
+@contextlib.contextmanager
+def their_auto_crc_off() -> Iterator[None]:
+    """Stop ``proxyprotocol``'s v2 ``pack`` from adding a CRC32C TLV."""
+    saved = their_tlv.crc32c_checksum
+    their_tlv.crc32c_checksum = None
+    try:
+        yield
+    finally:
+        their_tlv.crc32c_checksum = saved
+
+
+def patched(
+    run: Pass, patch: Callable[[], contextlib.AbstractContextManager[None]]
+) -> Pass:
+    """*run* with *patch* applied around the pass (outside the timed part)."""
+
+    def wrapped() -> int:
+        with patch():
+            return run()
+
+    return wrapped
+
+
+# -- passes ------------------------------------------------------------------
+# Each returns the elapsed ns of one loop over its pool; the loops are written
+# out (not a generic "for x in pool: f(x)") so each side pays exactly the calls
+# it needs and the same loop overhead.
+
+
+def _timed(body: Callable[[], None]) -> int:
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter_ns()
+        body()
+        return time.perf_counter_ns() - start
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def ours_parse(pool: Sequence[bytes]) -> Pass:
+    def body() -> None:
+        for data in pool:
+            parse(data)
+
+    return lambda: _timed(body)
+
+
+def ours_parse_source(pool: Sequence[bytes]) -> Pass:
+    def body() -> None:
+        for data in pool:
+            header, _ = parse(data)
+            header.source.host  # type: ignore[union-attr]  # noqa: B018
+
+    return lambda: _timed(body)
+
+
+def ours_parse_tlvs(pool: Sequence[bytes]) -> Pass:
+    def body() -> None:
+        for data in pool:
+            header, _ = parse(data)
+            header.source.host  # type: ignore[union-attr]  # noqa: B018
+            header.authority  # noqa: B018
+            header.ssl.cn  # type: ignore[union-attr]  # noqa: B018
+
+    return lambda: _timed(body)
+
+
+def ours_reader(pool: Sequence[bytes]) -> Pass:
+    def body() -> None:
+        for data in pool:
+            reader = HeaderReader()
+            reader.receive_data(data)
+            reader.next_event()
+            reader.trailing_data  # noqa: B018
+
+    return lambda: _timed(body)
+
+
+def theirs_parse(unpack: Callable[[bytes], ProxyResult], pool: Sequence[bytes]) -> Pass:
+    def body() -> None:
+        for data in pool:
+            unpack(data)
+
+    return lambda: _timed(body)
+
+
+def theirs_parse_source(
+    unpack: Callable[[bytes], ProxyResult], pool: Sequence[bytes]
+) -> Pass:
+    def body() -> None:
+        for data in pool:
+            unpack(data).source[0]  # type: ignore[index]
+
+    return lambda: _timed(body)
+
+
+def theirs_parse_tlvs(
+    unpack: Callable[[bytes], ProxyResult], pool: Sequence[bytes]
+) -> Pass:
+    def body() -> None:
+        for data in pool:
+            result = unpack(data)
+            result.source[0]  # type: ignore[index]
+            result.tlv.authority  # noqa: B018
+            result.tlv.ssl.cn  # noqa: B018
+
+    return lambda: _timed(body)
+
+
+def ours_encode(encode: Callable[[ProxyHeader], bytes], pool: Sequence[Any]) -> Pass:
+    def body() -> None:
+        for header in pool:
+            encode(header)
+
+    return lambda: _timed(body)
+
+
+def theirs_pack(pack: Callable[[ProxyResult], bytes], pool: Sequence[Any]) -> Pass:
+    def body() -> None:
+        for result in pool:
+            pack(result)
+
+    return lambda: _timed(body)
+
+
+# -- cases -------------------------------------------------------------------
+
+
+def _check_same(ours: Sequence[bytes], theirs: Sequence[bytes]) -> None:
+    """Both sides must agree on what they parse (guards the benchmark itself)."""
+    for data_ours, data_theirs in zip(ours, theirs, strict=True):
+        header, consumed = parse(data_ours)
+        assert consumed == len(data_ours)
+        if data_theirs[:1] == b"P":
+            result = ProxyProtocolV1().unpack(data_theirs)
+        else:
+            result = ProxyProtocolV2().unpack(data_theirs)
+        assert isinstance(header.source, InetAddress)
+        assert result.source is not None
+        assert isinstance(result.source, tuple)
+        assert (header.source.host, header.source.port) == result.source
+        if header.tlvs:
+            assert header.authority == result.tlv.authority
+            assert header.ssl is not None
+            assert header.ssl.cn == result.tlv.ssl.cn
+
+
+def build_cases(pool_size: int, seed: int) -> list[Case]:
+    rng = random.Random(seed)
+    eps4 = _endpoints(rng, pool_size, v6=False)
+    eps6 = _endpoints(rng, pool_size, v6=True)
+    v1u = ProxyProtocolV1().unpack
+    v2u = ProxyProtocolV2().unpack
+    v1p = ProxyProtocolV1().pack
+    v2p = ProxyProtocolV2().pack
+
+    def wire(eps: list[Endpoints], version: int, **kw: bool) -> list[bytes]:
+        out = []
+        for ep in eps:
+            header = our_header(ep, version, **kw)
+            out.append(encode_v1(header) if version == 1 else encode_v2(header))
+        return out
+
+    v1_4 = wire(eps4, 1, tlvs=False, crc=False)
+    v1_6 = wire(eps6, 1, tlvs=False, crc=False)
+    v2_4 = wire(eps4, 2, tlvs=False, crc=False)
+    v2_6 = wire(eps6, 2, tlvs=False, crc=False)
+    v2_tlv = wire(eps4, 2, tlvs=True, crc=False)
+    v2_crc = wire(eps4, 2, tlvs=True, crc=True)
+    for pool in (v1_4, v1_6, v2_4, v2_6, v2_tlv, v2_crc):
+        _check_same(pool, pool)
+
+    h1_4 = [our_header(ep, 1, tlvs=False, crc=False) for ep in eps4]
+    h1_6 = [our_header(ep, 1, tlvs=False, crc=False) for ep in eps6]
+    h2_4 = [our_header(ep, 2, tlvs=False, crc=False) for ep in eps4]
+    h2_6 = [our_header(ep, 2, tlvs=False, crc=False) for ep in eps6]
+    h2_tlv = [our_header(ep, 2, tlvs=True, crc=False) for ep in eps4]
+    h2_crc = [our_header(ep, 2, tlvs=True, crc=True) for ep in eps4]
+    r4 = [their_result(ep, tlvs=False) for ep in eps4]
+    r6 = [their_result(ep, tlvs=False) for ep in eps6]
+    r_tlv = [their_result(ep, tlvs=True) for ep in eps4]
+    # Both builders must produce what the parsers accept, and the same bytes.
+    with their_auto_crc_off():
+        assert [v2p(r) for r in r_tlv[:10]] == [encode_v2(h) for h in h2_tlv[:10]]
+    assert [v2p(r) for r in r_tlv[:10]] == [encode_v2(h) for h in h2_crc[:10]]
+    assert [v1p(r) for r in r4[:10]] == [encode_v1(h) for h in h1_4[:10]]
+
+    def with_pure_crc(run: Pass) -> Pass:
+        return patched(run, pure_python_crc)
+
+    def with_their_crc_off(run: Pass) -> Pass:
+        return patched(run, their_auto_crc_off)
+
+    return [
+        Case("v1 parse TCP4", ours_parse(v1_4), theirs_parse(v1u, v1_4)),
+        Case(
+            "v1 parse TCP4 + read source",
+            ours_parse_source(v1_4),
+            theirs_parse_source(v1u, v1_4),
+        ),
+        Case("v1 parse TCP6", ours_parse(v1_6), theirs_parse(v1u, v1_6)),
+        Case(
+            "v1 parse TCP6 + read source",
+            ours_parse_source(v1_6),
+            theirs_parse_source(v1u, v1_6),
+        ),
+        Case("v2 parse INET", ours_parse(v2_4), theirs_parse(v2u, v2_4)),
+        Case(
+            "v2 parse INET + read source",
+            ours_parse_source(v2_4),
+            theirs_parse_source(v2u, v2_4),
+        ),
+        Case("v2 parse INET6", ours_parse(v2_6), theirs_parse(v2u, v2_6)),
+        Case(
+            "v2 parse INET6 + read source",
+            ours_parse_source(v2_6),
+            theirs_parse_source(v2u, v2_6),
+        ),
+        Case("v2 parse INET+TLVs", ours_parse(v2_tlv), theirs_parse(v2u, v2_tlv)),
+        Case(
+            "v2 parse INET+TLVs + read source",
+            ours_parse_source(v2_tlv),
+            theirs_parse_source(v2u, v2_tlv),
+        ),
+        Case(
+            "v2 parse INET+TLVs + read src/authority/ssl.cn",
+            ours_parse_tlvs(v2_tlv),
+            theirs_parse_tlvs(v2u, v2_tlv),
+        ),
+        Case(
+            "v2 parse TLVs+CRC32C (ours C)",
+            ours_parse(v2_crc),
+            theirs_parse(v2u, v2_crc),
+        ),
+        Case(
+            "v2 parse TLVs+CRC32C (ours pure-Python CRC)",
+            with_pure_crc(ours_parse(v2_crc)),
+            theirs_parse(v2u, v2_crc),
+        ),
+        Case(
+            "v2 parse TLVs+CRC32C + read source (ours C)",
+            ours_parse_source(v2_crc),
+            theirs_parse_source(v2u, v2_crc),
+        ),
+        Case("v1 TCP4 via HeaderReader", ours_reader(v1_4), theirs_parse(v1u, v1_4)),
+        Case("v2 INET via HeaderReader", ours_reader(v2_4), theirs_parse(v2u, v2_4)),
+        Case("v1 build TCP4", ours_encode(encode_v1, h1_4), theirs_pack(v1p, r4)),
+        Case("v1 build TCP6", ours_encode(encode_v1, h1_6), theirs_pack(v1p, r6)),
+        Case(
+            "v2 build INET",
+            ours_encode(encode_v2, h2_4),
+            with_their_crc_off(theirs_pack(v2p, r4)),
+        ),
+        Case(
+            "v2 build INET6",
+            ours_encode(encode_v2, h2_6),
+            with_their_crc_off(theirs_pack(v2p, r6)),
+        ),
+        Case(
+            "v2 build INET+TLVs",
+            ours_encode(encode_v2, h2_tlv),
+            with_their_crc_off(theirs_pack(v2p, r_tlv)),
+        ),
+        Case(
+            "v2 build TLVs+CRC32C (ours C)",
+            ours_encode(encode_v2, h2_crc),
+            theirs_pack(v2p, r_tlv),
+        ),
+        Case(
+            "v2 build TLVs+CRC32C (ours pure-Python CRC)",
+            with_pure_crc(ours_encode(encode_v2, h2_crc)),
+            theirs_pack(v2p, r_tlv),
+        ),
+    ]
+
+
+def run_case(case: Case, reps: int, pool_size: int) -> None:
+    # Warm up both (imports, caches of struct formats, branch predictors...).
+    case.ours()
+    if case.theirs is not None:
+        case.theirs()
+    for rep in range(reps):
+        order: list[tuple[Pass, list[float]]] = [(case.ours, case.ours_times)]
+        if case.theirs is not None:
+            order.append((case.theirs, case.theirs_times))
+        if rep % 2:
+            order.reverse()
+        for run, times in order:
+            times.append(run() / pool_size / 1000)  # microseconds per call
+
+
+def describe_crc() -> str:
+    from importlib.metadata import version
+
+    import crc32c as icrar
+    import google_crc32c
+
+    theirs = their_tlv.crc32c_checksum
+    return (
+        f"CRC32C: ours = {ACCELERATED or 'pure Python'} "
+        f"(google-crc32c {version('google-crc32c')}, implementation "
+        f"{google_crc32c.implementation!r}); pure-Python rows = "
+        f"proxyproto._crc32c.crc32c_pure\n"
+        f"        theirs = {getattr(theirs, '__module__', theirs)} "
+        f"(crc32c {version('crc32c')}, "
+        f"hardware_based={getattr(icrar, 'hardware_based', '?')})"
+    )
+
+
+# -- experiments: measured suggestions for proxyproto ---------------------------
+# Each pairs the current code path with a proposed replacement, timed the same
+# interleaved way. The replacements are written here, not in proxyproto/.
+
+
+def _fast_inet(host: object, port: int) -> InetAddress:
+    """InetAddress without __init__/__post_init__ (values already validated)."""
+    address = object.__new__(InetAddress)
+    _SET_HOST(address, host)
+    _SET_PORT(address, port)
+    return address
+
+
+_SET_HOST = InetAddress.__dict__["host"].__set__
+_SET_PORT = InetAddress.__dict__["port"].__set__
+_SET_IP4 = IPv4Address.__dict__["_ip"].__set__
+_HEADER_SETTERS = tuple(
+    ProxyHeader.__dict__[name].__set__
+    for name in ("version", "command", "family", "transport", "tlvs", "_wire")
+)
+
+
+def _fast_v2_addresses(wire: bytes) -> tuple[InetAddress, InetAddress]:
+    src, dst, sport, dport = our_v2._INET4.unpack_from(wire, 16)
+    a = object.__new__(IPv4Address)
+    _SET_IP4(a, src)
+    b = object.__new__(IPv4Address)
+    _SET_IP4(b, dst)
+    return _fast_inet(a, sport), _fast_inet(b, dport)
+
+
+def _fast_v1_addresses(line: bytes) -> tuple[InetAddress, InetAddress]:
+    # The line already matched the strict TCP4 regex: inet_aton's leniency
+    # (octal, short forms) cannot be reached.
+    parts = line.split(b" ")
+    return (
+        _fast_inet(
+            IPv4Address(int.from_bytes(socket.inet_aton(parts[2].decode()))),
+            int(parts[4]),
+        ),
+        _fast_inet(
+            IPv4Address(int.from_bytes(socket.inet_aton(parts[3].decode()))),
+            int(parts[5]),
+        ),
+    )
+
+
+def _check_ssl_only(value: bytes, error: type[Exception]) -> None:
+    """What _walk_ssl checks, without building the list the parser discards and
+    with ``& 0x01`` instead of ``& SSLClient.SSL`` (an IntFlag: a Python-level
+    ``__and__``)."""
+    from proxyproto._tlv import _SSL_TEXT_FIELDS
+
+    if len(value) < 5:
+        raise error("SSL TLV too short")
+    has_version = False
+    pos, end = 5, len(value)
+    while pos < end:
+        if end - pos < 3:
+            raise error("SSL sub-TLV header truncated")
+        sub_type = value[pos]
+        stop = pos + 3 + ((value[pos + 1] << 8) | value[pos + 2])
+        if stop > end:
+            raise error("SSL sub-TLV overruns")
+        if sub_type in _SSL_TEXT_FIELDS:
+            sub = value[pos + 3 : stop]
+            if not sub or not sub.isascii() or not sub.decode("ascii").isprintable():
+                raise error("bad SSL text sub-TLV")
+            if sub_type == 0x21:
+                has_version = True
+        elif sub_type == 0x22:
+            text = value[pos + 3 : stop].decode("utf-8")
+            if not text or not text.isprintable():
+                raise error("bad SSL CN")
+        pos = stop
+    if value[0] & 0x01 and not has_version:
+        raise error("SSL TLV without VERSION")
+
+
+def _loop(fn: Callable[[Any], object], pool: Sequence[Any]) -> Pass:
+    def body() -> None:
+        for item in pool:
+            fn(item)
+
+    return lambda: _timed(body)
+
+
+def build_experiments(pool_size: int, seed: int) -> list[Case]:
+    from proxyproto._errors import RemoteProtocolError
+    from proxyproto._tlv import _walk_ssl
+    from proxyproto._v1 import _host_text, _ipv6, decode_v1_addresses
+    from proxyproto._v2 import decode_v2_addresses
+
+    rng = random.Random(seed)
+    eps4 = _endpoints(rng, pool_size, v6=False)
+    eps6 = _endpoints(rng, pool_size, v6=True)
+    v2_4 = [encode_v2(our_header(ep, 2, tlvs=False, crc=False)) for ep in eps4]
+    v1_4 = [encode_v1(our_header(ep, 1, tlvs=False, crc=False))[:-2] for ep in eps4]
+    v6_text = [str(ep.src).encode() for ep in eps6]
+    v6_hosts = [ep.src for ep in eps6]
+    ssl_values = [TLV.ssl(_SSL_INFO).value] * pool_size
+    parsed_fresh = v2_4  # parse each time: the header object must be new
+
+    for data in v2_4[:20]:
+        assert _fast_v2_addresses(data) == decode_v2_addresses(data)
+    for line in v1_4[:20]:
+        assert _fast_v1_addresses(line) == decode_v1_addresses(line)
+    for text in v6_text[:20]:
+        assert IPv6Address(socket.inet_pton(socket.AF_INET6, text.decode())) == _ipv6(
+            text, DEFAULT_OPTIONS_
+        )
+    for host in v6_hosts[:200]:
+        assert socket.inet_ntop(socket.AF_INET6, host.packed) == _host_text(host)
+    _check_ssl_only(ssl_values[0], RemoteProtocolError)
+
+    def parse_then_source(data: bytes) -> object:
+        return parse(data)[0].source
+
+    def parse_then_decode(data: bytes) -> object:
+        parse(data)
+        return decode_v2_addresses(data)
+
+    def setattr_header_unrolled(data: bytes) -> object:
+        header = object.__new__(ProxyHeader)
+        _set = object.__setattr__
+        _set(header, "version", 2)
+        _set(header, "command", Command.PROXY)
+        _set(header, "family", Family.INET)
+        _set(header, "transport", Transport.STREAM)
+        _set(header, "tlvs", ())
+        _set(header, "_wire", data)
+        return header
+
+    def descriptor_header(data: bytes) -> object:
+        header = object.__new__(ProxyHeader)
+        sv, sc, sf, st, stl, sw = _HEADER_SETTERS
+        sv(header, 2)
+        sc(header, Command.PROXY)
+        sf(header, Family.INET)
+        st(header, Transport.STREAM)
+        stl(header, ())
+        sw(header, data)
+        return header
+
+    return [
+        Case(
+            "v2: decode_v2_addresses -> new+slot setters, no __post_init__",
+            _loop(_fast_v2_addresses, v2_4),
+            _loop(decode_v2_addresses, v2_4),
+        ),
+        Case(
+            "v2: parse+.source (lazy __getattr__) -> parse+direct decode",
+            _loop(parse_then_decode, parsed_fresh),
+            _loop(parse_then_source, parsed_fresh),
+        ),
+        Case(
+            "v2: header via object.__setattr__ x6 -> slot __set__ x6",
+            _loop(descriptor_header, v2_4),
+            _loop(setattr_header_unrolled, v2_4),
+        ),
+        Case(
+            "v1: decode_v1_addresses -> inet_aton + fast InetAddress",
+            _loop(_fast_v1_addresses, v1_4),
+            _loop(decode_v1_addresses, v1_4),
+        ),
+        Case(
+            "v1 TCP6: IPv6Address(str) -> IPv6Address(inet_pton(...))",
+            _loop(
+                lambda t: IPv6Address(socket.inet_pton(socket.AF_INET6, t.decode())),
+                v6_text,
+            ),
+            _loop(lambda t: _ipv6(t, DEFAULT_OPTIONS_), v6_text),
+        ),
+        Case(
+            "v1 TCP6 encode: _host_text (str) -> inet_ntop",
+            _loop(lambda h: socket.inet_ntop(socket.AF_INET6, h.packed), v6_hosts),
+            _loop(_host_text, v6_hosts),
+        ),
+        Case(
+            "SSL TLV check: _walk_ssl -> check-only walker, & 0x01",
+            _loop(lambda v: _check_ssl_only(v, RemoteProtocolError), ssl_values),
+            _loop(lambda v: _walk_ssl(v, RemoteProtocolError), ssl_values),
+        ),
+        Case(
+            "value[0] & SSLClient.SSL -> value[0] & 0x01",
+            _loop(lambda v: v[0] & 0x01, ssl_values),
+            _loop(lambda v: v[0] & SSLClient.SSL, ssl_values),
+        ),
+    ]
+
+
+def run_experiments(args: argparse.Namespace) -> None:
+    print(
+        "experiments: current proxyproto code vs a proposed replacement "
+        "(written in bench/codec.py), interleaved"
+    )
+    rows = []
+    for case in build_experiments(args.pool, args.seed):
+        run_case(case, args.reps, args.pool)
+        new, cur = median(case.ours_times), median(case.theirs_times)
+        rows.append(
+            [
+                case.name,
+                f"{cur:.3f}",
+                f"{new:.3f}",
+                f"{(cur - new) * 1000:.0f}",
+                fmt_ratio(cur / new),
+            ]
+        )
+        print(f"  done: {case.name}", file=sys.stderr)
+    print(
+        render_table(
+            ["change", "current us", "proposed us", "saved ns/call", "speedup"], rows
+        )
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=40, help="passes per side")
+    parser.add_argument("--pool", type=int, default=1000, help="headers per pass")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="5 passes of 200")
+    parser.add_argument(
+        "--only", default="", help="run only the cases whose name contains this"
+    )
+    parser.add_argument(
+        "--experiments",
+        action="store_true",
+        help="time proposed proxyproto changes against the current code instead",
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.reps, args.pool = 5, 200
+
+    import proxyprotocol
+
+    print(banner("bench/codec.py: proxyproto vs proxy-protocol"))
+    print(
+        f"theirs: proxy-protocol {getattr(proxyprotocol, '__version__', '0.11.3')} "
+        f"(import proxyprotocol)"
+    )
+    print(describe_crc())
+    print(
+        f"method: {args.reps} interleaved passes per side over a pool of "
+        f"{args.pool} distinct headers; per-call time = pass / pool (loop "
+        f"included); GC off during a pass"
+    )
+    print(
+        "note: our parser builds address objects lazily; '+ read source' rows "
+        "touch header.source.host (ours) / result.source[0] (theirs)"
+    )
+    print()
+    if args.experiments:
+        run_experiments(args)
+        return 0
+    cases = [c for c in build_cases(args.pool, args.seed) if args.only in c.name]
+    rows = []
+    below = []
+    for case in cases:
+        run_case(case, args.reps, args.pool)
+        ours_med, ours_min = median(case.ours_times), min(case.ours_times)
+        if case.theirs_times:
+            th_med, th_min = median(case.theirs_times), min(case.theirs_times)
+            ratio = th_med / ours_med
+            best_ratio = th_min / ours_min
+            if ratio < 5:
+                below.append(case.name)
+        else:
+            th_med = th_min = ratio = best_ratio = float("nan")
+        rows.append(
+            [
+                case.name,
+                f"{ours_med:.3f}",
+                f"{ours_min:.3f}",
+                f"{th_med:.3f}",
+                f"{th_min:.3f}",
+                fmt_ratio(ratio),
+                fmt_ratio(best_ratio),
+            ]
+        )
+        print(f"  done: {case.name}", file=sys.stderr)
+    print(
+        render_table(
+            [
+                "case",
+                "ours us (med)",
+                "ours us (best)",
+                "theirs us (med)",
+                "theirs us (best)",
+                "theirs/ours (med)",
+                "(best)",
+            ],
+            rows,
+        )
+    )
+    print()
+    print("goal: ours >= 5x faster in every case (theirs/ours >= 5.00x)")
+    if below:
+        print("below 5x (by median): " + "; ".join(below))
+    else:
+        print("every case is at or above 5x (by median)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

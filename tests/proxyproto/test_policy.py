@@ -1,0 +1,130 @@
+"""TrustPolicy: which peers may (or must) send a PROXY header."""
+
+from __future__ import annotations
+
+from ipaddress import IPv4Network, ip_address
+from typing import Any
+
+import pytest
+
+from proxyproto import LocalProtocolError, Policy, TrustPolicy
+
+TRUSTED = TrustPolicy.from_cidrs(["10.0.0.0/8", "192.0.2.7", "2001:db8::/32", "::1"])
+
+
+@pytest.mark.parametrize(
+    ("peer", "expected"),
+    [
+        pytest.param("10.1.2.3", Policy.REQUIRE, id="ipv4-in-cidr"),
+        pytest.param("11.0.0.1", Policy.REJECT, id="ipv4-outside"),
+        pytest.param("192.0.2.7", Policy.REQUIRE, id="single-ipv4"),
+        pytest.param("192.0.2.8", Policy.REJECT, id="next-to-single-ipv4"),
+        pytest.param("2001:db8:1::5", Policy.REQUIRE, id="ipv6-in-cidr"),
+        pytest.param("2001:db9::1", Policy.REJECT, id="ipv6-outside"),
+        pytest.param("::1", Policy.REQUIRE, id="single-ipv6"),
+        pytest.param("::ffff:10.9.9.9", Policy.REQUIRE, id="mapped-matches-ipv4"),
+        pytest.param("::ffff:11.0.0.1", Policy.REJECT, id="mapped-outside"),
+        pytest.param(ip_address("10.0.0.1"), Policy.REQUIRE, id="ip-object"),
+        pytest.param(("10.0.0.1", 5000), Policy.REQUIRE, id="socket-tuple"),
+        pytest.param(
+            ("::ffff:10.0.0.1", 5000, 0, 0), Policy.REQUIRE, id="mapped-tuple"
+        ),
+        pytest.param(
+            ("2001:db8::1%eth0", 5000, 0, 3), Policy.REQUIRE, id="scoped-ipv6"
+        ),
+        pytest.param(("11.0.0.1", 5000), Policy.REJECT, id="socket-tuple-outside"),
+        pytest.param(None, Policy.REJECT, id="none"),
+        pytest.param("/run/lb.sock", Policy.REJECT, id="unix-path"),
+        pytest.param("", Policy.REJECT, id="unnamed-unix"),
+        pytest.param(b"\0abstract", Policy.REJECT, id="abstract-unix"),
+        pytest.param("not an address", Policy.REJECT, id="garbage"),
+    ],
+)
+def test_from_cidrs_decides_by_peer(peer: Any, expected: Policy) -> None:
+    assert TRUSTED.decide(peer) is expected
+
+
+def test_from_cidrs_custom_policies() -> None:
+    policy = TrustPolicy.from_cidrs(
+        ["10.0.0.0/8"], trusted_policy=Policy.USE, untrusted=Policy.SKIP
+    )
+    assert policy.decide("10.0.0.1") is Policy.USE
+    assert policy.decide("8.8.8.8") is Policy.SKIP
+
+
+def test_from_cidrs_accepts_network_and_address_objects() -> None:
+    policy = TrustPolicy.from_cidrs([IPv4Network("10.0.0.0/8"), ip_address("::2")])
+    assert policy.decide("10.0.0.1") is Policy.REQUIRE
+    assert policy.decide("::2") is Policy.REQUIRE
+    assert policy.decide("::3") is Policy.REJECT
+
+
+def test_local_address_rules() -> None:
+    policy = TrustPolicy.from_cidrs(["10.0.0.0/8"], local=["192.168.1.1", "fd00::/8"])
+    assert policy.decide("10.0.0.1", "192.168.1.1") is Policy.REQUIRE
+    assert policy.decide("10.0.0.1", ("192.168.1.1", 443)) is Policy.REQUIRE
+    assert policy.decide("10.0.0.1", "::ffff:192.168.1.1") is Policy.REQUIRE
+    assert policy.decide("10.0.0.1", "fd00::1") is Policy.REQUIRE
+    assert policy.decide("10.0.0.1", "192.168.1.2") is Policy.REJECT
+    assert policy.decide("10.0.0.1") is Policy.REJECT  # local unknown
+    assert policy.decide("10.0.0.1", "/run/x.sock") is Policy.REJECT
+    assert policy.decide("11.0.0.1", "192.168.1.1") is Policy.REJECT
+
+
+def test_unparsable_local_does_not_matter_without_local_rules() -> None:
+    assert TRUSTED.decide("10.0.0.1", "") is Policy.REQUIRE
+    assert TRUSTED.decide("10.0.0.1", "/run/x.sock") is Policy.REQUIRE
+    assert TRUSTED.decide(("10.0.0.1", 1), None) is Policy.REQUIRE
+
+
+def test_first_matching_rule_wins_then_default() -> None:
+    policy = TrustPolicy(
+        rules=(
+            ((IPv4Network("10.0.0.0/24"),), None, Policy.SKIP),
+            ((IPv4Network("10.0.0.0/8"),), None, Policy.REQUIRE),
+        ),
+        default=Policy.IGNORE,
+    )
+    assert policy.decide("10.0.0.5") is Policy.SKIP
+    assert policy.decide("10.5.0.5") is Policy.REQUIRE
+    assert policy.decide("172.16.0.1") is Policy.IGNORE
+
+
+def test_default_is_reject() -> None:
+    assert TrustPolicy(rules=()).decide("10.0.0.1") is Policy.REJECT
+    assert TrustPolicy.from_cidrs([]).decide("10.0.0.1") is Policy.REJECT
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_everyone(policy: Policy) -> None:
+    everyone = TrustPolicy.everyone(policy)
+    assert everyone.decide("10.0.0.1") is policy
+    assert everyone.decide("::1", "::1") is policy
+    assert everyone.decide(None) is policy
+    assert everyone.decide("/run/x.sock") is policy
+
+
+def test_everyone_defaults_to_require() -> None:
+    assert TrustPolicy.everyone().decide("1.2.3.4") is Policy.REQUIRE
+
+
+@pytest.mark.parametrize(
+    "cidr",
+    [
+        pytest.param("10.0.0.0/33", id="prefix-too-long"),
+        pytest.param("10.0.0.1/8", id="host-bits-set"),
+        pytest.param("example.com", id="name"),
+        pytest.param("", id="empty"),
+        pytest.param("2001:db8::/129", id="ipv6-prefix"),
+        pytest.param("10.0.0.0/8 ", id="trailing-space"),
+    ],
+)
+def test_bad_cidr_is_a_local_error(cidr: str) -> None:
+    with pytest.raises(LocalProtocolError, match="CIDR"):
+        TrustPolicy.from_cidrs([cidr])
+    with pytest.raises(LocalProtocolError):
+        TrustPolicy.from_cidrs(["10.0.0.0/8"], local=[cidr])
+
+
+def test_policy_values() -> None:
+    assert {p.value for p in Policy} == {"require", "ignore", "use", "skip", "reject"}

@@ -1,0 +1,302 @@
+"""The ``tlsedge`` command: in-process ``main()``, then real processes and signals."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from tests.peers import free_port, require
+from tests.tlsedge.helpers import Backend, exchange, read_all, wait_until
+from tlsedge._cli import main
+from tlsedge._version import __version__
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config_text(port: int, server: str, *, drain_timeout: float = 30.0) -> str:
+    return (
+        f"[edge]\ndrain_timeout = {drain_timeout}\n\n"
+        f'[[listeners]]\nname = "in"\nbind = "127.0.0.1:{port}"\nbackend = "b"\n\n'
+        f'[[backends]]\nname = "b"\nservers = ["{server}"]\n'
+    )
+
+
+GOOD = config_text(8443, "127.0.0.1:8080")
+
+
+def echo_handler(name: str) -> Callable[[trio.SocketStream], Awaitable[None]]:
+    """Send *name*, then echo until EOF."""
+
+    async def handler(stream: trio.SocketStream) -> None:
+        await stream.send_all(name.encode())
+        while data := await stream.receive_some(65536):
+            await stream.send_all(data)
+
+    return handler
+
+
+# -- in process -----------------------------------------------------------
+
+
+def test_check_good_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text(config_text(8443, "127.0.0.1:8080"))
+    assert main(["check", str(path)]) == 0
+    assert "OK (1 listeners, 1 backends)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "dotted"),
+    [
+        (
+            config_text(8443, "127.0.0.1:8080").replace(
+                'backend = "b"', 'backend = "x"'
+            ),
+            "listeners[0].backend",
+        ),
+        (
+            GOOD + "\n[backends.health]\nkind = 'udp'\n",
+            "backends[0].health.kind",
+        ),
+        ("[edge]\nworkers = 0\n", "edge.workers"),
+    ],
+)
+def test_check_bad_config_exits_2_with_the_dotted_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, dotted: str
+) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text(text)
+    assert main(["check", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"{path}: {dotted}:" in captured.err
+    assert captured.out == ""
+
+
+def test_check_missing_file_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", str(tmp_path / "nope.toml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tlsedge {__version__}"
+
+
+def test_python_dash_m_help() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tlsedge", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    for command in ("run", "check", "demo"):
+        assert command in result.stdout
+
+
+# -- real processes -----------------------------------------------------------
+
+
+class EdgeProcess:
+    """``python -m tlsedge ARGS`` with its stderr in a file."""
+
+    def __init__(self, process: trio.Process, log: Path) -> None:
+        self.process = process
+        self.log = log
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    async def wait(self, within: float = 15.0) -> int:
+        with trio.fail_after(within):
+            return await self.process.wait()
+
+    async def wait_for_log(self, text: str, within: float = 15.0) -> None:
+        await wait_until(lambda: text in self.output, within, 0.05)
+
+    async def wait_for_port(self, port: int) -> None:
+        with trio.fail_after(20):
+            while True:
+                if self.process.returncode is not None:
+                    raise AssertionError(
+                        f"exited with {self.process.returncode}:\n{self.output}"
+                    )
+                try:
+                    probe = await trio.open_tcp_stream("127.0.0.1", port)
+                except OSError:
+                    await trio.sleep(0.05)
+                    continue
+                await probe.aclose()
+                return
+
+
+@contextlib.asynccontextmanager
+async def tlsedge_process(*args: str, log: Path) -> AsyncIterator[EdgeProcess]:
+    with log.open("wb") as out:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "tlsedge", *args],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+        )
+    try:
+        yield EdgeProcess(process, log)
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+
+
+async def assert_refused(port: int) -> None:
+    with (
+        trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock,
+        pytest.raises(ConnectionRefusedError),
+    ):
+        await sock.connect(("127.0.0.1", port))
+
+
+async def wait_refused(port: int) -> None:
+    with trio.fail_after(10):
+        while True:
+            try:
+                await assert_refused(port)
+            except pytest.fail.Exception:
+                await trio.sleep(0.02)
+                continue
+            return
+
+
+async def test_run_reloads_on_sighup(nursery: trio.Nursery, tmp_path: Path) -> None:
+    one = await Backend(echo_handler("one")).start(nursery)
+    two = await Backend(echo_handler("two")).start(nursery)
+    port = free_port()
+    path = tmp_path / "edge.toml"
+    path.write_text(config_text(port, one.address))
+    async with tlsedge_process("run", str(path), log=tmp_path / "log") as edge:
+        await edge.wait_for_port(port)
+        address = ("127.0.0.1", port)
+        assert await exchange(address) == b"one"
+        path.write_text(config_text(port, two.address))
+        edge.signal(signal.SIGHUP)
+        await edge.wait_for_log("configuration reloaded")
+        assert await exchange(address) == b"two"
+        path.write_text(config_text(port, "no-such-host.invalid:80"))
+        edge.signal(signal.SIGHUP)
+        await edge.wait_for_log("reload refused")
+        assert await exchange(address) == b"two"
+        path.write_text("this is = = not toml")
+        edge.signal(signal.SIGHUP)
+        await wait_until(lambda: edge.output.count("reload refused") == 2, 15, 0.05)
+        assert await exchange(address, b"still") == b"twostill"
+        edge.signal(signal.SIGTERM)
+        assert await edge.wait() == 0
+
+
+async def test_sigterm_drains_and_exits_0(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    backend = await Backend(echo_handler("hi")).start(nursery)
+    port = free_port()
+    path = tmp_path / "edge.toml"
+    path.write_text(config_text(port, backend.address))
+    async with tlsedge_process("run", str(path), log=tmp_path / "log") as edge:
+        await edge.wait_for_port(port)
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        async with client:
+            assert await client.receive_some(2) == b"hi"
+            edge.signal(signal.SIGTERM)
+            await wait_refused(port)  # the listener is closed ...
+            await client.send_all(b"ping")  # ... the open connection goes on
+            with trio.fail_after(5):
+                assert await client.receive_some(4) == b"ping"
+            assert edge.process.returncode is None
+            await client.send_eof()
+            assert await read_all(client) == b""
+        assert await edge.wait() == 0
+    assert "SIGTERM: draining" in edge.output
+    assert '"termination":"client_closed"' in edge.output
+
+
+async def test_second_sigterm_exits_at_once(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    backend = await Backend(echo_handler("hi")).start(nursery)
+    port = free_port()
+    path = tmp_path / "edge.toml"
+    path.write_text(config_text(port, backend.address, drain_timeout=600.0))
+    async with tlsedge_process("run", str(path), log=tmp_path / "log") as edge:
+        await edge.wait_for_port(port)
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        async with client:
+            assert await client.receive_some(2) == b"hi"
+            edge.signal(signal.SIGTERM)
+            await edge.wait_for_log("SIGTERM: draining")
+            edge.signal(signal.SIGTERM)
+            assert await edge.wait(within=10) == 0
+            with trio.fail_after(5):
+                assert await read_all(client) == b""
+    assert '"termination":"drained"' in edge.output
+
+
+def two_free_ports() -> int:
+    """A port P such that P and P + 1 were both free a moment ago."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two adjacent free ports")
+
+
+async def curl(*args: str) -> str:
+    result = await trio.run_process(
+        [require("curl"), "-sS", "--max-time", "10", *args],
+        capture_stdout=True,
+        capture_stderr=True,
+    )
+    return result.stdout.decode()
+
+
+async def test_demo_answers_curl_direct_and_behind_a_proxy(tmp_path: Path) -> None:
+    require("curl")
+    port = two_free_ports()
+    async with tlsedge_process(
+        "demo", "--port", str(port), log=tmp_path / "log"
+    ) as demo:
+        await demo.wait_for_port(port)
+        await demo.wait_for_port(port + 1)
+        direct = await curl(f"http://127.0.0.1:{port}/direct")
+        proxied = await curl("--haproxy-protocol", f"http://127.0.0.1:{port + 1}/lb")
+        demo.signal(signal.SIGTERM)
+        assert await demo.wait() == 0
+    assert "tlsedge demo backend" in direct
+    assert "PROXY header:  v2 PROXY INET/STREAM" in direct
+    assert "b'GET /direct HTTP/1.1'" in direct
+    assert "b'GET /lb HTTP/1.1'" in proxied
+    # curl's own PROXY v1 header reached the edge; the backend got our v2.
+    assert "PROXY header:  v2 PROXY INET/STREAM" in proxied
+    assert "real client:         127.0.0.1:" in proxied

@@ -1,0 +1,619 @@
+from __future__ import annotations
+
+import hashlib
+import random
+import socket
+import struct
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, strategies as st
+
+from tlsedge._relay import RelayStats, Termination, relay, set_abortive_close
+
+MIB = 1 << 20
+# Generous hang guard for real-socket tests; only trips if something hangs.
+HANG_GUARD = 60.0
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+class Passthrough(trio.abc.HalfCloseableStream):
+    """Hides a SocketStream's type so relay() takes the generic stream path.
+
+    Like trio.SSLStream it exposes ``transport_stream``, which is how
+    set_abortive_close finds the socket.
+    """
+
+    def __init__(self, inner: trio.abc.HalfCloseableStream) -> None:
+        self.transport_stream = inner
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.transport_stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.transport_stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.transport_stream.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self.transport_stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.transport_stream.aclose()
+
+
+class NoHalfClose(trio.abc.Stream):
+    """A stream without send_eof (like trio.SSLStream); exposes transport_stream."""
+
+    def __init__(self, transport_stream: trio.abc.Stream) -> None:
+        self.transport_stream = transport_stream
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.transport_stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.transport_stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.transport_stream.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.transport_stream.aclose()
+
+
+async def tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    try:
+        connecting = await trio.testing.open_stream_to_socket_listener(listeners[0])
+        accepted = await listeners[0].accept()
+    finally:
+        for listener in listeners:
+            await listener.aclose()
+    assert isinstance(connecting, trio.SocketStream)
+    assert isinstance(accepted, trio.SocketStream)
+    return connecting, accepted
+
+
+@dataclass
+class Wiring:
+    """client_peer <-> relay_client ==relay== relay_server <-> server_peer."""
+
+    client_peer: trio.abc.HalfCloseableStream
+    relay_client: trio.abc.Stream
+    relay_server: trio.abc.Stream
+    server_peer: trio.abc.HalfCloseableStream
+    stats: RelayStats = field(default_factory=RelayStats)
+
+    async def run_relay(
+        self,
+        idle_timeout: float = 3600.0,
+        client_fin_timeout: float = 3600.0,
+        server_fin_timeout: float = 3600.0,
+    ) -> None:
+        """Relay, then close both relay streams like the server's handler does."""
+        try:
+            await relay(
+                self.relay_client,
+                self.relay_server,
+                stats=self.stats,
+                idle_timeout=idle_timeout,
+                client_fin_timeout=client_fin_timeout,
+                server_fin_timeout=server_fin_timeout,
+            )
+        finally:
+            await trio.aclose_forcefully(self.relay_client)
+            await trio.aclose_forcefully(self.relay_server)
+
+    async def aclose(self) -> None:
+        for stream in (
+            self.client_peer,
+            self.relay_client,
+            self.relay_server,
+            self.server_peer,
+        ):
+            await trio.aclose_forcefully(stream)
+
+
+@asynccontextmanager
+async def tcp_wiring(path: str) -> AsyncIterator[Wiring]:
+    client_peer, relay_client = await tcp_pair()
+    relay_server, server_peer = await tcp_pair()
+    wiring = Wiring(client_peer, relay_client, relay_server, server_peer)
+    if path == "stream":
+        wiring.relay_client = Passthrough(relay_client)
+        wiring.relay_server = Passthrough(relay_server)
+    try:
+        yield wiring
+    finally:
+        await wiring.aclose()
+
+
+def memory_wiring(
+    *, client_wrapper: Callable[[trio.StapledStream[Any, Any]], trio.abc.Stream] | None
+) -> Wiring:
+    client_peer, relay_client = trio.testing.memory_stream_pair()
+    relay_server, server_peer = trio.testing.memory_stream_pair()
+    wrapped: trio.abc.Stream = relay_client
+    if client_wrapper is not None:
+        wrapped = client_wrapper(relay_client)
+    return Wiring(client_peer, wrapped, relay_server, server_peer)
+
+
+def payload(size: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+async def receive_all(stream: trio.abc.ReceiveStream) -> bytes:
+    """Everything until EOF."""
+    chunks = []
+    while chunk := await stream.receive_some():
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def send_then_eof(stream: trio.abc.HalfCloseableStream, data: bytes) -> None:
+    # Several send_all calls so the data spans many chunks on the wire.
+    for start in range(0, len(data), 3 * 65536 + 17):
+        await stream.send_all(data[start : start + 3 * 65536 + 17])
+    await stream.send_eof()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def all_task_names() -> list[str]:
+    names = []
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    stack = [root]
+    while stack:
+        task = stack.pop()
+        names.append(task.name)
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return names
+
+
+PATHS = pytest.mark.parametrize("path", ["fast", "stream"])
+
+
+# -- half-close matrix over real loopback TCP ---------------------------------
+
+
+@PATHS
+async def test_client_fin_first_server_sends_8mib_after(path: str) -> None:
+    response = payload(8 * MIB, 1)
+    got: dict[str, bytes] = {}
+    with trio.fail_after(HANG_GUARD):
+        async with tcp_wiring(path) as w, trio.open_nursery() as nursery:
+            nursery.start_soon(w.run_relay)
+
+            async def client() -> None:
+                await send_then_eof(w.client_peer, b"request")
+                got["client"] = await receive_all(w.client_peer)
+
+            async def server() -> None:
+                got["server"] = await receive_all(w.server_peer)
+                # Only now, with the client's FIN seen, does the server answer.
+                await send_then_eof(w.server_peer, response)
+
+            nursery.start_soon(client)
+            nursery.start_soon(server)
+    assert got["server"] == b"request"
+    assert sha(got["client"]) == sha(response)
+    assert w.stats.termination is Termination.CLIENT_CLOSED
+    assert w.stats.bytes_from_client == len(b"request")
+    assert w.stats.bytes_from_server == len(response)
+
+
+@PATHS
+async def test_server_fin_first_client_sends_8mib_after(path: str) -> None:
+    upload = payload(8 * MIB, 2)
+    got: dict[str, bytes] = {}
+    with trio.fail_after(HANG_GUARD):
+        async with tcp_wiring(path) as w, trio.open_nursery() as nursery:
+            nursery.start_soon(w.run_relay)
+
+            async def server() -> None:
+                await send_then_eof(w.server_peer, b"banner")
+                got["server"] = await receive_all(w.server_peer)
+
+            async def client() -> None:
+                got["client"] = await receive_all(w.client_peer)
+                await send_then_eof(w.client_peer, upload)
+
+            nursery.start_soon(client)
+            nursery.start_soon(server)
+    assert got["client"] == b"banner"
+    assert sha(got["server"]) == sha(upload)
+    assert w.stats.termination is Termination.SERVER_CLOSED
+    assert w.stats.bytes_from_client == len(upload)
+    assert w.stats.bytes_from_server == len(b"banner")
+
+
+@PATHS
+@pytest.mark.parametrize("size", [5, 8 * MIB])
+async def test_both_fin_at_once_with_data_in_flight(path: str, size: int) -> None:
+    upload, download = payload(size, 3), payload(size, 4)
+    got: dict[str, bytes] = {}
+    with trio.fail_after(HANG_GUARD):
+        async with tcp_wiring(path) as w, trio.open_nursery() as nursery:
+            nursery.start_soon(w.run_relay)
+
+            async def collect(name: str, stream: trio.abc.ReceiveStream) -> None:
+                got[name] = await receive_all(stream)
+
+            nursery.start_soon(send_then_eof, w.client_peer, upload)
+            nursery.start_soon(send_then_eof, w.server_peer, download)
+            nursery.start_soon(collect, "client", w.client_peer)
+            nursery.start_soon(collect, "server", w.server_peer)
+    assert sha(got["server"]) == sha(upload)
+    assert sha(got["client"]) == sha(download)
+    assert w.stats.termination in {Termination.CLIENT_CLOSED, Termination.SERVER_CLOSED}
+    assert w.stats.bytes_from_client == size
+    assert w.stats.bytes_from_server == size
+
+
+# -- RST / errors ---------------------------------------------------------------
+
+
+async def _blast(
+    stream: trio.abc.SendStream, outcome: dict[str, str], key: str
+) -> None:
+    chunk = b"z" * 65536
+    try:
+        while True:
+            await stream.send_all(chunk)
+    except trio.BrokenResourceError:
+        outcome[key] = "broken"
+
+
+async def _drain(
+    stream: trio.abc.ReceiveStream, outcome: dict[str, str], key: str
+) -> None:
+    try:
+        while await stream.receive_some():
+            pass
+    except trio.BrokenResourceError:
+        outcome[key] = "broken"
+    else:
+        outcome[key] = "eof"
+
+
+@PATHS
+@pytest.mark.parametrize("resetting", ["server", "client"])
+@pytest.mark.parametrize("flow", ["toward_survivor", "toward_resetter"])
+async def test_rst_mid_transfer_aborts_both_sides(
+    path: str, resetting: str, flow: str
+) -> None:
+    # A socket reports an RST's error only once, so the survivor uses exactly one
+    # task on its socket: the one that observes the abort.
+    outcome: dict[str, str] = {}
+    with trio.fail_after(HANG_GUARD):
+        async with tcp_wiring(path) as w:
+            if resetting == "server":
+                resetter, survivor = w.server_peer, w.client_peer
+            else:
+                resetter, survivor = w.client_peer, w.server_peer
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(w.run_relay)
+                if flow == "toward_survivor":
+                    nursery.start_soon(_drain, survivor, outcome, "survivor")
+                    for _ in range(16):
+                        await resetter.send_all(b"r" * 65536)
+                else:
+                    nursery.start_soon(_blast, survivor, outcome, "survivor")
+                    received = 0
+                    while received < MIB:
+                        received += len(await resetter.receive_some())
+                set_abortive_close(resetter)
+                await resetter.aclose()
+    expected = (
+        Termination.SERVER_ERROR if resetting == "server" else Termination.CLIENT_ERROR
+    )
+    assert w.stats.termination is expected
+    # The survivor saw an abort (RST), never a clean FIN.
+    assert outcome == {"survivor": "broken"}
+
+
+async def test_error_blames_the_failing_side_memory() -> None:
+    class Exploding(Passthrough):
+        async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+            raise trio.BrokenResourceError("boom")
+
+    w = memory_wiring(client_wrapper=None)
+    w.relay_server = Exploding(trio.testing.memory_stream_pair()[0])
+    await w.run_relay()
+    assert w.stats.termination is Termination.SERVER_ERROR
+
+
+def test_set_abortive_close_follows_transport_stream() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        inner = trio.SocketStream(trio.socket.from_stdlib_socket(a))
+        set_abortive_close(NoHalfClose(NoHalfClose(inner)))
+        assert struct.unpack(
+            "ii", a.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)
+        ) == (
+            1,
+            0,
+        )
+    # No socket anywhere, or an already-closed one: silently nothing.
+    set_abortive_close(trio.testing.memory_stream_pair()[0])
+    set_abortive_close(inner)
+
+
+# -- cancellation -----------------------------------------------------------------
+
+
+@PATHS
+async def test_cancel_from_outside_records_cancelled(path: str) -> None:
+    before = sorted(all_task_names())
+    with trio.fail_after(HANG_GUARD):
+        async with tcp_wiring(path) as w:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    stats = w.stats
+
+                    async def run() -> None:
+                        await relay(
+                            w.relay_client,
+                            w.relay_server,
+                            stats=stats,
+                            idle_timeout=3600,
+                            client_fin_timeout=3600,
+                            server_fin_timeout=3600,
+                        )
+
+                    nursery.start_soon(run)
+                    nursery.start_soon(w.client_peer.send_all, b"a" * MIB)
+                    received = 0
+                    while received < MIB:
+                        received += len(await w.server_peer.receive_some())
+                    scope.cancel()
+            assert scope.cancelled_caught
+            assert w.stats.termination is Termination.CANCELLED
+            assert w.stats.bytes_from_client == MIB
+            assert not any("_Relay" in name for name in all_task_names())
+            assert sorted(all_task_names()) == before
+            # Both streams are still usable and closable by the caller.
+            await w.relay_client.aclose()
+            await w.relay_server.aclose()
+            assert await w.client_peer.receive_some() == b""
+
+
+# -- timeouts (memory streams, virtual time) ---------------------------------------
+
+
+async def test_idle_timeout_fires(autojump_clock: trio.testing.MockClock) -> None:
+    w = memory_wiring(client_wrapper=None)
+    start = trio.current_time()
+    await w.run_relay(idle_timeout=10, client_fin_timeout=1, server_fin_timeout=1)
+    assert w.stats.termination is Termination.IDLE_TIMEOUT
+    assert trio.current_time() - start == pytest.approx(10)
+
+
+async def test_idle_timeout_not_fired_while_bytes_flow(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    w = memory_wiring(client_wrapper=None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.run_relay, 10.0)
+
+        async def client() -> None:
+            for _ in range(6):  # 36 s in total, never 10 s of silence
+                await trio.sleep(6)
+                await w.client_peer.send_all(b"x")
+            await w.client_peer.send_eof()
+
+        async def server() -> None:
+            assert await receive_all(w.server_peer) == b"x" * 6
+            await w.server_peer.send_eof()
+
+        nursery.start_soon(client)
+        nursery.start_soon(server)
+    assert w.stats.termination is Termination.CLIENT_CLOSED
+
+
+async def test_server_fin_timeout_fires(autojump_clock: trio.testing.MockClock) -> None:
+    w = memory_wiring(client_wrapper=None)
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        nursery.start_soon(w.run_relay, 100.0, 50.0, 5.0)
+        await w.client_peer.send_eof()  # the server just sits there
+    assert w.stats.termination is Termination.SERVER_FIN_TIMEOUT
+    assert trio.current_time() - start == pytest.approx(5)
+
+
+async def test_client_fin_timeout_fires(autojump_clock: trio.testing.MockClock) -> None:
+    w = memory_wiring(client_wrapper=None)
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        nursery.start_soon(w.run_relay, 100.0, 7.0, 50.0)
+        await w.server_peer.send_all(b"bye")
+        await w.server_peer.send_eof()  # the client just sits there
+    assert w.stats.termination is Termination.CLIENT_FIN_TIMEOUT
+    assert trio.current_time() - start == pytest.approx(7)
+    assert await receive_all(w.client_peer) == b"bye"
+
+
+@pytest.mark.parametrize("first", ["client", "server"])
+async def test_fin_timeout_not_fired_when_peer_finishes_in_time(
+    autojump_clock: trio.testing.MockClock, first: str
+) -> None:
+    w = memory_wiring(client_wrapper=None)
+    early, late = (
+        (w.client_peer, w.server_peer)
+        if first == "client"
+        else (w.server_peer, w.client_peer)
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.run_relay, 100.0, 5.0, 5.0)
+        await early.send_eof()
+        assert await late.receive_some() == b""
+        await trio.sleep(4.9)
+        await late.send_all(b"late but in time")
+        await late.send_eof()
+        assert await receive_all(early) == b"late but in time"
+    expected = (
+        Termination.CLIENT_CLOSED if first == "client" else Termination.SERVER_CLOSED
+    )
+    assert w.stats.termination is expected
+
+
+async def test_timeout_validation() -> None:
+    w = memory_wiring(client_wrapper=None)
+    for bad in ({"idle_timeout": -1.0}, {"server_fin_timeout": float("nan")}):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            await w.run_relay(**bad)
+    with pytest.raises(ValueError, match="buffer_size"):
+        await relay(
+            w.relay_client,
+            w.relay_server,
+            stats=w.stats,
+            idle_timeout=1,
+            client_fin_timeout=1,
+            server_fin_timeout=1,
+            buffer_size=0,
+        )
+
+
+# -- destination that cannot half-close (e.g. TLS) -----------------------------------
+
+
+async def test_non_half_closeable_destination_keeps_reading(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    w = memory_wiring(client_wrapper=NoHalfClose)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.run_relay)
+        await send_then_eof(w.server_peer, b"response")
+        assert await w.client_peer.receive_some() == b"response"
+        # The server's FIN is not forwarded: no EOF while the relay runs...
+        with trio.move_on_after(60) as waited:
+            await w.client_peer.receive_some()
+        assert waited.cancelled_caught
+        # ...and the client -> server direction still flows, EOF included.
+        await send_then_eof(w.client_peer, b"more")
+        assert await receive_all(w.server_peer) == b"more"
+    assert w.stats.termination is Termination.SERVER_CLOSED
+    # The caller closed the relay's streams: now the client sees the end.
+    assert await w.client_peer.receive_some() == b""
+
+
+async def test_non_half_closeable_destination_client_fin_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    w = memory_wiring(client_wrapper=NoHalfClose)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.run_relay, 100.0, 30.0, 50.0)
+        await send_then_eof(w.server_peer, b"response")
+    assert w.stats.termination is Termination.CLIENT_FIN_TIMEOUT
+    assert trio.current_time() - start == pytest.approx(30)
+
+
+# -- property: any chunking, any FIN order, over memory streams -----------------------
+
+schedules = st.lists(
+    st.tuples(st.integers(0, 4), st.binary(min_size=1, max_size=200)), max_size=6
+)
+"""One side's sends: (checkpoints to wait first, bytes to send)."""
+
+
+@dataclass
+class Scenario:
+    client_sends: list[tuple[int, bytes]]
+    server_sends: list[tuple[int, bytes]]
+    client_fin_delay: int
+    server_fin_delay: int
+    receive_sizes: tuple[int, int]
+    buffer_size: int
+    lockstep: bool
+
+
+scenarios = st.builds(
+    Scenario,
+    client_sends=schedules,
+    server_sends=schedules,
+    client_fin_delay=st.integers(0, 6),
+    server_fin_delay=st.integers(0, 6),
+    receive_sizes=st.tuples(st.integers(1, 300), st.integers(1, 300)),
+    buffer_size=st.integers(1, 256),
+    lockstep=st.booleans(),
+)
+"""Both sides' schedules, receive sizes, relay buffer and stream kind."""
+
+
+@given(scenario=scenarios)
+async def test_relay_property(scenario: Scenario) -> None:
+    client_sends, server_sends = scenario.client_sends, scenario.server_sends
+    client_fin_delay, server_fin_delay = (
+        scenario.client_fin_delay,
+        scenario.server_fin_delay,
+    )
+    receive_sizes, buffer_size = scenario.receive_sizes, scenario.buffer_size
+    lockstep = scenario.lockstep
+    make_pair = (
+        trio.testing.lockstep_stream_pair
+        if lockstep
+        else trio.testing.memory_stream_pair
+    )
+    client_peer, relay_client = make_pair()
+    relay_server, server_peer = make_pair()
+    stats = RelayStats()
+    got: dict[str, bytes] = {}
+
+    async def sender(
+        stream: trio.abc.HalfCloseableStream,
+        sends: list[tuple[int, bytes]],
+        fin_delay: int,
+    ) -> None:
+        for delay, data in sends:
+            for _ in range(delay):
+                await trio.lowlevel.checkpoint()
+            await stream.send_all(data)
+        for _ in range(fin_delay):
+            await trio.lowlevel.checkpoint()
+        await stream.send_eof()
+
+    async def receiver(name: str, stream: trio.abc.ReceiveStream, size: int) -> None:
+        chunks = []
+        while chunk := await stream.receive_some(size):
+            chunks.append(chunk)
+        got[name] = b"".join(chunks)
+
+    async def run_relay() -> None:
+        await relay(
+            relay_client,
+            relay_server,
+            stats=stats,
+            idle_timeout=3600,
+            client_fin_timeout=3600,
+            server_fin_timeout=3600,
+            buffer_size=buffer_size,
+        )
+
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_relay)
+            nursery.start_soon(sender, client_peer, client_sends, client_fin_delay)
+            nursery.start_soon(sender, server_peer, server_sends, server_fin_delay)
+            nursery.start_soon(receiver, "server", server_peer, receive_sizes[0])
+            nursery.start_soon(receiver, "client", client_peer, receive_sizes[1])
+    upload = b"".join(data for _, data in client_sends)
+    download = b"".join(data for _, data in server_sends)
+    # In order, nothing lost, and EOF only after the last byte (receiver stops at b"").
+    assert got == {"server": upload, "client": download}
+    assert stats.bytes_from_client == len(upload)
+    assert stats.bytes_from_server == len(download)
+    assert stats.termination in {Termination.CLIENT_CLOSED, Termination.SERVER_CLOSED}

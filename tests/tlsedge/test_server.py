@@ -1,0 +1,752 @@
+"""The edge end to end over real loopback sockets: unwrap, wrap, balance, relay."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from proxyproto import ProxyHeader, encode, encode_v2
+from tests.peers import free_port
+from tests.tlsedge.helpers import (
+    Backend,
+    address_of,
+    close_clients,
+    connect,
+    exchange,
+    make_config,
+    proxy_echo_handler,
+    read_all,
+    running_edge,
+    tag_handler,
+    wait_access_records,
+    wait_until,
+)
+from tlsedge._config import Config
+from tlsedge._relay import set_abortive_close
+from tlsedge._server import Edge
+
+LOOPBACK = ["127.0.0.1/32"]
+ELSEWHERE = ["10.0.0.0/8"]
+CLIENT = ("203.0.113.7", 40000)
+DESTINATION = ("198.51.100.1", 443)
+
+
+@pytest.fixture(autouse=True)
+def _access_log(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge")
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    await close_clients()
+
+
+def unwrap_config(
+    backend: Backend,
+    *,
+    proxy_protocol: dict[str, Any] | None = None,
+    send_proxy: str = "v2",
+    **backend_options: Any,
+) -> Config:
+    """One listener "in" (optionally unwrapping) to one backend "b"."""
+    listener: dict[str, Any] = {"name": "in", "backend": "b"}
+    if proxy_protocol is not None:
+        listener["proxy_protocol"] = proxy_protocol
+    return make_config(
+        [listener],
+        [
+            {
+                "name": "b",
+                "servers": [backend.address],
+                "send_proxy": send_proxy,
+                **backend_options,
+            }
+        ],
+    )
+
+
+async def read_until_closed(stream: trio.abc.ReceiveStream) -> bytes:
+    """Everything until EOF; a reset counts as closed too (returns what came)."""
+    chunks = []
+    try:
+        while chunk := await stream.receive_some(65536):
+            chunks.append(bytes(chunk))
+    except trio.BrokenResourceError:
+        pass
+    return b"".join(chunks)
+
+
+# -- PROXY unwrap -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [1, 2])
+async def test_unwrap_trusted_peer_header_gives_the_client_address(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, version: int
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_protocol={"trusted": LOOPBACK})
+    header = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION, version=version))
+    async with running_edge(config) as edge:
+        answer = json.loads(await exchange(address_of(edge, "in"), header + b"hello"))
+        (record,) = await wait_access_records(caplog)
+    assert answer["version"] == 2  # our own header to the backend
+    assert answer["command"] == "PROXY"
+    assert answer["source"] == list(CLIENT)
+    assert answer["destination"] == list(DESTINATION)
+    assert answer["data"] == "hello"
+    assert record["client"] == "203.0.113.7:40000"
+    assert record["destination"] == "198.51.100.1:443"
+    assert record["peer"].startswith("127.0.0.1:")
+    assert record["termination"] == "client_closed"
+
+
+async def test_unwrap_local_header_uses_the_real_endpoints(
+    nursery: trio.Nursery,
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_protocol={"trusted": LOOPBACK})
+    async with running_edge(config) as edge:
+        host, port = address_of(edge, "in")
+        client = await connect((host, port))
+        client_port = client.socket.getsockname()[1]
+        await client.send_all(encode_v2(ProxyHeader.local()) + b"check")
+        await client.send_eof()
+        answer = json.loads(await read_all(client))
+        await client.aclose()
+    assert answer["command"] == "PROXY"
+    assert answer["source"] == ["127.0.0.1", client_port]
+    assert answer["destination"] == [host, port]
+    assert answer["data"] == "check"
+
+
+async def test_unwrap_bytes_after_the_header_arrive_intact_and_first(
+    nursery: trio.Nursery,
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_protocol={"trusted": LOOPBACK})
+    # Looks like another header and starts with CRLF: must be passed on as is.
+    tail = b"\r\nPROXY TCP4 1.2.3.4 5.6.7.8 1 2\r\n" + bytes(range(256)) * 64
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        header = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION, version=1))
+        await client.send_all(header + tail)  # one segment
+        await client.send_all(b"-later")
+        await client.send_eof()
+        answer = json.loads(await read_all(client))
+        await client.aclose()
+    assert answer["data"].encode("latin-1") == tail + b"-later"
+    assert answer["source"] == list(CLIENT)
+
+
+async def test_unwrap_untrusted_peer_rejected_without_a_byte_upstream(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(
+        backend, proxy_protocol={"trusted": ELSEWHERE, "untrusted": "reject"}
+    )
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        header = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION))
+        await client.send_all(header + b"hello")
+        with trio.fail_after(5):
+            assert await read_until_closed(client) == b""
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert backend.accepted == 0
+    assert record["termination"] == "rejected"
+    assert record["backend"] is None
+
+
+async def test_unwrap_untrusted_peer_direct_is_served_as_itself(
+    nursery: trio.Nursery,
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(
+        backend, proxy_protocol={"trusted": ELSEWHERE, "untrusted": "direct"}
+    )
+    # A direct client's "header" is data, never believed.
+    spoof = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION, version=1))
+    async with running_edge(config) as edge:
+        host, port = address_of(edge, "in")
+        client = await connect((host, port))
+        client_port = client.socket.getsockname()[1]
+        await client.send_all(spoof + b"direct")
+        await client.send_eof()
+        answer = json.loads(await read_all(client))
+        await client.aclose()
+    assert answer["source"] == ["127.0.0.1", client_port]
+    assert answer["destination"] == [host, port]
+    assert answer["data"].encode() == spoof + b"direct"
+
+
+@pytest.mark.parametrize(
+    ("versions", "data", "detail"),
+    [
+        ([1, 2], b"PROXY GARBAGE\r\n", "GARBAGE"),
+        ([1, 2], b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", ""),
+        ([2], b"PROXY TCP4 203.0.113.7 198.51.100.1 40000 443\r\n", "1"),
+    ],
+    ids=["garbage", "no-header", "v1-when-only-v2"],
+)
+async def test_unwrap_bad_header_closes_and_logs_header_error(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    versions: list[int],
+    data: bytes,
+    detail: str,
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(
+        backend, proxy_protocol={"trusted": LOOPBACK, "versions": versions}
+    )
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(data)
+        with trio.fail_after(5):
+            assert await read_until_closed(client) == b""
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert backend.accepted == 0
+    assert record["termination"] == "header_error"
+    assert detail in record["detail"]
+    assert record["bytes_from_client"] == 0
+
+
+async def test_unwrap_silent_client_closed_after_timeout(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(
+        backend, proxy_protocol={"trusted": LOOPBACK, "timeout": 4.0}
+    )
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        start = trio.current_time()
+        await client.send_all(b"PROXY TCP4 ")  # a start, never finished
+        assert await read_until_closed(client) == b""
+        elapsed = trio.current_time() - start
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert 4.0 <= elapsed < 5.0
+    assert record["termination"] == "header_timeout"
+    assert backend.accepted == 0
+
+
+# -- PROXY wrap -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("send_proxy", ["v1", "v2"])
+async def test_wrap_header_describes_client_and_edge_address(
+    nursery: trio.Nursery, send_proxy: str
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, send_proxy=send_proxy)
+    async with running_edge(config) as edge:
+        host, port = address_of(edge, "in")
+        client = await connect((host, port))
+        client_port = client.socket.getsockname()[1]
+        await client.send_all(b"payload")
+        await client.send_eof()
+        answer = json.loads(await read_all(client))
+        await client.aclose()
+    assert answer["version"] == int(send_proxy[1])
+    assert answer["source"] == ["127.0.0.1", client_port]
+    assert answer["destination"] == [host, port]
+    assert answer["data"] == "payload"
+
+
+async def test_wrap_v2_unique_id_is_the_log_id_with_crc32c(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_tlvs=["unique-id", "crc32c"])
+    async with running_edge(config) as edge:
+        answer = json.loads(await exchange(address_of(edge, "in"), b"x"))
+        (record,) = await wait_access_records(caplog)
+    # proxyproto.parse verifies the checksum: present here means valid.
+    assert answer["crc32c"] is not None
+    assert answer["unique_id"] == record["id"]
+    assert len(record["id"]) == 16
+
+
+@pytest.mark.parametrize("tlvs", [["unique-id"], []])
+async def test_wrap_v2_without_crc32c_has_no_crc_tlv(
+    nursery: trio.Nursery, tlvs: list[str]
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_tlvs=tlvs)
+    async with running_edge(config) as edge:
+        answer = json.loads(await exchange(address_of(edge, "in"), b"x"))
+    assert answer["crc32c"] is None
+    assert (answer["unique_id"] is not None) == ("unique-id" in tlvs)
+
+
+# -- balancing ----------------------------------------------------------------
+
+
+async def start_tagged(
+    nursery: trio.Nursery, names: str, *, hold: bool = False
+) -> dict[str, Backend]:
+    return {
+        name: await Backend(tag_handler(name, hold=hold), name=name).start(nursery)
+        for name in names
+    }
+
+
+def balanced_config(
+    servers: list[Any], *, proxy_protocol: bool = False, **options: Any
+) -> Config:
+    listener: dict[str, Any] = {"name": "in", "backend": "b"}
+    if proxy_protocol:
+        listener["proxy_protocol"] = {"trusted": LOOPBACK}
+    return make_config([listener], [{"name": "b", "servers": servers, **options}])
+
+
+def active_by_port(edge: Edge) -> dict[int, int]:
+    return {h.server.address[1]: h.server.active for h in edge._pools["b"].servers}
+
+
+async def test_round_robin_follows_weights(nursery: trio.Nursery) -> None:
+    backends = await start_tagged(nursery, "ab")
+    config = balanced_config(
+        [backends["a"].address, {"address": backends["b"].address, "weight": 2}]
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        tags = Counter([(await exchange(address)).decode() for _ in range(60)])
+    assert tags == {"a": 20, "b": 40}
+
+
+async def test_least_connections_fills_the_emptier_server(
+    nursery: trio.Nursery,
+) -> None:
+    backends = await start_tagged(nursery, "ab", hold=True)
+    config = balanced_config(
+        [b.address for b in backends.values()], balance="least-connections"
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        clients: dict[str, list[trio.SocketStream]] = {"a": [], "b": []}
+        for _ in range(4):
+            client = await connect(address)
+            clients[(await client.receive_some(10)).decode()].append(client)
+        assert [len(c) for c in clients.values()] == [2, 2]
+        for client in clients.pop("a"):
+            await client.aclose()
+        await wait_until(lambda: active_by_port(edge)[backends["a"].port] == 0)
+        late = []
+        for _ in range(2):
+            client = await connect(address)
+            late.append((await client.receive_some(10)).decode())
+            clients["b"].append(client)
+        for client in clients["b"]:
+            await client.aclose()
+    assert late == ["a", "a"]
+
+
+async def test_source_ip_affinity_follows_the_proxied_client(
+    nursery: trio.Nursery,
+) -> None:
+    backends = await start_tagged(nursery, "ab")
+    config = balanced_config(
+        [b.address for b in backends.values()],
+        balance="source-ip",
+        proxy_protocol=True,
+    )
+    seen: dict[str, set[str]] = {}
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        for round_ in range(3):
+            for ip in ("192.0.2.1", "192.0.2.2", "192.0.2.3", "192.0.2.4"):
+                header = encode(
+                    ProxyHeader.from_addresses((ip, 1000 + round_), DESTINATION)
+                )
+                tag = (await exchange(address, header)).decode()
+                seen.setdefault(ip, set()).add(tag)
+    assert all(len(tags) == 1 for tags in seen.values()), seen
+    assert set().union(*seen.values()) == {"a", "b"}
+
+
+async def test_random_two_spreads_long_lived_connections(
+    nursery: trio.Nursery,
+) -> None:
+    backends = await start_tagged(nursery, "abc", hold=True)
+    config = balanced_config(
+        [b.address for b in backends.values()], balance="random-two"
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        clients = []
+        tags: Counter[str] = Counter()
+        for _ in range(24):
+            client = await connect(address)
+            tags[(await client.receive_some(10)).decode()] += 1
+            clients.append(client)
+        for client in clients:
+            await client.aclose()
+    # Two choices keep the loads close (typically 8/8/8); pure chance would not
+    # reliably give every server at least 5 of 24.
+    assert set(tags) == {"a", "b", "c"}
+    assert min(tags.values()) >= 5, tags
+
+
+# -- retries and health -------------------------------------------------------
+
+
+async def test_refused_server_retried_elsewhere_and_marked_down(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = await Backend(tag_handler("good")).start(nursery)
+    refused = f"127.0.0.1:{free_port()}"
+    # No [backends.health]: passive marking with the default threshold (6).
+    config = balanced_config([refused, good.address], retries=3)
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        health = {str(h.server): h for h in edge._pools["b"].servers}
+        tags = [(await exchange(address)).decode() for _ in range(4)]
+        records = await wait_access_records(caplog, 4)
+        assert not health[refused].server.healthy
+        assert health[good.address].server.healthy
+    assert tags == ["good"] * 4
+    assert {r["termination"] for r in records} <= {"client_closed", "server_closed"}
+    assert {r["server"] for r in records} == {good.address}
+    assert f"server {refused} is DOWN after 6 failed connects" in caplog.text
+
+
+async def test_all_servers_refused_closes_cleanly(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    ports = [free_port(), free_port()]
+    config = balanced_config([f"127.0.0.1:{p}" for p in ports], retries=1)
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(b"anyone?")
+        with trio.fail_after(5):
+            assert await read_until_closed(client) == b""
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "connect_failed"
+    assert "2 connect attempts failed" in record["detail"]
+    assert record["server"] is None
+    assert any(
+        r.name == "tlsedge.server" and "connect attempts failed" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+async def test_no_healthy_server(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = balanced_config(
+        [f"127.0.0.1:{free_port()}"], health={"interval": 60.0, "timeout": 1.0}
+    )
+    async with running_edge(config) as edge:
+        server = edge._pools["b"].servers[0].server
+        await wait_until(lambda: not server.healthy)
+        async with await connect(address_of(edge, "in")) as client:
+            await client.send_all(b"x")
+            with trio.fail_after(5):
+                assert await read_until_closed(client) == b""
+        (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "no_server"
+    assert "no healthy server" in record["detail"]
+
+
+async def http_health_handler(
+    status: dict[str, int], stream: trio.SocketStream
+) -> None:
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = await stream.receive_some(4096)
+        if not chunk:
+            return
+        head += chunk
+    await stream.send_all(
+        f"HTTP/1.1 {status['code']} X\r\nContent-Length: 0\r\n\r\n".encode()
+    )
+
+
+async def test_active_tcp_checks_take_a_server_down_and_up(
+    nursery: trio.Nursery,
+) -> None:
+    backends = await start_tagged(nursery, "ab")
+    config = balanced_config(
+        [b.address for b in backends.values()],
+        health={
+            "interval": 0.1,
+            "timeout": 0.1,
+            "healthy_threshold": 1,
+            "unhealthy_threshold": 1,
+        },
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        servers = {h.server.address[1]: h.server for h in edge._pools["b"].servers}
+        a = servers[backends["a"].port]
+        backends["a"].stop()
+        await wait_until(lambda: not a.healthy)
+        assert {(await exchange(address)).decode() for _ in range(4)} == {"b"}
+        await backends["a"].start(nursery)  # the same port again
+        await wait_until(lambda: a.healthy)
+        assert {(await exchange(address)).decode() for _ in range(4)} == {"a", "b"}
+
+
+async def test_active_http_checks_follow_the_status(nursery: trio.Nursery) -> None:
+    status = {"code": 200}
+
+    async def handler(stream: trio.SocketStream) -> None:
+        await http_health_handler(status, stream)
+
+    backend = await Backend(handler).start(nursery)
+    config = balanced_config(
+        [backend.address],
+        health={
+            "kind": "http",
+            "path": "/ready",
+            "interval": 0.1,
+            "timeout": 0.1,
+            "healthy_threshold": 2,
+            "unhealthy_threshold": 2,
+        },
+    )
+    async with running_edge(config) as edge:
+        health = edge._pools["b"].servers[0]
+        await wait_until(lambda: len(health.state.history) >= 1)
+        assert health.server.healthy
+        status["code"] = 503
+        await wait_until(lambda: not health.server.healthy)
+        assert health.state.last_detail == "HTTP 503"
+        status["code"] = 204
+        await wait_until(lambda: health.server.healthy)
+
+
+# -- relaying -----------------------------------------------------------------
+
+
+def pattern(size: int, seed: bytes) -> bytes:
+    block = hashlib.sha256(seed).digest() * 2048  # 64 KiB
+    return (block * (size // len(block) + 1))[:size]
+
+
+async def test_client_half_close_then_large_response(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    request = os.urandom(1 << 20)
+    response = pattern(8 << 20, b"response")
+    received: list[bytes] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        received.append(await read_all(stream))  # up to the client's EOF
+        await stream.send_all(response)  # then answer, at length
+
+    backend = await Backend(handler).start(nursery)
+    config = unwrap_config(backend, send_proxy="none")
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(request)
+        await client.send_eof()
+        with trio.fail_after(30):
+            answer = await read_all(client, limit=1 << 30)
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert received == [request]
+    assert hashlib.sha256(answer).digest() == hashlib.sha256(response).digest()
+    assert record["termination"] == "client_closed"
+    assert record["bytes_from_client"] == len(request)
+    assert record["bytes_from_server"] == len(response)
+
+
+async def test_server_half_close_then_client_keeps_sending(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    greeting = pattern(4 << 20, b"greeting")
+    upload = os.urandom(2 << 20)
+    received: list[bytes] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        await stream.send_all(greeting)
+        await stream.send_eof()  # the server is done talking, still listening
+        received.append(await read_all(stream))
+
+    backend = await Backend(handler).start(nursery)
+    config = unwrap_config(backend, send_proxy="none")
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        with trio.fail_after(30):
+            got = await read_all(client, limit=1 << 30)  # up to the FIN
+            await client.send_all(upload)
+            await client.send_eof()
+            await wait_until(lambda: bool(received))
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert got == greeting
+    assert received == [upload]
+    assert record["termination"] == "server_closed"
+
+
+async def test_32_mib_each_way_at_once(nursery: trio.Nursery) -> None:
+    size = 32 << 20
+    upload = pattern(size, b"up")
+    download = pattern(size, b"down")
+    digests: list[bytes] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        async def receive() -> None:
+            digest = hashlib.sha256()
+            while chunk := await stream.receive_some(1 << 16):
+                digest.update(chunk)
+            digests.append(digest.digest())
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(receive)
+            await stream.send_all(download)
+            await stream.send_eof()
+
+    backend = await Backend(handler).start(nursery)
+    config = unwrap_config(backend, send_proxy="none")
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        down = hashlib.sha256()
+
+        async def send() -> None:
+            await client.send_all(upload)
+            await client.send_eof()
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(send)
+                total = 0
+                while chunk := await client.receive_some(1 << 16):
+                    down.update(chunk)
+                    total += len(chunk)
+            await wait_until(lambda: bool(digests))
+        await client.aclose()
+    assert total == size
+    assert down.digest() == hashlib.sha256(download).digest()
+    assert digests == [hashlib.sha256(upload).digest()]
+
+
+async def test_idle_timeout_closes_an_idle_connection(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = await Backend(tag_handler("hi", hold=True)).start(nursery)
+    config = make_config(
+        [{"name": "in", "backend": "b", "idle_timeout": 60.0}],
+        [{"name": "b", "servers": [backend.address]}],
+    )
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        assert await client.receive_some(10) == b"hi"
+        start = trio.current_time()
+        assert await read_until_closed(client) == b""
+        elapsed = trio.current_time() - start
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert 59.0 <= elapsed <= 61.0
+    assert record["termination"] == "idle_timeout"
+    await wait_until(lambda: backend.active == 0)
+
+
+# -- max_connections ----------------------------------------------------------
+
+
+async def assert_not_served(client: trio.SocketStream, backend: Backend) -> None:
+    before = backend.accepted
+    with trio.move_on_after(0.3):
+        data = await client.receive_some(10)
+        raise AssertionError(f"served beyond max_connections: {data!r}")
+    assert backend.accepted == before
+
+
+async def test_listener_max_connections_holds_the_third_client(
+    nursery: trio.Nursery,
+) -> None:
+    backend = await Backend(tag_handler("hi", hold=True)).start(nursery)
+    config = make_config(
+        [{"name": "in", "backend": "b", "max_connections": 2}],
+        [{"name": "b", "servers": [backend.address]}],
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        first, second = await connect(address), await connect(address)
+        assert await first.receive_some(10) == b"hi"
+        assert await second.receive_some(10) == b"hi"
+        third = await connect(address)  # the kernel's backlog takes it
+        await assert_not_served(third, backend)
+        await first.aclose()
+        with trio.fail_after(5):
+            assert await third.receive_some(10) == b"hi"
+        for client in (second, third):
+            await client.aclose()
+
+
+async def test_edge_max_connections_counts_all_listeners(
+    nursery: trio.Nursery,
+) -> None:
+    backend = await Backend(tag_handler("hi", hold=True)).start(nursery)
+    config = make_config(
+        [{"name": "one", "backend": "b"}, {"name": "two", "backend": "b"}],
+        [{"name": "b", "servers": [backend.address]}],
+        edge={"max_connections": 2},
+    )
+    async with running_edge(config) as edge:
+        one, two = address_of(edge, "one"), address_of(edge, "two")
+        first, second = await connect(one), await connect(one)
+        with trio.fail_after(5):
+            assert await first.receive_some(10) == b"hi"
+            assert await second.receive_some(10) == b"hi"
+        third = await connect(two)
+        await assert_not_served(third, backend)
+        await second.aclose()
+        with trio.fail_after(5):
+            assert await third.receive_some(10) == b"hi"
+        for client in (first, third):
+            await client.aclose()
+
+
+async def test_client_reset_while_queued_keeps_its_address(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """getpeername() fails on a reset connection; accept() still says who it was."""
+    backend = await Backend(tag_handler("hi", hold=True)).start(nursery)
+    config = make_config(
+        [
+            {
+                "name": "in",
+                "backend": "b",
+                "max_connections": 1,
+                "proxy_protocol": {"trusted": LOOPBACK},
+            }
+        ],
+        [{"name": "b", "servers": [backend.address]}],
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        first = await connect(address)
+        await first.send_all(encode_v2(ProxyHeader.local()))
+        assert await first.receive_some(2) == b"hi"
+        queued = await connect(address)  # waits in the backlog
+        queued_port = queued.socket.getsockname()[1]
+        await queued.send_all(encode_v2(ProxyHeader.local()))
+        set_abortive_close(queued)
+        await queued.aclose()  # RST while still queued
+        await first.aclose()
+        records = await wait_access_records(caplog, 2)
+    assert len(records) == 2
+    (record,) = [r for r in records if r["peer"] == f"127.0.0.1:{queued_port}"]
+    assert record["termination"] == "client_error"

@@ -1,0 +1,184 @@
+"""TLSStream: trio's stream-conformance checks and TLS half-close."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+import trio.testing
+import trustme
+
+from tlsedge._tls_stream import TLSStream
+
+CA = trustme.CA()
+SERVER_CERT = CA.issue_cert("tlsedge.test")
+
+StreamPair = tuple[TLSStream, TLSStream]
+
+
+def _contexts(version: ssl.TLSVersion) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    SERVER_CERT.configure_cert(server)
+    client = ssl.create_default_context()
+    CA.configure_trust(client)
+    client.minimum_version = client.maximum_version = version
+    return server, client
+
+
+def _pair(
+    transports: tuple[trio.abc.Stream, trio.abc.Stream],
+    version: ssl.TLSVersion,
+    *,
+    tickets: bool = True,
+) -> StreamPair:
+    server_ctx, client_ctx = _contexts(version)
+    if not tickets:
+        # A TLS 1.3 server sends its session tickets right after the
+        # handshake; over an unbuffered lockstep pair that send waits for a
+        # client that has finished its handshake and reads nothing yet.
+        server_ctx.num_tickets = 0
+    client = TLSStream(
+        transports[0], client_ctx, server_side=False, server_hostname="tlsedge.test"
+    )
+    server = TLSStream(transports[1], server_ctx, server_side=True)
+    return client, server
+
+
+async def _handshake(pair: StreamPair) -> StreamPair:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pair[0].do_handshake)
+        nursery.start_soon(pair[1].do_handshake)
+    return pair
+
+
+VERSIONS = [
+    pytest.param(ssl.TLSVersion.TLSv1_3, id="tls13"),
+    pytest.param(ssl.TLSVersion.TLSv1_2, id="tls12"),
+]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_two_way_stream_conformance(version: ssl.TLSVersion) -> None:
+    async def stream_maker() -> StreamPair:
+        return _pair(trio.testing.memory_stream_pair(), version)
+
+    async def clogged_stream_maker() -> StreamPair:
+        # Lockstep streams have no buffering; finish the handshakes first so
+        # the checker's clogged sends do not deadlock them (as trio's own
+        # SSLStream tests do).
+        return await _handshake(
+            _pair(trio.testing.lockstep_stream_pair(), version, tickets=False)
+        )
+
+    await trio.testing.check_two_way_stream(stream_maker, clogged_stream_maker)
+
+
+async def test_half_closeable_stream_conformance() -> None:
+    async def stream_maker() -> StreamPair:
+        return _pair(trio.testing.memory_stream_pair(), ssl.TLSVersion.TLSv1_3)
+
+    async def clogged_stream_maker() -> StreamPair:
+        return await _handshake(
+            _pair(
+                trio.testing.lockstep_stream_pair(),
+                ssl.TLSVersion.TLSv1_3,
+                tickets=False,
+            )
+        )
+
+    await trio.testing.check_half_closeable_stream(stream_maker, clogged_stream_maker)
+
+
+async def _read_all(stream: trio.abc.ReceiveStream) -> bytes:
+    data = b""
+    while chunk := await stream.receive_some():
+        data += chunk
+    return data
+
+
+Peer = Callable[[TLSStream], Awaitable[None]]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_send_eof_then_keep_reading(version: ssl.TLSVersion) -> None:
+    client, server = _pair(trio.testing.memory_stream_pair(), version)
+    payload = bytes(range(256)) * 4000
+    received: dict[str, bytes] = {}
+
+    async def server_side() -> None:
+        await server.send_all(b"bye")
+        await server.send_eof()  # close_notify: our direction is done
+        received["server"] = await _read_all(server)  # but we keep reading
+
+    async def client_side() -> None:
+        received["client"] = await _read_all(client)
+        await client.send_all(payload)  # the client still sends after our EOF
+        await client.send_eof()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server_side)
+        nursery.start_soon(client_side)
+    assert received == {"client": b"bye", "server": payload}
+
+
+async def test_send_eof_with_peer_data_already_waiting() -> None:
+    # The case Python's unwrap() gets wrong: application data from the peer is
+    # already in the incoming buffer when we send close_notify.
+    client, server = _pair(trio.testing.memory_stream_pair(), ssl.TLSVersion.TLSv1_3)
+    await _handshake((client, server))
+    await client.send_all(b"first")
+    await trio.testing.wait_all_tasks_blocked()
+    await server.send_eof()
+    await client.send_all(b" second")
+    await client.send_eof()
+    assert await _read_all(server) == b"first second"
+    assert await _read_all(client) == b""
+
+
+async def test_initial_data_feeds_the_handshake() -> None:
+    # Bytes read before the stream existed (past a PROXY header) are the
+    # ClientHello: the server must use them.
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+    server_ctx, client_ctx = _contexts(ssl.TLSVersion.TLSv1_3)
+    client = TLSStream(
+        client_transport, client_ctx, server_side=False, server_hostname="tlsedge.test"
+    )
+
+    async def first_flight() -> bytes:
+        with trio.move_on_after(1):
+            await client.do_handshake()
+        return b""
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first_flight)
+        hello = await server_transport.receive_some()
+        server = TLSStream(
+            server_transport, server_ctx, server_side=True, initial_data=bytes(hello)
+        )
+        await server.do_handshake()
+    await client.send_all(b"ping")
+    assert await server.receive_some() == b"ping"
+
+
+async def test_ragged_eof_reads_as_eof() -> None:
+    client, server = _pair(trio.testing.memory_stream_pair(), ssl.TLSVersion.TLSv1_3)
+    await _handshake((client, server))
+    await client.send_all(b"data")
+    await client.transport_stream.aclose()  # no close_notify
+    assert await _read_all(server) == b"data"
+    assert server.ragged_eof
+
+
+async def test_handshake_failure_is_broken_resource() -> None:
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+    server_ctx, _ = _contexts(ssl.TLSVersion.TLSv1_3)
+    server = TLSStream(server_transport, server_ctx, server_side=True)
+    await client_transport.send_all(b"\x16\x03\x01\x00\x05hello-this-is-not-tls")
+    with pytest.raises(trio.BrokenResourceError) as info:
+        await server.do_handshake()
+    assert isinstance(info.value.__cause__, ssl.SSLError)
+    with pytest.raises(trio.BrokenResourceError):
+        await server.receive_some()
+    await server.aclose()

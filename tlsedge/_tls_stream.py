@@ -1,0 +1,351 @@
+"""A TLS stream over ``ssl.SSLObject`` that can half-close.
+
+Theory of operation
+-------------------
+``trio.SSLStream`` is a ``Stream``, not a ``HalfCloseableStream``: it has no
+``send_eof``, because TLS 1.2 has no half-close. TLS 1.3 does (RFC 8446 6.1:
+close_notify closes one direction), and an edge needs it to forward a FIN
+from a backend to a TLS client while still reading what the client sends.
+``TLSStream`` is that stream: a ``HalfCloseableStream`` whose ``send_eof()``
+sends close_notify and keeps reading.
+
+The TLS engine is an ``ssl.SSLObject`` between two ``MemoryBIO`` buffers:
+``incoming`` (bytes read from the transport, waiting to be decrypted) and
+``outgoing`` (records produced by the engine, waiting to be sent). Every
+operation runs the engine until it has what it needs:
+
+- receiving: ``ssl_object.read()``; on ``SSLWantReadError`` read the transport
+  into ``incoming`` and try again. close_notify from the peer reads as EOF
+  (``b""``); so does a transport EOF without close_notify (a "ragged" EOF,
+  what most HTTPS clients do), recorded in ``ragged_eof``.
+- sending: ``ssl_object.write()`` (never needs to read: renegotiation is off
+  and TLS 1.3 has none), then send ``outgoing`` on the transport. Records
+  leave in the order the engine produced them because one lock covers taking
+  bytes out of ``outgoing`` and sending them; a send cancelled midway has cut
+  a record, so the stream becomes broken.
+- the handshake runs once, under a lock, on the first send or receive (or an
+  explicit ``do_handshake()``). Bytes that arrived before the stream was made
+  (what a PROXY header reader read past its header: the ClientHello) are
+  passed as ``initial_data`` and fed to the engine first.
+- ``send_eof()``: Python's ``SSLObject.unwrap()`` calls ``SSL_shutdown``
+  twice; the second call reads on, and fails the connection
+  (APPLICATION_DATA_AFTER_CLOSE_NOTIFY) if the peer's data is already
+  waiting. So pending input is parked around the call: decrypted bytes go to
+  a side buffer that ``receive_some`` serves first, raw bytes are taken out of
+  ``incoming`` and put back. OpenSSL then keeps reading after our
+  close_notify, for TLS 1.3 and 1.2 alike.
+
+TLS 1.2 peers: the mechanics are the same, but RFC 5246 tells a peer that
+receives close_notify to answer with its own and close at once, so after a
+backend FIN a TLS 1.2 client usually ends the connection right away.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+import ssl
+
+import trio
+
+__all__ = ["TLSStream"]
+
+#: How much to read from the transport at once (one TLS record is <= 16 KiB
+#: of plaintext, plus overhead).
+TRANSPORT_RECEIVE_SIZE = 65536
+#: Default ``receive_some`` size when the caller gives none.
+DEFAULT_RECEIVE_SIZE = 65536
+#: Plaintext handed to the engine per write, so huge send_all calls do not
+#: hold their whole ciphertext in memory at once.
+WRITE_CHUNK = 65536
+
+
+class _State(enum.Enum):
+    OK = "OK"
+    BROKEN = "BROKEN"
+    CLOSED = "CLOSED"
+
+
+class _ConflictDetector:
+    # Two tasks in the same operation at once is a caller bug (trio's own
+    # ConflictDetector is private; this is the same 15 lines).
+    def __init__(self, msg: str) -> None:
+        self._msg = msg
+        self._held = False
+
+    def __enter__(self) -> None:
+        if self._held:
+            raise trio.BusyResourceError(self._msg)
+        self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._held = False
+
+
+class TLSStream(trio.abc.HalfCloseableStream):
+    """TLS over any ``trio.abc.Stream``, with ``send_eof()`` = close_notify.
+
+    Args:
+        transport_stream: the connection to encrypt (e.g. a ``SocketStream``).
+        ssl_context: server or client context.
+        server_side: True for the server end.
+        server_hostname: SNI and name to verify (client side).
+        initial_data: bytes already read from the transport (e.g. past a PROXY
+            header); the engine reads them first.
+
+    Attributes:
+        transport_stream: the underlying stream.
+        ssl_object: the ``ssl.SSLObject`` (version, cipher, peer cert, ...).
+        ragged_eof: True if the peer closed without close_notify.
+    """
+
+    def __init__(
+        self,
+        transport_stream: trio.abc.Stream,
+        ssl_context: ssl.SSLContext,
+        *,
+        server_side: bool,
+        server_hostname: str | None = None,
+        initial_data: bytes = b"",
+    ) -> None:
+        self.transport_stream = transport_stream
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        if initial_data:
+            self._incoming.write(initial_data)
+        self.ssl_object = ssl_context.wrap_bio(
+            self._incoming,
+            self._outgoing,
+            server_side=server_side,
+            server_hostname=server_hostname,
+        )
+        self.ragged_eof = False
+        self._state = _State.OK
+        self._handshake_done = False
+        self._eof_sent = False
+        self._eof_received = False
+        self._parked = b""
+        self._handshake_lock = trio.Lock()
+        self._flush_lock = trio.Lock()
+        self._send_conflict = _ConflictDetector(
+            "another task is currently sending data on this TLSStream"
+        )
+        self._receive_conflict = _ConflictDetector(
+            "another task is currently receiving data on this TLSStream"
+        )
+
+    # -- engine plumbing ---------------------------------------------------
+
+    def _check_status(self) -> None:
+        if self._state is _State.CLOSED:
+            raise trio.ClosedResourceError("this TLSStream was closed")
+        if self._state is _State.BROKEN:
+            raise trio.BrokenResourceError("this TLSStream is broken")
+
+    def _fail(self, exc: BaseException) -> trio.BrokenResourceError:
+        if self._state is _State.OK:
+            self._state = _State.BROKEN
+        return trio.BrokenResourceError(f"TLS connection failed: {exc}")
+
+    async def _flush(self) -> None:
+        """Send every record the engine has produced, in order."""
+        async with self._flush_lock:
+            data = self._outgoing.read()
+            if not data:
+                return
+            try:
+                await self.transport_stream.send_all(data)
+            except trio.ClosedResourceError:
+                if self._state is _State.CLOSED:
+                    raise
+                raise self._fail(trio.ClosedResourceError("transport closed")) from None
+            except BaseException:
+                # A record may have been cut in two: nothing sensible can follow.
+                if self._state is _State.OK:
+                    self._state = _State.BROKEN
+                raise
+
+    async def _feed(self) -> None:
+        """Read the transport into the engine (EOF is passed on too)."""
+        try:
+            data = await self.transport_stream.receive_some(TRANSPORT_RECEIVE_SIZE)
+        except trio.ClosedResourceError:
+            if self._state is _State.CLOSED:
+                raise
+            raise self._fail(trio.ClosedResourceError("transport closed")) from None
+        except trio.BrokenResourceError as exc:
+            raise self._fail(exc) from exc
+        if data:
+            self._incoming.write(data)
+        else:
+            self._incoming.write_eof()
+
+    async def do_handshake(self) -> None:
+        """Run the handshake now (otherwise it runs on first use).
+
+        Raises:
+            trio.BrokenResourceError: the handshake failed (the cause is the
+                ``__cause__``, often an ``ssl.SSLError``).
+            trio.ClosedResourceError: the stream was closed.
+        """
+        async with self._handshake_lock:
+            self._check_status()
+            if self._handshake_done:
+                return
+            while True:
+                try:
+                    self.ssl_object.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    await self._flush()
+                    if self._incoming.eof:
+                        raise self._fail(
+                            EOFError("peer closed during the handshake")
+                        ) from None
+                    await self._feed()
+                except ssl.SSLError as exc:
+                    # Send the alert the engine produced, best effort.
+                    with trio.move_on_after(0):
+                        await self._flush()
+                    raise self._fail(exc) from exc
+            self._handshake_done = True
+            await self._flush()
+
+    async def _ensure_handshake(self) -> None:
+        if self._handshake_done:
+            await trio.lowlevel.checkpoint()
+        else:
+            await self.do_handshake()
+
+    # -- receiving ----------------------------------------------------------
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        with self._receive_conflict:
+            if max_bytes is None:
+                max_bytes = DEFAULT_RECEIVE_SIZE
+            else:
+                max_bytes = operator.index(max_bytes)
+                if max_bytes < 1:
+                    raise ValueError("max_bytes must be >= 1")
+            self._check_status()
+            await self._ensure_handshake()
+            self._check_status()
+            if self._parked:
+                data, self._parked = self._parked[:max_bytes], self._parked[max_bytes:]
+                return data
+            while True:
+                if self._eof_received:
+                    return b""
+                try:
+                    data = self.ssl_object.read(max_bytes)
+                except ssl.SSLWantReadError:
+                    if self._outgoing.pending:
+                        await self._flush()
+                    await self._feed()
+                    continue
+                except ssl.SSLZeroReturnError:
+                    self._eof_received = True
+                    return b""
+                except ssl.SSLEOFError:
+                    # Transport EOF without close_notify.
+                    self._eof_received = True
+                    self.ragged_eof = True
+                    return b""
+                except ssl.SSLError as exc:
+                    raise self._fail(exc) from exc
+                if self._outgoing.pending:
+                    # Post-handshake messages (tickets, key updates) to send.
+                    await self._flush()
+                if data:
+                    return data
+                self._eof_received = True
+                return b""
+
+    # -- sending --------------------------------------------------------------
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        with self._send_conflict:
+            self._check_status()
+            await self._ensure_handshake()
+            self._check_status()
+            if self._eof_sent:
+                raise trio.ClosedResourceError(
+                    "send_eof() was called on this TLSStream"
+                )
+            view = memoryview(data).cast("B")
+            try:
+                while view:
+                    chunk, view = view[:WRITE_CHUNK], view[WRITE_CHUNK:]
+                    while chunk:
+                        written = self.ssl_object.write(chunk)
+                        chunk = chunk[written:]
+                    await self._flush()
+            except ssl.SSLError as exc:
+                raise self._fail(exc) from exc
+
+    async def wait_send_all_might_not_block(self) -> None:
+        with self._send_conflict:
+            self._check_status()
+            await self._ensure_handshake()
+            async with self._flush_lock:
+                await self.transport_stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        """Send close_notify; keep receiving until the peer closes too.
+
+        Raises:
+            trio.BrokenResourceError: the connection failed.
+            trio.ClosedResourceError: the stream was closed.
+        """
+        with self._send_conflict:
+            self._check_status()
+            await self._ensure_handshake()
+            if self._eof_sent:
+                return
+            self._send_close_notify()
+            await self._flush()
+
+    def _send_close_notify(self) -> None:
+        self._eof_sent = True
+        parked = []
+        try:
+            while self.ssl_object.pending():
+                parked.append(self.ssl_object.read(self.ssl_object.pending()))
+        except ssl.SSLError:
+            pass
+        waiting = self._incoming.read()
+        try:
+            self.ssl_object.unwrap()
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLError as exc:
+            raise self._fail(exc) from exc
+        finally:
+            if waiting:
+                self._incoming.write(waiting)
+        self._parked += b"".join(parked)
+
+    # -- closing ------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Send close_notify if not sent yet (best effort), close the transport."""
+        if self._state is _State.CLOSED:
+            await trio.lowlevel.checkpoint()
+            return
+        was_ok = self._state is _State.OK
+        self._state = _State.CLOSED
+        try:
+            if was_ok and self._handshake_done and not self._eof_sent:
+                try:
+                    self._send_close_notify()
+                    data = self._outgoing.read()
+                    if data and not self._flush_lock.locked():
+                        await self.transport_stream.send_all(data)
+                except (
+                    trio.BrokenResourceError,
+                    trio.ClosedResourceError,
+                    ssl.SSLError,
+                ):
+                    pass
+        finally:
+            await self.transport_stream.aclose()
