@@ -205,23 +205,26 @@ def their_result(ep: Endpoints, *, tlvs: bool) -> ProxyResult:
 @contextlib.contextmanager
 def pure_python_crc() -> Iterator[None]:
     """Make our v2 codec use the pure-Python CRC32C (verify and encode)."""
-    saved = our_v2.crc32c, our_v2.crc32c_of
-    our_v2.crc32c = our_v2.crc32c_of = crc32c_pure
+    # Through the module dict: these names are imported, not exported, there.
+    namespace = vars(our_v2)
+    saved = namespace["crc32c"], namespace["crc32c_of"]
+    namespace["crc32c"] = namespace["crc32c_of"] = crc32c_pure
     try:
         yield
     finally:
-        our_v2.crc32c, our_v2.crc32c_of = saved
+        namespace["crc32c"], namespace["crc32c_of"] = saved
 
 
 @contextlib.contextmanager
 def their_auto_crc_off() -> Iterator[None]:
     """Stop ``proxyprotocol``'s v2 ``pack`` from adding a CRC32C TLV."""
-    saved = their_tlv.crc32c_checksum
-    their_tlv.crc32c_checksum = None
+    namespace = vars(their_tlv)
+    saved = namespace["crc32c_checksum"]
+    namespace["crc32c_checksum"] = None
     try:
         yield
     finally:
-        their_tlv.crc32c_checksum = saved
+        namespace["crc32c_checksum"] = saved
 
 
 def patched(
@@ -512,7 +515,7 @@ def describe_crc() -> str:
     import crc32c as icrar
     import google_crc32c
 
-    theirs = their_tlv.crc32c_checksum
+    theirs = vars(their_tlv)["crc32c_checksum"]
     return (
         f"CRC32C: ours = {ACCELERATED or 'pure Python'} "
         f"(google-crc32c {version('google-crc32c')}, implementation "

@@ -37,6 +37,8 @@ class ConnectionLog:
     destination: str | None = None
     backend: str | None = None
     server: str | None = None
+    tls: str | None = None
+    sni: str | None = None
     bytes_from_client: int = 0
     bytes_from_server: int = 0
     termination: str = "unknown"

@@ -141,10 +141,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_cert(args: argparse.Namespace) -> int:
+    from tlsedge._certs import make_dev_certificates
+
+    try:
+        made = make_dev_certificates(
+            args.directory,
+            names=args.name or ("localhost", "127.0.0.1", "::1"),
+            key_type=args.key_type,
+            days=args.days,
+            client_cn=args.client,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"tlsedge cert: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"CA:          {made.ca_cert} (key {made.ca_key})")
+    print(f"server:      {made.cert} (key {made.key})")
+    if made.client_cert is not None:
+        print(f"client:      {made.client_cert} (key {made.client_key})")
+    print("Development certificates: never use them in production.")
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tlsedge",
-        description="A PROXY-protocol aware TCP edge (trio).",
+        description="A PROXY-protocol aware TLS and TCP edge (trio).",
     )
     parser.add_argument("--version", action="version", version=f"tlsedge {__version__}")
     parser.add_argument(
@@ -170,6 +192,22 @@ def _parser() -> argparse.ArgumentParser:
         "--port", type=int, default=8443, help="first port (default 8443)"
     )
     demo.set_defaults(func=_cmd_demo)
+    cert = sub.add_parser(
+        "cert", help="make a development CA, server and client certificates"
+    )
+    cert.add_argument("directory", help="where to write the PEM files")
+    cert.add_argument(
+        "--name",
+        action="append",
+        help="a DNS name or IP address for the server (repeat; default: "
+        "localhost, 127.0.0.1, ::1)",
+    )
+    cert.add_argument(
+        "--key-type", choices=["ecdsa-p256", "rsa2048"], default="ecdsa-p256"
+    )
+    cert.add_argument("--days", type=int, default=90, help="validity (default 90)")
+    cert.add_argument("--client", metavar="CN", help="also make a client certificate")
+    cert.set_defaults(func=_cmd_cert)
     return parser
 
 

@@ -79,7 +79,9 @@ Balance: TypeAlias = Literal[
     "round-robin", "least-connections", "random-two", "source-ip"
 ]
 SendProxy: TypeAlias = Literal["none", "v1", "v2"]
-ProxyTlv: TypeAlias = Literal["alpn", "authority", "ssl", "unique-id", "crc32c"]
+ProxyTlv: TypeAlias = Literal[
+    "alpn", "authority", "ssl", "unique-id", "crc32c", "ssl-client-cert"
+]
 BackendProtocol: TypeAlias = Literal["tcp", "tls"]
 HealthKind: TypeAlias = Literal["tcp", "http"]
 
@@ -90,6 +92,15 @@ CLIENT_AUTH_MODES: Final[tuple[ClientAuth, ...]] = get_args(ClientAuth)
 BALANCE_ALGORITHMS: Final[tuple[Balance, ...]] = get_args(Balance)
 SEND_PROXY_MODES: Final[tuple[SendProxy, ...]] = get_args(SendProxy)
 PROXY_TLVS: Final[tuple[ProxyTlv, ...]] = get_args(ProxyTlv)
+# Sent by default; "ssl-client-cert" (the client's whole certificate, 0x28)
+# only when asked for.
+DEFAULT_PROXY_TLVS: Final[tuple[ProxyTlv, ...]] = (
+    "alpn",
+    "authority",
+    "ssl",
+    "unique-id",
+    "crc32c",
+)
 BACKEND_PROTOCOLS: Final[tuple[BackendProtocol, ...]] = get_args(BackendProtocol)
 HEALTH_KINDS: Final[tuple[HealthKind, ...]] = get_args(HealthKind)
 
@@ -306,7 +317,7 @@ class BackendConfig:
     balance: Balance = "round-robin"
     affinity_timeout: float = 10800.0  # with "source-ip": kube-proxy's ClientIP default
     send_proxy: SendProxy = "none"
-    proxy_tlvs: tuple[ProxyTlv, ...] = PROXY_TLVS  # with send_proxy = "v2"
+    proxy_tlvs: tuple[ProxyTlv, ...] = DEFAULT_PROXY_TLVS  # with send_proxy = "v2"
     protocol: BackendProtocol = "tcp"
     connect_timeout: float = 5.0
     retries: int = 3  # connect retries; the last one goes to another server
@@ -938,22 +949,11 @@ def ensure_supported(config: Config) -> None:
     """Refuse features whose implementation has not landed yet.
 
     Raises:
-        ConfigError: The configuration uses TLS termination, HTTP mode or TLS to
-            backends.
+        ConfigError: The configuration uses HTTP mode.
     """
     for index, lst in enumerate(config.listeners):
-        if lst.tls is not None:
-            raise _fail(
-                f"listeners[{index}].tls", "TLS termination is not supported yet"
-            )
         if lst.mode == "http":
             raise _fail(
                 f"listeners[{index}].mode",
                 'HTTP mode is not supported yet; use mode = "tcp"',
-            )
-    for index, backend in enumerate(config.backends):
-        if backend.protocol == "tls":
-            raise _fail(
-                f"backends[{index}].protocol",
-                'TLS to backends is not supported yet; use protocol = "tcp"',
             )

@@ -1,20 +1,24 @@
 """``tlsedge demo``: the whole pipeline on one machine, with nothing to set up.
 
-Two listeners share a built-in backend:
+A fresh development CA and certificate are made in a temporary directory, and
+three listeners share a built-in backend:
 
-- ``PORT``: clients connect directly;
-- ``PORT+1``: clients must start with a PROXY header (``curl
-  --haproxy-protocol`` sends one), as a cloud load balancer would.
+- ``PORT``: TLS, clients connect directly;
+- ``PORT+1``: TLS behind a "load balancer": clients must start with a PROXY
+  header (``curl --haproxy-protocol`` sends one) before the ClientHello;
+- ``PORT+2``: plain TCP.
 
-The edge wraps every connection in a PROXY v2 header for the backend, which
-answers with what it learned: the header, the client address, the TLVs. It
-speaks just enough HTTP for curl and a browser, and plain text otherwise.
+The edge wraps every connection in a PROXY v2 header for the backend (with
+the TLS details in its SSL TLV), and the backend answers with what it learned:
+the header, the client address, the TLVs. It speaks just enough HTTP for curl
+and a browser, and plain text otherwise.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -23,6 +27,7 @@ import trio
 from proxyproto import ProxyHeader, RemoteProtocolError, TLVType
 from proxyproto.trio import ProxyStream, read_proxy_header
 from tlsedge._accesslog import format_address
+from tlsedge._certs import DevCertificates, make_dev_certificates
 from tlsedge._cli import run_edge
 from tlsedge._config import config_from_mapping
 from tlsedge._server import Edge
@@ -55,6 +60,13 @@ def describe_header(header: ProxyHeader | None) -> list[str]:
         f"  source:      {header.source}",
         f"  destination: {header.destination}",
     ]
+    ssl_info = header.ssl
+    if ssl_info is not None:
+        lines.append(
+            f"  TLS (SSL TLV): {ssl_info.version} {ssl_info.cipher}, client cert: "
+            f"{ssl_info.cn or 'none'}, our cert: "
+            f"{ssl_info.key_alg} signed {ssl_info.sig_alg}"
+        )
     for tlv in header.tlvs:
         try:
             name = TLVType(tlv.type).name
@@ -127,21 +139,44 @@ async def run_demo(
     task_status: trio.TaskStatus[Edge] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the demo backend and an edge in front of it until SIGTERM/SIGINT."""
+    with tempfile.TemporaryDirectory(prefix="tlsedge-demo-") as tmp:
+        certs = make_dev_certificates(tmp, names=("localhost", "127.0.0.1", "::1"))
+        await _run_demo(host, port, certs, task_status=task_status)
+
+
+async def _run_demo(
+    host: str,
+    port: int,
+    certs: DevCertificates,
+    *,
+    task_status: trio.TaskStatus[Edge],
+) -> None:
     async with trio.open_nursery() as nursery:
         backends = await nursery.start(
             partial(trio.serve_tcp, _demo_backend, 0, host="127.0.0.1")
         )
         backend_port = backends[0].socket.getsockname()[1]
-        loopback = ["127.0.0.1/32", "::1/128"]
+        tls = {"certificates": [{"cert": str(certs.cert), "key": str(certs.key)}]}
         config = config_from_mapping(
             {
                 "listeners": [
-                    {"name": "direct", "bind": f"{host}:{port}", "backend": "demo"},
                     {
-                        "name": "behind-lb",
+                        "name": "tls",
+                        "bind": f"{host}:{port}",
+                        "backend": "demo",
+                        "tls": tls,
+                    },
+                    {
+                        "name": "tls-behind-lb",
                         "bind": f"{host}:{port + 1 if port else 0}",
                         "backend": "demo",
-                        "proxy_protocol": {"trusted": loopback},
+                        "proxy_protocol": {"trusted": ["127.0.0.1/32", "::1/128"]},
+                        "tls": tls,
+                    },
+                    {
+                        "name": "plain",
+                        "bind": f"{host}:{port + 2 if port else 0}",
+                        "backend": "demo",
                     },
                 ],
                 "backends": [
@@ -160,14 +195,21 @@ async def run_demo(
             nursery.cancel_scope.cancel()
 
         edge: Edge = await nursery.start(edge_then_stop)
-        direct = edge.listen_addresses["direct"][0]
-        proxied = edge.listen_addresses["behind-lb"][0]
+        addresses = {name: a[0] for name, a in edge.listen_addresses.items()}
+        name = "localhost" if host in ("127.0.0.1", "::1", "localhost") else host
+        resolve = f"--resolve {name}:{{port}}:{host} " if name != host else ""
+        tls_port, lb_port = addresses["tls"][1], addresses["tls-behind-lb"][1]
+        behind_lb = format_address(addresses["tls-behind-lb"])
         print(
-            f"tlsedge demo: edge on {direct[0]}:{direct[1]} (direct) and "
-            f"{proxied[0]}:{proxied[1]} (expects a PROXY header), "
-            f"backend on 127.0.0.1:{backend_port}\n"
-            f"  try: curl http://{direct[0]}:{direct[1]}/\n"
-            f"  try: curl --haproxy-protocol http://{proxied[0]}:{proxied[1]}/\n"
+            f"tlsedge demo: TLS edge on {format_address(addresses['tls'])}, TLS "
+            f"behind a PROXY-sending load balancer on {behind_lb}, "
+            f"plain TCP on {format_address(addresses['plain'])}; backend on "
+            f"127.0.0.1:{backend_port}\n"
+            f"  try: curl --cacert {certs.ca_cert} "
+            f"{resolve.format(port=tls_port)}https://{name}:{tls_port}/\n"
+            f"  try: curl --cacert {certs.ca_cert} --haproxy-protocol "
+            f"{resolve.format(port=lb_port)}https://{name}:{lb_port}/\n"
+            f"  try: curl http://{format_address(addresses['plain'])}/\n"
             f"  stop with Ctrl-C (or SIGTERM to drain)",
             file=sys.stderr,
             flush=True,

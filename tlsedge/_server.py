@@ -35,17 +35,27 @@ import errno
 import logging
 import os
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 
 import trio
 
-from proxyproto import Policy, RemoteProtocolError, TrustPolicy
+from proxyproto import Policy, RemoteProtocolError, SSLClient, SSLInfo, TrustPolicy
 from proxyproto.trio import read_proxy_header, socket_addresses
 from tlsedge._accesslog import ConnectionLog, format_address
+from tlsedge._certs import CertificateError
 from tlsedge._config import Config, ConfigError, ListenerConfig
 from tlsedge._proxy_wrap import ConnectionFacts, build_proxy_header
 from tlsedge._relay import RelayStats, Termination, relay, set_abortive_close
+from tlsedge._tls import (
+    ServerTLS,
+    SSLFacts,
+    build_server_contexts,
+    ssl_facts,
+    watch_certificates,
+)
+from tlsedge._tls_stream import TLSStream
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
 __all__ = ["Edge", "serve"]
@@ -60,15 +70,28 @@ _ACCEPT_RETRY_DELAY = 0.1
 _LISTEN_BACKLOG = 65535
 
 
+@dataclass(frozen=True, slots=True)
+class _ListenerState:
+    """What a new connection on a listener is served with; replaced on reload,
+    so a connection keeps the settings it started with."""
+
+    config: ListenerConfig
+    trust: TrustPolicy | None
+    tls: ServerTLS | None
+
+
 @dataclass(slots=True)
 class _Listener:
     """A configured listener at run time: its sockets and current settings."""
 
-    config: ListenerConfig
+    state: _ListenerState
     sockets: list[trio.socket.SocketType]
     limiter: trio.CapacityLimiter
-    trust: TrustPolicy | None
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    @property
+    def config(self) -> ListenerConfig:
+        return self.state.config
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
@@ -81,6 +104,21 @@ def _socket_address(address: object) -> tuple[str, int] | None:
     if isinstance(address, tuple) and len(address) >= 2:
         return (str(address[0]), int(address[1]))
     return None
+
+
+def _listener_state(config: ListenerConfig) -> _ListenerState:
+    """Build what a listener needs per connection (loads its certificates).
+
+    Raises:
+        ConfigError: a certificate or key cannot be used.
+    """
+    tls = None
+    if config.tls is not None:
+        try:
+            tls = build_server_contexts(config.tls)
+        except (CertificateError, ssl.SSLError, OSError) as exc:
+            raise ConfigError(f"listeners.{config.name}.tls: {exc}") from exc
+    return _ListenerState(config=config, trust=_trust_policy(config), tls=tls)
 
 
 def _trust_policy(config: ListenerConfig) -> TrustPolicy | None:
@@ -143,7 +181,7 @@ class Edge:
         self._pools: dict[str, BackendPool] = {}
         self._edge_limiter = trio.CapacityLimiter(config.edge.max_connections)
         self._drain_event = trio.Event()
-        self._health_scope = trio.CancelScope()
+        self._background_scope = trio.CancelScope()
         self._services: trio.Nursery | None = None
         self._connections: trio.Nursery | None = None
 
@@ -204,13 +242,15 @@ class Edge:
                 pools[backend.name] = pool
         except OSError as exc:
             raise ConfigError(f"backends: {exc}") from exc
+        states = {lconf.name: _listener_state(lconf) for lconf in config.listeners}
         opened: dict[str, _Listener] = {}
         try:
             for lconf in config.listeners:
                 old = self._listeners.get(lconf.name)
                 if old is None or old.config.bind != lconf.bind:
                     opened[lconf.name] = self._make_listener(
-                        lconf, await _bind(lconf, reuse_port=self._reuse_port)
+                        states[lconf.name],
+                        await _bind(lconf, reuse_port=self._reuse_port),
                     )
         except OSError as exc:
             for listener in opened.values():
@@ -223,8 +263,7 @@ class Edge:
                 listeners[lconf.name] = opened[lconf.name]
             else:
                 kept = self._listeners[lconf.name]
-                kept.config = lconf
-                kept.trust = _trust_policy(lconf)
+                kept.state = states[lconf.name]
                 kept.limiter.total_tokens = lconf.max_connections
                 listeners[lconf.name] = kept
         for name, listener in self._listeners.items():
@@ -236,7 +275,7 @@ class Edge:
         self._edge_limiter.total_tokens = config.edge.max_connections
         for listener in opened.values():
             self._start_listener(listener)
-        self._restart_health_checks()
+        self._restart_background_tasks()
         LOGGER.info(
             "configuration reloaded: %d listeners, %d backends",
             len(listeners),
@@ -256,10 +295,11 @@ class Edge:
                 self._pools[backend.name] = await BackendPool.create(backend)
         except OSError as exc:
             raise ConfigError(f"backends: {exc}") from exc
+        states = [_listener_state(lconf) for lconf in self.config.listeners]
         try:
-            for lconf in self.config.listeners:
-                self._listeners[lconf.name] = self._make_listener(
-                    lconf, await _bind(lconf, reuse_port=self._reuse_port)
+            for state in states:
+                self._listeners[state.config.name] = self._make_listener(
+                    state, await _bind(state.config, reuse_port=self._reuse_port)
                 )
         except OSError as exc:
             for listener in self._listeners.values():
@@ -267,7 +307,7 @@ class Edge:
             raise ConfigError(f"listeners: cannot bind: {exc}") from exc
         async with trio.open_nursery() as services:
             self._services = services
-            self._restart_health_checks()
+            self._restart_background_tasks()
             async with trio.open_nursery() as connections:
                 self._connections = connections
                 for listener in self._listeners.values():
@@ -287,14 +327,14 @@ class Edge:
 
     # -- listeners --------------------------------------------------------
 
+    @staticmethod
     def _make_listener(
-        self, config: ListenerConfig, sockets: list[trio.socket.SocketType]
+        state: _ListenerState, sockets: list[trio.socket.SocketType]
     ) -> _Listener:
         return _Listener(
-            config=config,
+            state=state,
             sockets=sockets,
-            limiter=trio.CapacityLimiter(config.max_connections),
-            trust=_trust_policy(config),
+            limiter=trio.CapacityLimiter(state.config.max_connections),
         )
 
     def _start_listener(self, listener: _Listener) -> None:
@@ -308,18 +348,23 @@ class Edge:
         for sock in listener.sockets:
             sock.close()
 
-    def _restart_health_checks(self) -> None:
+    def _restart_background_tasks(self) -> None:
+        """(Re)start the health checks and certificate watchers for the
+        current configuration."""
         assert self._services is not None
-        self._health_scope.cancel()
-        self._health_scope = scope = trio.CancelScope()
+        self._background_scope.cancel()
+        self._background_scope = scope = trio.CancelScope()
 
-        async def run_checks() -> None:
+        async def run_tasks() -> None:
             with scope:
                 async with trio.open_nursery() as nursery:
                     for pool in self._pools.values():
                         nursery.start_soon(pool.run_health_checks)
+                    for listener in self._listeners.values():
+                        if listener.state.tls is not None:
+                            nursery.start_soon(watch_certificates, listener.state.tls)
 
-        self._services.start_soon(run_checks)
+        self._services.start_soon(run_tasks)
 
     async def _accept_loop(
         self, listener: _Listener, sock: trio.socket.SocketType
@@ -366,9 +411,8 @@ class Edge:
                 # this connection still reads its PROXY header.
                 connections.start_soon(
                     self._handle_connection,
-                    listener.config,
+                    listener.state,
                     self._pools[listener.config.backend],
-                    listener.trust,
                     listener.limiter,
                     token,
                     trio.SocketStream(conn),
@@ -379,14 +423,14 @@ class Edge:
 
     async def _handle_connection(  # noqa: PLR0917 (start_soon passes positionals)
         self,
-        config: ListenerConfig,
+        state: _ListenerState,
         pool: BackendPool,
-        trust: TrustPolicy | None,
         limiter: trio.CapacityLimiter,
         token: object,
         stream: trio.SocketStream,
         peer_address: object,
     ) -> None:
+        config = state.config
         peer, local = socket_addresses(stream)
         if peer is None:
             # Reset before we got here (HAProxy's health checks close with an
@@ -406,7 +450,7 @@ class Edge:
         client: trio.abc.Stream = stream
         try:
             upstream, client = await self._serve(
-                config, pool, trust, stream, peer=peer, local=local, log=log
+                state, pool, stream, peer=peer, local=local, log=log
             )
         except trio.Cancelled:
             if log.termination == "unknown":
@@ -425,9 +469,8 @@ class Edge:
 
     async def _serve(
         self,
-        config: ListenerConfig,
+        state: _ListenerState,
         pool: BackendPool,
-        trust: TrustPolicy | None,
         stream: trio.SocketStream,
         *,
         peer: tuple[str, int] | None,
@@ -435,11 +478,13 @@ class Edge:
         log: ConnectionLog,
     ) -> tuple[trio.abc.Stream | None, trio.abc.Stream]:
         """Run one connection; returns (upstream, client) for the caller to close."""
+        config = state.config
+        client: trio.abc.Stream = stream
         client_address, destination = peer, local
         leftover = b""
         pp = config.proxy_protocol
-        if pp is not None and trust is not None:
-            policy = trust.decide(peer, local)
+        if pp is not None and state.trust is not None:
+            policy = state.trust.decide(peer, local)
             try:
                 proxy_stream = await read_proxy_header(
                     stream,
@@ -463,6 +508,34 @@ class Edge:
             _, leftover = proxy_stream.detach()
         log.client = format_address(client_address)
         log.destination = format_address(destination)
+        ssl_info: SSLFacts | None = None
+        if state.tls is not None and config.tls is not None:
+            tls_stream = TLSStream(
+                stream, state.tls.context, server_side=True, initial_data=leftover
+            )
+            client, leftover = tls_stream, b""
+            with trio.move_on_after(config.tls.handshake_timeout) as handshake_timeout:
+                try:
+                    await tls_stream.do_handshake()
+                except trio.BrokenResourceError as exc:
+                    log.termination = "tls_error"
+                    log.detail = str(exc.__cause__ or exc)
+                    LOGGER.info(
+                        "listener %s: TLS handshake with %s failed: %s",
+                        config.name,
+                        log.client,
+                        log.detail,
+                    )
+                    return None, client
+            if handshake_timeout.cancelled_caught:
+                log.termination = "tls_handshake_timeout"
+                log.detail = (
+                    f"no TLS handshake within {config.tls.handshake_timeout:g} s"
+                )
+                return None, client
+            ssl_info = ssl_facts(tls_stream.ssl_object, state.tls)
+            log.tls = f"{ssl_info.version} {ssl_info.cipher}"
+            log.sni = ssl_info.server_name
         log.backend = config.backend
         try:
             connected = await pool.connect(
@@ -471,44 +544,47 @@ class Edge:
         except NoServerError as exc:
             log.termination, log.detail = "no_server", str(exc)
             LOGGER.warning("listener %s: %s", config.name, exc)
-            return None, stream
+            return None, client
         except ConnectFailedError as exc:
             log.termination, log.detail = "connect_failed", str(exc)
             LOGGER.warning("listener %s: %s", config.name, exc)
-            return None, stream
-        upstream = connected.stream
+            return None, client
+        upstream: trio.abc.Stream = connected.stream
         server = connected.server
         log.server = format_address(server.address)
         stats = RelayStats()
         try:
             backend = pool.config
-            first = leftover
             if backend.send_proxy != "none" and client_address and destination:
-                facts = ConnectionFacts(
-                    client=client_address,
-                    destination=destination,
-                    unique_id=log.id.encode("ascii"),
+                facts = _connection_facts(
+                    client_address, destination, log.id, ssl_info, backend.proxy_tlvs
                 )
-                first = (
-                    build_proxy_header(backend.send_proxy, backend.proxy_tlvs, facts)
-                    + first
+                header = build_proxy_header(
+                    backend.send_proxy, backend.proxy_tlvs, facts
                 )
-            if first:
-                try:
-                    await upstream.send_all(first)
-                except (trio.BrokenResourceError, OSError) as exc:
-                    log.termination, log.detail = "server_error", str(exc)
-                    set_abortive_close(stream)
-                    return upstream, stream
+                if pool.tls_context is None:
+                    leftover = header + leftover
+                else:
+                    await upstream.send_all(header)
+            if pool.tls_context is not None:
+                upstream = await self._encrypt_upstream(pool, connected.stream, log)
+                if upstream is connected.stream:
+                    return upstream, client
+            if leftover:
+                await upstream.send_all(leftover)
             stats.bytes_from_client = len(leftover)
             await relay(
-                stream,
+                client,
                 upstream,
                 stats=stats,
                 idle_timeout=config.idle_timeout,
                 client_fin_timeout=config.client_fin_timeout,
                 server_fin_timeout=backend.server_fin_timeout,
             )
+        except (trio.BrokenResourceError, OSError) as exc:
+            # Sending the PROXY header or the first bytes failed.
+            log.termination, log.detail = "server_error", str(exc)
+            set_abortive_close(client)
         except BaseException:
             # Cancelled (drain deadline, stop()): the caller never gets the
             # upstream stream back to close, so close it here, not leak it.
@@ -525,7 +601,77 @@ class Edge:
                     if stats.termination is Termination.CANCELLED
                     else stats.termination.value
                 )
-        return upstream, stream
+        return upstream, client
+
+    @staticmethod
+    async def _encrypt_upstream(
+        pool: BackendPool, stream: trio.SocketStream, log: ConnectionLog
+    ) -> trio.abc.Stream:
+        """TLS to the backend server (``protocol = "tls"``), within
+        ``connect_timeout``. Returns *stream* itself if the handshake failed
+        (the failure is in *log*)."""
+        assert pool.tls_context is not None
+        tls = TLSStream(
+            stream,
+            pool.tls_context,
+            server_side=False,
+            server_hostname=pool.server_hostname(stream),
+        )
+        with trio.move_on_after(pool.config.connect_timeout) as connect_timeout:
+            try:
+                await tls.do_handshake()
+            except trio.BrokenResourceError as exc:
+                log.termination = "server_tls_error"
+                log.detail = str(exc.__cause__ or exc)
+                LOGGER.warning(
+                    "backend %s: TLS to %s failed: %s",
+                    pool.name,
+                    log.server,
+                    log.detail,
+                )
+                return stream
+        if connect_timeout.cancelled_caught:
+            log.termination = "server_tls_error"
+            log.detail = f"no TLS handshake within {pool.config.connect_timeout:g} s"
+            return stream
+        return tls
+
+
+def _connection_facts(
+    client: tuple[str, int],
+    destination: tuple[str, int],
+    connection_id: str,
+    tls: SSLFacts | None,
+    tlv_names: tuple[str, ...],
+) -> ConnectionFacts:
+    """What the PROXY header to the backend says about this connection."""
+    if tls is None:
+        return ConnectionFacts(
+            client=client, destination=destination, unique_id=connection_id.encode()
+        )
+    flags = SSLClient.SSL
+    if tls.client_cert_der is not None:
+        flags |= SSLClient.CERT_CONN | SSLClient.CERT_SESS
+    ssl_info = SSLInfo(
+        client=flags,
+        verify=0 if tls.verified else 1,
+        version=tls.version,
+        cn=tls.client_cn,
+        cipher=tls.cipher,
+        sig_alg=tls.sig_alg,
+        key_alg=tls.key_alg,
+        group=tls.group,
+        sig_scheme=tls.sig_scheme,
+        client_cert=tls.client_cert_der if "ssl-client-cert" in tlv_names else None,
+    )
+    return ConnectionFacts(
+        client=client,
+        destination=destination,
+        unique_id=connection_id.encode(),
+        authority=tls.server_name,
+        alpn=tls.alpn.encode() if tls.alpn else None,
+        ssl=ssl_info,
+    )
 
 
 async def serve(

@@ -13,14 +13,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 from dataclasses import dataclass
 from functools import partial
 
 import trio
 
 from tlsedge._balancer import Balancer, Server
+from tlsedge._certs import CertificateError
 from tlsedge._config import BackendConfig
 from tlsedge._health import HealthState, ServerHealth, run_health_checks
+from tlsedge._tls import backend_server_hostname, build_client_context
 
 __all__ = ["BackendPool", "ConnectFailedError", "NoServerError", "resolve"]
 
@@ -77,6 +80,8 @@ class BackendPool:
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
         self.name = config.name
+        #: Client context for ``protocol = "tls"`` (re-encryption), else None.
+        self.tls_context: ssl.SSLContext | None = None
         self._health: dict[tuple[str, int], ServerHealth] = {}
         self.balancer = Balancer(
             [], config.balance, affinity_timeout=config.affinity_timeout
@@ -103,6 +108,12 @@ class BackendPool:
             (await resolve(s.address.host, s.address.port), s.weight)
             for s in config.servers
         ]
+        tls_context = None
+        if config.protocol == "tls" and config.tls is not None:
+            try:
+                tls_context = build_client_context(config.tls)
+            except (CertificateError, ssl.SSLError) as exc:
+                raise OSError(f"backend {config.name} TLS: {exc}") from exc
         health: dict[tuple[str, int], ServerHealth] = {}
         for address, weight in resolved:
             existing = self._health.get(address)
@@ -121,6 +132,7 @@ class BackendPool:
             existing.server.weight = weight
             health[address] = existing
         self.config = config
+        self.tls_context = tls_context
         self._health = health
         self.balancer = (
             self.balancer
@@ -128,6 +140,13 @@ class BackendPool:
             else Balancer([], config.balance, affinity_timeout=config.affinity_timeout)
         )
         self.balancer.set_servers([h.server for h in health.values()])
+
+    def server_hostname(self, stream: trio.SocketStream) -> str:
+        """The name to send as SNI and verify for a TLS connection to the
+        server behind *stream*: ``[backends.tls] sni``, else its address."""
+        assert self.config.tls is not None
+        host = str(stream.socket.getpeername()[0])
+        return backend_server_hostname(self.config.tls, host)
 
     @property
     def servers(self) -> list[ServerHealth]:
