@@ -107,13 +107,24 @@ class ReaderOptions(TypedDict, total=False):
     accept_ipv4_in_tcp6: bool
 
 
+_ALL_VERSIONS = (1, 2)
+
+
 def _make_options(
-    versions: Iterable[int] = (1, 2),
+    versions: Iterable[int] = _ALL_VERSIONS,
     max_v2_length: int = DEFAULT_MAX_V2_LENGTH,
     verify_crc32c: bool = True,
     accept_unspec_proxy: bool = False,
     accept_ipv4_in_tcp6: bool = False,
 ) -> Options:
+    if (
+        versions is _ALL_VERSIONS
+        and max_v2_length == DEFAULT_MAX_V2_LENGTH
+        and verify_crc32c is True
+        and accept_unspec_proxy is False
+        and accept_ipv4_in_tcp6 is False
+    ):
+        return DEFAULT_OPTIONS  # what the code below returns, without building it
     options = Options(
         versions=frozenset(versions),
         max_v2_length=max_v2_length,
@@ -158,7 +169,7 @@ class HeaderReader:
     def __init__(
         self,
         *,
-        versions: Iterable[int] = (1, 2),
+        versions: Iterable[int] = _ALL_VERSIONS,
         optional: bool = False,
         max_v2_length: int = DEFAULT_MAX_V2_LENGTH,
         verify_crc32c: bool = True,
@@ -298,8 +309,11 @@ def parse(
     """
     opts = _make_options(**options) if options else DEFAULT_OPTIONS
     buf = data if type(data) is bytes else bytes(data)
-    if buf[:12] == V2_SIGNATURE and 2 in opts.versions:  # skip a call: the common case
+    # Skip a call in the common cases.
+    if buf[:12] == V2_SIGNATURE and 2 in opts.versions:
         result: tuple[ProxyHeader, int] | _Sentinel | None = decode_v2(buf, opts)
+    elif buf[:6] == V1_PREFIX and 1 in opts.versions:
+        result = decode_v1(buf, opts)
     else:
         result = _decode(buf, opts)
     if type(result) is tuple:

@@ -20,6 +20,7 @@ from proxyproto._events import (
     SSLClient,
     SSLInfo,
     TLVType,
+    slot_setters,
 )
 
 ErrorType = type[LocalProtocolError] | type[RemoteProtocolError]
@@ -33,6 +34,36 @@ _SSL_TEXT_FIELDS: dict[int, str] = {
     TLVType.SSL_SIG_SCHEME: "sig_scheme",
 }
 _SSL_FIXED_LENGTH = 5  # u8 client + u32 verify, packed
+_SSL_VERSION = int(TLVType.SSL_VERSION)
+_SSL_CN = int(TLVType.SSL_CN)
+_SSL_CLIENT_CERT = int(TLVType.SSL_CLIENT_CERT)
+_CLIENT_SSL = int(SSLClient.SSL)
+# Printable ASCII: what str.isprintable() accepts among the ASCII characters.
+_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
+_PRINTABLE_ASCII_NO_SPACE = bytes(range(0x21, 0x7F))
+
+# The checks below first try a fast test that accepts only values the full
+# check accepts (one bytes.translate call instead of decode + isprintable),
+# and fall back to the full check, which says what is wrong, otherwise.
+
+
+def check_ascii(value: bytes) -> bool:
+    """True if *value* is non-empty printable ASCII (what _ascii_text accepts)."""
+    return bool(value) and not value.translate(None, _PRINTABLE_ASCII)
+
+
+def check_utf8(value: bytes) -> bool:
+    """True if *value* is non-empty printable UTF-8 (what _utf8_text accepts)."""
+    if not value:
+        return False
+    if not value.translate(None, _PRINTABLE_ASCII):
+        return True
+    if value.isascii():
+        return False  # ASCII with a control character
+    try:
+        return value.decode("utf-8").isprintable()
+    except UnicodeDecodeError:
+        return False
 
 
 def _ascii_text(value: bytes, what: str, error: ErrorType) -> str:
@@ -78,6 +109,8 @@ def _check_authority(value: bytes, error: ErrorType) -> None:
             f"{MAX_AUTHORITY_LENGTH}",
             reason="bad_tlv",
         )
+    if value and not value.translate(None, _PRINTABLE_ASCII_NO_SPACE):
+        return
     if " " in _utf8_text(value, "AUTHORITY TLV", error):
         raise error(f"AUTHORITY TLV contains a space: {value[:32]!r}", reason="bad_tlv")
 
@@ -97,10 +130,37 @@ def _check_unique_id(value: bytes, error: ErrorType) -> None:
 
 
 def _check_netns(value: bytes, error: ErrorType) -> None:
-    _ascii_text(value, "NETNS TLV", error)
+    if not check_ascii(value):
+        _ascii_text(value, "NETNS TLV", error)
 
 
 def _check_ssl(value: bytes, error: ErrorType) -> None:
+    # What _walk_ssl checks, without building what it returns; on any doubt,
+    # _walk_ssl runs and raises the precise error.
+    end = len(value)
+    pos = _SSL_FIXED_LENGTH
+    has_version = False
+    text_types = _SSL_TEXT_FIELDS
+    printable = _PRINTABLE_ASCII
+    while pos < end:
+        if end - pos < 3:
+            break
+        sub_type = value[pos]
+        stop = pos + 3 + ((value[pos + 1] << 8) | value[pos + 2])
+        if stop > end:
+            break
+        if sub_type in text_types:
+            sub = value[pos + 3 : stop]
+            if not sub or sub.translate(None, printable):
+                break
+            if sub_type == _SSL_VERSION:
+                has_version = True
+        elif sub_type == _SSL_CN and not check_utf8(value[pos + 3 : stop]):
+            break
+        pos = stop
+    else:
+        if end >= _SSL_FIXED_LENGTH and (has_version or not value[0] & _CLIENT_SSL):
+            return
     _walk_ssl(value, error)
 
 
@@ -155,13 +215,16 @@ def _walk_ssl(value: bytes, error: ErrorType) -> list[tuple[int, bytes, str | No
         text = None
         name = _SSL_TEXT_FIELDS.get(sub_type)
         if name is not None:
-            text = _ascii_text(sub_value, f"SSL {name} sub-TLV", error)
-            has_version = has_version or sub_type == TLVType.SSL_VERSION
-        elif sub_type == TLVType.SSL_CN:
+            if check_ascii(sub_value):
+                text = sub_value.decode("ascii")
+            else:
+                text = _ascii_text(sub_value, f"SSL {name} sub-TLV", error)
+            has_version = has_version or sub_type == _SSL_VERSION
+        elif sub_type == _SSL_CN:
             text = _utf8_text(sub_value, "SSL CN sub-TLV", error)
         subs.append((sub_type, sub_value, text))
         pos = stop
-    if value[0] & SSLClient.SSL and not has_version:
+    if value[0] & _CLIENT_SSL and not has_version:
         raise error(
             "SSL TLV says the client used TLS but has no VERSION sub-TLV",
             reason="bad_tlv",
@@ -175,17 +238,51 @@ def decode_ssl(value: bytes, error: ErrorType) -> SSLInfo:
     Raises:
         LocalProtocolError | RemoteProtocolError: (*error*) the value is invalid.
     """
-    fields: dict[str, str | bytes] = {}
+    # Built like the parser builds headers (no constructors: every value is
+    # checked by _walk_ssl); the first sub-TLV of each type fills its field.
+    fields: dict[str, object] = dict.fromkeys(_SSL_INFO_OPTIONAL)
     tlvs = []
     for sub_type, sub_value, text in _walk_ssl(value, error):
-        tlvs.append(TLV(sub_type, sub_value))
+        tlv = _new(TLV)
+        _SET_TLV_TYPE(tlv, sub_type)
+        _SET_TLV_VALUE(tlv, sub_value)
+        tlvs.append(tlv)
         if text is not None:
-            fields.setdefault(_SSL_TEXT_FIELDS.get(sub_type, "cn"), text)
-        elif sub_type == TLVType.SSL_CLIENT_CERT:
-            fields.setdefault("client_cert", sub_value)
-    return SSLInfo(
-        client=SSLClient(value[0]),
-        verify=int.from_bytes(value[1:5], "big"),
-        tlvs=tuple(tlvs),
-        **fields,  # type: ignore[arg-type]
+            name = _SSL_TEXT_FIELDS.get(sub_type, "cn")
+            if fields[name] is None:
+                fields[name] = text
+        elif sub_type == _SSL_CLIENT_CERT and fields["client_cert"] is None:
+            fields["client_cert"] = sub_value
+    client = _CLIENT_FLAGS.get(value[0])
+    if client is None:
+        client = _CLIENT_FLAGS[value[0]] = SSLClient(value[0])
+    fields["client"] = client
+    fields["verify"] = int.from_bytes(value[1:5], "big")
+    fields["tlvs"] = tuple(tlvs)
+    info = _new(SSLInfo)
+    for name, field_value in fields.items():
+        _SSL_INFO_SETTERS[name](info, field_value)
+    return info
+
+
+_new = object.__new__
+_SET_TLV_TYPE, _SET_TLV_VALUE = slot_setters(TLV, "type", "value")
+_SSL_INFO_OPTIONAL = (
+    "version",
+    "cn",
+    "cipher",
+    "sig_alg",
+    "key_alg",
+    "group",
+    "sig_scheme",
+    "client_cert",
+)
+_SSL_INFO_SETTERS = dict(
+    zip(
+        (*_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
+        slot_setters(SSLInfo, *_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
+        strict=True,
     )
+)
+# SSLClient(byte) goes through the Enum machinery (~1 us): 256 values at most.
+_CLIENT_FLAGS: dict[int, SSLClient] = {}

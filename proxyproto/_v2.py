@@ -23,9 +23,10 @@ from proxyproto._events import (
     TLVType,
     Transport,
     UnixAddress,
+    slot_setters,
 )
 from proxyproto._options import V2_MAX_LENGTH_FIELD, Options
-from proxyproto._tlv import TLV_CHECKS, validate_tlv
+from proxyproto._tlv import TLV_CHECKS
 
 V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
 V2_FIXED_LENGTH = 16
@@ -53,17 +54,42 @@ _KINDS = {
 }
 _UNSPEC = (Family.UNSPEC, Transport.UNSPEC)
 
+_INET6 = struct.Struct("!QQQQHH")  # each address as two u64 halves
 _INET6_PORTS = struct.Struct("!HH")
+_U64 = 0xFFFF_FFFF_FFFF_FFFF
+_FAMILY_INET = Family.INET
+_PROXY = Command.PROXY
 
 
 def _reject(msg: str, reason: str = "bad_v2") -> RemoteProtocolError:
     return RemoteProtocolError(msg, reason=reason)
 
 
-# The decoder builds frozen dataclasses with object.__setattr__ instead of their
-# constructors, skipping validation it has already done on the wire bytes (h11
-# does the same with its _parsed flag). It halves the cost of a parse.
-_set = object.__setattr__
+# The decoder builds frozen dataclasses without their constructors, through
+# their slots' own setters, skipping validation it has already done on the wire
+# bytes (h11 does the same with its _parsed flag): more than halves the cost of
+# a parse. A prebound slot setter is about twice as fast as object.__setattr__.
+_new = object.__new__
+(
+    _SET_VERSION,
+    _SET_COMMAND,
+    _SET_FAMILY,
+    _SET_TRANSPORT,
+    _SET_SOURCE,
+    _SET_DESTINATION,
+    _SET_TLVS,
+) = slot_setters(
+    ProxyHeader,
+    "version",
+    "command",
+    "family",
+    "transport",
+    "source",
+    "destination",
+    "tlvs",
+)
+_SET_HOST, _SET_PORT = slot_setters(InetAddress, "host", "port")
+_SET_TLV_TYPE, _SET_TLV_VALUE = slot_setters(TLV, "type", "value")
 
 
 def _unix_path(raw: bytes) -> UnixAddress:
@@ -124,16 +150,35 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
     total = V2_FIXED_LENGTH + length
     if len(buf) < total:
         return None
-    lazy = False
-    if command is Command.PROXY:
+    source: InetAddress | UnixAddress | None = None
+    destination: InetAddress | UnixAddress | None = None
+    if command is _PROXY:
         if length < block:
             raise _reject(
                 f"v2 {family.name} address block needs {block} bytes but the "
                 f"header length is {length}",
                 reason="truncated_addresses",
             )
-        if block:
-            lazy = True
+        # The addresses are built now, not on first use: receivers nearly
+        # always read them, and a lazy attribute costs more than it saves.
+        if block == 12:  # INET
+            src, dst, sport, dport = _INET4.unpack_from(buf, 16)
+            source = _new(InetAddress)
+            _SET_HOST(source, IPv4Address(src))
+            _SET_PORT(source, sport)
+            destination = _new(InetAddress)
+            _SET_HOST(destination, IPv4Address(dst))
+            _SET_PORT(destination, dport)
+        elif block == 36:  # INET6
+            src_hi, src_lo, dst_hi, dst_lo, sport, dport = _INET6.unpack_from(buf, 16)
+            source = _new(InetAddress)
+            _SET_HOST(source, IPv6Address((src_hi << 64) | src_lo))
+            _SET_PORT(source, sport)
+            destination = _new(InetAddress)
+            _SET_HOST(destination, IPv6Address((dst_hi << 64) | dst_lo))
+            _SET_PORT(destination, dport)
+        elif block:  # UNIX
+            source, destination = decode_v2_addresses(buf)
         elif not options.accept_unspec_proxy:
             raise _reject(
                 "v2 PROXY command with UNSPEC family (no addresses); refused "
@@ -149,26 +194,22 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
     tlvs: tuple[TLV, ...] = ()
     if tlv_start < total:
         tlvs = _decode_tlvs(buf, tlv_start, total, options)
-    header = object.__new__(ProxyHeader)
-    _set(header, "version", 2)
-    _set(header, "command", command)
-    _set(header, "family", family)
-    _set(header, "transport", transport)
-    _set(header, "tlvs", tlvs)
-    if lazy:
-        _set(header, "_wire", buf[:tlv_start])
-    else:
-        _set(header, "_wire", b"")
-        _set(header, "source", None)
-        _set(header, "destination", None)
+    header = _new(ProxyHeader)
+    _SET_VERSION(header, 2)
+    _SET_COMMAND(header, command)
+    _SET_FAMILY(header, family)
+    _SET_TRANSPORT(header, transport)
+    _SET_SOURCE(header, source)
+    _SET_DESTINATION(header, destination)
+    _SET_TLVS(header, tlvs)
     return header, total
 
 
 def decode_v2_addresses(
     wire: bytes,
 ) -> tuple[InetAddress, InetAddress] | tuple[UnixAddress, UnixAddress]:
-    """Build the address objects of a parsed v2 header from its validated
-    fixed part and address block (called on first access)."""
+    """Build the address objects of a v2 header from its validated fixed part
+    and address block (*wire* starts with the signature)."""
     fam = wire[13] >> 4
     if fam == Family.INET:
         src, dst, sport, dport = _INET4.unpack_from(wire, 16)
@@ -187,6 +228,7 @@ def decode_v2_addresses(
 def _decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV, ...]:
     tlvs = []
     crc_at = -1
+    checks = TLV_CHECKS
     while pos < end:
         if end - pos < 3:
             raise _reject(
@@ -202,17 +244,17 @@ def _decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV,
                 f"overruns the header by {stop - end} bytes",
                 reason="bad_tlv",
             )
-        value = bytes(buf[pos + 3 : stop])
-        check = TLV_CHECKS.get(tlv_type)
+        value = buf[pos + 3 : stop]
+        check = checks.get(tlv_type)
         if check is not None:
             check(value, RemoteProtocolError)
             if tlv_type == _CRC32C:
                 if crc_at >= 0:
                     raise _reject("more than one CRC32C TLV", reason="bad_tlv")
                 crc_at = pos + 3
-        tlv = object.__new__(TLV)
-        _set(tlv, "type", tlv_type)
-        _set(tlv, "value", value)
+        tlv = _new(TLV)
+        _SET_TLV_TYPE(tlv, tlv_type)
+        _SET_TLV_VALUE(tlv, value)
         tlvs.append(tlv)
         pos = stop
     if crc_at >= 0 and options.verify_crc32c:
@@ -247,12 +289,11 @@ def check_v2_prefix(buf: bytes) -> None:
 def _address_block(header: ProxyHeader) -> bytes:
     src, dst = header.source, header.destination
     if isinstance(src, InetAddress) and isinstance(dst, InetAddress):
-        return (
-            src.host.packed
-            + dst.host.packed
-            + src.port.to_bytes(2, "big")
-            + dst.port.to_bytes(2, "big")
-        )
+        # ProxyHeader guarantees IPv4 hosts for INET and IPv6 ones for INET6.
+        if header.family is _FAMILY_INET:
+            return _INET4.pack(int(src.host), int(dst.host), src.port, dst.port)
+        s, d = int(src.host), int(dst.host)
+        return _INET6.pack(s >> 64, s & _U64, d >> 64, d & _U64, src.port, dst.port)
     if isinstance(src, UnixAddress) and isinstance(dst, UnixAddress):
         return src.path.ljust(UNIX_PATH_LENGTH, b"\x00") + dst.path.ljust(
             UNIX_PATH_LENGTH, b"\x00"
@@ -283,24 +324,37 @@ def encode_v2(
         raise LocalProtocolError(
             f"encode_v2 needs a version-2 header, got version {header.version}"
         )
-    tlvs = list(header.tlvs)
-    crc_count = sum(1 for t in tlvs if t.type == TLVType.CRC32C)
-    if crc_count > 1:
-        raise LocalProtocolError("a header can carry only one CRC32C TLV")
-    if crc32c and not crc_count:
-        tlvs.append(TLV(TLVType.CRC32C, b"\x00\x00\x00\x00"))
+    tlvs = header.tlvs
     parts = [_address_block(header)]
     crc_at = -1
     offset = V2_FIXED_LENGTH + len(parts[0])
-    for tlv in tlvs:
-        validate_tlv(tlv.type, tlv.value, LocalProtocolError)
-        parts.append(bytes((tlv.type, len(tlv.value) >> 8, len(tlv.value) & 0xFF)))
-        if tlv.type == TLVType.CRC32C:
-            crc_at = offset + 3
-            parts.append(b"\x00\x00\x00\x00")
-        else:
-            parts.append(tlv.value)
-        offset += 3 + len(tlv.value)
+    checks = TLV_CHECKS
+    try:
+        for tlv in tlvs:
+            tlv_type = tlv.type
+            value = tlv.value
+            check = checks.get(tlv_type)
+            if check is not None:
+                check(value, LocalProtocolError)
+                if tlv_type == _CRC32C:
+                    if crc_at >= 0:
+                        raise LocalProtocolError(_TWO_CRC32C)
+                    crc_at = offset + 3
+                    value = _NO_CRC32C
+            length = len(value)
+            parts.append(bytes((tlv_type, length >> 8, length & 0xFF)))
+            parts.append(value)
+            offset += 3 + length
+    except LocalProtocolError:
+        # Same verdict as checking the CRC32C count before anything else.
+        if sum(1 for t in tlvs if t.type == _CRC32C) > 1:
+            raise LocalProtocolError(_TWO_CRC32C) from None
+        raise
+    if crc32c and crc_at < 0:
+        parts.append(_CRC32C_TLV_HEADER)
+        parts.append(_NO_CRC32C)
+        crc_at = offset + 3
+        offset += 7
     if pad_to is not None:
         padding = pad_to - offset
         if padding != 0:
@@ -331,3 +385,6 @@ def encode_v2(
 
 # encode_v2's keyword argument shadows the function name inside it.
 crc32c_of = crc32c
+_TWO_CRC32C = "a header can carry only one CRC32C TLV"
+_NO_CRC32C = b"\x00\x00\x00\x00"  # the CRC32C value while it is computed
+_CRC32C_TLV_HEADER = bytes((_CRC32C, 0, 4))

@@ -89,8 +89,9 @@ class LoadedCertificate:
         not_before: Start of validity (UTC).
         not_after: End of validity (UTC).
         key_alg: HAProxy's KEY_ALG text: ``"RSA2048"``, ``"EC256"``, ``"Ed25519"``.
-        sig_alg: How the issuer signed the leaf: ``"RSA-SHA256"``,
-            ``"ECDSA-SHA384"``, ``"RSA-PSS-SHA256"``, ``"Ed25519"``.
+        sig_alg: How the issuer signed the leaf, in OpenSSL's short names as
+            HAProxy sends them: ``"RSA-SHA256"``, ``"ecdsa-with-SHA384"``,
+            ``"RSASSA-PSS"``, ``"ED25519"``.
     """
 
     cert_path: Path
@@ -177,19 +178,21 @@ def _key_facts(key: PrivateKey) -> tuple[KeyType, int, str | None, str]:
 
 
 def _sig_alg(cert: x509.Certificate) -> str:
-    """The leaf's signature algorithm as ``"RSA-SHA256"``, ``"ECDSA-SHA256"``..."""
+    """The leaf's signature algorithm in OpenSSL's short-name spelling, as
+    HAProxy sends it in SIG_ALG: ``"RSA-SHA256"``, ``"ecdsa-with-SHA256"``,
+    ``"RSASSA-PSS"``, ``"ED25519"``."""
     params = cert.signature_algorithm_parameters
     hash_alg = cert.signature_hash_algorithm
     digest = _HASH_NAMES.get(hash_alg.name, hash_alg.name.upper()) if hash_alg else ""
     if isinstance(params, ec.ECDSA):
-        return f"ECDSA-{digest}"
+        return f"ecdsa-with-{digest}"
     if isinstance(params, padding.PSS):
-        return f"RSA-PSS-{digest}"
+        return "RSASSA-PSS"
     if isinstance(params, padding.PKCS1v15):
         return f"RSA-{digest}"
     # Ed25519 / Ed448 signatures have no separate hash.
     oid = cert.signature_algorithm_oid
-    return {"1.3.101.112": "Ed25519", "1.3.101.113": "Ed448"}.get(
+    return {"1.3.101.112": "ED25519", "1.3.101.113": "ED448"}.get(
         oid.dotted_string, oid.dotted_string
     )
 

@@ -3,7 +3,8 @@
 Signals while running: SIGTERM drains (stop accepting, let connections finish
 until ``drain_timeout``, exit 0); a second SIGTERM, or SIGINT, exits at once;
 SIGHUP reloads the configuration file (a bad new file is refused with a log
-line and the old configuration stays).
+line and the old configuration stays); SIGUSR1 reopens the access-log file
+(after log rotation).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import trio
 
 from tlsedge._config import Config, ConfigError, ensure_supported, load_config
+from tlsedge._logging import reopen_logs, setup_logging, shutdown_logging
 from tlsedge._server import Edge
 from tlsedge._version import __version__
 
@@ -27,14 +29,6 @@ LOGGER = logging.getLogger("tlsedge")
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def _load(path: str) -> Config:
@@ -50,11 +44,13 @@ async def _handle_signals(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     with trio.open_signal_receiver(
-        signal.SIGTERM, signal.SIGINT, signal.SIGHUP
+        signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1
     ) as signals:
         task_status.started()
         async for signum in signals:
-            if signum == signal.SIGHUP:
+            if signum == signal.SIGUSR1:
+                reopen_logs()  # log rotation
+            elif signum == signal.SIGHUP:
                 if config_path is None:
                     LOGGER.info("SIGHUP ignored: no configuration file to reload")
                     continue
@@ -102,6 +98,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config = _load(args.config)
     except ConfigError as exc:
         print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        setup_logging(
+            args.log_level,
+            args.log_format or config.edge.log_format,
+            config.edge.access_log,
+        )
+    except OSError as exc:
+        print(
+            f"tlsedge: {args.config}: edge.access_log: cannot open "
+            f"{config.edge.access_log}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     if config.edge.workers > 1 and not args.worker:
         from tlsedge._workers import supervise
@@ -175,6 +184,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="log level for stderr (default: info)",
     )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="format of the log on stderr (default: [edge] log_format, else text)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the edge described by CONFIG")
     run.add_argument("config", help="TOML configuration file")
@@ -214,8 +228,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tlsedge`` and ``python -m tlsedge``."""
     args = _parser().parse_args(argv)
-    _setup_logging(args.log_level)
-    if getattr(args, "argv", "unset") is None:
-        args.argv = list(sys.argv[1:] if argv is None else argv)
-    result: int = args.func(args)
+    setup_logging(args.log_level, args.log_format or "text")
+    try:
+        if getattr(args, "argv", "unset") is None:
+            args.argv = list(sys.argv[1:] if argv is None else argv)
+        result: int = args.func(args)
+    finally:
+        shutdown_logging()
     return result

@@ -51,9 +51,11 @@ __all__ = [
     "CertificateConfig",
     "Config",
     "ConfigError",
+    "DiscoveryConfig",
     "EdgeConfig",
     "ForwardedConfig",
     "HealthConfig",
+    "HttpConfig",
     "ListenerConfig",
     "Network",
     "ProxyProtocolConfig",
@@ -84,6 +86,8 @@ ProxyTlv: TypeAlias = Literal[
 ]
 BackendProtocol: TypeAlias = Literal["tcp", "tls"]
 HealthKind: TypeAlias = Literal["tcp", "http"]
+LogFormat: TypeAlias = Literal["text", "json"]
+DiscoveryType: TypeAlias = Literal["A", "SRV"]
 
 LISTENER_MODES: Final[tuple[ListenerMode, ...]] = get_args(ListenerMode)
 UNTRUSTED_ACTIONS: Final[tuple[UntrustedAction, ...]] = get_args(UntrustedAction)
@@ -103,6 +107,8 @@ DEFAULT_PROXY_TLVS: Final[tuple[ProxyTlv, ...]] = (
 )
 BACKEND_PROTOCOLS: Final[tuple[BackendProtocol, ...]] = get_args(BackendProtocol)
 HEALTH_KINDS: Final[tuple[HealthKind, ...]] = get_args(HealthKind)
+LOG_FORMATS: Final[tuple[LogFormat, ...]] = get_args(LogFormat)
+DISCOVERY_TYPES: Final[tuple[DiscoveryType, ...]] = get_args(DiscoveryType)
 
 # The PROXY spec: "the receiver ... should wait at least 3 seconds" so that a lost
 # segment carrying the header can be retransmitted before we give up.
@@ -111,6 +117,13 @@ MIN_PROXY_HEADER_TIMEOUT: Final = 3.0
 MAX_WORKERS: Final = 64
 # HAProxy's server weights run 0..256; 0 ("drained") is not offered here.
 MAX_WEIGHT: Final = 256
+# [listeners.http] max_header_bytes bounds: a request line plus a few headers
+# needs ~1 KiB; past 1 MiB a "header" is an attack (nginx caps 4 x 8 KiB,
+# Envoy 60 KiB, HAProxy 16 KiB).
+MIN_HEADER_BYTES: Final = 1024
+MAX_HEADER_BYTES: Final = 1 << 20
+# Envoy's and HAProxy's upper limit on header count is in the tens of thousands.
+MAX_HEADER_COUNT: Final = 10000
 
 T = TypeVar("T")
 S = TypeVar("S", bound=str)
@@ -207,6 +220,8 @@ class EdgeConfig:
     drain_timeout: float = 30.0  # after SIGTERM, before open connections are closed
     max_connections: int = 10000
     admin: Address | None = None  # /metrics, /healthz, /readyz, /status
+    log_format: LogFormat = "text"  # the process log; --log-format overrides it
+    access_log: str = "-"  # "-" (stderr), "stdout" or an absolute file path
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,6 +265,19 @@ class ForwardedConfig:
     x_forwarded_port: bool = True
     forwarded: bool = False
     trusted_proxies: tuple[Network, ...] = ()  # client-sent headers kept from these
+    request_id: str = ""  # header carrying a per-request id ("" = off)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpConfig:
+    """HTTP mode limits and timeouts (``[listeners.http]``, http mode only)."""
+
+    max_header_bytes: int = 16384  # request line + headers (431 beyond); h11's 16 KiB
+    max_headers: int = 100  # header fields (431 beyond); Envoy's 100
+    request_header_timeout: float = 10.0  # whole request head (408 beyond)
+    keepalive_timeout: float = 60.0  # idle between requests (quiet close)
+    max_body_size: int = 0  # request body bytes (413 beyond); 0 = unlimited
+    response_timeout: float = 60.0  # request sent -> response head (504 beyond)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -266,6 +294,7 @@ class ListenerConfig:
     proxy_protocol: ProxyProtocolConfig | None = None
     tls: TlsConfig | None = None
     forwarded: ForwardedConfig = field(default_factory=ForwardedConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -304,6 +333,21 @@ class HealthConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DiscoveryConfig:
+    """Servers found in DNS and re-resolved periodically (``discovery``).
+
+    ``type = "A"`` looks up A and AAAA records and uses ``port``; ``"SRV"``
+    takes ports and weights from the records (only the lowest priority).
+    """
+
+    name: str
+    type: DiscoveryType = "A"
+    port: int | None = None  # required with "A"; SRV records carry their ports
+    refresh: float = 10.0
+    nameserver: Address | None = None  # default: the system resolver
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BackendConfig:
     """A named group of servers (a ``[[backends]]`` table).
 
@@ -313,7 +357,8 @@ class BackendConfig:
     """
 
     name: str
-    servers: tuple[ServerConfig, ...]
+    servers: tuple[ServerConfig, ...] = ()  # empty exactly when discovery is set
+    discovery: DiscoveryConfig | None = None
     balance: Balance = "round-robin"
     affinity_timeout: float = 10800.0  # with "source-ip": kube-proxy's ClientIP default
     send_proxy: SendProxy = "none"
@@ -647,13 +692,65 @@ def _is_hostname(text: str) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def _edge(t: _Table) -> EdgeConfig:
+def _edge(t: _Table, base_dir: Path) -> EdgeConfig:
     return EdgeConfig(
         workers=t.get("workers", _int_in(1, MAX_WORKERS)),
         drain_timeout=t.get("drain_timeout", _DURATION),
         max_connections=t.get("max_connections", _int_in(1)),
         admin=t.opt("admin", _BIND),
+        log_format=t.get("log_format", _one_of(LOG_FORMATS)),
+        access_log=t.get("access_log", _access_log(base_dir)),
     )
+
+
+def _access_log(base_dir: Path) -> Converter[str]:
+    """``"-"`` (stderr), ``"stdout"`` or a file (relative to the config's folder)."""
+
+    def convert(value: object, path: str) -> str:
+        text = _string(value, path)
+        if text in {"-", "stdout"}:
+            return text
+        if not text or "\0" in text or not text.isprintable():
+            raise _fail(
+                path, f"expected '-', 'stdout' or a file path, got {_show(text)}"
+            )
+        return str(base_dir / text)
+
+    return convert
+
+
+def _nameserver(value: object, path: str) -> Address:
+    """``"10.0.0.10"`` (port 53) or ``"127.0.0.1:5353"``: an IP, not a name."""
+    text = _string(value, path)
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        address = _REMOTE(text, path)
+    else:
+        address = Address(host=str(ipaddress.ip_address(text)), port=53)
+    if _family(address.host) is None:
+        raise _fail(
+            path, f"expected an IP address such as '10.0.0.10:53', got {_show(text)}"
+        )
+    return address
+
+
+def _discovery(t: _Table) -> DiscoveryConfig:
+    discovery = DiscoveryConfig(
+        name=t.get("name", _hostname),
+        type=t.get("type", _one_of(DISCOVERY_TYPES)),
+        port=t.opt("port", _int_in(1, 65535)),
+        refresh=t.get("refresh", _DURATION),
+        nameserver=t.opt("nameserver", _nameserver),
+    )
+    if discovery.type == "A" and discovery.port is None:
+        raise _fail(t.path, "missing required key 'port' (with type = \"A\")")
+    if discovery.type == "SRV" and discovery.port is not None:
+        raise _fail(
+            t.sub("port"),
+            'not used with type = "SRV": the SRV records give the ports; remove it',
+        )
+    return discovery
 
 
 def _versions(value: object, path: str) -> frozenset[int]:
@@ -719,17 +816,65 @@ def _forwarded(t: _Table) -> ForwardedConfig:
         x_forwarded_port=t.get("x_forwarded_port", _bool),
         forwarded=t.get("forwarded", _bool),
         trusted_proxies=t.get("trusted_proxies", _array(_network)),
+        request_id=t.get("request_id", _header_name),
+    )
+
+
+# RFC 9110 field names; ours must also not be one that frames or routes.
+_FIELD_NAME_RE: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_RESERVED_FIELDS: Final = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "upgrade",
+        "te",
+        "trailer",
+        "keep-alive",
+        "expect",
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-port",
+        "x-forwarded-host",
+        "x-real-ip",
+        "forwarded",
+    }
+)
+
+
+def _header_name(value: object, path: str) -> str:
+    """An HTTP field name (or "" for off) that does not frame or route a request."""
+    text = _string(value, path)
+    if text and not _FIELD_NAME_RE.fullmatch(text):
+        raise _fail(path, f"expected an HTTP header name, got {_show(text)}")
+    if text.lower() in _RESERVED_FIELDS:
+        raise _fail(path, f"{_show(text)} is managed by tlsedge; choose another name")
+    return text
+
+
+def _http(t: _Table) -> HttpConfig:
+    return HttpConfig(
+        max_header_bytes=t.get(
+            "max_header_bytes", _int_in(MIN_HEADER_BYTES, MAX_HEADER_BYTES)
+        ),
+        max_headers=t.get("max_headers", _int_in(1, MAX_HEADER_COUNT)),
+        request_header_timeout=t.get("request_header_timeout", _DURATION),
+        keepalive_timeout=t.get("keepalive_timeout", _DURATION),
+        max_body_size=t.get("max_body_size", _int_in(0)),
+        response_timeout=t.get("response_timeout", _DURATION),
     )
 
 
 def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
     mode = t.get("mode", _one_of(LISTENER_MODES))
-    if mode != "http" and "forwarded" in t:
-        raise _fail(
-            t.sub("forwarded"),
-            'only applies with mode = "http" (a TCP relay does not read HTTP '
-            'headers); remove the table or set mode = "http"',
-        )
+    for http_only in ("forwarded", "http"):
+        if mode != "http" and http_only in t:
+            raise _fail(
+                t.sub(http_only),
+                'only applies with mode = "http" (a TCP relay does not read HTTP '
+                'headers); remove the table or set mode = "http"',
+            )
     return ListenerConfig(
         name=t.get("name", _name),
         bind=t.get("bind", _BIND),
@@ -743,6 +888,7 @@ def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
         ),
         tls=t.opt("tls", _section(TlsConfig, partial(_tls, base_dir=base_dir))),
         forwarded=t.get("forwarded", _section(ForwardedConfig, _forwarded)),
+        http=t.get("http", _section(HttpConfig, _http)),
     )
 
 
@@ -815,9 +961,22 @@ def _backend(t: _Table, base_dir: Path) -> BackendConfig:
     tls = t.opt("tls", _section(BackendTlsConfig, build_tls))
     if protocol == "tls" and tls is None:
         tls = BackendTlsConfig()  # system trust store, verification on
+    discovery = t.opt("discovery", _section(DiscoveryConfig, _discovery))
+    if discovery is not None and "servers" in t:
+        raise _fail(
+            t.sub("discovery"),
+            "servers and discovery exclude each other: list the servers or find "
+            "them in DNS, not both",
+        )
+    if discovery is None and "servers" not in t:
+        raise _fail(
+            t.path,
+            "missing required key 'servers' (or a discovery table to find them in DNS)",
+        )
     return BackendConfig(
         name=t.get("name", _name),
         servers=t.get("servers", _servers),
+        discovery=discovery,
         balance=t.get("balance", _one_of(BALANCE_ALGORITHMS)),
         affinity_timeout=t.get("affinity_timeout", _DURATION),
         send_proxy=t.get("send_proxy", _one_of(SEND_PROXY_MODES)),
@@ -895,7 +1054,7 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path) -> Config:
     listener = _section(ListenerConfig, partial(_listener, base_dir=base_dir))
     backend = _section(BackendConfig, partial(_backend, base_dir=base_dir))
     config = Config(
-        edge=t.get("edge", _section(EdgeConfig, _edge)),
+        edge=t.get("edge", _section(EdgeConfig, partial(_edge, base_dir=base_dir))),
         listeners=t.get(
             "listeners",
             _array(

@@ -5,7 +5,8 @@ Theory of operation
 
 :func:`relay` copies bytes between two already-connected streams, ``client`` (the
 peer that connected to us) and ``server`` (the backend we connected to). It runs two
-*pumps*, one per direction, in a nursery, plus a small idle watcher task.
+*pumps*, one per direction, as tasks in a nursery; :func:`relay`'s own task keeps the
+timers meanwhile (no third task, no cancel scope per timer).
 
 Each direction is a tiny state machine::
 
@@ -38,28 +39,37 @@ Each direction is a tiny state machine::
   ``recv`` returns 0, which looks like a FIN; so a pump checks for cancellation
   before forwarding an EOF and never turns an abort into a FIN.
 
-Timeouts (each a :class:`trio.CancelScope` named after its config field):
+Timeouts. The pumps only store timestamps (``trio.current_time()``, ~0.18 us): the
+last byte received from either side, and the last time a blocked send made progress.
+:func:`relay`'s task sleeps in one :class:`trio.CancelScope` until the earliest
+deadline those timestamps allow, re-checks when it wakes (activity since then moves
+the deadline) and, once a deadline really passed, records the cause and cancels the
+nursery. Pushing a scope's deadline per chunk would cost ~2.3 us (trio's deadline
+heap), a scheduler round trip ~3.4 us; the first EOF moves the sleep's deadline once
+if a fin timer would fire before the idle timer. The timers, named after their config
+fields:
 
-* ``idle_timeout``: no byte received from either side for that long, in any state.
-  The pumps only store ``trio.current_time()`` per chunk; the watcher task sleeps
-  until ``last_activity + idle_timeout`` and re-checks. Measured on the dev box: a
-  timestamp costs ~0.18 us per chunk, pushing ``CancelScope.deadline`` per chunk
-  ~2.3 us (it updates trio's deadline heap), a scheduler round trip ~3.4 us.
+* ``idle_timeout``: no byte received from either side for that long, in any state
+  (an EOF counts as received).
 * Fin timeouts, HAProxy's ``timeout client-fin``/``server-fin`` convention (the name
-  is the side we are *waiting for* once the other side has finished):
+  is the side we are *waiting for* once the other side has finished). They are
+  **inactivity** timers of the half-closed state, as in HAProxy, not deadlines
+  counted from the first EOF: a long download after the client's FIN is never cut
+  while it flows.
 
-  - after the **client** sends EOF, the **server** has at most
-    ``server_fin_timeout`` seconds to finish its direction (send its EOF and have it
-    forwarded); otherwise ``SERVER_FIN_TIMEOUT``;
-  - after the **server** sends EOF, the **client** (now half-closed from our point
-    of view, i.e. in FIN_WAIT) has at most ``client_fin_timeout`` seconds to finish;
-    otherwise ``CLIENT_FIN_TIMEOUT``.
+  - after the **client** sends EOF, the connection ends with ``SERVER_FIN_TIMEOUT``
+    if the remaining server -> client direction makes no progress for
+    ``server_fin_timeout`` seconds;
+  - after the **server** sends EOF, likewise ``CLIENT_FIN_TIMEOUT`` after
+    ``client_fin_timeout`` seconds without progress client -> server (the client is
+    half-closed from our point of view, i.e. in FIN_WAIT).
 
-  The deadline is absolute, counted from the moment the first EOF is received
-  (not an inactivity timer). If the remaining direction is stuck *writing* to a
-  slow reader when it fires, the cause is still attributed to the side we were
-  waiting for.
-
+  *Progress* is a byte received from the remaining direction's source, or its
+  destination taking bytes while the pump was blocked sending (a slow reader that
+  keeps reading keeps the connection; one that stops is attributed to the side we
+  were waiting for, as before). The stream path sends large chunks in 64 KiB slices
+  so that progress is seen at that granularity. Both timers run at once in the
+  half-closed state; the earlier one fires.
 A timeout returns normally with the cause in ``stats.termination``; the caller's
 close is graceful (FIN), except that the kernel sends an RST anyway if unread data
 is left. Cancellation from outside (e.g. the drain deadline) records ``CANCELLED``
@@ -121,6 +131,16 @@ __all__ = ["RelayStats", "Termination", "relay", "set_abortive_close"]
 # checkpoint after this many consecutive chunks handled without yielding. At 64 KiB
 # chunks that is one checkpoint per ~1 MiB, at 100-byte chunks one per 16 exchanges.
 _MAX_UNYIELDED_CHUNKS = 16
+
+# The fast path's first buffer per direction; a read that fills it switches to
+# ``buffer_size``. Small requests and responses never need more, and 16 KiB is
+# below malloc's mmap threshold (a 256 KiB buffer per direction per connection
+# would be an mmap, page faults and munmap for every short connection).
+_INITIAL_BUFFER_SIZE = 16384
+
+# The stream path sends a large chunk in slices of this size and counts each one
+# as progress for the fin timers (see the module docstring).
+_STREAM_SEND_SLICE = 65536
 
 # How deep set_abortive_close follows ``transport_stream`` (SSLStream over a
 # PrefixedStream over a SocketStream is 3); a bound guards against cycles.
@@ -215,17 +235,16 @@ class _Relay:
     __slots__ = (
         "client",
         "client_fin_timeout",
-        "client_fin_timeout_scope",
         "first_eof",
         "idle_timeout",
-        "idle_timeout_scope",
         "last_activity",
-        "nursery_scope",
+        "last_send",
         "pumps_running",
+        "scope",
         "server",
         "server_fin_timeout",
-        "server_fin_timeout_scope",
         "stats",
+        "timer_scope",
     )
 
     def __init__(
@@ -244,37 +263,37 @@ class _Relay:
         self.idle_timeout = idle_timeout
         self.client_fin_timeout = client_fin_timeout
         self.server_fin_timeout = server_fin_timeout
-        self.idle_timeout_scope = trio.CancelScope()
-        # Deadlines stay at +inf until the *other* side's EOF arms them.
-        self.client_fin_timeout_scope = trio.CancelScope()
-        self.server_fin_timeout_scope = trio.CancelScope()
-        self.nursery_scope = trio.CancelScope()  # replaced by the nursery's own
         self.last_activity = trio.current_time()
+        # Last time a waiting send made progress (the reader took bytes).
+        self.last_send = self.last_activity
         self.first_eof: _Side | None = None
         self.pumps_running = 2
+        # Replaced by the nursery's scope and the watcher's sleep scope.
+        self.scope = self.timer_scope = _UNUSED_SCOPE
 
     # -- events reported by the pumps ------------------------------------------
 
     def eof_received(self, source: _Side) -> None:
-        """Arm the fin timeout of the side we now wait for."""
-        self.last_activity = trio.current_time()
+        """Start the fin timer of the side we now wait for."""
+        now = self.last_activity = trio.current_time()
         if self.first_eof is not None:
             return  # second EOF: nothing left to wait for once it is forwarded
         self.first_eof = source
-        if source is _Side.CLIENT:
-            self.server_fin_timeout_scope.deadline = (
-                self.last_activity + self.server_fin_timeout
-            )
-        else:
-            self.client_fin_timeout_scope.deadline = (
-                self.last_activity + self.client_fin_timeout
-            )
+        fin_timeout = (
+            self.server_fin_timeout
+            if source is _Side.CLIENT
+            else self.client_fin_timeout
+        )
+        # The watcher sleeps until the idle deadline; wake it earlier if the fin
+        # timer would fire first (one deadline-heap update per connection).
+        # (Unchanged deadlines do not touch the heap.)
+        self.timer_scope.deadline = min(self.timer_scope.deadline, now + fin_timeout)
 
     def pump_done(self) -> None:
         """One direction reached EOF_FORWARDED; the last one stops the watcher."""
         self.pumps_running -= 1
         if self.pumps_running == 0:
-            self.nursery_scope.cancel()
+            self.scope.cancel()
 
     def failed(self, side: _Side) -> None:
         """Abort both sides because ``side`` had a read or write error."""
@@ -282,21 +301,46 @@ class _Relay:
             self.stats.termination = _ERROR_OF[side]
         set_abortive_close(self.client)
         set_abortive_close(self.server)
-        self.nursery_scope.cancel()
+        self.scope.cancel()
 
-    # -- tasks -----------------------------------------------------------------
+    # -- timers ----------------------------------------------------------------
 
-    async def watch_idle(self) -> None:
-        """Cancel everything once nothing was received for ``idle_timeout``."""
-        deadline = self.last_activity + self.idle_timeout
+    def next_deadline(self) -> tuple[float, Termination]:
+        """When the relay times out if nothing happens before, and as what."""
+        idle = self.last_activity + self.idle_timeout
+        first_eof = self.first_eof
+        if first_eof is None:
+            return idle, Termination.IDLE_TIMEOUT
+        if first_eof is _Side.CLIENT:
+            fin_timeout, cause = self.server_fin_timeout, Termination.SERVER_FIN_TIMEOUT
+        else:
+            fin_timeout, cause = self.client_fin_timeout, Termination.CLIENT_FIN_TIMEOUT
+        # Inactivity of the remaining direction: bytes received from its source
+        # (last_activity, which the finished source no longer moves after its
+        # EOF) or taken by its destination (last_send).
+        fin = max(self.last_activity, self.last_send) + fin_timeout
+        if fin <= idle:
+            return fin, cause
+        return idle, Termination.IDLE_TIMEOUT
+
+    async def watch(self) -> None:
+        """Sleep until the next deadline; cancel the relay once one really passed.
+
+        Runs in :func:`relay`'s own task (the nursery body) until the last pump
+        finishes or a pump fails, either of which cancels it with the nursery.
+        """
         while True:
-            await trio.sleep_until(deadline)
-            deadline = self.last_activity + self.idle_timeout
+            deadline, cause = self.next_deadline()
             if trio.current_time() >= deadline:
                 if self.stats.termination is None:
-                    self.stats.termination = Termination.IDLE_TIMEOUT
-                self.idle_timeout_scope.cancel()
+                    self.stats.termination = cause
+                self.scope.cancel()
                 return
+            # The pumps only store timestamps; re-checked when this wakes up.
+            with trio.CancelScope(deadline=deadline) as self.timer_scope:
+                await trio.sleep_forever()
+
+    # -- pumps -----------------------------------------------------------------
 
     async def pump_streams(
         self,
@@ -323,10 +367,19 @@ class _Relay:
             else:
                 stats.bytes_from_server += len(data)
             try:
-                await dest.send_all(data)
+                if len(data) <= _STREAM_SEND_SLICE:
+                    await dest.send_all(data)
+                else:
+                    # Slices, so that a slow reader's progress is seen by the
+                    # fin timer (a whole 256 KiB chunk can take a while).
+                    view = memoryview(data)
+                    for start in range(0, len(data), _STREAM_SEND_SLICE):
+                        await dest.send_all(view[start : start + _STREAM_SEND_SLICE])
+                        self.last_send = trio.current_time()
             except _PEER_ERRORS:
                 self.failed(dest_side)
                 return
+            self.last_send = trio.current_time()
         # EOF_RECEIVED: everything before it has been sent by the loop above. If
         # the relay is already aborting (see pump_sockets), do not forward it.
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -351,12 +404,16 @@ class _Relay:
         dest_side = _Side.SERVER if source_side is _Side.CLIENT else _Side.CLIENT
         stats = self.stats
         from_client = source_side is _Side.CLIENT
-        buffer = bytearray(buffer_size)
+        # Small at first (idle keep-alive connections are the many); grown to
+        # buffer_size the first time a read fills it (bulk transfers).
+        size = min(buffer_size, _INITIAL_BUFFER_SIZE)
+        buffer = bytearray(size)
         view = memoryview(buffer)
         source_fd = source.fileno()
         dest_fd = dest.fileno()
         wait_readable = trio.lowlevel.wait_readable
         wait_writable = trio.lowlevel.wait_writable
+        current_time = trio.current_time
         unyielded = 0
         # A short read almost always means the socket is drained; waiting first
         # then saves a recv() that would fail with EAGAIN (HAProxy does the same).
@@ -375,8 +432,8 @@ class _Relay:
                 return
             if not received:
                 break
-            drained = received < buffer_size
-            self.last_activity = trio.current_time()
+            drained = received < size
+            self.last_activity = current_time()
             if from_client:
                 stats.bytes_from_client += received
             else:
@@ -387,10 +444,16 @@ class _Relay:
                     sent += dest.send(view[sent:received])
                 except BlockingIOError:
                     await wait_writable(dest_fd)
+                    # Writable again: the reader took bytes, which is progress.
+                    self.last_send = current_time()
                     unyielded = 0
                 except OSError:
                     self.failed(dest_side)
                     return
+            if received == size < buffer_size:
+                size = buffer_size
+                buffer = bytearray(size)
+                view = memoryview(buffer)
             unyielded += 1
             if unyielded >= _MAX_UNYIELDED_CHUNKS:
                 await trio.lowlevel.checkpoint()
@@ -407,21 +470,15 @@ class _Relay:
         await trio.lowlevel.cancel_shielded_checkpoint()
         self.pump_done()
 
-    def clean_or_timeout(self) -> Termination:
-        """Decide the cause once the nursery exited without a recorded one."""
-        if self.pumps_running == 0:
-            if self.first_eof is _Side.CLIENT:
-                return Termination.CLIENT_CLOSED
-            return Termination.SERVER_CLOSED
-        if self.client_fin_timeout_scope.cancelled_caught:
-            return Termination.CLIENT_FIN_TIMEOUT
-        if self.server_fin_timeout_scope.cancelled_caught:
-            return Termination.SERVER_FIN_TIMEOUT
-        # Only reachable if a timer fired without being caught by its scope,
-        # which trio does not do; keep a defined answer anyway.
-        if self.first_eof is _Side.CLIENT:  # pragma: no cover
-            return Termination.SERVER_FIN_TIMEOUT
-        return Termination.CLIENT_FIN_TIMEOUT  # pragma: no cover
+    def clean_termination(self) -> Termination:
+        """The cause once both directions finished (timeouts record their own)."""
+        if self.first_eof is _Side.CLIENT:
+            return Termination.CLIENT_CLOSED
+        return Termination.SERVER_CLOSED
+
+
+# Placeholder until relay() enters the real scopes; never entered.
+_UNUSED_SCOPE = trio.CancelScope()
 
 
 def _raw_socket(stream: trio.SocketStream) -> socket.socket:
@@ -440,7 +497,7 @@ async def relay(
     idle_timeout: float,
     client_fin_timeout: float,
     server_fin_timeout: float,
-    buffer_size: int = 65536,
+    buffer_size: int = 262144,
 ) -> None:
     """Relay bytes both ways between ``client`` and ``server`` until both finish.
 
@@ -495,39 +552,35 @@ async def relay(
         ):
             raw_client = _raw_socket(client)
             raw_server = _raw_socket(server)
-        with (
-            state.idle_timeout_scope,
-            state.client_fin_timeout_scope,
-            state.server_fin_timeout_scope,
-        ):
-            async with trio.open_nursery() as nursery:
-                state.nursery_scope = nursery.cancel_scope
-                nursery.start_soon(state.watch_idle)
-                if raw_client is not None and raw_server is not None:
-                    nursery.start_soon(
-                        state.pump_sockets,
-                        raw_client,
-                        raw_server,
-                        _Side.CLIENT,
-                        buffer_size,
-                    )
-                    nursery.start_soon(
-                        state.pump_sockets,
-                        raw_server,
-                        raw_client,
-                        _Side.SERVER,
-                        buffer_size,
-                    )
-                else:
-                    nursery.start_soon(
-                        state.pump_streams, client, server, _Side.CLIENT, buffer_size
-                    )
-                    nursery.start_soon(
-                        state.pump_streams, server, client, _Side.SERVER, buffer_size
-                    )
+        async with trio.open_nursery() as nursery:
+            state.scope = nursery.cancel_scope
+            if raw_client is not None and raw_server is not None:
+                nursery.start_soon(
+                    state.pump_sockets,
+                    raw_client,
+                    raw_server,
+                    _Side.CLIENT,
+                    buffer_size,
+                )
+                nursery.start_soon(
+                    state.pump_sockets,
+                    raw_server,
+                    raw_client,
+                    _Side.SERVER,
+                    buffer_size,
+                )
+            else:
+                nursery.start_soon(
+                    state.pump_streams, client, server, _Side.CLIENT, buffer_size
+                )
+                nursery.start_soon(
+                    state.pump_streams, server, client, _Side.SERVER, buffer_size
+                )
+            # This task keeps the timers while the pumps run.
+            await state.watch()
     except* trio.Cancelled:
         # Only a cancellation from outside gets here (all of ours are caught by the
-        # scopes above); the nursery delivers it inside an exception group.
+        # nursery's scope); the nursery delivers it inside an exception group.
         if stats.termination is None:
             stats.termination = Termination.CANCELLED
         raise
@@ -538,4 +591,4 @@ async def relay(
         if raw_server is not None:
             raw_server.detach()
     if stats.termination is None:
-        stats.termination = state.clean_or_timeout()
+        stats.termination = state.clean_termination()

@@ -44,8 +44,10 @@ import trio
 from proxyproto import Policy, RemoteProtocolError, SSLClient, SSLInfo, TrustPolicy
 from proxyproto.trio import read_proxy_header, socket_addresses
 from tlsedge._accesslog import ConnectionLog, format_address
+from tlsedge._admin import AdminServer, bind_admin
 from tlsedge._certs import CertificateError
 from tlsedge._config import Config, ConfigError, ListenerConfig
+from tlsedge._metrics import EdgeMetrics
 from tlsedge._proxy_wrap import ConnectionFacts, build_proxy_header
 from tlsedge._relay import RelayStats, Termination, relay, set_abortive_close
 from tlsedge._tls import (
@@ -184,6 +186,8 @@ class Edge:
         self._background_scope = trio.CancelScope()
         self._services: trio.Nursery | None = None
         self._connections: trio.Nursery | None = None
+        self._metrics = EdgeMetrics(self)
+        self.admin: AdminServer | None = None  # the edge.admin endpoint, once bound
 
     # -- public API -------------------------------------------------------
 
@@ -301,6 +305,9 @@ class Edge:
                 self._listeners[state.config.name] = self._make_listener(
                     state, await _bind(state.config, reuse_port=self._reuse_port)
                 )
+            if (admin := self.config.edge.admin) is not None:
+                sockets = await bind_admin(admin, reuse_port=self._reuse_port)
+                self.admin = AdminServer(self, sockets)
         except OSError as exc:
             for listener in self._listeners.values():
                 self._close_listener(listener)
@@ -308,6 +315,8 @@ class Edge:
         async with trio.open_nursery() as services:
             self._services = services
             self._restart_background_tasks()
+            if self.admin is not None:
+                await services.start(self.admin.serve)
             async with trio.open_nursery() as connections:
                 self._connections = connections
                 for listener in self._listeners.values():
@@ -349,8 +358,8 @@ class Edge:
             sock.close()
 
     def _restart_background_tasks(self) -> None:
-        """(Re)start the health checks and certificate watchers for the
-        current configuration."""
+        """(Re)start the health checks, DNS discovery refreshes and
+        certificate watchers for the current configuration."""
         assert self._services is not None
         self._background_scope.cancel()
         self._background_scope = scope = trio.CancelScope()
@@ -360,6 +369,7 @@ class Edge:
                 async with trio.open_nursery() as nursery:
                     for pool in self._pools.values():
                         nursery.start_soon(pool.run_health_checks)
+                        nursery.start_soon(pool.run_discovery)  # DNS refresh
                     for listener in self._listeners.values():
                         if listener.state.tls is not None:
                             nursery.start_soon(watch_certificates, listener.state.tls)
@@ -446,6 +456,7 @@ class Edge:
         )
         started = trio.current_time()
         self.active_connections += 1
+        self._metrics.connection_opened(config.name)
         upstream: trio.abc.Stream | None = None
         client: trio.abc.Stream = stream
         try:
@@ -465,6 +476,7 @@ class Edge:
                 if upstream is not None:
                     await trio.aclose_forcefully(upstream)
             log.duration = trio.current_time() - started
+            self._metrics.record(log)
             log.emit()
 
     async def _serve(
@@ -498,6 +510,7 @@ class Edge:
                     "timeout": "header_timeout",
                 }.get(exc.reason, "header_error")
                 log.detail = str(exc)
+                self._metrics.proxy_header_error(config.name, exc.reason)
                 LOGGER.info("listener %s: closing %s: %s", config.name, log.peer, exc)
                 return None, stream
             except trio.BrokenResourceError as exc:
@@ -552,6 +565,7 @@ class Edge:
         upstream: trio.abc.Stream = connected.stream
         server = connected.server
         log.server = format_address(server.address)
+        self._metrics.server_connected(log, connected.attempts)
         stats = RelayStats()
         try:
             backend = pool.config

@@ -42,6 +42,7 @@ backend FIN a TLS 1.2 client usually ends the connection right away.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import operator
 import ssl
@@ -58,6 +59,8 @@ DEFAULT_RECEIVE_SIZE = 65536
 #: Plaintext handed to the engine per write, so huge send_all calls do not
 #: hold their whole ciphertext in memory at once.
 WRITE_CHUNK = 65536
+#: How long a failed handshake may take to send its alert before closing.
+ALERT_SEND_TIMEOUT = 1.0
 
 
 class _State(enum.Enum):
@@ -150,20 +153,36 @@ class TLSStream(trio.abc.HalfCloseableStream):
     async def _flush(self) -> None:
         """Send every record the engine has produced, in order."""
         async with self._flush_lock:
-            data = self._outgoing.read()
-            if not data:
-                return
-            try:
-                await self.transport_stream.send_all(data)
-            except trio.ClosedResourceError:
-                if self._state is _State.CLOSED:
+            # Loop: records the receiving side produced while this send was
+            # blocked (it does not wait for the lock, see _flush_if_idle) go
+            # out here.
+            while data := self._outgoing.read():
+                try:
+                    await self.transport_stream.send_all(data)
+                except trio.ClosedResourceError:
+                    if self._state is _State.CLOSED:
+                        raise
+                    raise self._fail(
+                        trio.ClosedResourceError("transport closed")
+                    ) from None
+                except BaseException:
+                    # A record may have been cut in two: nothing sensible can
+                    # follow.
+                    if self._state is _State.OK:
+                        self._state = _State.BROKEN
                     raise
-                raise self._fail(trio.ClosedResourceError("transport closed")) from None
-            except BaseException:
-                # A record may have been cut in two: nothing sensible can follow.
-                if self._state is _State.OK:
-                    self._state = _State.BROKEN
-                raise
+
+    async def _flush_if_idle(self) -> None:
+        """Flush from the receiving side, unless a send is flushing already.
+
+        Waiting for the lock there would deadlock a full-duplex transfer: the
+        send blocks until the peer reads, while the peer blocks sending to us
+        until we read. The send's `_flush` loop sends our records after its own.
+        """
+        if self._flush_lock.locked():
+            await trio.lowlevel.checkpoint()
+        else:
+            await self._flush()
 
     async def _feed(self) -> None:
         """Read the transport into the engine (EOF is passed on too)."""
@@ -204,8 +223,16 @@ class TLSStream(trio.abc.HalfCloseableStream):
                         ) from None
                     await self._feed()
                 except ssl.SSLError as exc:
-                    # Send the alert the engine produced, best effort.
-                    with trio.move_on_after(0):
+                    # Send the alert the engine produced (unrecognized_name,
+                    # bad_certificate, ...), best effort: a few bytes, so a
+                    # short bound. (move_on_after(0) would cancel the send
+                    # before it starts.)
+                    with (
+                        trio.move_on_after(ALERT_SEND_TIMEOUT),
+                        contextlib.suppress(
+                            trio.BrokenResourceError, trio.ClosedResourceError
+                        ),
+                    ):
                         await self._flush()
                     raise self._fail(exc) from exc
             self._handshake_done = True
@@ -240,7 +267,7 @@ class TLSStream(trio.abc.HalfCloseableStream):
                     data = self.ssl_object.read(max_bytes)
                 except ssl.SSLWantReadError:
                     if self._outgoing.pending:
-                        await self._flush()
+                        await self._flush_if_idle()
                     await self._feed()
                     continue
                 except ssl.SSLZeroReturnError:
@@ -255,7 +282,7 @@ class TLSStream(trio.abc.HalfCloseableStream):
                     raise self._fail(exc) from exc
                 if self._outgoing.pending:
                     # Post-handshake messages (tickets, key updates) to send.
-                    await self._flush()
+                    await self._flush_if_idle()
                 if data:
                     return data
                 self._eof_received = True

@@ -6,6 +6,13 @@ connection: ``connect()`` only picks a server and opens a socket to a numeric
 address. Connect failures count against the server's health (passive
 checking); retries follow HAProxy: the same server again after a short pause,
 the last try on another server ("redispatch").
+
+A backend with a ``discovery`` table gets its servers from DNS instead
+(`tlsedge._discovery`): looked up when the pool is built or updated, then
+refreshed by ``run_discovery()`` in the background. A refresh swaps the server
+list with ``Balancer.set_servers``: servers that stay keep their state, removed
+ones drain (no new connections; open ones carry on), and the active health
+checks follow the list.
 """
 
 from __future__ import annotations
@@ -15,13 +22,13 @@ import os
 import socket
 import ssl
 from dataclasses import dataclass
-from functools import partial
 
 import trio
 
 from tlsedge._balancer import Balancer, Server
 from tlsedge._certs import CertificateError
-from tlsedge._config import BackendConfig
+from tlsedge._config import BackendConfig, HealthConfig
+from tlsedge._discovery import DnsDiscovery, Found
 from tlsedge._health import HealthState, ServerHealth, run_health_checks
 from tlsedge._tls import backend_server_hostname, build_client_context
 
@@ -86,6 +93,11 @@ class BackendPool:
         self.balancer = Balancer(
             [], config.balance, affinity_timeout=config.affinity_timeout
         )
+        self._discovery: DnsDiscovery | None = None
+        # The running health checks, so that DNS refreshes can start and stop
+        # the checks of servers that come and go.
+        self._health_nursery: trio.Nursery | None = None
+        self._health_scopes: dict[tuple[str, int], trio.CancelScope] = {}
 
     @classmethod
     async def create(cls, config: BackendConfig) -> BackendPool:
@@ -101,19 +113,44 @@ class BackendPool:
     async def update(self, config: BackendConfig) -> None:
         """Apply a (re)loaded config; servers that stay keep their state.
 
+        With ``discovery``, a failed or empty DNS answer does not fail the
+        update: the servers of the last good answer stay (none for a new name;
+        the background refresh then retries every second).
+
         Raises:
             OSError: a server name does not resolve (nothing is changed then).
         """
-        resolved = [
-            (await resolve(s.address.host, s.address.port), s.weight)
-            for s in config.servers
-        ]
         tls_context = None
         if config.protocol == "tls" and config.tls is not None:
             try:
                 tls_context = build_client_context(config.tls)
             except (CertificateError, ssl.SSLError) as exc:
                 raise OSError(f"backend {config.name} TLS: {exc}") from exc
+        discovery = None
+        if config.discovery is None:
+            resolved = [
+                (await resolve(s.address.host, s.address.port), s.weight)
+                for s in config.servers
+            ]
+        else:
+            discovery = self._discovery
+            if discovery is None or discovery.config != config.discovery:
+                discovery = DnsDiscovery(config.discovery, config.name)
+            found = await discovery.refresh()
+            resolved = found if found is not None else list(discovery.last or [])
+        self.config = config
+        self.tls_context = tls_context
+        self._discovery = discovery
+        self.balancer = (
+            self.balancer
+            if self.balancer.policy == config.balance
+            else Balancer([], config.balance, affinity_timeout=config.affinity_timeout)
+        )
+        self._set_servers(resolved)
+
+    def _set_servers(self, resolved: list[Found]) -> None:
+        """Make *resolved* the server list; servers that stay keep their state."""
+        config = self.config
         health: dict[tuple[str, int], ServerHealth] = {}
         for address, weight in resolved:
             existing = self._health.get(address)
@@ -131,15 +168,24 @@ class BackendPool:
                 )
             existing.server.weight = weight
             health[address] = existing
-        self.config = config
-        self.tls_context = tls_context
         self._health = health
-        self.balancer = (
-            self.balancer
-            if self.balancer.policy == config.balance
-            else Balancer([], config.balance, affinity_timeout=config.affinity_timeout)
-        )
         self.balancer.set_servers([h.server for h in health.values()])
+        self._sync_health_checks()
+
+    async def run_discovery(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Refresh the servers from DNS until cancelled (``discovery`` only)."""
+        discovery = self._discovery
+        if discovery is None:
+            task_status.started()
+            return
+
+        def apply(found: list[Found]) -> None:
+            if self._discovery is discovery:  # not replaced by a reload since
+                self._set_servers(found)
+
+        await discovery.run(apply, task_status=task_status)
 
     def server_hostname(self, stream: trio.SocketStream) -> str:
         """The name to send as SNI and verify for a TLS connection to the
@@ -164,21 +210,61 @@ class BackendPool:
         if health is None:
             task_status.started()
             return
+        self._health_scopes = {}
         async with trio.open_nursery() as nursery:
-            for server_health in self._health.values():
-                await nursery.start(
-                    partial(
-                        run_health_checks,
-                        server_health.server,
-                        server_health.state,
-                        kind=health.kind,
-                        path=health.path,
-                        interval=health.interval,
-                        timeout=health.timeout,
-                        backend=self.name,
-                    )
+            self._health_nursery = nursery
+            try:
+                for address, server_health in list(self._health.items()):
+                    if address not in self._health_scopes:
+                        scope = self._health_scopes[address] = trio.CancelScope()
+                        await nursery.start(
+                            self._check_server, server_health, health, scope
+                        )
+                task_status.started()
+                self._sync_health_checks()  # servers that came while starting
+                await trio.sleep_forever()
+            finally:
+                if self._health_nursery is nursery:
+                    self._health_nursery = None
+
+    async def _check_server(
+        self,
+        server_health: ServerHealth,
+        health: HealthConfig,
+        scope: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        address = server_health.server.address
+        try:
+            with scope:
+                await run_health_checks(
+                    server_health.server,
+                    server_health.state,
+                    kind=health.kind,
+                    path=health.path,
+                    interval=health.interval,
+                    timeout=health.timeout,
+                    backend=self.name,
+                    task_status=task_status,
                 )
-            task_status.started()
+        finally:
+            if self._health_scopes.get(address) is scope:
+                del self._health_scopes[address]
+
+    def _sync_health_checks(self) -> None:
+        """Start the checks of new servers and stop those of removed ones."""
+        nursery, health = self._health_nursery, self.config.health
+        if nursery is None or health is None:
+            return
+        for address, scope in list(self._health_scopes.items()):
+            if address not in self._health:
+                scope.cancel()
+                del self._health_scopes[address]
+        for address, server_health in self._health.items():
+            if address not in self._health_scopes:
+                scope = self._health_scopes[address] = trio.CancelScope()
+                nursery.start_soon(self._check_server, server_health, health, scope)
 
     async def connect(self, client_ip: str | None) -> Connected:
         """Pick a server and connect to it, retrying as configured.

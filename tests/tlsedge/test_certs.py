@@ -122,7 +122,7 @@ def test_load_ecdsa_leaf(tmp_path: Path, ca: trustme.CA) -> None:
     assert loaded.key_size == 256
     assert loaded.curve == "secp256r1"
     assert loaded.key_alg == "EC256"
-    assert loaded.sig_alg == "ECDSA-SHA256"  # trustme's CA key is ECDSA
+    assert loaded.sig_alg == "ecdsa-with-SHA256"  # trustme's CA key is ECDSA
     assert loaded.chain == ()
     assert loaded.serial_number == loaded.leaf.serial_number
     assert loaded.not_before < NOW < loaded.not_after
@@ -148,7 +148,7 @@ def test_load_ed25519(tmp_path: Path) -> None:
     assert (loaded.key_type, loaded.key_alg, loaded.sig_alg) == (
         "Ed25519",
         "Ed25519",
-        "Ed25519",
+        "ED25519",
     )
 
 
@@ -308,7 +308,7 @@ def test_make_dev_certificates(tmp_path: Path) -> None:
     server = load_certificate(files.cert, files.key)
     assert server.names == ("edge.test",)
     assert server.key_alg == "EC256"
-    assert server.sig_alg == "ECDSA-SHA256"
+    assert server.sig_alg == "ecdsa-with-SHA256"
     assert server.not_after - server.not_before > 30 * DAY
     san = server.leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName)
     assert san.value.get_values_for_type(x509.IPAddress) == [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import socket
 import subprocess
@@ -258,18 +259,19 @@ async def test_second_sigterm_exits_at_once(
     assert '"termination":"drained"' in edge.output
 
 
-def two_free_ports() -> int:
-    """A port P such that P and P + 1 were both free a moment ago."""
+def three_free_ports() -> int:
+    """A port P such that P, P + 1 and P + 2 were free a moment ago."""
     for _ in range(50):
         port = free_port()
-        with socket.socket() as a, socket.socket() as b:
+        with socket.socket() as a, socket.socket() as b, socket.socket() as c:
             try:
                 a.bind(("127.0.0.1", port))
                 b.bind(("127.0.0.1", port + 1))
+                c.bind(("127.0.0.1", port + 2))
             except OSError:
                 continue
             return port
-    raise AssertionError("no two adjacent free ports")
+    raise AssertionError("no three adjacent free ports")
 
 
 async def curl(*args: str) -> str:
@@ -283,20 +285,39 @@ async def curl(*args: str) -> str:
 
 async def test_demo_answers_curl_direct_and_behind_a_proxy(tmp_path: Path) -> None:
     require("curl")
-    port = two_free_ports()
-    async with tlsedge_process(
-        "demo", "--port", str(port), log=tmp_path / "log"
-    ) as demo:
-        await demo.wait_for_port(port)
-        await demo.wait_for_port(port + 1)
-        direct = await curl(f"http://127.0.0.1:{port}/direct")
-        proxied = await curl("--haproxy-protocol", f"http://127.0.0.1:{port + 1}/lb")
+    port = three_free_ports()
+    log = tmp_path / "log"
+    async with tlsedge_process("demo", "--port", str(port), log=log) as demo:
+        for p in (port, port + 1, port + 2):
+            await demo.wait_for_port(p)
+        ca = re.search(r"--cacert (\S+)", log.read_text())
+        assert ca is not None, log.read_text()
+        tls = ["--cacert", ca.group(1)]
+        direct = await curl(
+            *tls,
+            "--resolve",
+            f"localhost:{port}:127.0.0.1",
+            f"https://localhost:{port}/direct",
+        )
+        lb = port + 1
+        proxied = await curl(
+            *tls,
+            "--haproxy-protocol",
+            "--resolve",
+            f"localhost:{lb}:127.0.0.1",
+            f"https://localhost:{lb}/lb",
+        )
+        plain = await curl(f"http://127.0.0.1:{port + 2}/plain")
         demo.signal(signal.SIGTERM)
         assert await demo.wait() == 0
     assert "tlsedge demo backend" in direct
     assert "PROXY header:  v2 PROXY INET/STREAM" in direct
     assert "b'GET /direct HTTP/1.1'" in direct
+    assert "TLS (SSL TLV): TLSv1.3" in direct
+    assert "TLV AUTHORITY: b'localhost'" in direct
     assert "b'GET /lb HTTP/1.1'" in proxied
     # curl's own PROXY v1 header reached the edge; the backend got our v2.
     assert "PROXY header:  v2 PROXY INET/STREAM" in proxied
     assert "real client:         127.0.0.1:" in proxied
+    assert "b'GET /plain HTTP/1.1'" in plain
+    assert "TLS (SSL TLV)" not in plain

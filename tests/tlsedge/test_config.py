@@ -18,6 +18,7 @@ from tlsedge._config import (
     CertificateConfig,
     Config,
     ConfigError,
+    DiscoveryConfig,
     EdgeConfig,
     ForwardedConfig,
     HealthConfig,
@@ -45,6 +46,8 @@ workers = 4
 drain_timeout = 45
 max_connections = 20000
 admin = "127.0.0.1:9901"
+log_format = "json"
+access_log = "logs/access.log"
 
 [[listeners]]
 name = "public"
@@ -119,6 +122,16 @@ name = "db"
 servers = [{ address = "db.internal:5432" }]
 send_proxy = "v1"
 protocol = "tls"
+
+[[backends]]
+name = "found"
+
+[backends.discovery]
+name = "app.default.svc.cluster.local."
+type = "A"
+port = 8080
+refresh = 2.5
+nameserver = "127.0.0.1:5353"
 """
 
 FULL_EXPECTED = Config(
@@ -127,6 +140,8 @@ FULL_EXPECTED = Config(
         drain_timeout=45.0,
         max_connections=20000,
         admin=Address(host="127.0.0.1", port=9901),
+        log_format="json",
+        access_log=str(BASE / "logs/access.log"),
     ),
     listeners=(
         ListenerConfig(
@@ -211,6 +226,15 @@ FULL_EXPECTED = Config(
             protocol="tls",
             tls=BackendTlsConfig(),  # protocol = "tls" without a table: defaults
         ),
+        BackendConfig(
+            name="found",
+            discovery=DiscoveryConfig(
+                name="app.default.svc.cluster.local.",
+                port=8080,
+                refresh=2.5,
+                nameserver=Address(host="127.0.0.1", port=5353),
+            ),
+        ),
     ),
 )
 
@@ -229,6 +253,7 @@ def test_full_config_sets_every_key() -> None:
     # Guards FULL against schema growth: every field of every table appears in it.
     data = tomllib.loads(FULL)
     listener, backend = data["listeners"][0], data["backends"][0]
+    discovered = data["backends"][2]  # servers and discovery exclude each other
     tables: list[tuple[type[Any], dict[str, Any]]] = [
         (Config, data),
         (EdgeConfig, data["edge"]),
@@ -237,7 +262,8 @@ def test_full_config_sets_every_key() -> None:
         (TlsConfig, listener["tls"]),
         (CertificateConfig, listener["tls"]["certificates"][0]),
         (ForwardedConfig, listener["forwarded"]),
-        (BackendConfig, backend),
+        (BackendConfig, backend | {"discovery": discovered["discovery"]}),
+        (DiscoveryConfig, discovered["discovery"]),
         (ServerConfig, backend["servers"][1]),
         (BackendTlsConfig, backend["tls"]),
         (HealthConfig, backend["health"]),
@@ -265,6 +291,8 @@ def test_minimal_config_gets_every_default() -> None:
     assert edge.drain_timeout == 30.0
     assert edge.max_connections == 10000
     assert edge.admin is None
+    assert edge.log_format == "text"
+    assert edge.access_log == "-"
 
     (listener,) = config.listeners
     assert listener.name == "l"
@@ -297,6 +325,7 @@ def test_minimal_config_gets_every_default() -> None:
     assert backend.server_fin_timeout == 30.0
     assert backend.tls is None
     assert backend.health is None
+    assert backend.discovery is None
 
 
 def test_sub_table_defaults() -> None:
@@ -1155,29 +1184,18 @@ def test_unreadable_file(tmp_path: Path, name: str) -> None:
 # --- ensure_supported and the examples ---------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        (
-            L + "[listeners.tls]\n" + CERTS + B,
-            "listeners[0].tls: TLS termination is not supported yet",
-        ),
-        (
-            HTTP + B,
-            'listeners[0].mode: HTTP mode is not supported yet; use mode = "tcp"',
-        ),
-        (
-            L + backend(name='"a"') + backend(protocol='"tls"'),
-            "backends[1].protocol: TLS to backends is not supported yet; use protocol "
-            '= "tcp"',
-        ),
-    ],
-)
-def test_ensure_supported_refuses(text: str, message: str) -> None:
-    config = parse(text)
+def test_ensure_supported_refuses_http_mode() -> None:
+    config = parse(HTTP + B)
     with pytest.raises(ConfigError) as info:
         ensure_supported(config)
-    assert str(info.value) == message
+    assert str(info.value) == (
+        'listeners[0].mode: HTTP mode is not supported yet; use mode = "tcp"'
+    )
+
+
+def test_ensure_supported_accepts_tls_both_ways() -> None:
+    ensure_supported(parse(L + "[listeners.tls]\n" + CERTS + B))
+    ensure_supported(parse(L + backend(name='"a"') + backend(protocol='"tls"')))
 
 
 def test_ensure_supported_accepts_tcp() -> None:
@@ -1216,6 +1234,7 @@ def test_example_edge_documents_every_section() -> None:
         BackendConfig,
         BackendTlsConfig,
         HealthConfig,
+        DiscoveryConfig,
     ]
     for schema in schemas:
         for spec in dataclasses.fields(schema):
@@ -1239,6 +1258,7 @@ def _schema_keys() -> list[str]:
         ServerConfig,
         BackendTlsConfig,
         HealthConfig,
+        DiscoveryConfig,
     )
     return sorted(
         {spec.name for schema in schemas for spec in dataclasses.fields(schema)}

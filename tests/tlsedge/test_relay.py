@@ -617,3 +617,158 @@ async def test_relay_property(scenario: Scenario) -> None:
     assert stats.bytes_from_client == len(upload)
     assert stats.bytes_from_server == len(download)
     assert stats.termination in {Termination.CLIENT_CLOSED, Termination.SERVER_CLOSED}
+
+
+# -- fin timeouts are inactivity timers in the half-closed state -------------------
+
+
+async def test_server_fin_timeout_is_inactivity_not_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The client half-closes; the server streams slowly but steadily for 40 s in
+    # total, far longer than server_fin_timeout, with gaps shorter than it.
+    w = memory_wiring(client_wrapper=None)
+    got: dict[str, bytes] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.run_relay, 100.0, 50.0, 5.0)
+
+        async def client() -> None:
+            await send_then_eof(w.client_peer, b"GET")
+            got["client"] = await receive_all(w.client_peer)
+
+        async def server() -> None:
+            got["server"] = await receive_all(w.server_peer)
+            for i in range(10):
+                await trio.sleep(4)
+                await w.server_peer.send_all(b"%d" % i)
+            await w.server_peer.send_eof()
+
+        nursery.start_soon(client)
+        nursery.start_soon(server)
+    assert got == {"server": b"GET", "client": b"0123456789"}
+    # The client's EOF came first (the module's naming rule).
+    assert w.stats.termination is Termination.CLIENT_CLOSED
+
+
+async def test_server_fin_timeout_counts_from_last_progress(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    w = memory_wiring(client_wrapper=None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.run_relay, 100.0, 50.0, 5.0)
+        await w.client_peer.send_eof()
+        assert await w.server_peer.receive_some() == b""
+        for _ in range(3):
+            await trio.sleep(4)
+            await w.server_peer.send_all(b"x")
+        stalled = trio.current_time()  # ...then the server stalls
+    assert w.stats.termination is Termination.SERVER_FIN_TIMEOUT
+    assert trio.current_time() - stalled == pytest.approx(5)
+    assert await receive_all(w.client_peer) == b"xxx"
+
+
+async def test_client_fin_timeout_is_inactivity_not_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    w = memory_wiring(client_wrapper=None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.run_relay, 100.0, 5.0, 50.0)
+        await w.server_peer.send_eof()
+        assert await w.client_peer.receive_some() == b""
+        for _ in range(10):  # 30 s of a slow upload after the server finished
+            await trio.sleep(3)
+            await w.client_peer.send_all(b"u")
+        stalled = trio.current_time()
+    assert w.stats.termination is Termination.CLIENT_FIN_TIMEOUT
+    assert trio.current_time() - stalled == pytest.approx(5)
+    assert await receive_all(w.server_peer) == b"u" * 10
+
+
+async def test_slow_reader_progress_keeps_the_fin_timer_alive(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The server sends everything at once; the *client* reads slowly, so the relay
+    # is stuck writing, not reading. Each slice the client takes is progress.
+    client_peer, relay_client = trio.testing.lockstep_stream_pair()
+    relay_server, server_peer = trio.testing.memory_stream_pair()
+    w = Wiring(client_peer, relay_client, relay_server, server_peer)
+    download = payload(8 * 65536, 7)
+    got = bytearray()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.run_relay, 100.0, 50.0, 5.0)
+        await client_peer.send_eof()
+        await send_then_eof(server_peer, download)
+        while chunk := await client_peer.receive_some(65536):
+            got += chunk
+            await trio.sleep(3)  # 24 s in total, never 5 s without progress
+    assert sha(bytes(got)) == sha(download)
+    assert w.stats.termination is Termination.CLIENT_CLOSED
+
+
+async def test_idle_timeout_still_applies_when_half_closed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    w = memory_wiring(client_wrapper=None)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.run_relay, 3.0, 50.0, 50.0)
+        await w.client_peer.send_eof()
+    assert w.stats.termination is Termination.IDLE_TIMEOUT
+    assert trio.current_time() - start == pytest.approx(3)
+
+
+# -- fast path buffers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("buffer_size", [7, 16384, 20000, 262144])
+async def test_fast_path_any_buffer_size(buffer_size: int) -> None:
+    # Below, at and above the initial buffer, and the default: the buffer grows
+    # on the first full read and nothing is lost or reordered.
+    upload, download = payload(MIB // 2, 8), payload(3 * MIB, 9)
+    got: dict[str, bytes] = {}
+    with trio.fail_after(HANG_GUARD):
+        async with tcp_wiring("fast") as w, trio.open_nursery() as nursery:
+
+            async def run() -> None:
+                try:
+                    await relay(
+                        w.relay_client,
+                        w.relay_server,
+                        stats=w.stats,
+                        idle_timeout=3600,
+                        client_fin_timeout=3600,
+                        server_fin_timeout=3600,
+                        buffer_size=buffer_size,
+                    )
+                finally:
+                    await trio.aclose_forcefully(w.relay_client)
+                    await trio.aclose_forcefully(w.relay_server)
+
+            async def collect(name: str, stream: trio.abc.ReceiveStream) -> None:
+                got[name] = await receive_all(stream)
+
+            nursery.start_soon(run)
+            nursery.start_soon(send_then_eof, w.client_peer, upload)
+            nursery.start_soon(send_then_eof, w.server_peer, download)
+            nursery.start_soon(collect, "client", w.client_peer)
+            nursery.start_soon(collect, "server", w.server_peer)
+    assert sha(got["server"]) == sha(upload)
+    assert sha(got["client"]) == sha(download)
+    assert w.stats.bytes_from_client == len(upload)
+    assert w.stats.bytes_from_server == len(download)
+
+
+@PATHS
+async def test_relay_runs_two_pump_tasks_only(path: str) -> None:
+    # The timers live in relay()'s own task: no watcher task per connection.
+    seen: list[str] = []
+    with trio.fail_after(HANG_GUARD):
+        async with tcp_wiring(path) as w, trio.open_nursery() as nursery:
+            nursery.start_soon(w.run_relay)
+            await w.client_peer.send_all(b"ping")
+            assert await w.server_peer.receive_some() == b"ping"
+            seen = [name for name in all_task_names() if "_Relay" in name]
+            await w.client_peer.send_eof()
+            await w.server_peer.send_eof()
+    assert len(seen) == 2
+    assert all(".pump_" in name for name in seen)

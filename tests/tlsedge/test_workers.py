@@ -156,3 +156,23 @@ def test_port_zero_with_workers_exits_2(
     path.write_text(config_text(0, "127.0.0.1:9"))
     assert main(["run", str(path)]) == 2
     assert "binds port 0" in caplog.text
+
+
+async def test_sigterm_during_a_restart_pause_does_not_restart(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    backend = await Backend(tag_handler("hi")).start(nursery)
+    port = free_port()
+    path = tmp_path / "edge.toml"
+    path.write_text(config_text(port, backend.address))
+    log = tmp_path / "log"
+    async with supervisor(path, log) as process:
+        await wait_until(lambda: log.read_text().count("listener in on") == 2, 20)
+        victim = min(children(process.pid))
+        os.kill(victim, signal.SIGKILL)
+        await wait_until(lambda: "died with -9" in log.read_text(), 10)
+        process.send_signal(signal.SIGTERM)  # within the restart pause
+        with trio.fail_after(10):
+            assert await process.wait() == 0
+    text = log.read_text()
+    assert text.count("started (pid") == 2, text  # no third worker

@@ -1,0 +1,173 @@
+"""The codec's hand-written fast paths against the reference they replace.
+
+``_v1`` parses and prints addresses without going through ``ipaddress``'s
+text routines (written in Python, and slow), and ``_tlv`` checks text with
+``bytes.translate`` instead of decode + ``isprintable``. Each must accept
+exactly what the reference accepts and give the same value: hypothesis
+checks it on random and on mutated valid inputs.
+"""
+
+from __future__ import annotations
+
+from ipaddress import AddressValueError, IPv4Address, IPv6Address
+
+from hypothesis import example, given, strategies as st
+
+from proxyproto import LocalProtocolError, RemoteProtocolError
+from proxyproto._options import DEFAULT_OPTIONS
+from proxyproto._tlv import _ascii_text, _utf8_text, check_ascii, check_utf8
+from proxyproto._v1 import _host_text, _ipv4_int, _ipv6, _ipv6_int, _ipv6_text
+
+_IPV6_ALPHABET = "0123456789abcdefABCDEF:."
+
+
+def _ipaddress_v6(text: str) -> int | None:
+    try:
+        return int(IPv6Address(text))
+    except AddressValueError:
+        return None
+
+
+def _ipaddress_v4(text: str) -> int | None:
+    try:
+        return int(IPv4Address(text))
+    except AddressValueError:
+        return None
+
+
+ipv6_values = st.one_of(
+    st.integers(0, 2**128 - 1),
+    # Few non-zero groups: long zero runs, ties between runs, edges.
+    st.lists(st.sampled_from([0, 0, 0, 1, 0xFFFF, 0xABC]), min_size=8, max_size=8).map(
+        lambda groups: int.from_bytes(b"".join(g.to_bytes(2) for g in groups))
+    ),
+    st.integers(0, 2**32 - 1).map(lambda v4: 0xFFFF00000000 | v4),
+    st.integers(0, 2**32 - 1),
+)
+
+
+@st.composite
+def ipv6_texts(draw: st.DrawFn) -> str:
+    """Valid IPv6 text in its many spellings, then maybe mangled."""
+    value = draw(ipv6_values)
+    address = IPv6Address(value)
+    groups = [f"{g:x}" for g in address.packed[::2]]
+    form = draw(st.sampled_from(["short", "exploded", "v4", "padded", "upper"]))
+    if form == "short":
+        text = str(address)
+    elif form == "exploded":
+        text = address.exploded
+    elif form == "v4":
+        text = ":".join(groups[:6]) + ":" + str(IPv4Address(value & 0xFFFFFFFF))
+        if draw(st.booleans()):
+            text = str(address).rsplit(":", 2)[0] + ":" + text.rsplit(":", 1)[1]
+    elif form == "padded":
+        text = ":".join(g.zfill(draw(st.integers(len(g), 5))) for g in groups)
+    else:
+        text = str(address).upper()
+    for _ in range(draw(st.integers(0, 3))):
+        i = draw(st.integers(0, len(text)))
+        op = draw(st.sampled_from(["insert", "delete", "replace"]))
+        char = draw(st.sampled_from(_IPV6_ALPHABET))
+        if op == "insert":
+            text = text[:i] + char + text[i:]
+        elif op == "delete":
+            text = text[:i] + text[i + 1 :]
+        else:
+            text = text[:i] + char + text[i + 1 :]
+    return text
+
+
+@given(st.one_of(ipv6_texts(), st.text(_IPV6_ALPHABET, max_size=48)))
+@example("::")
+@example(":::")
+@example("1:::2")
+@example("::1.2.3.4")
+@example(":1.2.3.4")
+@example("1.2.3.4")
+@example("1:2:3:4:5:6:7::")
+@example("::1:2:3:4:5:6:7")
+@example("1:2:3:4:5:6:7::8")
+@example("1:2:3:4:5:6:1.2.3.4")
+@example("1:2:3:4:5:6:7:1.2.3.4")
+@example("::01.2.3.4")
+@example("1.2::3")
+@example("00001::")
+def test_ipv6_parser_matches_ipaddress(text: str) -> None:
+    assert _ipv6_int(text.encode()) == _ipaddress_v6(text)
+
+
+@given(st.one_of(ipv6_texts(), st.text(_IPV6_ALPHABET, max_size=48)))
+def test_ipv6_field_matches_ipaddress(text: str) -> None:
+    expected = _ipaddress_v6(text)
+    if expected is None:
+        try:
+            _ipv6(text.encode(), DEFAULT_OPTIONS)
+        except RemoteProtocolError:
+            return
+        raise AssertionError(f"{text!r} accepted")
+    host = _ipv6(text.encode(), DEFAULT_OPTIONS)
+    assert host == IPv6Address(text)
+    assert host.scope_id is None
+
+
+@given(
+    st.one_of(
+        st.integers(0, 2**32 - 1).map(lambda v: str(IPv4Address(v))),
+        st.text("0123456789.", max_size=20),
+        st.lists(st.integers(0, 999).map(str), min_size=3, max_size=5).map(".".join),
+        st.lists(st.sampled_from(["0", "00", "01", "255", "256", "1"]), max_size=5).map(
+            ".".join
+        ),
+    )
+)
+def test_ipv4_parser_matches_ipaddress(text: str) -> None:
+    assert _ipv4_int(text.encode()) == _ipaddress_v4(text)
+
+
+@given(ipv6_values)
+@example(0)
+@example(1)
+@example(0xFFFF_0000_0000)
+@example(0xFFFF_0102_0304)
+def test_ipv6_printer_matches_ipaddress(value: int) -> None:
+    address = IPv6Address(value)
+    if address.ipv4_mapped is not None:
+        assert _ipv6_text(value) == f"::ffff:{address.ipv4_mapped}"
+    else:
+        assert _ipv6_text(value) == str(address)
+    assert _host_text(address) == _ipv6_text(value)
+    assert _ipv6_int(_ipv6_text(value).encode()) == value
+
+
+def _reference_ascii(value: bytes) -> bool:
+    try:
+        _ascii_text(value, "x", LocalProtocolError)
+    except LocalProtocolError:
+        return False
+    return True
+
+
+def _reference_utf8(value: bytes) -> bool:
+    try:
+        _utf8_text(value, "x", LocalProtocolError)
+    except LocalProtocolError:
+        return False
+    return True
+
+
+texts = st.one_of(
+    st.binary(max_size=8),
+    st.text(max_size=8).map(lambda t: t.encode("utf-8", "surrogatepass")),
+    st.text(st.characters(max_codepoint=0x7F), max_size=8).map(str.encode),
+)
+
+
+@given(texts)
+def test_ascii_check_matches_reference(value: bytes) -> None:
+    assert check_ascii(value) == _reference_ascii(value)
+
+
+@given(texts)
+def test_utf8_check_matches_reference(value: bytes) -> None:
+    assert check_utf8(value) == _reference_utf8(value)

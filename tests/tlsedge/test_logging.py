@@ -1,0 +1,353 @@
+"""Log formats, access-log destinations, reopening, and escaping of peer bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from tests.peers import free_port
+from tests.tlsedge.helpers import (
+    Backend,
+    exchange,
+    make_config,
+    running_edge,
+    tag_handler,
+    wait_until,
+)
+from tlsedge._accesslog import ConnectionLog
+from tlsedge._cli import main
+from tlsedge._logging import (
+    EscapingFormatter,
+    JsonFormatter,
+    escape_control,
+    reopen_logs,
+    setup_logging,
+    shutdown_logging,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# What a peer might send where an error message quotes it: a colour escape
+# and a line break followed by a forged record.
+GARBAGE = "PROXY \x1b[31mTCP4\r\n2025-01-01 00:00:00,000 INFO tlsedge.access: {}"
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    yield
+    shutdown_logging()
+
+
+def record(
+    message: str, *args: object, name: str = "tlsedge.server"
+) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.INFO, __file__, 1, message, args, None)
+
+
+# --- escaping -------------------------------------------------------------------
+
+
+def test_escape_control() -> None:
+    assert escape_control("plain text: 'quoted' \\x00") == "plain text: 'quoted' \\x00"
+    assert escape_control("a\x1b[31mb\r\nc\td\x00\x7f") == (
+        "a\\x1b[31mb\\r\\nc\\td\\x00\\x7f"
+    )
+    assert escape_control("\x9b\u2028\u0085\udcff") == "\\x9b\\u2028\\x85\\udcff"
+    assert escape_control("\U000e0001") == "\\U000e0001"
+    assert escape_control("déjà vu ✓") == "déjà vu ✓"  # printable Unicode stays
+
+
+def test_text_format_escapes_peer_garbage() -> None:
+    formatter = EscapingFormatter("%(levelname)s %(name)s: %(message)s")
+    line = formatter.format(
+        record("listener %s: closing %s: %s", "in", "peer", GARBAGE)
+    )
+    assert "\x1b" not in line
+    assert "\r" not in line
+    assert "\n" not in line
+    assert line == (
+        "INFO tlsedge.server: listener in: closing peer: PROXY \\x1b[31mTCP4\\r\\n"
+        "2025-01-01 00:00:00,000 INFO tlsedge.access: {}"
+    )
+
+
+def test_text_format_tracebacks_cannot_forge_lines() -> None:
+    formatter = EscapingFormatter("%(levelname)s %(name)s: %(message)s")
+    try:
+        raise ValueError(GARBAGE)
+    except ValueError:
+        rec = logging.LogRecord(
+            "tlsedge.tls", logging.ERROR, __file__, 1, "failed", (), sys.exc_info()
+        )
+    text = formatter.format(rec)
+    first, *rest = text.split("\n")
+    assert first == "ERROR tlsedge.tls: failed"
+    assert rest
+    assert all(line.startswith("  | ") for line in rest)
+    assert "\x1b" not in text
+    assert "\r" not in text
+    # The message's own line break starts a continuation line, not a record.
+    assert "  | ValueError: PROXY \\x1b[31mTCP4\\r\n  | 2025-01-01 00:00" in text
+
+
+def test_json_format() -> None:
+    line = JsonFormatter().format(record("closing %s: %s", "peer", GARBAGE))
+    assert "\n" not in line
+    assert line.isascii()
+    assert line.isprintable()
+    data = json.loads(line)
+    assert data["message"] == f"closing peer: {GARBAGE}"  # exact, once decoded
+    assert data["level"] == "INFO"
+    assert data["logger"] == "tlsedge.server"
+    assert data["pid"] == os.getpid()
+    assert data["time"].endswith("Z")
+    assert "exc_info" not in data
+    try:
+        raise RuntimeError("\x1b[2J")
+    except RuntimeError:
+        rec = logging.LogRecord(
+            "tlsedge", logging.ERROR, __file__, 1, "boom", (), sys.exc_info()
+        )
+    line = JsonFormatter().format(rec)
+    assert line.isprintable()
+    assert "RuntimeError: \x1b[2J" in json.loads(line)["exc_info"]
+
+
+# --- setup_logging ----------------------------------------------------------------
+
+
+def emit_access(id_: str = "c1") -> None:
+    ConnectionLog(id=id_, listener="in", peer="10.0.0.1:5555", detail=GARBAGE).emit()
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_process_log_and_access_log_to_stderr(
+    log_format: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    setup_logging("info", log_format)
+    logging.getLogger("tlsedge.server").info("hello %s", GARBAGE)
+    logging.getLogger("tlsedge.server").debug("not shown at info")
+    emit_access()
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 2, err
+    assert "\x1b" not in err
+    assert "\r" not in err
+    process, access = lines
+    if log_format == "json":
+        assert json.loads(process)["message"] == f"hello {GARBAGE}"
+    else:
+        assert process.endswith(
+            "INFO tlsedge.server: hello PROXY \\x1b[31mTCP4\\r\\n"
+            "2025-01-01 00:00:00,000 INFO tlsedge.access: {}"
+        )
+    # The access line is the bare JSON object, whatever the format.
+    assert json.loads(access)["detail"] == GARBAGE
+    assert json.loads(access)["id"] == "c1"
+
+
+def test_access_log_to_stdout_at_any_level(capsys: pytest.CaptureFixture[str]) -> None:
+    setup_logging("error", "text", "stdout")
+    logging.getLogger("tlsedge.server").warning("below error: not shown")
+    emit_access()
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert json.loads(captured.out)["listener"] == "in"
+
+
+def test_access_log_file_reopens_after_rotation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "access.log"
+    path.write_text('{"kept":true}\n')  # append mode: existing lines stay
+    setup_logging("info", "text", str(path))
+    emit_access("before")
+    path.rename(tmp_path / "access.log.1")
+    emit_access("rotated")  # still to the renamed file, as with any logger
+    reopen_logs()
+    emit_access("after")
+    old = [
+        json.loads(line)
+        for line in (tmp_path / "access.log.1").read_text().splitlines()
+    ]
+    new = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line.get("id") for line in old] == [None, "before", "rotated"]
+    assert [line["id"] for line in new] == ["after"]
+    assert f"reopened {path}" in capsys.readouterr().err
+
+
+def test_reopen_failure_keeps_the_old_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    setup_logging("info", "text", str(folder / "access.log"))
+    folder.rename(tmp_path / "moved")
+    reopen_logs()  # the folder is gone: cannot open
+    emit_access("still")
+    assert "cannot reopen" in capsys.readouterr().err
+    assert "still" in (tmp_path / "moved" / "access.log").read_text()
+
+
+def test_unopenable_access_log_changes_nothing(tmp_path: Path) -> None:
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    with pytest.raises(FileNotFoundError):
+        setup_logging("info", "text", str(tmp_path / "missing" / "access.log"))
+    assert root.handlers == handlers
+    with pytest.raises(ValueError, match="unknown log format"):
+        setup_logging("info", "xml")
+    with pytest.raises(ValueError, match="unknown log level"):
+        setup_logging("loud", "text")
+
+
+def test_shutdown_restores_the_loggers() -> None:
+    root, access = logging.getLogger(), logging.getLogger("tlsedge.access")
+    before = (list(root.handlers), root.level, list(access.handlers), access.level)
+    setup_logging("debug", "json")
+    setup_logging("warning", "text")  # replaces, does not stack
+    assert len(root.handlers) == len(before[0]) + 1
+    assert len(access.handlers) == len(before[2]) + 1
+    shutdown_logging()
+    assert (
+        list(root.handlers),
+        root.level,
+        list(access.handlers),
+        access.level,
+    ) == before
+    reopen_logs()  # nothing installed: a no-op
+
+
+# --- through an Edge: a garbage PROXY header ----------------------------------------
+
+
+async def test_edge_logs_garbage_proxy_header_escaped(nursery: trio.Nursery) -> None:
+    backend = await Backend(tag_handler("hi")).start(nursery)
+    stream = io.StringIO()
+    setup_logging("info", "text", stream=stream)
+    config = make_config(
+        [{"name": "in", "backend": "b", "proxy_protocol": {"trusted": ["127.0.0.1"]}}],
+        [{"name": "b", "servers": [backend.address]}],
+    )
+    async with running_edge(config) as edge:
+        address = edge.listen_addresses["in"][0]
+        await exchange(address, GARBAGE.encode("latin-1") + b"\r\n\xff\x1b[0m")
+        await wait_until(lambda: "closing" in stream.getvalue())
+    text = stream.getvalue()
+    assert "\x1b" not in text
+    assert "\r" not in text
+    for line in text.splitlines():
+        assert line.startswith(("20", "  | ")), line  # every line is a record
+
+
+# --- the command: --log-format, access_log file, SIGUSR1 with workers ----------------
+
+
+def test_log_format_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        '[edge]\naccess_log = "missing/access.log"\n'
+        '[[listeners]]\nname = "in"\nbind = "127.0.0.1:0"\nbackend = "b"\n'
+        '[[backends]]\nname = "b"\nservers = ["127.0.0.1:9"]\n'
+    )
+    assert main(["--log-format", "json", "run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "edge.access_log: cannot open" in err
+    assert str(tmp_path / "missing" / "access.log") in err
+    with pytest.raises(SystemExit):
+        main(["--log-format", "xml", "check", str(path)])
+
+
+@contextlib.asynccontextmanager
+async def edge_process(config: Path, log: Path) -> AsyncIterator[trio.Process]:
+    with log.open("wb") as out:
+        process = await trio.lowlevel.open_process(
+            [
+                sys.executable,
+                "-m",
+                "tlsedge",
+                "--log-format",
+                "json",
+                "run",
+                str(config),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+        )
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
+                await process.wait()
+        if process.returncode is None:
+            process.kill()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+
+
+def log_messages(log: Path) -> list[str]:
+    messages = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            messages.append(json.loads(line)["message"])
+    return messages
+
+
+async def test_workers_share_the_access_log_and_reopen_on_sigusr1(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    backend = await Backend(tag_handler("hi")).start(nursery)
+    port = free_port()
+    config = tmp_path / "edge.toml"
+    config.write_text(
+        '[edge]\nworkers = 2\naccess_log = "access.log"\n\n'
+        f'[[listeners]]\nname = "in"\nbind = "127.0.0.1:{port}"\nbackend = "b"\n\n'
+        f'[[backends]]\nname = "b"\nservers = ["{backend.address}"]\n'
+    )
+    access = tmp_path / "access.log"
+    log = tmp_path / "stderr.log"
+
+    def bound() -> int:
+        return sum(m.startswith("listener in on") for m in log_messages(log))
+
+    def ids(path: Path) -> list[str]:
+        return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+    async with edge_process(config, log) as process:
+        await wait_until(lambda: bound() == 2, 30, 0.05)
+        for _ in range(20):
+            assert await exchange(("127.0.0.1", port)) == b"hi"
+        await wait_until(lambda: access.exists() and len(ids(access)) == 20, 10)
+        # ids() parsed every line: whole JSON objects, none interleaved.
+
+        access.rename(tmp_path / "access.log.1")
+        process.send_signal(signal.SIGUSR1)
+        # The supervisor and both workers reopen.
+        await wait_until(
+            lambda: sum(m.startswith("reopened ") for m in log_messages(log)) == 3, 10
+        )
+        for _ in range(6):
+            assert await exchange(("127.0.0.1", port)) == b"hi"
+        await wait_until(lambda: access.exists() and len(ids(access)) == 6, 10)
+        assert len(ids(tmp_path / "access.log.1")) == 20
+        assert process.returncode is None  # SIGUSR1 did not kill anything
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            assert await process.wait() == 0
+    # The process log is JSON (--log-format json), the workers' too.
+    assert bound() == 2

@@ -1,0 +1,349 @@
+"""Metrics: values after real traffic through an Edge, scraped from /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.tlsedge.helpers import (
+    Backend,
+    address_of,
+    close_clients,
+    connect,
+    make_config,
+    proxy_echo_handler,
+    read_all,
+    running_edge,
+    wait_until,
+)
+from tests.tlsedge.test_admin import admin_address, http_get, total
+from tlsedge._accesslog import ConnectionLog
+from tlsedge._metrics import (
+    REFUSED_TERMINATIONS,
+    EdgeMetrics,
+    tls_failure_reason,
+)
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    await close_clients()
+
+
+def header_v1(client: tuple[str, int], destination: tuple[str, int]) -> bytes:
+    return (
+        f"PROXY TCP4 {client[0]} {destination[0]} {client[1]} {destination[1]}\r\n"
+    ).encode()
+
+
+async def test_counters_after_real_traffic(nursery: trio.Nursery) -> None:
+    backend = await Backend(proxy_echo_handler(proxy=False)).start(nursery)
+    config = make_config(
+        [
+            {
+                "name": "lb",
+                "backend": "app",
+                "proxy_protocol": {"trusted": ["127.0.0.0/8"], "versions": [1, 2]},
+            },
+            {
+                "name": "strict",
+                "backend": "app",
+                "proxy_protocol": {"trusted": ["10.0.0.0/8"], "untrusted": "reject"},
+            },
+        ],
+        [{"name": "app", "servers": [backend.address], "retries": 0}],
+        {"admin": "127.0.0.1:0"},
+    )
+    async with running_edge(config) as edge:
+        admin = admin_address(edge)
+        before = (await http_get(admin, "/metrics")).text
+        assert total(before, "tlsedge_connections_total") == 0
+        assert total(before, "tlsedge_server_up", backend="app") == 1
+
+        # 1. Accepted: a good PROXY header, then 5 bytes.
+        client = await connect(address_of(edge, "lb"))
+        await client.send_all(
+            header_v1(("192.0.2.7", 4000), ("198.51.100.1", 443)) + b"hello"
+        )
+        await client.send_eof()
+        answer = await read_all(client)
+        assert json.loads(answer)["data"] == "hello"
+        # 2. A bad header from a trusted peer.
+        bad = await connect(address_of(edge, "lb"))
+        await bad.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await read_all(bad) == b""
+        # 3. An untrusted peer on a listener that rejects them.
+        rejected = await connect(address_of(edge, "strict"))
+        assert await read_all(rejected) == b""
+
+        async def scrape() -> str:
+            return (await http_get(admin, "/metrics")).text
+
+        text = await scrape()
+        with trio.fail_after(10):
+            while total(text, "tlsedge_connections_closed_total") < 3:
+                await trio.sleep(0.02)
+                text = await scrape()
+
+        assert total(text, "tlsedge_connections_total", listener="lb") == 2
+        assert total(text, "tlsedge_connections_total", listener="strict") == 1
+        assert total(text, "tlsedge_connections_active") == 0
+        assert (
+            total(
+                text,
+                "tlsedge_connections_refused_total",
+                listener="lb",
+                reason="header_error",
+            )
+            == 1
+        )
+        assert (
+            total(
+                text,
+                "tlsedge_connections_refused_total",
+                listener="strict",
+                reason="rejected",
+            )
+            == 1
+        )
+        assert total(text, "tlsedge_connections_refused_total") == 2
+        assert total(text, "tlsedge_connections_closed_total", listener="lb") == 2
+        errors = {
+            sample.labels["reason"]: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "tlsedge_proxy_header_errors"
+            for sample in family.samples
+            if sample.name == "tlsedge_proxy_header_errors_total"
+            and sample.labels["listener"] == "lb"
+        }
+        assert sum(errors.values()) == 1
+        assert "rejected" not in errors
+        assert (
+            total(
+                text,
+                "tlsedge_proxy_header_errors_total",
+                listener="strict",
+                reason="rejected",
+            )
+            == 1
+        )
+        # Bytes each way, by listener and by server.
+        assert total(text, "tlsedge_client_bytes_received_total", listener="lb") == 5
+        assert total(text, "tlsedge_client_bytes_sent_total", listener="lb") == len(
+            answer
+        )
+        server = {"backend": "app", "server": backend.address}
+        assert total(text, "tlsedge_server_connections_total", **server) == 1
+        assert total(text, "tlsedge_server_bytes_sent_total", **server) == 5
+        assert total(text, "tlsedge_server_bytes_received_total", **server) == len(
+            answer
+        )
+        assert total(text, "tlsedge_server_active_connections", **server) == 0
+        assert total(text, "tlsedge_server_up", **server) == 1
+        assert total(text, "tlsedge_server_weight", **server) == 1
+        assert total(text, "tlsedge_backend_retries_total") == 0
+        assert total(text, "tlsedge_connection_duration_seconds_count") == 3
+        assert total(text, "tlsedge_ready") == 1
+        assert total(text, "tlsedge_draining") == 0
+        assert (
+            total(
+                text,
+                "tlsedge_listener_info",
+                listener="strict",
+                proxy_protocol="v1+v2",
+                tls="off",
+                mode="tcp",
+            )
+            == 1
+        )
+        assert total(text, "tlsedge_listener_max_connections", listener="lb") == 10000
+
+        # A backend that refuses: connect_failed, counted per backend.
+        backend.stop()
+        failed = await connect(address_of(edge, "lb"))
+        await failed.send_all(header_v1(("192.0.2.7", 4001), ("198.51.100.1", 443)))
+        assert await read_all(failed) == b""
+        with trio.fail_after(10):
+            while total(text, "tlsedge_connections_closed_total") < 4:
+                await trio.sleep(0.02)
+                text = await scrape()
+        assert total(text, "tlsedge_backend_connect_failures_total", backend="app") == 1
+        assert (
+            total(
+                text,
+                "tlsedge_connections_refused_total",
+                listener="lb",
+                reason="connect_failed",
+            )
+            == 1
+        )
+
+
+async def test_server_active_connections_while_open(nursery: trio.Nursery) -> None:
+    async def hold(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"x")
+        await read_all(stream)
+
+    backend = await Backend(hold).start(nursery)
+    config = make_config(
+        [{"name": "in", "backend": "app"}],
+        [{"name": "app", "servers": [backend.address]}],
+        {"admin": "127.0.0.1:0"},
+    )
+    async with running_edge(config) as edge:
+        admin = admin_address(edge)
+        clients = [await connect(address_of(edge, "in")) for _ in range(3)]
+        for client in clients:
+            assert await client.receive_some(1) == b"x"
+        text = (await http_get(admin, "/metrics")).text
+        assert total(text, "tlsedge_connections_active", listener="in") == 3
+        assert (
+            total(
+                text,
+                "tlsedge_server_active_connections",
+                backend="app",
+                server=backend.address,
+            )
+            == 3
+        )
+        for client in clients:
+            await client.aclose()
+        await wait_until(lambda: edge.active_connections == 0)
+        text = (await http_get(admin, "/metrics")).text
+        assert total(text, "tlsedge_connections_active") == 0
+        assert total(text, "tlsedge_server_active_connections") == 0
+
+
+async def test_tls_handshakes_and_failures(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.cert_chain_pems[0].write_to_path(str(cert_path))
+    cert.private_key_pem.write_to_path(str(key_path))
+    backend = await Backend(proxy_echo_handler(proxy=False)).start(nursery)
+    config = make_config(
+        [
+            {
+                "name": "tls",
+                "backend": "app",
+                "tls": {
+                    "certificates": [{"cert": str(cert_path), "key": str(key_path)}]
+                },
+            }
+        ],
+        [{"name": "app", "servers": [backend.address]}],
+        {"admin": "127.0.0.1:0"},
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "tls")
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+        raw = await trio.open_tcp_stream(*address)
+        client = trio.SSLStream(raw, context, server_hostname="localhost")
+        await client.do_handshake()
+        await client.aclose()
+        # Plain text on a TLS port: a handshake failure with OpenSSL's reason.
+        plain = await connect(address)
+        await plain.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        with contextlib.suppress(trio.BrokenResourceError):
+            await read_all(plain)  # a TLS alert (or a reset), then closed
+        admin = admin_address(edge)
+        with trio.fail_after(10):
+            while True:
+                text = (await http_get(admin, "/metrics")).text
+                if total(text, "tlsedge_connections_closed_total") >= 2:
+                    break
+                await trio.sleep(0.02)
+        assert total(text, "tlsedge_tls_handshakes_total", listener="tls") == 1
+        assert (
+            total(text, "tlsedge_tls_handshakes_total", version="TLSv1.3")
+            + total(text, "tlsedge_tls_handshakes_total", version="TLSv1.2")
+            == 1
+        )
+        failures = {
+            sample.labels["reason"]
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "tlsedge_tls_handshake_failures_total"
+        }
+        assert total(text, "tlsedge_tls_handshake_failures_total") == 1
+        assert len(failures) == 1, failures
+        assert failures != {"other"}, failures
+
+
+async def test_http_request_metrics_for_http_mode() -> None:
+    metrics = EdgeMetrics()
+    metrics.record_http_request("web", "app", 200, 0.02)
+    metrics.record_http_request("web", "app", 204, 0.2)
+    metrics.record_http_request("web", "app", 502, 3.0)
+    text = metrics.exposition()[0].decode()
+    assert total(text, "tlsedge_http_requests_total", code="2xx") == 2
+    assert total(text, "tlsedge_http_requests_total", code="5xx") == 1
+    assert total(text, "tlsedge_http_request_duration_seconds_count") == 3
+    assert (
+        total(
+            text,
+            "tlsedge_http_request_duration_seconds_bucket",
+            listener="web",
+            backend="app",
+            le="0.25",
+        )
+        == 2
+    )
+    # No live collector without an edge; registries are per instance.
+    assert "tlsedge_ready" not in text
+    assert (
+        total(EdgeMetrics().exposition()[0].decode(), "tlsedge_http_requests_total")
+        == 0
+    )
+
+
+async def test_record_derives_everything_from_the_connection_log() -> None:
+    metrics = EdgeMetrics()
+    metrics.connection_opened("in")
+    log = ConnectionLog(id="1", listener="in", peer="127.0.0.1:1", backend="b")
+    log.server = "127.0.0.1:8080"
+    metrics.server_connected(log, attempts=3)
+    log.tls = "TLSv1.3 TLS_AES_128_GCM_SHA256"
+    log.bytes_from_client, log.bytes_from_server = 10, 20
+    log.termination = "client_closed"
+    metrics.record(log)
+    text = metrics.exposition()[0].decode()
+    assert total(text, "tlsedge_backend_retries_total", backend="b") == 2
+    assert total(text, "tlsedge_tls_handshakes_total", version="TLSv1.3") == 1
+    assert total(text, "tlsedge_server_active_connections") == 0
+    assert total(text, "tlsedge_connections_refused_total") == 0
+    assert total(text, "tlsedge_connections_closed_total", termination="client_closed")
+    assert "connect_failed" in REFUSED_TERMINATIONS
+    assert "client_closed" not in REFUSED_TERMINATIONS
+
+
+@pytest.mark.parametrize(
+    ("termination", "detail", "reason"),
+    [
+        ("tls_handshake_timeout", "no TLS handshake within 10 s", "timeout"),
+        (
+            "tls_error",
+            "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1000)",
+            "wrong_version_number",
+        ),
+        ("tls_error", "[SSL: NO_SHARED_CIPHER] no shared cipher", "no_shared_cipher"),
+        ("tls_error", "EOF occurred in violation of protocol", "eof"),
+        ("tls_error", None, "other"),
+    ],
+)
+async def test_tls_failure_reason(
+    termination: str, detail: str | None, reason: str
+) -> None:
+    assert tls_failure_reason(termination, detail) == reason

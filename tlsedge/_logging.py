@@ -1,0 +1,294 @@
+"""Logging for the ``tlsedge`` command: formats, destinations, reopening.
+
+Two streams leave a running edge:
+
+- the *process log* (every ``tlsedge.*`` logger but the access log) on stderr,
+  as ``text`` (``2025-01-31 12:00:00,123 INFO tlsedge.server: message``) or
+  ``json`` (one object per line: ``time``, ``level``, ``logger``, ``pid``,
+  ``message``, and ``exc_info`` / ``stack_info`` when there are any);
+- the *access log* (logger ``tlsedge.access``, one JSON object per connection,
+  built by `tlsedge._accesslog`), written as it is to stderr (``"-"``), stdout
+  or a file, whatever the process-log format. Access lines are written at any
+  ``--log-level``.
+
+A file is opened in append mode, so several worker processes (``edge.workers``)
+can share one: each opens it itself and every line goes out in one ``write()``
+on an ``O_APPEND`` descriptor, which the kernel never interleaves with another
+process's ``write()``. For log rotation, logrotate (or anything else) renames
+the file and sends SIGUSR1: `reopen_logs` opens the file by name again (a new
+one), and the supervisor forwards SIGUSR1 to its workers.
+
+Log lines never carry raw bytes from the network: peers control parts of many
+messages (PROXY and TLS errors quote what they sent). JSON escapes every control
+and non-ASCII character. The text format escapes control and other
+non-printable characters in the message (``\\x1b``, ``\\r``, ``\\n``,
+``\\u2028``...), and every line of a traceback it appends starts with ``"  | "``,
+so no peer-chosen text can start a line that looks like a log record.
+Backslashes are not doubled (messages quote bytes with ``repr``, which is full
+of them); escaping is about terminals and line-based parsers, not reversibility.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Final, Literal, TextIO
+
+__all__ = [
+    "ACCESS_LOGGER_NAME",
+    "EscapingFormatter",
+    "JsonFormatter",
+    "ReopenableFileHandler",
+    "StdStreamHandler",
+    "escape_control",
+    "reopen_logs",
+    "setup_logging",
+    "shutdown_logging",
+]
+
+LOGGER = logging.getLogger("tlsedge.logging")
+
+ACCESS_LOGGER_NAME: Final = "tlsedge.access"
+TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: Prefix of each traceback line in the text format.
+CONTINUATION: Final = "  | "
+
+_NAMED_ESCAPES: Final = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape_control(text: str) -> str:
+    """Escape what is not printable: controls, separators, unpaired surrogates.
+
+    ``"\\n"``, ``"\\r"`` and ``"\\t"`` become their backslash names; other
+    characters ``\\xNN``, ``\\uNNNN`` or ``\\UNNNNNNNN``. Printable text (the
+    common case) is returned as is, at the cost of one ``str.isprintable`` call.
+    """
+    if text.isprintable():
+        return text
+    parts: list[str] = []
+    for char in text:
+        if char.isprintable():
+            parts.append(char)
+        elif char in _NAMED_ESCAPES:
+            parts.append(_NAMED_ESCAPES[char])
+        else:
+            code = ord(char)
+            if code < 0x100:
+                parts.append(f"\\x{code:02x}")
+            elif code < 0x10000:
+                parts.append(f"\\u{code:04x}")
+            else:
+                parts.append(f"\\U{code:08x}")
+    return "".join(parts)
+
+
+def _escape_block(text: str) -> str:
+    """A multi-line block (a traceback): escape each line, prefix it."""
+    return "\n".join(CONTINUATION + escape_control(line) for line in text.split("\n"))
+
+
+class EscapingFormatter(logging.Formatter):
+    """A `logging.Formatter` whose output has no raw control characters.
+
+    The formatted record is one line with its non-printables escaped
+    (`escape_control`); a traceback or stack follows on lines that each start
+    with `CONTINUATION`.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """Format the record's line and escape it."""
+        return escape_control(super().formatMessage(record))
+
+    def formatException(self, ei: logging._SysExcInfoType) -> str:
+        """The traceback, escaped line by line."""
+        return _escape_block(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        """The stack, escaped line by line."""
+        return _escape_block(super().formatStack(stack_info))
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record (``ensure_ascii``: pure printable ASCII)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Format *record* as a JSON object on one line."""
+        created = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        line: dict[str, object] = {
+            "time": created.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            line["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(line, ensure_ascii=True, separators=(",", ":"))
+
+
+class ReopenableFileHandler(logging.FileHandler):
+    """An append-mode `logging.FileHandler` that `reopen` opens anew by name."""
+
+    def __init__(self, filename: str) -> None:
+        """Open *filename* for appending (created if missing).
+
+        Raises:
+            OSError: the file cannot be opened.
+        """
+        super().__init__(
+            filename, mode="a", encoding="utf-8", errors="backslashreplace"
+        )
+
+    def reopen(self) -> None:
+        """Open the file again (after rotation); keep the old one on failure.
+
+        Raises:
+            OSError: the file cannot be opened (the handler keeps writing to
+                the file it had).
+        """
+        new = self._open()
+        self.acquire()
+        try:
+            old, self.stream = self.stream, new
+        finally:
+            self.release()
+        if old is not None:
+            old.close()
+
+
+class StdStreamHandler(logging.StreamHandler[TextIO]):
+    """Writes to ``sys.stderr`` or ``sys.stdout`` as they are at each record.
+
+    Like logging's last-resort handler: a replaced ``sys.stderr`` (a test's
+    capture, a redirect) is followed instead of writing to a stale stream.
+    """
+
+    def __init__(self, name: Literal["stderr", "stdout"]) -> None:
+        """Write to ``sys.<name>``."""
+        self._stream_name = name
+        super().__init__()
+
+    @property
+    def stream(self) -> TextIO:
+        """The current ``sys.stderr`` or ``sys.stdout``."""
+        stream: TextIO = getattr(sys, self._stream_name)
+        return stream
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        """Ignored: the stream is looked up at each use."""
+
+
+def _not_access(record: logging.LogRecord) -> bool:
+    return record.name != ACCESS_LOGGER_NAME
+
+
+@dataclass
+class _Installed:
+    """What `setup_logging` changed, so that it can be undone."""
+
+    handlers: list[tuple[logging.Logger, logging.Handler]] = field(default_factory=list)
+    root_level: int = logging.WARNING
+    access_level: int = logging.NOTSET
+    files: list[ReopenableFileHandler] = field(default_factory=list)
+
+
+class _State:
+    installed: _Installed | None = None
+
+
+_STATE: Final = _State()
+
+
+def _access_handler(destination: str) -> logging.Handler:
+    if destination == "-":
+        return StdStreamHandler("stderr")
+    if destination == "stdout":
+        return StdStreamHandler("stdout")
+    return ReopenableFileHandler(destination)
+
+
+def setup_logging(
+    level: str = "info",
+    log_format: Literal["text", "json"] | str = "text",
+    access_log: str = "-",
+    *,
+    stream: TextIO | None = None,
+) -> None:
+    """Install the process log and the access log (replacing a previous setup).
+
+    Args:
+        level: ``"debug"``, ``"info"``, ``"warning"`` or ``"error"``: the root
+            logger's level (the access log is always written).
+        log_format: ``"text"`` or ``"json"``, for the process log.
+        access_log: ``"-"`` (stderr), ``"stdout"`` or a file path.
+        stream: Where the process log goes (default: ``sys.stderr``).
+
+    Raises:
+        OSError: the access-log file cannot be opened (nothing is changed).
+        ValueError: unknown *level* or *log_format*.
+    """
+    numeric = logging.getLevelNamesMapping().get(level.upper())
+    if numeric is None:
+        raise ValueError(f"unknown log level {level!r}")
+    if log_format not in {"text", "json"}:
+        raise ValueError(f"unknown log format {log_format!r}")
+    access_handler = _access_handler(access_log)  # may raise: before any change
+    shutdown_logging()
+    process_handler: logging.Handler = (
+        StdStreamHandler("stderr") if stream is None else logging.StreamHandler(stream)
+    )
+    process_handler.setFormatter(
+        JsonFormatter() if log_format == "json" else EscapingFormatter(TEXT_FORMAT)
+    )
+    process_handler.addFilter(_not_access)
+    access_handler.setFormatter(EscapingFormatter("%(message)s"))
+    root = logging.getLogger()
+    access = logging.getLogger(ACCESS_LOGGER_NAME)
+    installed = _Installed(root_level=root.level, access_level=access.level)
+    root.addHandler(process_handler)
+    access.addHandler(access_handler)
+    installed.handlers = [(root, process_handler), (access, access_handler)]
+    if isinstance(access_handler, ReopenableFileHandler):
+        installed.files.append(access_handler)
+    root.setLevel(numeric)
+    access.setLevel(logging.INFO)
+    _STATE.installed = installed
+
+
+def reopen_logs() -> None:
+    """Reopen the log files (SIGUSR1, after rotation); failures are logged."""
+    installed = _STATE.installed
+    if installed is None:
+        return
+    for handler in installed.files:
+        try:
+            handler.reopen()
+        except OSError as exc:
+            LOGGER.error(
+                "cannot reopen %s (%s); still writing to the old file",
+                handler.baseFilename,
+                os.strerror(exc.errno) if exc.errno else exc,
+            )
+        else:
+            LOGGER.info("reopened %s", handler.baseFilename)
+
+
+def shutdown_logging() -> None:
+    """Remove what `setup_logging` installed and restore the levels."""
+    installed, _STATE.installed = _STATE.installed, None
+    if installed is None:
+        return
+    for logger, handler in installed.handlers:
+        logger.removeHandler(handler)
+        handler.flush()
+        if isinstance(handler, ReopenableFileHandler):
+            handler.close()
+    logging.getLogger().setLevel(installed.root_level)
+    logging.getLogger(ACCESS_LOGGER_NAME).setLevel(installed.access_level)
