@@ -204,6 +204,10 @@ class TLV:
 
     type: int
     value: bytes
+    # True once the value passed its type's check (the parser, the builders
+    # below): encode_v2 does not check it again. Type and value are immutable,
+    # so it stays true; a copy made with dataclasses.replace starts unchecked.
+    _valid: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.type, bool) or not isinstance(self.type, int):
@@ -295,6 +299,7 @@ def _encode_text(text: str, encoding: str) -> bytes:
 
 def _checked(tlv: TLV) -> TLV:
     _tlv.validate_tlv(tlv.type, tlv.value, LocalProtocolError)
+    _SET_TLV_VALID(tlv, True)
     return tlv
 
 
@@ -638,6 +643,8 @@ def _validate_header(h: ProxyHeader) -> None:
                 f"IPv{_FAMILY_HOST_VERSION[h.family]} host, got {address!r}"
             )
 
+
+_SET_TLV_VALID = TLV.__dict__["_valid"].__set__
 
 # Last: _tlv imports the classes above (an import at the top would be circular).
 from proxyproto import _tlv  # noqa: E402

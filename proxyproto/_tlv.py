@@ -246,6 +246,7 @@ def decode_ssl(value: bytes, error: ErrorType) -> SSLInfo:
         tlv = _new(TLV)
         _SET_TLV_TYPE(tlv, sub_type)
         _SET_TLV_VALUE(tlv, sub_value)
+        _SET_TLV_VALID(tlv, False)  # sub-TLVs are not top-level TLVs
         tlvs.append(tlv)
         if text is not None:
             name = _SSL_TEXT_FIELDS.get(sub_type, "cn")
@@ -266,7 +267,9 @@ def decode_ssl(value: bytes, error: ErrorType) -> SSLInfo:
 
 
 _new = object.__new__
-_SET_TLV_TYPE, _SET_TLV_VALUE = slot_setters(TLV, "type", "value")
+_SET_TLV_TYPE, _SET_TLV_VALUE, _SET_TLV_VALID = slot_setters(
+    TLV, "type", "value", "_valid"
+)
 _SSL_INFO_OPTIONAL = (
     "version",
     "cn",

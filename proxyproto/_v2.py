@@ -89,7 +89,9 @@ _new = object.__new__
     "tlvs",
 )
 _SET_HOST, _SET_PORT = slot_setters(InetAddress, "host", "port")
-_SET_TLV_TYPE, _SET_TLV_VALUE = slot_setters(TLV, "type", "value")
+_SET_TLV_TYPE, _SET_TLV_VALUE, _SET_TLV_VALID = slot_setters(
+    TLV, "type", "value", "_valid"
+)
 
 
 def _unix_path(raw: bytes) -> UnixAddress:
@@ -255,6 +257,7 @@ def _decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV,
         tlv = _new(TLV)
         _SET_TLV_TYPE(tlv, tlv_type)
         _SET_TLV_VALUE(tlv, value)
+        _SET_TLV_VALID(tlv, True)  # checked above, or of an unchecked type
         tlvs.append(tlv)
         pos = stop
     if crc_at >= 0 and options.verify_crc32c:
@@ -335,7 +338,8 @@ def encode_v2(
             value = tlv.value
             check = checks.get(tlv_type)
             if check is not None:
-                check(value, LocalProtocolError)
+                if not tlv._valid:
+                    check(value, LocalProtocolError)
                 if tlv_type == _CRC32C:
                     if crc_at >= 0:
                         raise LocalProtocolError(_TWO_CRC32C)

@@ -40,37 +40,33 @@ handshake then starts with the bytes after the header.
 ================================  ===========================================
 
 Addresses from the header are ``(host, port)`` tuples, also for IPv6.
+
+Subclasses may adapt the hand-over (``proxyproto.uvicorn`` and
+``proxyproto.hypercorn`` do, through ``proxyproto._asgi``): ``make_protocol``
+builds the inner protocol once the header is known, ``extra_info`` adds or
+changes transport extra keys, ``handshake_failed`` reports a failed TLS
+handshake; the ``logger`` argument picks where refusals are logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import ssl as _ssl
 from asyncio import sslproto
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from proxyproto._adapters import DEFAULT_TIMEOUT, header_address, select_addresses
 from proxyproto._errors import RemoteProtocolError
-from proxyproto._events import (
-    NEED_DATA,
-    NO_HEADER,
-    Command,
-    InetAddress,
-    ProxyHeader,
-    UnixAddress,
-)
+from proxyproto._events import NEED_DATA, NO_HEADER, ProxyHeader
 from proxyproto._policy import Policy, TrustPolicy
 from proxyproto._reader import HeaderReader, ReaderOptions
 
 __all__ = ["DEFAULT_TIMEOUT", "ProxyProtocolWrapper", "start_server"]
 
 LOGGER = logging.getLogger("proxyproto.asyncio")
-
-#: The spec asks receivers to wait at least 3 s (a TCP retransmit).
-DEFAULT_TIMEOUT = 5.0
 
 _INET_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
@@ -79,20 +75,12 @@ ClientConnectedCallback = Callable[
 ]
 
 
-def _header_address(address: InetAddress | UnixAddress | None) -> object:
-    if isinstance(address, InetAddress):
-        return (str(address.host), address.port)
-    if isinstance(address, UnixAddress):
-        return os.fsdecode(address.path)
-    return None
-
-
 def _feed(protocol: asyncio.BaseProtocol, data: bytes) -> None:
     # The same copy loop asyncio's own SSL layer uses for buffered protocols.
     if isinstance(protocol, asyncio.BufferedProtocol):
         view = memoryview(data)
         while view:
-            buf = memoryview(protocol.get_buffer(len(view)))
+            buf = memoryview(protocol.get_buffer(len(view))).cast("B")
             size = min(len(buf), len(view))
             if not size:
                 raise RuntimeError("get_buffer() returned an empty buffer")
@@ -190,6 +178,15 @@ class _ProxyTransport(asyncio.Transport):
     def can_write_eof(self) -> bool:
         return self._transport.can_write_eof()
 
+    def _force_close(self, exc: BaseException | None) -> None:
+        # asyncio's SSLProtocol calls this (private) on fatal TLS errors and
+        # handshake timeouts; transports without it (uvloop's) are aborted.
+        force_close = getattr(self._transport, "_force_close", None)
+        if force_close is not None:
+            force_close(exc)
+        else:
+            self._transport.abort()
+
 
 class ProxyProtocolWrapper(asyncio.Protocol):
     """Reads the PROXY header, then hands the connection to *protocol*.
@@ -200,29 +197,34 @@ class ProxyProtocolWrapper(asyncio.Protocol):
     module docstring for the keys).
 
     Args:
-        protocol: the application's protocol instance for this connection.
+        protocol: the application's protocol instance for this connection
+            (None if a subclass's ``make_protocol`` builds it).
         trust: decides the ``Policy`` from the socket's peer and local address.
         header_timeout: seconds the complete header may take to arrive.
         ssl: terminate TLS after the header, with this server context.
         ssl_handshake_timeout: for *ssl*; asyncio's default (60 s) if None.
         reader_options: ``HeaderReader`` options (``versions``,
             ``max_v2_length``, ``verify_crc32c``, ...).
+        logger: where refused connections and failed TLS handshakes are
+            logged (default: the ``proxyproto.asyncio`` logger).
 
     Attributes:
         header: the header once read (None before, and for SKIP / USE
             without a header).
         policy: the policy applied (None before ``connection_made``).
+        logger: the *logger* argument.
     """
 
     def __init__(
         self,
-        protocol: asyncio.BaseProtocol,
+        protocol: asyncio.BaseProtocol | None,
         *,
         trust: TrustPolicy,
         header_timeout: float = DEFAULT_TIMEOUT,
         ssl: _ssl.SSLContext | None = None,
         ssl_handshake_timeout: float | None = None,
         reader_options: ReaderOptions | None = None,
+        logger: logging.Logger | None = None,
     ) -> None:
         self._app = protocol
         self._trust = trust
@@ -244,6 +246,35 @@ class ProxyProtocolWrapper(asyncio.Protocol):
         self._paused = False
         self.header: ProxyHeader | None = None
         self.policy: Policy | None = None
+        self.logger = logger or LOGGER
+
+    # -- hooks for subclasses ---------------------------------------------------
+
+    def make_protocol(self, extra: Mapping[str, object]) -> asyncio.BaseProtocol:
+        """The protocol the connection is handed to, once the header is read.
+
+        Called once, with ``header`` and ``policy`` set and *extra* the keys
+        its transport will report (after ``extra_info``). With ``ssl`` it is
+        called before the handshake, and gets ``connection_made`` only when
+        the handshake has succeeded. Default: the *protocol* given.
+        """
+        if self._app is None:
+            raise TypeError("ProxyProtocolWrapper needs a protocol")
+        return self._app
+
+    def extra_info(self, extra: dict[str, object]) -> dict[str, object]:
+        """The ``get_extra_info`` overrides of the inner protocol's transport.
+
+        *extra* holds the keys listed in the module docstring; a subclass may
+        add or replace keys (e.g. a ``"socket"`` reporting the header's
+        addresses) and returns the dict to use. Default: *extra* unchanged.
+        """
+        return extra
+
+    def handshake_failed(self, exc: BaseException) -> None:
+        """Called when TLS after the header fails (the connection is closed
+        already). Default: a warning on ``logger``."""
+        self.logger.warning("TLS handshake with %s failed: %s", self._peer, exc)
 
     # -- events from the real transport --------------------------------------
 
@@ -259,7 +290,7 @@ class ProxyProtocolWrapper(asyncio.Protocol):
             # getpeername() failed: the peer is already gone (HAProxy's
             # health checks reset right after connecting).
             self._done = True
-            LOGGER.info("connection closed by its peer before its header")
+            self.logger.info("connection closed by its peer before its header")
             transport.close()
             return
         self.policy = policy = self._trust.decide(peer, local)
@@ -297,7 +328,7 @@ class ProxyProtocolWrapper(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._done:
-            LOGGER.info(
+            self.logger.info(
                 "connection from %s lost before its header: %s", self._peer, exc
             )
         self._done = True
@@ -325,7 +356,7 @@ class ProxyProtocolWrapper(asyncio.Protocol):
     def _fail(self, message: str) -> None:
         self._done = True
         self._cancel_timer()
-        LOGGER.warning("closing connection from %s: %s", self._peer, message)
+        self.logger.warning("closing connection from %s: %s", self._peer, message)
         assert self._transport is not None
         self._transport.close()
 
@@ -354,26 +385,21 @@ class ProxyProtocolWrapper(asyncio.Protocol):
         policy = self.policy
         assert self._transport is not None
         assert policy is not None
-        uses_header = (
-            header is not None
-            and policy in (Policy.REQUIRE, Policy.USE)
-            and header.command is Command.PROXY
-            and header.source is not None
+        client, server = select_addresses(
+            header, policy, self._peer, self._local, header_address
         )
         extra: dict[str, object] = {
-            "peername": _header_address(header.source)
-            if uses_header and header is not None
-            else self._peer,
-            "sockname": _header_address(header.destination)
-            if uses_header and header is not None
-            else self._local,
+            "peername": client,
+            "sockname": server,
             "proxyproto.header": header,
             "proxyproto.policy": policy,
             "proxyproto.peername": self._peer,
             "proxyproto.sockname": self._local,
         }
+        extra = self.extra_info(extra)
         transport = _ProxyTransport(self._transport, self, extra)
-        inner: asyncio.BaseProtocol = self._app
+        app = self.make_protocol(extra)
+        inner = app
         if self._ssl is not None:
             loop = asyncio.get_running_loop()
             # What create_server(ssl=...) builds below its protocols, started
@@ -382,7 +408,7 @@ class ProxyProtocolWrapper(asyncio.Protocol):
             waiter.add_done_callback(self._handshake_done)
             inner = sslproto.SSLProtocol(
                 loop,
-                self._app,
+                app,
                 self._ssl,
                 waiter,
                 server_side=True,
@@ -403,7 +429,7 @@ class ProxyProtocolWrapper(asyncio.Protocol):
     def _handshake_done(self, waiter: asyncio.Future[None]) -> None:
         exc = None if waiter.cancelled() else waiter.exception()
         if exc is not None:
-            LOGGER.warning("TLS handshake with %s failed: %s", self._peer, exc)
+            self.handshake_failed(exc)
 
     def _flush_pending(self) -> None:
         if self._inner is None or self._paused:

@@ -31,6 +31,8 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tlsedge._config import Config
+import tlsedge._server
+from tlsedge._proxy_wrap import build_proxy_header
 from tlsedge._relay import set_abortive_close
 from tlsedge._server import Edge
 
@@ -750,3 +752,33 @@ async def test_client_reset_while_queued_keeps_its_address(
     assert len(records) == 2
     (record,) = [r for r in records if r["peer"] == f"127.0.0.1:{queued_port}"]
     assert record["termination"] == "client_error"
+
+
+async def test_a_bug_on_one_connection_does_not_stop_the_edge(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend)
+    calls = []
+
+    def broken_once(*args: Any, **kwargs: Any) -> bytes:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("simulated bug")
+        return build_proxy_header(*args, **kwargs)
+
+    monkeypatch.setattr(tlsedge._server, "build_proxy_header", broken_once)
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        async with await connect(address) as client:
+            await client.send_eof()
+            with trio.fail_after(5):
+                assert await read_until_closed(client) == b""
+        (record,) = await wait_access_records(caplog)
+        answer = json.loads(await exchange(address, b"next"))  # still serving
+    assert record["termination"] == "internal_error"
+    assert "simulated bug" in record["detail"]
+    assert answer["data"] == "next"
+    await wait_until(lambda: backend.active == 0)  # its upstream was closed

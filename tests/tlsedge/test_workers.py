@@ -130,10 +130,19 @@ async def test_two_workers_share_the_port_and_a_dead_one_is_replaced(
         await wait_until(lambda: log.read_text().count("listener in on") == 3, 20)
         assert await serve_one(port) == b"hi"
 
+        # SIGHUP to the supervisor reloads every worker.
+        other = await Backend(tag_handler("new", hold=True)).start(nursery)
+        path.write_text(config_text(port, other.address))
+        process.send_signal(signal.SIGHUP)
+        await wait_until(
+            lambda: log.read_text().count("configuration reloaded") == 2, 20
+        )
+        assert {await serve_one(port) for _ in range(8)} == {b"new"}
+
         # SIGTERM to the supervisor drains every worker, then it exits 0.
         held = await trio.open_tcp_stream("127.0.0.1", port)
         async with held:
-            assert await held.receive_some(2) == b"hi"
+            assert await held.receive_some(3) == b"new"
             process.send_signal(signal.SIGTERM)
             await wait_until(
                 lambda: log.read_text().count("SIGTERM: draining") == 2, 20
