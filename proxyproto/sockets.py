@@ -18,22 +18,15 @@ the first bytes could still start a header or not; it polls briefly then.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Unpack
 
+from proxyproto._adapters import DEFAULT_TIMEOUT, header_address, select_addresses
 from proxyproto._errors import RemoteProtocolError
-from proxyproto._events import (
-    NEED_DATA,
-    NO_HEADER,
-    Command,
-    InetAddress,
-    ProxyHeader,
-    UnixAddress,
-)
+from proxyproto._events import NEED_DATA, NO_HEADER, ProxyHeader
 from proxyproto._options import DEFAULT_MAX_V2_LENGTH, V1_MAX_LENGTH
 from proxyproto._policy import Policy, TrustPolicy
 from proxyproto._reader import HeaderReader, ReaderOptions
@@ -53,8 +46,6 @@ __all__ = [
 
 LOGGER = logging.getLogger("proxyproto.sockets")
 
-#: The spec asks receivers to wait at least 3 s (a TCP retransmit).
-DEFAULT_TIMEOUT = 5.0
 #: With ``Policy.USE``, how long to wait before peeking again while the first
 #: bytes are still ambiguous (a few bytes of "PROXY " or of the v2 signature).
 _USE_POLL_INTERVAL = 0.005
@@ -171,16 +162,6 @@ def read_header(
         sock.settimeout(previous_timeout)
 
 
-def _real_address(
-    address: InetAddress | UnixAddress | None,
-) -> tuple[str, int] | str | None:
-    if isinstance(address, InetAddress):
-        return (str(address.host), address.port)
-    if isinstance(address, UnixAddress):
-        return os.fsdecode(address.path)
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class ProxyConnection:
     """What a server learned about one connection from its PROXY header.
@@ -197,30 +178,20 @@ class ProxyConnection:
     peer_address: SocketAddress | None
     local_address: SocketAddress | None
 
-    def _uses_header(self) -> bool:
-        return (
-            self.header is not None
-            and self.policy in (Policy.REQUIRE, Policy.USE)
-            and self.header.command is Command.PROXY
-            and self.header.source is not None
-        )
+    def _addresses(self) -> tuple[SocketAddress | None, SocketAddress | None]:
+        real = (self.peer_address, self.local_address)
+        return select_addresses(self.header, self.policy, *real, header_address)
 
     @property
     def client_address(self) -> SocketAddress | None:
         """The client: ``(host, port)`` from the header when it applies,
         otherwise the real socket peer (LOCAL, UNKNOWN, IGNORE, SKIP)."""
-        if self._uses_header():
-            assert self.header is not None
-            return _real_address(self.header.source)
-        return self.peer_address
+        return self._addresses()[0]
 
     @property
     def server_address(self) -> SocketAddress | None:
         """The address the client connected to, by the same rule."""
-        if self._uses_header():
-            assert self.header is not None
-            return _real_address(self.header.destination)
-        return self.local_address
+        return self._addresses()[1]
 
 
 def _socket_address(sock: socket.socket, peer: bool) -> SocketAddress | None:

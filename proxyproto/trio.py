@@ -25,15 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from proxyproto._errors import RemoteProtocolError
-from proxyproto._events import (
-    NEED_DATA,
-    NO_HEADER,
-    Command,
-    InetAddress,
-    ProxyHeader,
-    UnixAddress,
+from proxyproto._adapters import (
+    DEFAULT_TIMEOUT,
+    format_address,
+    inet_address,
+    select_addresses,
 )
+from proxyproto._errors import RemoteProtocolError
+from proxyproto._events import NEED_DATA, NO_HEADER, ProxyHeader
 from proxyproto._options import DEFAULT_MAX_V2_LENGTH
 from proxyproto._policy import Policy, TrustPolicy
 from proxyproto._reader import HeaderReader
@@ -52,9 +51,6 @@ __all__ = [
 
 LOGGER = logging.getLogger("proxyproto.trio")
 
-#: The spec asks receivers to wait at least 3 s (a TCP retransmit); 5 s is
-#: Caddy's and proxy-protocol-rs's default.
-DEFAULT_TIMEOUT = 5.0
 #: How many bytes one read may take while looking for the header. Bytes past
 #: the header are not lost: the returned stream replays them.
 _READ_SIZE = 65536
@@ -81,12 +77,6 @@ class _ConflictDetector:
         self._held = False
 
 
-def _format_address(address: object) -> SocketAddress | None:
-    if isinstance(address, tuple) and len(address) >= 2:
-        return (str(address[0]), int(address[1]))
-    return None
-
-
 def socket_addresses(
     stream: trio.abc.Stream,
 ) -> tuple[SocketAddress | None, SocketAddress | None]:
@@ -98,11 +88,11 @@ def socket_addresses(
     if sock is None:
         return None, None
     try:
-        peer = _format_address(sock.getpeername())
+        peer = format_address(sock.getpeername())
     except OSError:  # e.g. ENOTCONN: the peer reset the connection already
         peer = None
     try:
-        local = _format_address(sock.getsockname())
+        local = format_address(sock.getsockname())
     except OSError:
         local = None
     return peer, local
@@ -117,12 +107,6 @@ def _find_socket(stream: trio.abc.Stream) -> Any:
         current = getattr(current, "transport_stream", None)
         if current is None:
             break
-    return None
-
-
-def _header_address(address: InetAddress | UnixAddress | None) -> SocketAddress | None:
-    if isinstance(address, InetAddress):
-        return (str(address.host), address.port)
     return None
 
 
@@ -162,31 +146,21 @@ class ProxyStream(trio.abc.HalfCloseableStream):
             "another task is currently receiving data on this ProxyStream"
         )
 
-    def _uses_header_addresses(self) -> bool:
-        return (
-            self.header is not None
-            and self.policy in (Policy.REQUIRE, Policy.USE)
-            and self.header.command is Command.PROXY
-            and self.header.source is not None
-        )
+    def _addresses(self) -> tuple[SocketAddress | None, SocketAddress | None]:
+        real = (self.peer_address, self.local_address)
+        return select_addresses(self.header, self.policy, *real, inet_address)
 
     @property
     def client_address(self) -> SocketAddress | None:
         """The client's ``(host, port)``: from the header when it applies,
         otherwise the real socket peer (LOCAL, UNKNOWN, IGNORE, SKIP).
         ``None`` for UNIX-socket clients."""
-        if self._uses_header_addresses():
-            assert self.header is not None
-            return _header_address(self.header.source)
-        return self.peer_address
+        return self._addresses()[0]
 
     @property
     def server_address(self) -> SocketAddress | None:
         """The address the client connected to, by the same rule."""
-        if self._uses_header_addresses():
-            assert self.header is not None
-            return _header_address(self.header.destination)
-        return self.local_address
+        return self._addresses()[1]
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         with self._receive_conflict:

@@ -1,7 +1,8 @@
 """Serve an ASGI app with Uvicorn behind a PROXY-protocol load balancer.
 
 The header is read at the transport level, before TLS and HTTP
-(Kludex/uvicorn#777): every connection starts with a ``HeaderProtocol`` that
+(Kludex/uvicorn#777): every connection starts with a ``ProxyProtocolWrapper``
+(``proxyproto.asyncio``, set up for ASGI servers in ``proxyproto._asgi``) that
 reads it, then hands the connection to Uvicorn's HTTP protocol with a
 transport reporting the header's addresses, so ``scope["client"]``,
 ``scope["server"]`` and Uvicorn's access log show the real client. The whole
@@ -19,8 +20,8 @@ or ``ProxyConfig(app, trusted=[...], **uvicorn_config_kwargs)`` with
 TLS (``ssl_certfile``/``--ssl-certfile`` ...): Uvicorn would put asyncio's
 TLS below the HTTP protocol, where the PROXY header would be taken for a
 ClientHello. ``ProxyConfig`` takes the ``SSLContext`` Uvicorn builds, serves
-a plain socket, and starts TLS with ``loop.start_tls`` after the header, fed
-with the bytes that followed it. That needs the asyncio loop: with TLS,
+a plain socket, and starts TLS (asyncio's own SSL protocol) after the header,
+fed with the bytes that followed it. That needs the asyncio loop: with TLS,
 ``loop="auto"`` means asyncio, and ``loop="uvloop"`` is refused.
 
 Checked against Uvicorn 0.54.0.
@@ -39,21 +40,22 @@ from typing import Any
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
-from proxyproto._policy import Policy, TrustPolicy
-from proxyproto.hypercorn import (
+from proxyproto._asgi import (
     DEFAULT_SSL_HANDSHAKE_TIMEOUT,
     DEFAULT_TIMEOUT,
     DEFAULT_TRUSTED,
     EXTENSION,
     AsyncioSettings,
-    HeaderProtocol,
     ProxyInfo,
     ProxyScopeMiddleware,
+    ServerProtocolWrapper,
     TrustedArg,
     make_trust_policy,
     parse_proxy_arguments,
+    print_proxy_help,
     proxy_argument_parser,
 )
+from proxyproto._policy import Policy, TrustPolicy
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -82,8 +84,9 @@ def _lookup_state(scope: Mapping[str, Any]) -> ProxyInfo | None:
 
 
 class _ProtocolFactory:
-    """Stands in for ``config.http_protocol_class``: makes a ``HeaderProtocol``
-    that builds the real HTTP protocol once the header is read.
+    """Stands in for ``config.http_protocol_class``: makes a
+    ``ServerProtocolWrapper`` that builds the real HTTP protocol once the
+    header is read.
 
     Private API: ``uvicorn.Server.startup`` calls
     ``config.http_protocol_class(config=, server_state=, app_state=, _loop=)``
@@ -110,7 +113,7 @@ class _ProtocolFactory:
             )
             return protocol
 
-        return HeaderProtocol(self.settings, make_protocol, _loop)
+        return ServerProtocolWrapper(self.settings, make_protocol)
 
 
 class ProxyConfig(uvicorn.Config):
@@ -177,8 +180,8 @@ def _install(config: ProxyConfig) -> None:
     ``http_protocol_class`` (what ``Server`` instantiates per connection),
     ``ssl`` (the ``SSLContext`` ``Server`` passes to ``create_server``) and
     ``loaded_app`` (the app protocols call). We replace the first with a
-    factory for ``HeaderProtocol``, move the second to ``proxy_ssl`` (TLS is
-    started by ``HeaderProtocol`` after the header), and wrap the third.
+    factory for ``ServerProtocolWrapper``, move the second to ``proxy_ssl`` (TLS
+    is started by the wrapper after the header), and wrap the third.
     ``tests/proxyproto/test_uvicorn.py::test_private_api`` checks them.
     """
     config.proxy_ssl = config.ssl
@@ -311,10 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = proxy_argument_parser("python -m proxyproto.uvicorn")
     proxy_kwargs, rest = parse_proxy_arguments(parser, argv)
     if "--help" in rest:
-        from proxyproto.hypercorn import _print_proxy_help
-
         result = _uvicorn_cli_kwargs(rest)
-        _print_proxy_help(parser)
+        print_proxy_help(parser)
         return result if isinstance(result, int) else 0
     result = _uvicorn_cli_kwargs(rest)
     if isinstance(result, int):

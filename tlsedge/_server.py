@@ -68,6 +68,9 @@ LOGGER = logging.getLogger("tlsedge.server")
 # instead of dying (trio.serve_listeners does the same).
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 _ACCEPT_RETRY_DELAY = 0.1
+# Clients accepted per wake-up at most (HAProxy's tune.maxaccept idea): a
+# burst costs one scheduler round trip, and other tasks still run between.
+_ACCEPT_BATCH = 64
 # Ask for the largest accept queue; the kernel caps it at net.core.somaxconn.
 _LISTEN_BACKLOG = 65535
 
@@ -381,27 +384,58 @@ class Edge:
     ) -> None:
         assert self._connections is not None
         connections = self._connections
-        with listener.cancel_scope:
-            while True:
-                # Take the slots only once a client is waiting: a loop idling
-                # in accept() with a slot would keep it from the other accept
-                # loops (other listeners, other addresses of this one).
-                try:
-                    await trio.lowlevel.wait_readable(sock)
-                except trio.ClosedResourceError:
-                    return
+        # A stdlib object on the same descriptor (no dup; detached, never
+        # closed): its accept() does not checkpoint, so one wake-up accepts
+        # every queued client (up to _ACCEPT_BATCH), not one per round trip.
+        if sock.fileno() == -1:
+            return  # closed (drain, reload) before this loop started
+        raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
+        try:
+            with listener.cancel_scope:
+                await self._accept_batches(listener, sock, raw, connections)
+        finally:
+            raw.detach()
+
+    async def _accept_batches(
+        self,
+        listener: _Listener,
+        sock: trio.socket.SocketType,
+        raw: socket.socket,
+        connections: trio.Nursery,
+    ) -> None:
+        while True:
+            # Take the slots only once a client is waiting: a loop idling
+            # in accept() with a slot would keep it from the other accept
+            # loops (other listeners, other addresses of this one).
+            if sock.fileno() == -1:  # closed by drain() or reload()
+                return
+            try:
+                await trio.lowlevel.wait_readable(sock)
+            except trio.ClosedResourceError:
+                return
+            for _ in range(_ACCEPT_BATCH):
                 token = object()
-                await self._edge_limiter.acquire_on_behalf_of(token)
                 try:
-                    await listener.limiter.acquire_on_behalf_of(token)
-                except BaseException:
-                    self._edge_limiter.release_on_behalf_of(token)
-                    raise
+                    self._edge_limiter.acquire_on_behalf_of_nowait(token)
+                except trio.WouldBlock:
+                    await self._edge_limiter.acquire_on_behalf_of(token)
                 try:
-                    conn, peer_address = await sock.accept()
+                    listener.limiter.acquire_on_behalf_of_nowait(token)
+                except trio.WouldBlock:
+                    try:
+                        await listener.limiter.acquire_on_behalf_of(token)
+                    except BaseException:
+                        self._edge_limiter.release_on_behalf_of(token)
+                        raise
+                try:
+                    if sock.fileno() == -1:  # closed while we waited for a slot
+                        raise trio.ClosedResourceError
+                    conn, peer_address = raw.accept()
                 except (OSError, trio.ClosedResourceError) as exc:
                     listener.limiter.release_on_behalf_of(token)
                     self._edge_limiter.release_on_behalf_of(token)
+                    if isinstance(exc, BlockingIOError):
+                        break  # queue empty: back to waiting
                     if (
                         isinstance(exc, OSError)
                         and exc.errno in _ACCEPT_CAPACITY_ERRNOS
@@ -413,7 +447,7 @@ class Edge:
                             _ACCEPT_RETRY_DELAY,
                         )
                         await trio.sleep(_ACCEPT_RETRY_DELAY)
-                        continue
+                        break
                     if isinstance(exc, trio.ClosedResourceError) or sock.fileno() == -1:
                         return
                     raise
@@ -425,7 +459,7 @@ class Edge:
                     self._pools[listener.config.backend],
                     listener.limiter,
                     token,
-                    trio.SocketStream(conn),
+                    trio.SocketStream(trio.socket.from_stdlib_socket(conn)),
                     peer_address,
                 )
 
@@ -467,14 +501,31 @@ class Edge:
             if log.termination == "unknown":
                 log.termination = "drained"
             raise
+        except Exception as exc:
+            # A bug on one connection's path must not take the edge (and every
+            # other connection) down with it: log it, close this one.
+            log.termination = "internal_error"
+            log.detail = f"{type(exc).__name__}: {exc}"
+            LOGGER.exception(
+                "listener %s: internal error on connection %s", config.name, log.id
+            )
         finally:
             self.active_connections -= 1
             limiter.release_on_behalf_of(token)
             self._edge_limiter.release_on_behalf_of(token)
-            with trio.CancelScope(shield=True):
-                await trio.aclose_forcefully(client)
+            if type(client) is trio.SocketStream and (
+                upstream is None or type(upstream) is trio.SocketStream
+            ):
+                # Plain sockets: what aclose() does, minus a shielded cancel
+                # scope and a checkpoint each (this task ends right after).
+                client.socket.close()
                 if upstream is not None:
-                    await trio.aclose_forcefully(upstream)
+                    upstream.socket.close()
+            else:
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(client)
+                    if upstream is not None:
+                        await trio.aclose_forcefully(upstream)
             log.duration = trio.current_time() - started
             self._metrics.record(log)
             log.emit()

@@ -17,6 +17,7 @@ checks follow the list.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -324,11 +325,19 @@ class BackendPool:
     async def _open(server: Server, connect_timeout: float) -> trio.SocketStream:
         host, port = server.address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = trio.socket.socket(family, socket.SOCK_STREAM)
+        # A non-blocking connect on a stdlib socket: the address is numeric
+        # already (trio's connect() would resolve it again and checkpoint).
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            with trio.fail_after(connect_timeout):
-                await sock.connect((host, port))
+            sock.setblocking(False)
+            error = sock.connect_ex((host, port))
+            if error == errno.EINPROGRESS:
+                with trio.fail_after(connect_timeout):
+                    await trio.lowlevel.wait_writable(sock)
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if error:
+                raise OSError(error, os.strerror(error))
+            return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
         except BaseException:
             sock.close()
             raise
-        return trio.SocketStream(sock)

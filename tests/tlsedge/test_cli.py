@@ -290,6 +290,7 @@ async def test_demo_answers_curl_direct_and_behind_a_proxy(tmp_path: Path) -> No
     async with tlsedge_process("demo", "--port", str(port), log=log) as demo:
         for p in (port, port + 1, port + 2):
             await demo.wait_for_port(p)
+        await demo.wait_for_log("--cacert ")  # printed once listening
         ca = re.search(r"--cacert (\S+)", log.read_text())
         assert ca is not None, log.read_text()
         tls = ["--cacert", ca.group(1)]

@@ -112,7 +112,9 @@ async def fake_dns(nursery: trio.Nursery) -> FakeDns:
 
 
 @pytest.fixture
-async def _close_clients() -> AsyncIterator[None]:
+async def closing_clients() -> AsyncIterator[None]:
+    """Close the edge's clients at the end (requested by name: pytest-trio
+    does not run async fixtures named in ``usefixtures``)."""
     yield
     await close_clients()
 
@@ -316,9 +318,11 @@ def addresses(pool: BackendPool) -> list[tuple[str, int]]:
     return [server.address for server in pool.balancer.servers]
 
 
-@pytest.mark.usefixtures("_close_clients")
 async def test_refresh_adds_and_removes_without_touching_connections(
-    nursery: trio.Nursery, fake_dns: FakeDns, caplog: pytest.LogCaptureFixture
+    nursery: trio.Nursery,
+    closing_clients: None,
+    fake_dns: FakeDns,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     one, _ = await echo_pair(nursery)
     fake_dns.set("app.test.", "A", "127.0.0.1")
@@ -350,9 +354,11 @@ async def test_refresh_adds_and_removes_without_touching_connections(
     edge.stop()
 
 
-@pytest.mark.usefixtures("_close_clients")
 async def test_failed_lookup_keeps_the_servers(
-    nursery: trio.Nursery, fake_dns: FakeDns, caplog: pytest.LogCaptureFixture
+    nursery: trio.Nursery,
+    closing_clients: None,
+    fake_dns: FakeDns,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     one, _ = await echo_pair(nursery)
     fake_dns.set("app.test.", "A", "127.0.0.1")
@@ -376,9 +382,11 @@ async def test_failed_lookup_keeps_the_servers(
     edge.stop()
 
 
-@pytest.mark.usefixtures("_close_clients")
 async def test_start_without_an_answer_then_servers_appear(
-    nursery: trio.Nursery, fake_dns: FakeDns, caplog: pytest.LogCaptureFixture
+    nursery: trio.Nursery,
+    closing_clients: None,
+    fake_dns: FakeDns,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     one, _ = await echo_pair(nursery)
     fake_dns.mode = "servfail"
@@ -395,8 +403,9 @@ async def test_start_without_an_answer_then_servers_appear(
     edge.stop()
 
 
-@pytest.mark.usefixtures("_close_clients")
-async def test_srv_through_the_edge(nursery: trio.Nursery, fake_dns: FakeDns) -> None:
+async def test_srv_through_the_edge(
+    nursery: trio.Nursery, closing_clients: None, fake_dns: FakeDns
+) -> None:
     one = TaggedEcho(b"one", "127.0.0.1")
     await nursery.start(one.serve)
     two = TaggedEcho(b"two", "127.0.0.1")
@@ -435,9 +444,8 @@ async def test_srv_through_the_edge(nursery: trio.Nursery, fake_dns: FakeDns) ->
     edge.stop()
 
 
-@pytest.mark.usefixtures("_close_clients")
 async def test_health_checks_follow_the_server_list(
-    nursery: trio.Nursery, fake_dns: FakeDns
+    nursery: trio.Nursery, closing_clients: None, fake_dns: FakeDns
 ) -> None:
     one, _ = await echo_pair(nursery)
     fake_dns.set("app.test.", "A", "127.0.0.1")
@@ -450,8 +458,9 @@ async def test_health_checks_follow_the_server_list(
     edge.stop()
 
 
-@pytest.mark.usefixtures("_close_clients")
-async def test_reload_to_another_name(nursery: trio.Nursery, fake_dns: FakeDns) -> None:
+async def test_reload_to_another_name(
+    nursery: trio.Nursery, closing_clients: None, fake_dns: FakeDns
+) -> None:
     one, _ = await echo_pair(nursery)
     fake_dns.set("app.test.", "A", "127.0.0.1")
     fake_dns.set("other.test.", "A", "127.0.0.2")

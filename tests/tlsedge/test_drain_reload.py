@@ -141,6 +141,7 @@ async def test_drain_timeout_closes_what_is_left(
     with trio.fail_after(10):
         for client in clients:
             assert await read_all(client) == b""  # closed by the edge
+            await client.aclose()
         await running.returned.wait()
     assert trio.current_time() - start >= 0.5
     records = await wait_access_records(caplog, 2)
@@ -159,6 +160,7 @@ async def test_stop_closes_everything_at_once(nursery: trio.Nursery) -> None:
     with trio.fail_after(5):
         await running.returned.wait()
         assert await read_all(client) == b""
+    await client.aclose()
 
 
 # -- reload -------------------------------------------------------------------
@@ -245,3 +247,15 @@ async def test_reload_while_a_header_is_pending_keeps_the_old_backend(
     assert await exchange(address_of(edge, "in"), header_after) == b"new"
     assert not running.returned.is_set()  # the edge is still up
     edge.drain()
+
+
+async def test_reload_while_draining_is_refused(nursery: trio.Nursery) -> None:
+    backend = await Backend(tag_handler("ok")).start(nursery)
+    config = config_for({"b": backend}, {"in": "b"})
+    running = RunningEdge(config)
+    edge = await running.start(nursery)
+    edge.drain()
+    with pytest.raises(ConfigError, match="draining"):
+        await edge.reload(config)
+    with trio.fail_after(5):
+        await running.returned.wait()

@@ -729,8 +729,6 @@ async def test_forwarding_headers_replace_spoofed_ones() -> None:
     info = response.json()
     assert info["target"] == "/path?q=1"
     port = proxy.address[1]
-    client_port = proxy.results[0]  # connection finished
-    assert client_port.requests == 1
     assert seen_headers(info, "x-forwarded-for") == ["127.0.0.1"]
     assert seen_headers(info, "x-forwarded-proto") == ["http"]
     assert seen_headers(info, "x-forwarded-port") == [str(port)]

@@ -14,7 +14,8 @@ import pytest
 import trio
 import trio.testing
 
-from proxyproto import ProxyHeader, encode, encode_v2
+import tlsedge._server
+from proxyproto import ProxyHeader, encode, encode_v2, parse
 from tests.peers import free_port
 from tests.tlsedge.helpers import (
     Backend,
@@ -31,7 +32,6 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tlsedge._config import Config
-import tlsedge._server
 from tlsedge._proxy_wrap import build_proxy_header
 from tlsedge._relay import set_abortive_close
 from tlsedge._server import Edge
@@ -759,7 +759,15 @@ async def test_a_bug_on_one_connection_does_not_stop_the_edge(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    backend = await Backend(proxy_echo_handler()).start(nursery)
+    async def handler(stream: trio.SocketStream) -> None:
+        data = await read_all(stream)
+        if data:  # nothing at all from the connection that hit the bug
+            _, consumed = parse(data)
+            await stream.send_all(
+                json.dumps({"data": data[consumed:].decode()}).encode()
+            )
+
+    backend = await Backend(handler).start(nursery)
     config = unwrap_config(backend)
     calls = []
 

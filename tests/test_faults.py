@@ -1,0 +1,327 @@
+"""Backend and resource faults end to end: refuse, reset, blackhole, stall, flap,
+and the edge itself running out of file descriptors.
+
+Real loopback sockets throughout; the blackhole is a listening socket whose
+accept queue is full (Linux drops further SYNs, so connect() hangs), not a
+mocked connect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import socket
+import struct
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from tests.peers import free_port
+from tests.tlsedge.helpers import (
+    Backend,
+    access_records,
+    address_of,
+    close_clients,
+    connect,
+    exchange,
+    make_config,
+    running_edge,
+    tag_handler,
+    wait_access_records,
+    wait_until,
+)
+from tlsedge._config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _access_log(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge")
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    await close_clients()
+
+
+def config(servers: list[str], **backend: Any) -> Config:
+    listener: dict[str, Any] = {"name": "in", "backend": "b"}
+    for key in ("idle_timeout", "client_fin_timeout"):
+        if key in backend:
+            listener[key] = backend.pop(key)
+    return make_config([listener], [{"name": "b", "servers": servers, **backend}])
+
+
+def closed_port() -> str:
+    """An address where nothing listens (connect is refused)."""
+    return f"127.0.0.1:{free_port()}"
+
+
+@contextlib.contextmanager
+def blackhole() -> Iterator[str]:
+    """An address whose connects hang: a listener with a full accept queue."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    address = listener.getsockname()
+    fillers: list[socket.socket] = []
+    try:
+        for _ in range(3):  # backlog 0 still queues one; fill it with margin
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(address)
+            fillers.append(filler)
+        yield f"127.0.0.1:{address[1]}"
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+def abort(stream: trio.SocketStream) -> None:
+    stream.socket.setsockopt(
+        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+    )
+
+
+# -- refuse -------------------------------------------------------------------------
+
+
+async def test_refusing_server_is_retried_on_another(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = await Backend(tag_handler("good")).start(nursery)
+    cfg = config([closed_port(), good.address], retries=1, balance="round-robin")
+    async with running_edge(cfg) as edge:
+        answers = [await exchange(address_of(edge, "in")) for _ in range(6)]
+        records = await wait_access_records(caplog, 6)
+    assert answers == [b"good"] * 6
+    assert {r["termination"] for r in records} == {"server_closed"}
+    assert {r["server"] for r in records} == {good.address}
+
+
+async def test_every_server_refusing_is_a_clean_close_and_a_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = config([closed_port(), closed_port()], retries=2)
+    async with running_edge(cfg) as edge:
+        assert await exchange(address_of(edge, "in"), b"hello") == b""
+        (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "connect_failed"
+    assert "refused" in record["detail"].lower()
+
+
+# -- reset mid-transfer ---------------------------------------------------------------
+
+
+async def test_backend_reset_mid_transfer_reaches_the_client_as_a_reset(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def half_then_reset(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"x" * 200_000)
+        await trio.sleep(0.1)
+        abort(stream)
+
+    backend = await Backend(half_then_reset).start(nursery)
+    async with running_edge(config([backend.address])) as edge:
+        client = await connect(address_of(edge, "in"))
+        received = 0
+        with trio.fail_after(10), pytest.raises(trio.BrokenResourceError):
+            # Never a clean EOF: that would look like a complete transfer.
+            while chunk := await client.receive_some(65536):
+                received += len(chunk)
+            raise AssertionError(f"clean EOF after {received} bytes")
+        (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "server_error"
+    assert received <= 200_000
+
+
+# -- blackhole -----------------------------------------------------------------------
+
+
+async def test_blackholed_server_times_out_and_the_retry_goes_elsewhere(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = await Backend(tag_handler("good")).start(nursery)
+    with blackhole() as hole:
+        cfg = config([hole, good.address], retries=1, connect_timeout=0.3)
+        async with running_edge(cfg) as edge:
+            start = trio.current_time()
+            answers = [await exchange(address_of(edge, "in")) for _ in range(4)]
+            elapsed = trio.current_time() - start
+            records = await wait_access_records(caplog, 4)
+    assert answers == [b"good"] * 4
+    # Two connections picked the hole first and waited one connect_timeout.
+    assert elapsed >= 0.3
+    assert {r["server"] for r in records} == {good.address}
+
+
+async def test_blackhole_only_ends_in_connect_failed_within_the_timeouts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with blackhole() as hole:
+        cfg = config([hole], retries=1, connect_timeout=0.3)
+        async with running_edge(cfg) as edge:
+            start = trio.current_time()
+            with trio.fail_after(5):
+                assert await exchange(address_of(edge, "in"), b"hi") == b""
+            elapsed = trio.current_time() - start
+            (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "connect_failed"
+    assert "timeout" in record["detail"]
+    assert 0.6 <= elapsed < 3  # two attempts of 0.3 s, a short pause between
+
+
+# -- stall mid-response ------------------------------------------------------------------
+
+
+async def test_stalled_response_is_ended_by_idle_timeout(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def stall(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"partial")
+        await trio.sleep_forever()
+
+    backend = await Backend(stall).start(nursery)
+    async with running_edge(config([backend.address], idle_timeout=0.5)) as edge:
+        client = await connect(address_of(edge, "in"))
+        start = trio.current_time()
+        got = b""
+        with trio.fail_after(5):
+            try:
+                while chunk := await client.receive_some(100):
+                    got += chunk
+            except trio.BrokenResourceError:
+                pass
+        elapsed = trio.current_time() - start
+        (record,) = await wait_access_records(caplog)
+        await wait_until(lambda: backend.active == 0)
+    assert got == b"partial"
+    assert 0.4 <= elapsed < 3
+    assert record["termination"] == "idle_timeout"
+
+
+# -- flapping health ---------------------------------------------------------------------
+
+
+async def test_traffic_follows_a_flapping_server(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = await Backend(tag_handler("a"), port=free_port()).start(nursery)
+    b = await Backend(tag_handler("b")).start(nursery)
+    cfg = config(
+        [a.address, b.address],
+        retries=0,
+        health={
+            "interval": 0.1,
+            "timeout": 0.2,
+            "healthy_threshold": 1,
+            "unhealthy_threshold": 1,
+        },
+    )
+
+    async def tags(n: int) -> Counter[bytes]:
+        return Counter([await exchange(address_of(edge, "in")) for _ in range(n)])
+
+    async with running_edge(cfg) as edge:
+        pool = edge._pools["b"]  # noqa: SLF001
+
+        def healthy(address: str) -> bool:
+            return any(
+                s.healthy
+                for s in pool.balancer.servers
+                if f"{s.address[0]}:{s.address[1]}" == address
+            )
+
+        for _ in range(3):  # flap a few times
+            await wait_until(lambda: healthy(a.address), 5)
+            assert set(await tags(6)) == {b"a", b"b"}
+            a.stop()
+            await wait_until(lambda: not healthy(a.address), 5)
+            assert set(await tags(6)) == {b"b"}  # no client sees the dead one
+            await a.start(nursery)
+    failed = [r for r in access_records(caplog) if r["termination"] != "server_closed"]
+    assert failed == []
+
+
+# -- out of file descriptors ---------------------------------------------------------------
+
+
+def _low_fd_limit() -> None:  # runs in the child before exec
+    resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+
+async def test_edge_survives_running_out_of_file_descriptors(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    backend = await Backend(tag_handler("ok", hold=True)).start(nursery)
+    port = free_port()
+    conf = tmp_path / "edge.toml"
+    conf.write_text(
+        f'[[listeners]]\nname = "in"\nbind = "127.0.0.1:{port}"\nbackend = "b"\n'
+        f'[[backends]]\nname = "b"\nservers = ["{backend.address}"]\nretries = 0\n'
+    )
+    log = tmp_path / "edge.log"
+    with log.open("wb") as out:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "tlsedge", "run", str(conf)],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            preexec_fn=_low_fd_limit,
+        )
+    clients: list[trio.SocketStream] = []
+    try:
+        with trio.fail_after(20):
+            while True:
+                try:
+                    probe = await trio.open_tcp_stream("127.0.0.1", port)
+                except OSError:
+                    assert process.returncode is None, log.read_text()
+                    await trio.sleep(0.05)
+                    continue
+                await probe.aclose()
+                break
+        # 2 fds per relayed connection: the limit is hit at ~20 connections.
+        for _ in range(60):
+            clients.append(await trio.open_tcp_stream("127.0.0.1", port))
+        await wait_until(lambda: "accept failed" in log.read_text(), 10, 0.05)
+        assert process.returncode is None
+        for client in clients:
+            await client.aclose()
+        clients.clear()
+        # Served again once the connections are gone.
+        with trio.fail_after(15):
+            while True:
+                answer = b""
+                with contextlib.suppress(OSError, trio.BrokenResourceError):
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    try:
+                        with trio.move_on_after(1):
+                            answer = await stream.receive_some(10)
+                    finally:
+                        await stream.aclose()
+                if answer == b"ok":
+                    break
+                await trio.sleep(0.1)
+        assert process.returncode is None
+        text = log.read_text()
+        assert "Too many open files" in text
+    finally:
+        for client in clients:
+            await trio.aclose_forcefully(client)
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
