@@ -48,6 +48,7 @@ class ConnectionLog:
     sni: str | None = None
     bytes_from_client: int = 0
     bytes_from_server: int = 0
+    requests: int | None = None  # HTTP mode: requests on this connection
     termination: str = "unknown"
     detail: str | None = None
     start: float = 0.0

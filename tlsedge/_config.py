@@ -1105,14 +1105,19 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
 
 def ensure_supported(config: Config) -> None:
-    """Refuse features whose implementation has not landed yet.
+    """Refuse combinations whose implementation has not landed yet.
 
     Raises:
-        ConfigError: The configuration uses HTTP mode.
+        ConfigError: An HTTP-mode listener uses a backend with
+            ``protocol = "tls"`` (pooled TLS upstream connections are not
+            built yet).
     """
+    backends = {backend.name: backend for backend in config.backends}
     for index, lst in enumerate(config.listeners):
-        if lst.mode == "http":
+        backend = backends.get(lst.backend)
+        if lst.mode == "http" and backend is not None and backend.protocol == "tls":
             raise _fail(
                 f"listeners[{index}].mode",
-                'HTTP mode is not supported yet; use mode = "tcp"',
+                f'HTTP mode to a TLS backend ({backend.name}: protocol = "tls") is '
+                'not supported yet; use protocol = "tcp" or mode = "tcp"',
             )

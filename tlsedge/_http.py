@@ -89,8 +89,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import http
 import json
 import logging
+import os
 import re
 import select
 import socket
@@ -465,6 +467,16 @@ def error_response_bytes(
     return head if head_only else head + body
 
 
+def _reason(status: int, reason: bytes) -> bytes:
+    """The upstream's reason phrase, or the standard one when it sent none."""
+    if reason:
+        return reason
+    try:
+        return http.HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
+
+
 def _log_target(target: bytes) -> str:
     text = target.decode("latin-1")
     if len(text) > MAX_LOGGED_TARGET:
@@ -698,6 +710,7 @@ class _Upstream:
     server: Server
     reused: bool
     connect_time: float
+    prefix: bytes = b""  # the PROXY header, sent with the first request head
 
 
 @dataclass(slots=True)
@@ -727,6 +740,7 @@ class _Exchange:
     request_complete: bool = False
     response_started: bool = False
     response_complete: bool = False
+    upstream_bytes: int = 0  # received from the upstream in this exchange
     switched: bool = False
     body_bytes: int = 0
     failure: _Failure | None = None
@@ -862,14 +876,16 @@ class _HttpConnection:
         Returns its length, or None when the connection should end quietly
         (client closed, keep-alive timeout, drain).
         """
-        http = self.http
+        limits = self.http
         while self.buffer[:2] == b"\r\n":  # RFC 9112 2.2: ignore leading CRLFs
             del self.buffer[:2]
         if not self.buffer:
             if self.client_eof:
                 self._end(Termination.CLIENT_CLOSED)
                 return None
-            timeout = http.request_header_timeout if first else http.keepalive_timeout
+            timeout = (
+                limits.request_header_timeout if first else limits.keepalive_timeout
+            )
             with trio.move_on_after(timeout) as keepalive_timeout_scope:
                 if not first:
                     self.idle_scope = keepalive_timeout_scope
@@ -895,7 +911,7 @@ class _HttpConnection:
             self.buffer += data
         deadline_base = self.started if first else trio.current_time()
         with trio.move_on_at(
-            deadline_base + http.request_header_timeout
+            deadline_base + limits.request_header_timeout
         ) as request_header_timeout_scope:
             scanned = 0
             while True:
@@ -916,15 +932,15 @@ class _HttpConnection:
                 if _BARE_CR_OR_LF_RE.search(self.buffer, max(0, scanned - 1), stop):
                     raise RequestRejectedError(400, "bare CR or LF in the request head")
                 scanned = stop
-                if end > http.max_header_bytes or (
-                    end < 0 and len(self.buffer) > http.max_header_bytes
+                if end > limits.max_header_bytes or (
+                    end < 0 and len(self.buffer) > limits.max_header_bytes
                 ):
                     raise RequestRejectedError(
-                        431, f"request head larger than {http.max_header_bytes} bytes"
+                        431, f"request head larger than {limits.max_header_bytes} bytes"
                     )
                 if end >= 0:
                     check_request_head(
-                        bytes(self.buffer[:end]), max_headers=http.max_headers
+                        bytes(self.buffer[:end]), max_headers=limits.max_headers
                     )
                     return end
                 data = await self.receive_client()
@@ -1279,31 +1295,33 @@ class _HttpConnection:
         """Open a new upstream connection (to *server* first, if given).
 
         The first attempt goes to the server the balancer picked for the pool
-        lookup; if it fails, `BackendPool.connect` takes over with the
-        backend's usual retries.
+        lookup; if it fails and the backend has ``retries``, `BackendPool.connect`
+        takes over with its usual sequence (so a failing first server costs one
+        attempt more than in tcp mode; with ``retries = 0`` there is one attempt).
         """
         started = trio.current_time()
         stream: trio.abc.Stream | None = None
         if server is not None:
             stream = await self._connect_to(server)
+            if stream is None and self.backend.config.retries == 0:
+                msg = f"backend {self.backend.name}: connect to {server} failed"
+                raise ConnectFailedError(msg)
         if stream is None:
             connected = await self.backend.connect(self.client_ip)
             stream, server = connected.stream, connected.server
         assert server is not None
-        if proxy_header is not None:
-            try:
-                await stream.send_all(proxy_header)
-            except (trio.BrokenResourceError, OSError) as exc:
-                server.active -= 1
-                await trio.aclose_forcefully(stream)
-                msg = f"backend {self.backend.name}: {server}: PROXY header: {exc}"
-                raise ConnectFailedError(msg) from exc
         return _Upstream(
-            stream, server, reused=False, connect_time=trio.current_time() - started
+            stream,
+            server,
+            reused=False,
+            connect_time=trio.current_time() - started,
+            prefix=proxy_header or b"",
         )
 
     async def _connect_to(self, server: Server) -> trio.abc.Stream | None:
         """One connect attempt to *server*; None (counted as failure) if it fails."""
+        # (BackendPool offers no "connect to this server"; this mirrors its
+        # private _open and reports to the same health state.)
         health = next((h for h in self.backend.servers if h.server is server), None)
         host, port = server.address
         sock = trio.socket.socket(
@@ -1316,8 +1334,14 @@ class _HttpConnection:
         except (OSError, trio.TooSlowError) as exc:
             server.active -= 1
             sock.close()
+            detail = (
+                os.strerror(exc.errno).lower()
+                if isinstance(exc, OSError) and exc.errno
+                else str(exc) or type(exc).__name__
+            )
+            LOGGER.info("backend %s: %s: %s", self.backend.name, server, detail)
             if health is not None:
-                health.connect_failed(str(exc) or type(exc).__name__)
+                health.connect_failed(detail)
             return None
         except BaseException:
             server.active -= 1
@@ -1388,8 +1412,9 @@ class _HttpConnection:
         except h11.LocalProtocolError as exc:
             ex.fail(_Failure(Termination.BAD_REQUEST, str(exc), 400))
             return
+        prefix, ex.upstream.prefix = ex.upstream.prefix, b""
         try:
-            await self._send_upstream(ex, head or b"")
+            await self._send_upstream(ex, prefix + (head or b""))
         except _UpstreamGoneError as exc:
             ex.fail(_Failure(Termination.SERVER_ERROR, str(exc), 502, retryable=True))
             return
@@ -1498,7 +1523,10 @@ class _HttpConnection:
             try:
                 event = uconn.next_event()
             except h11.RemoteProtocolError as exc:
-                raise _UpstreamGoneError(f"bad response from upstream: {exc}") from exc
+                raise _UpstreamGoneError(
+                    f"bad response from upstream: {exc}",
+                    empty=not ex.upstream_bytes,
+                ) from exc
             if event is h11.NEED_DATA:
                 try:
                     data = bytes(await ex.upstream.stream.receive_some(READ_SIZE))
@@ -1509,13 +1537,15 @@ class _HttpConnection:
                 ) as exc:
                     raise _UpstreamGoneError(
                         f"upstream read failed: {exc}",
-                        empty=not ex.response_started,
+                        empty=not ex.upstream_bytes,
                     ) from exc
+                ex.upstream_bytes += len(data)
                 uconn.receive_data(data)
                 continue
             if isinstance(event, h11.ConnectionClosed):
                 raise _UpstreamGoneError(
-                    "upstream closed the connection before responding", empty=True
+                    "upstream closed the connection before responding",
+                    empty=not ex.upstream_bytes,
                 )
             assert isinstance(event, h11.Event)
             return event
@@ -1572,7 +1602,7 @@ class _HttpConnection:
                         cconn.send(
                             h11.InformationalResponse(
                                 status_code=event.status_code,
-                                reason=event.reason,
+                                reason=_reason(event.status_code, event.reason),
                                 headers=strip_hop_by_hop(
                                     event.headers.raw_items(), keep_upgrade=False
                                 ),
@@ -1601,7 +1631,7 @@ class _HttpConnection:
         try:
             data = ex.cconn.send(
                 h11.InformationalResponse(
-                    status_code=101, reason=event.reason, headers=headers
+                    status_code=101, reason=_reason(101, event.reason), headers=headers
                 )
             )
         except h11.LocalProtocolError as exc:
@@ -1621,7 +1651,7 @@ class _HttpConnection:
         data = cconn.send(
             h11.Response(
                 status_code=response.status_code,
-                reason=response.reason,
+                reason=_reason(response.status_code, response.reason),
                 headers=headers,
             )
         )

@@ -47,6 +47,7 @@ from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admin import AdminServer, bind_admin
 from tlsedge._certs import CertificateError
 from tlsedge._config import Config, ConfigError, ListenerConfig
+from tlsedge._http import HttpConnectionResult, KeepAlivePool, serve_http
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._proxy_wrap import ConnectionFacts, build_proxy_header
 from tlsedge._relay import RelayStats, Termination, relay, set_abortive_close
@@ -184,6 +185,7 @@ class Edge:
         self._reuse_port = config.edge.workers > 1 if reuse_port is None else reuse_port
         self._listeners: dict[str, _Listener] = {}
         self._pools: dict[str, BackendPool] = {}
+        self._keepalive: dict[str, KeepAlivePool] = {}
         self._edge_limiter = trio.CapacityLimiter(config.edge.max_connections)
         self._drain_event = trio.Event()
         self._background_scope = trio.CancelScope()
@@ -315,26 +317,31 @@ class Edge:
             for listener in self._listeners.values():
                 self._close_listener(listener)
             raise ConfigError(f"listeners: cannot bind: {exc}") from exc
-        async with trio.open_nursery() as services:
-            self._services = services
-            self._restart_background_tasks()
-            if self.admin is not None:
-                await services.start(self.admin.serve)
-            async with trio.open_nursery() as connections:
-                self._connections = connections
-                for listener in self._listeners.values():
-                    self._start_listener(listener)
-                self.ready = True
-                for name, addresses in self.listen_addresses.items():
-                    LOGGER.info(
-                        "listener %s on %s",
-                        name,
-                        ", ".join(str(format_address(a)) for a in addresses),
-                    )
-                task_status.started(self)
-                await self._drain_event.wait()
-            services.cancel_scope.cancel()
-        self._services = None
+        try:
+            async with trio.open_nursery() as services:
+                self._services = services
+                self._restart_background_tasks()
+                if self.admin is not None:
+                    await services.start(self.admin.serve)
+                async with trio.open_nursery() as connections:
+                    self._connections = connections
+                    for listener in self._listeners.values():
+                        self._start_listener(listener)
+                    self.ready = True
+                    for name, addresses in self.listen_addresses.items():
+                        LOGGER.info(
+                            "listener %s on %s",
+                            name,
+                            ", ".join(str(format_address(a)) for a in addresses),
+                        )
+                    task_status.started(self)
+                    await self._drain_event.wait()
+                services.cancel_scope.cancel()
+        finally:
+            self._services = None
+            with trio.CancelScope(shield=True):
+                for keepalive in self._keepalive.values():
+                    await keepalive.aclose()
         LOGGER.info("all connections closed; stopped")
 
     # -- listeners --------------------------------------------------------
@@ -601,6 +608,17 @@ class Edge:
             log.tls = f"{ssl_info.version} {ssl_info.cipher}"
             log.sni = ssl_info.server_name
         log.backend = config.backend
+        if config.mode == "http":
+            await self._serve_http(
+                state,
+                pool,
+                client,
+                client_address=client_address,
+                destination=destination,
+                ssl_info=ssl_info,
+                log=log,
+            )
+            return None, client
         try:
             connected = await pool.connect(
                 client_address[0] if client_address else None
@@ -667,6 +685,59 @@ class Edge:
                     else stats.termination.value
                 )
         return upstream, client
+
+    def _keepalive_pool(self, backend: str) -> KeepAlivePool:
+        """The idle upstream HTTP connections of *backend* (made on first use)."""
+        keepalive = self._keepalive.get(backend)
+        if keepalive is None:
+            keepalive = self._keepalive[backend] = KeepAlivePool()
+            if self._services is not None:
+                self._services.start_soon(keepalive.run)
+        return keepalive
+
+    async def _serve_http(
+        self,
+        state: _ListenerState,
+        pool: BackendPool,
+        client: trio.abc.Stream,
+        *,
+        client_address: tuple[str, int] | None,
+        destination: tuple[str, int] | None,
+        ssl_info: SSLFacts | None,
+        log: ConnectionLog,
+    ) -> None:
+        """HTTP mode: h11 on both sides (see ``_http.py``)."""
+        backend = pool.config
+        proxy_header = None
+        if backend.send_proxy != "none" and client_address and destination:
+            facts = _connection_facts(
+                client_address, destination, log.id, ssl_info, backend.proxy_tlvs
+            )
+            proxy_header = build_proxy_header(
+                backend.send_proxy, backend.proxy_tlvs, facts
+            )
+        result = HttpConnectionResult()
+        try:
+            await serve_http(
+                client,
+                listener=state.config,
+                backend=pool,
+                keepalive=self._keepalive_pool(pool.name),
+                client_address=client_address,
+                destination=destination,
+                tls=state.tls is not None,
+                proxy_header=proxy_header,
+                drain=self._drain_event,
+                connection_id=log.id,
+                result=result,
+            )
+        finally:
+            log.bytes_from_client = result.bytes_from_client
+            log.bytes_from_server = result.bytes_to_client
+            log.server = result.server
+            log.requests = result.requests
+            log.termination = result.termination
+            log.detail = result.detail
 
     @staticmethod
     async def _encrypt_upstream(

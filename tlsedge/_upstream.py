@@ -72,6 +72,13 @@ async def resolve(host: str, port: int) -> tuple[str, int]:
     return (str(address[0]), int(address[1]))
 
 
+#: connect() errors that mean this process or host ran out of something
+#: (fds, ephemeral ports, buffers): they do not count against the server.
+_LOCAL_ERRNOS = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL}
+)
+
+
 def _describe(exc: OSError) -> str:
     if exc.errno is not None:
         return os.strerror(exc.errno).lower()
@@ -297,7 +304,10 @@ class BackendPool:
                     else _describe(exc)
                 )
                 failures.append(f"{server}: {detail}")
-                if health is not None:
+                # Out of fds/ports/buffers here is not the server's fault:
+                # marking it down would turn a local overload into no_server.
+                local = isinstance(exc, OSError) and exc.errno in _LOCAL_ERRNOS
+                if health is not None and not local:
                     health.connect_failed(detail)
             else:
                 if health is not None:

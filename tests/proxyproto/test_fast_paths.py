@@ -9,13 +9,32 @@ checks it on random and on mutated valid inputs.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from ipaddress import AddressValueError, IPv4Address, IPv6Address
 
+import pytest
 from hypothesis import example, given, strategies as st
 
-from proxyproto import LocalProtocolError, RemoteProtocolError
+from proxyproto import (
+    TLV,
+    LocalProtocolError,
+    ProxyHeader,
+    RemoteProtocolError,
+    TLVType,
+    encode_v2,
+    parse,
+)
 from proxyproto._options import DEFAULT_OPTIONS
-from proxyproto._tlv import _ascii_text, _utf8_text, check_ascii, check_utf8
+from proxyproto._tlv import (
+    _ascii_text,
+    _check_authority,
+    _check_ssl,
+    _utf8_text,
+    _walk_ssl,
+    check_ascii,
+    check_utf8,
+)
 from proxyproto._v1 import _host_text, _ipv4_int, _ipv6, _ipv6_int, _ipv6_text
 
 _IPV6_ALPHABET = "0123456789abcdefABCDEF:."
@@ -171,3 +190,83 @@ def test_ascii_check_matches_reference(value: bytes) -> None:
 @given(texts)
 def test_utf8_check_matches_reference(value: bytes) -> None:
     assert check_utf8(value) == _reference_utf8(value)
+
+
+def _outcome(
+    check: Callable[[bytes, type[LocalProtocolError]], object], value: bytes
+) -> str | None:
+    try:
+        check(value, LocalProtocolError)
+    except LocalProtocolError as exc:
+        return str(exc)
+    return None
+
+
+sub_values = st.one_of(
+    st.sampled_from([b"", b"TLSv1.3", b"a b", b"\x00", b"\x7f", "é".encode()]),
+    texts,
+)
+
+
+@st.composite
+def ssl_values(draw: st.DrawFn) -> bytes:
+    """SSL TLV values: mostly well-formed sub-TLV lists, sometimes broken."""
+    out = bytes([draw(st.integers(0, 7))]) + draw(st.binary(min_size=4, max_size=4))
+    for _ in range(draw(st.integers(0, 4))):
+        sub_type = draw(st.sampled_from([0x21, 0x22, 0x23, 0x25, 0x28, 0x02, 0x99]))
+        value = draw(sub_values)
+        length = len(value) + draw(st.sampled_from([0, 0, 0, 1, -1]))
+        out += bytes([sub_type]) + max(length, 0).to_bytes(2) + value
+    cut = draw(st.integers(0, 3))
+    return out[: len(out) - cut] if cut else out
+
+
+@given(st.one_of(ssl_values(), st.binary(max_size=24)))
+def test_ssl_check_matches_walk(value: bytes) -> None:
+    assert _outcome(_check_ssl, value) == _outcome(_walk_ssl, value)
+
+
+@given(st.one_of(texts, st.binary(min_size=250, max_size=260)))
+def test_authority_check_matches_reference(value: bytes) -> None:
+    def reference(value: bytes, error: type[LocalProtocolError]) -> None:
+        if len(value) > 255:
+            raise error(
+                f"AUTHORITY TLV is {len(value)} bytes; a host name has at most 255"
+            )
+        if " " in _utf8_text(value, "AUTHORITY TLV", error):
+            raise error(f"AUTHORITY TLV contains a space: {value[:32]!r}")
+
+    assert _outcome(_check_authority, value) == _outcome(reference, value)
+
+
+@given(ssl_values())
+def test_encode_checks_what_the_builders_did_not(value: bytes) -> None:
+    # A TLV built with the bare constructor is checked by encode_v2, one from
+    # a builder or the parser was checked already and gives the same bytes.
+    header = ProxyHeader.from_addresses(
+        ("192.0.2.1", 1), ("192.0.2.2", 2), tlvs=(TLV(TLVType.SSL, value),)
+    )
+    walk = _outcome(_walk_ssl, value)
+    if walk is not None:
+        with pytest.raises(LocalProtocolError, match=re.escape(walk)):
+            encode_v2(header)
+        return
+    wire = encode_v2(header)
+    parsed = parse(wire)[0]
+    assert encode_v2(parsed) == wire
+    assert parsed.ssl is not None
+    assert TLV.ssl(parsed.ssl).value == value
+
+
+def test_two_crc32c_tlvs_reported_before_a_bad_tlv() -> None:
+    header = ProxyHeader.local(
+        tlvs=(
+            TLV(TLVType.ALPN, b""),
+            TLV(TLVType.CRC32C, b"\x00" * 4),
+            TLV(TLVType.CRC32C, b"\x00" * 4),
+        )
+    )
+    with pytest.raises(LocalProtocolError, match="only one CRC32C"):
+        encode_v2(header)
+    with pytest.raises(LocalProtocolError, match="ALPN"):
+        encode_v2(ProxyHeader.local(tlvs=header.tlvs[:2]))

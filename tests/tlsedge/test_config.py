@@ -22,6 +22,7 @@ from tlsedge._config import (
     EdgeConfig,
     ForwardedConfig,
     HealthConfig,
+    HttpConfig,
     ListenerConfig,
     ProxyProtocolConfig,
     ServerConfig,
@@ -83,6 +84,15 @@ x_forwarded_proto = false
 x_forwarded_port = false
 forwarded = true
 trusted_proxies = ["172.16.0.0/12", "::1"]
+request_id = "X-Request-Id"
+
+[listeners.http]
+max_header_bytes = 8192
+max_headers = 50
+request_header_timeout = 5
+keepalive_timeout = 75.0
+max_body_size = 1048576
+response_timeout = 30
 
 [[listeners]]
 name = "relay"
@@ -183,6 +193,15 @@ FULL_EXPECTED = Config(
                 x_forwarded_port=False,
                 forwarded=True,
                 trusted_proxies=(ip_network("172.16.0.0/12"), ip_network("::1/128")),
+                request_id="X-Request-Id",
+            ),
+            http=HttpConfig(
+                max_header_bytes=8192,
+                max_headers=50,
+                request_header_timeout=5.0,
+                keepalive_timeout=75.0,
+                max_body_size=1048576,
+                response_timeout=30.0,
             ),
         ),
         ListenerConfig(name="relay", bind=Address(host="::", port=0), backend="db"),
@@ -262,6 +281,7 @@ def test_full_config_sets_every_key() -> None:
         (TlsConfig, listener["tls"]),
         (CertificateConfig, listener["tls"]["certificates"][0]),
         (ForwardedConfig, listener["forwarded"]),
+        (HttpConfig, listener["http"]),
         (BackendConfig, backend | {"discovery": discovered["discovery"]}),
         (DiscoveryConfig, discovered["discovery"]),
         (ServerConfig, backend["servers"][1]),
@@ -310,6 +330,15 @@ def test_minimal_config_gets_every_default() -> None:
     assert listener.forwarded.x_forwarded_port is True
     assert listener.forwarded.forwarded is False
     assert listener.forwarded.trusted_proxies == ()
+    assert listener.forwarded.request_id == ""
+    assert listener.http == HttpConfig(
+        max_header_bytes=16384,
+        max_headers=100,
+        request_header_timeout=10.0,
+        keepalive_timeout=60.0,
+        max_body_size=0,
+        response_timeout=60.0,
+    )
 
     (backend,) = config.backends
     assert backend.servers == (
@@ -821,6 +850,44 @@ ERRORS: list[tuple[str, str]] = [
         HTTP + "[listeners.forwarded]\ntrusted_proxies = ['10.0.0.1/8']\n" + B,
         "listeners[0].forwarded.trusted_proxies[0]: '10.0.0.1/8' has host bits set",
     ),
+    (
+        HTTP + "[listeners.forwarded]\nrequest_id = 'X Request'\n" + B,
+        "listeners[0].forwarded.request_id: expected an HTTP header name, got "
+        "'X Request'",
+    ),
+    (
+        HTTP + "[listeners.forwarded]\nrequest_id = 'Content-Length'\n" + B,
+        "listeners[0].forwarded.request_id: 'Content-Length' is managed by tlsedge",
+    ),
+    (
+        HTTP + "[listeners.forwarded]\nrequest_id = 1\n" + B,
+        "listeners[0].forwarded.request_id: expected a string, got an integer (1)",
+    ),
+    # http
+    (
+        L + "[listeners.http]\n" + B,
+        'listeners[0].http: only applies with mode = "http"',
+    ),
+    (
+        HTTP + "[listeners.http]\nmax_header_bytes = 100\n" + B,
+        "listeners[0].http.max_header_bytes: must be between 1024 and 1048576, got 100",
+    ),
+    (
+        HTTP + "[listeners.http]\nmax_headers = 0\n" + B,
+        "listeners[0].http.max_headers: must be between 1 and 10000, got 0",
+    ),
+    (
+        HTTP + "[listeners.http]\nmax_body_size = -1\n" + B,
+        "listeners[0].http.max_body_size: must be at least 0, got -1",
+    ),
+    (
+        HTTP + "[listeners.http]\nresponse_timeout = 0\n" + B,
+        "listeners[0].http.response_timeout: must be greater than 0 s, got 0",
+    ),
+    (
+        HTTP + "[listeners.http]\nkeepalive_timout = 5\n" + B,
+        "listeners[0].http: unknown key 'keepalive_timout'",
+    ),
     # backends and servers
     (
         L + backend(servers="[]"),
@@ -1184,12 +1251,16 @@ def test_unreadable_file(tmp_path: Path, name: str) -> None:
 # --- ensure_supported and the examples ---------------------------------------
 
 
-def test_ensure_supported_refuses_http_mode() -> None:
-    config = parse(HTTP + B)
+def test_ensure_supported_accepts_http_mode() -> None:
+    ensure_supported(parse(HTTP + B))
+
+
+def test_ensure_supported_refuses_http_mode_to_tls_backends() -> None:
+    config = parse(HTTP + backend(protocol='"tls"'))
     with pytest.raises(ConfigError) as info:
         ensure_supported(config)
-    assert str(info.value) == (
-        'listeners[0].mode: HTTP mode is not supported yet; use mode = "tcp"'
+    assert str(info.value).startswith(
+        "listeners[0].mode: HTTP mode to a TLS backend (b: protocol = \"tls\")"
     )
 
 
@@ -1231,6 +1302,7 @@ def test_example_edge_documents_every_section() -> None:
         ProxyProtocolConfig,
         TlsConfig,
         ForwardedConfig,
+        HttpConfig,
         BackendConfig,
         BackendTlsConfig,
         HealthConfig,
@@ -1254,6 +1326,7 @@ def _schema_keys() -> list[str]:
         TlsConfig,
         CertificateConfig,
         ForwardedConfig,
+        HttpConfig,
         BackendConfig,
         ServerConfig,
         BackendTlsConfig,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -218,9 +219,9 @@ def test_chunk_scanner_any_split_same_result(cuts: list[int], tail: bytes) -> No
     scanner = ChunkedBodyScanner(max_trailer_bytes=1024, max_trailers=4)
     start = 0
     for cut in [*sorted(cuts), len(data)]:
-        cut = min(cut, len(data))
-        scanner.feed(data[start:cut])
-        start = max(start, cut)
+        stop = min(cut, len(data))
+        scanner.feed(data[start:stop])
+        start = max(start, stop)
     assert scanner.done
     assert scanner.excess == len(tail)
 
@@ -300,6 +301,11 @@ class EchoBackend:
         return self
 
     async def handle(self, stream: trio.SocketStream) -> None:
+        # The proxy cuts requests it refuses half way: that is not a test failure.
+        with contextlib.suppress(h11.RemoteProtocolError):
+            await self.serve(stream)
+
+    async def serve(self, stream: trio.SocketStream) -> None:
         assert self.backend is not None
         conn_no = self.backend.accepted
         conn = h11.Connection(h11.SERVER)
@@ -314,7 +320,8 @@ class EchoBackend:
                 return
             if conn.they_are_waiting_for_100_continue:
                 await stream.send_all(
-                    conn.send(h11.InformationalResponse(status_code=100)) or b""
+                    conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+                    or b""
                 )
             path = event.target.decode()
             if path == "/upgrade":
@@ -568,7 +575,7 @@ class Client:
     async def aclose(self) -> None:
         await self.stream.aclose()
 
-    async def request(
+    async def request(  # noqa: PLR0917
         self,
         method: str = "GET",
         target: str = "/",
@@ -617,7 +624,7 @@ class Client:
         response: h11.Response | None = None
         body = bytearray()
         while True:
-            event = await _next(self.conn, self.stream)  # type: ignore[arg-type]
+            event = await _next(self.conn, self.stream)
             if isinstance(event, h11.Response):
                 response = event
             elif isinstance(event, h11.Data):
@@ -633,6 +640,14 @@ class Client:
                     bytes(body),
                     list(event.headers),
                 )
+
+
+async def wait_results(proxy: Proxy, count: int = 1) -> list[HttpConnectionResult]:
+    """Wait until *count* client connections have ended."""
+    with trio.fail_after(10):
+        while len(proxy.results) < count:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    return proxy.results
 
 
 async def get(address: tuple[str, int], target: str = "/", **kwargs: Any) -> Response:
@@ -710,7 +725,7 @@ async def echo_and_proxy(**kwargs: Any) -> AsyncIterator[tuple[EchoBackend, Prox
 
 
 async def test_forwarding_headers_replace_spoofed_ones() -> None:
-    async with echo_and_proxy(forwarded={"forwarded": True}) as (echo, proxy):
+    async with echo_and_proxy(forwarded={"forwarded": True}) as (_, proxy):
         response = await get(
             proxy.address,
             "/path?q=1",
@@ -831,7 +846,8 @@ async def test_pipelined_requests_answered_in_order() -> None:
     async with echo_and_proxy() as (echo, proxy):
         data = (
             b"".join(b"GET /%d HTTP/1.1\r\nHost: h\r\n\r\n" % i for i in range(3))
-            + b"POST /3 HTTP/1.1\r\nHost: h\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbody"
+            + b"POST /3 HTTP/1.1\r\nHost: h\r\nContent-Length: 4\r\n"
+            + b"Connection: close\r\n\r\nbody"
         )
         out = await raw(proxy.address, data)
         responses = parse_responses(out)
@@ -941,7 +957,8 @@ async def test_max_body_size_with_expect_refuses_before_upload() -> None:
     async with echo_and_proxy(http={"max_body_size": 10}) as (echo, proxy):
         out = await raw(
             proxy.address,
-            b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n",
+            b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 11\r\n"
+            b"Expect: 100-continue\r\n\r\n",
         )
         assert out.startswith(b"HTTP/1.1 413 ")
         assert b"connection: close" in out.lower()
@@ -986,7 +1003,7 @@ async def test_upgrade_relays_both_ways_and_half_closes() -> None:
         assert rest == b"server-hello|EARLY-FRAME|FRAME2|bye"
         await stream.aclose()
         with trio.fail_after(5):
-            while not proxy.results:
+            while not proxy.results:  # noqa: ASYNC110
                 await trio.sleep(0.01)
         assert proxy.results[0].termination.startswith("upgraded:")
 
@@ -1038,7 +1055,7 @@ async def test_smuggling_vectors_refused_end_to_end(head: bytes, status: int) ->
         )
     assert out.startswith(b"HTTP/1.1 %d " % status), out
     assert b"\r\nconnection: close\r\n" in out.lower()
-    assert out.count(b"HTTP/1.1") == 1
+    assert len(re.findall(rb"(?:^|\n)HTTP/1\.1 \d{3} ", out)) == 1
     assert echo.accepted == 0
 
 
@@ -1051,16 +1068,14 @@ async def test_bad_chunked_bodies_refused_end_to_end(body: bytes) -> None:
             + body
             + b"GET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n",
         )
-    assert out.startswith(b"HTTP/1.1 400 ") or out.startswith(b"HTTP/1.1 431 "), out
+    assert out.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 431 ")), out
     assert b"connection: close" in out.lower()
     assert all(r["target"] != "/smuggled" for r in echo.requests)
 
 
 async def _memory_proxy(
     http: dict[str, Any], drain: trio.Event | None = None
-) -> tuple[
-    trio.testing.StapledStream[Any, Any], Callable[[], Awaitable[HttpConnectionResult]]
-]:
+) -> tuple[trio.abc.HalfCloseableStream, Callable[[], Awaitable[HttpConnectionResult]]]:
     config = make_config(
         [{"name": "web", "mode": "http", "backend": "app", "http": http}],
         [{"name": "app", "servers": ["127.0.0.1:9"], "retries": 0}],
@@ -1069,18 +1084,21 @@ async def _memory_proxy(
     client, server = trio.testing.memory_stream_pair()
 
     async def run() -> HttpConnectionResult:
-        return await serve_http(
-            server,
-            listener=config.listeners[0],
-            backend=pool,
-            keepalive=KeepAlivePool(),
-            client_address=("192.0.2.1", 1234),
-            destination=("192.0.2.2", 80),
-            tls=False,
-            proxy_header=None,
-            drain=drain or trio.Event(),
-            connection_id="mem",
-        )
+        try:
+            return await serve_http(
+                server,
+                listener=config.listeners[0],
+                backend=pool,
+                keepalive=KeepAlivePool(),
+                client_address=("192.0.2.1", 1234),
+                destination=("192.0.2.2", 80),
+                tls=False,
+                proxy_header=None,
+                drain=drain if drain is not None else trio.Event(),
+                connection_id="mem",
+            )
+        finally:
+            await server.aclose()
 
     return client, run
 
@@ -1160,7 +1178,7 @@ async def test_keepalive_timeout_real_backend() -> None:
         assert 0.2 < time.monotonic() - start < 3
         await client.aclose()
         with trio.fail_after(5):
-            while not proxy.results:
+            while not proxy.results:  # noqa: ASYNC110
                 await trio.sleep(0.01)
     assert proxy.results[0].termination == "keepalive_timeout"
     assert proxy.results[0].requests == 1
@@ -1184,9 +1202,16 @@ async def test_connect_refused_502() -> None:
     port = free_port()
     async with running_proxy([f"127.0.0.1:{port}"]) as proxy:
         response = await get(proxy.address)
+        (result,) = await wait_results(proxy)
     assert response.status == 502
     assert response.header(b"content-type") == b"text/plain; charset=utf-8"
-    assert proxy.results[0].termination == "connect_failed"
+    assert b"connect to 127.0.0.1" in response.body
+    assert result.termination == "connect_failed"
+    # With retries the backend's usual connect sequence follows.
+    async with running_proxy([f"127.0.0.1:{port}"], backend={"retries": 2}) as proxy:
+        response = await get(proxy.address)
+    assert response.status == 502
+    assert b"3 connect attempts failed" in response.body
 
 
 async def test_response_timeout_504() -> None:
@@ -1194,8 +1219,9 @@ async def test_response_timeout_504() -> None:
         start = time.monotonic()
         response = await get(proxy.address, "/hang")
         assert 0.25 < time.monotonic() - start < 3
+        (result,) = await wait_results(proxy)
     assert response.status == 504
-    assert proxy.results[0].termination == "response_timeout"
+    assert result.termination == "response_timeout"
 
 
 @pytest.mark.parametrize("target", ["/die-cl", "/die-chunked"])
@@ -1218,16 +1244,16 @@ async def test_backend_dies_mid_response_resets_client(target: str) -> None:
         await stream.aclose()
     assert received.startswith(b"HTTP/1.1 200 ")
     assert reset
-    head, _, body = received.partition(b"\r\n\r\n")
+    body = received.partition(b"\r\n\r\n")[2]
     if target == "/die-cl":
         assert len(body) < 1000
     else:
         assert not body.endswith(b"0\r\n\r\n")
-    with pytest.raises(h11.RemoteProtocolError):
-        conn = h11.Connection(h11.CLIENT)
-        conn.send(h11.Request(method="GET", target="/", headers=[("Host", "h")]))
-        conn.receive_data(received)
-        conn.receive_data(b"")
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "h")]))
+    conn.receive_data(received)
+    conn.receive_data(b"")
+    with pytest.raises(h11.RemoteProtocolError):  # noqa: PT012 (drain the events)
         while conn.next_event() is not h11.PAUSED:
             pass
 
@@ -1257,13 +1283,17 @@ async def test_idempotent_request_retried_on_another_server() -> None:
         async with running_proxy([bad.address, echo.address]) as proxy:
             # Round robin starts with the first server: the bad one.
             assert (await get(proxy.address)).status == 200
-            assert bad.accepted == 1
-            # POST with a body is not retried.
-            response = await get(proxy.address, body=b"data")
-            if bad.accepted == 2:
-                assert response.status == 502
-            response = await get(proxy.address, body=b"data")
-            assert {r.status for r in [response]} <= {200, 502}
+            assert (bad.accepted, echo.accepted) == (1, 1)
+            # A request with a body is never retried: 502 when it meets "bad".
+            for _ in range(4):
+                before = bad.accepted
+                response = await get(proxy.address, body=b"data")
+                if bad.accepted > before:
+                    assert response.status == 502
+                    break
+                assert response.status == 200
+            else:
+                pytest.fail("round robin never picked the bad server")
         nursery.cancel_scope.cancel()
 
 
@@ -1276,7 +1306,8 @@ async def test_send_proxy_uses_dedicated_connection() -> None:
             line, _, rest = bytes(data).partition(b"\r\n")
             headers.append(line)
             conn = h11.Connection(h11.SERVER)
-            conn.receive_data(rest)
+            if rest:
+                conn.receive_data(rest)
             while True:
                 event = await _next(conn, stream)
                 if isinstance(event, h11.ConnectionClosed):
@@ -1330,7 +1361,7 @@ async def test_drain_finishes_in_flight_and_closes_idle() -> None:
         await idle.aclose()
         await busy.aclose()
         with trio.fail_after(5):
-            while len(proxy.results) < 2:
+            while len(proxy.results) < 2:  # noqa: ASYNC110
                 await trio.sleep(0.01)
         assert sorted(r.termination for r in proxy.results) == ["drained", "drained"]
         assert echo.accepted == 1
@@ -1398,9 +1429,11 @@ async def test_curl_sees_503_and_drained_close() -> None:
 async def test_nginx_backend_keepalive_and_headers() -> None:
     port = free_port()
     body = (
-        "http { access_log off; keepalive_timeout 60s; server { listen 127.0.0.1:%d; "
-        'location / { return 200 "xff=$http_x_forwarded_for proto=$http_x_forwarded_proto '
-        'n=$connection_requests"; } } }' % port
+        "http { access_log off; keepalive_timeout 60s; server { listen 127.0.0.1:"
+        + str(port)
+        + "; location / { return 200 "
+        + '"xff=$http_x_forwarded_for proto=$http_x_forwarded_proto '
+        + 'n=$connection_requests"; } } }'
     )
     with nginx(body, [port]):
         async with running_proxy([f"127.0.0.1:{port}"]) as proxy:
