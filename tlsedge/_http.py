@@ -96,8 +96,8 @@ import os
 import re
 import select
 import socket
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Final
 
 import h11
@@ -681,12 +681,19 @@ class RequestLog:
         """Write the line (if the access logger is enabled)."""
         if not ACCESS_LOGGER.isEnabledFor(logging.INFO):
             return
-        fields: dict[str, object] = {"type": "http", **asdict(self)}
+        line: dict[str, object] = {"type": "http"}
+        for name in _REQUEST_LOG_FIELDS:
+            line[name] = getattr(self, name)
         for key in ("connect", "first_byte", "total"):
-            value = fields[key]
+            value = line[key]
             if isinstance(value, float):
-                fields[key] = round(value, 6)
-        ACCESS_LOGGER.info("%s", json.dumps(fields, separators=(",", ":")))
+                line[key] = round(value, 6)
+        ACCESS_LOGGER.info("%s", _ENCODE(line))
+
+
+_REQUEST_LOG_FIELDS: Final = tuple(f.name for f in fields(RequestLog))
+# json.dumps(obj, separators=...) builds a new JSONEncoder per call; reuse one.
+_ENCODE: Final = json.JSONEncoder(separators=(",", ":")).encode
 
 
 # -- the I/O layer: h11 <-> trio -----------------------------------------------
@@ -766,6 +773,7 @@ class _HttpConnection:
         drain: trio.Event,
         connection_id: str,
         result: HttpConnectionResult,
+        on_request: Callable[[RequestLog], None] | None = None,
     ) -> None:
         self.client = client
         self.listener = listener
@@ -774,12 +782,14 @@ class _HttpConnection:
         self.keepalive = keepalive
         self.client_address = client_address
         self.client_ip = client_address[0] if client_address else None
+        self.client_text = format_address(client_address)
         self.destination = destination
         self.tls = tls
         self.proxy_header = proxy_header
         self.drain = drain
         self.connection_id = connection_id
         self.result = result
+        self.on_request = on_request
         self.trusted = is_trusted_peer(
             self.client_ip, listener.forwarded.trusted_proxies
         )
@@ -865,6 +875,12 @@ class _HttpConnection:
             keep_going = await self._handle_request(head_length)
             if not keep_going:
                 return
+
+    def _emit(self, log: RequestLog) -> None:
+        """The request's access-log line, and its metrics via *on_request*."""
+        log.emit()
+        if self.on_request is not None:
+            self.on_request(log)
 
     def _end(self, termination: str, detail: str | None = None) -> None:
         self.result.termination = termination
@@ -959,7 +975,7 @@ class _HttpConnection:
         log = RequestLog(
             connection=self.connection_id,
             listener=self.listener.name,
-            client=format_address(self.client_address),
+            client=self.client_text,
             status=exc.status,
             backend=self.backend.name,
             termination=(
@@ -986,7 +1002,7 @@ class _HttpConnection:
             await self.send_client(error_response_bytes(exc.status, exc.reason), log)
             await self.linger()
         log.total = trio.current_time() - self.started
-        log.emit()
+        self._emit(log)
 
     # -- one request -------------------------------------------------------
 
@@ -994,7 +1010,7 @@ class _HttpConnection:
         return RequestLog(
             connection=self.connection_id,
             listener=self.listener.name,
-            client=format_address(self.client_address),
+            client=self.client_text,
             method=request.method.decode("ascii"),
             target=_log_target(request.target),
             version=request.http_version.decode("ascii"),
@@ -1032,7 +1048,7 @@ class _HttpConnection:
             return await self._exchange(cconn, request, log, started)
         finally:
             log.total = trio.current_time() - started
-            log.emit()
+            self._emit(log)
 
     async def _refuse(
         self,
@@ -1419,11 +1435,13 @@ class _HttpConnection:
             ex.fail(_Failure(Termination.SERVER_ERROR, str(exc), 502, retryable=True))
             return
         if not ex.has_body:
+            # Nothing to pump upstream: no second task (nor a nursery) needed.
             self._request_sent(ex)
+            await self._pump_response(ex)
+            return
         async with trio.open_nursery() as nursery:
             ex.nursery_scope = nursery.cancel_scope
-            if ex.has_body:
-                nursery.start_soon(self._pump_request_body, ex)
+            nursery.start_soon(self._pump_request_body, ex)
             await self._pump_response(ex)
             if not ex.request_complete:
                 # Answered before the whole request arrived (an early error,
@@ -1517,17 +1535,31 @@ class _HttpConnection:
             drop = drop | {self.request_id_name}
         return [(n, v) for n, v in trailers if n.lower() not in drop]
 
+    @staticmethod
+    def _buffered_upstream_event(ex: _Exchange) -> h11.Event | None:
+        """The next upstream event if h11 has it without reading, else None."""
+        try:
+            event = ex.uconn.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise _UpstreamGoneError(
+                f"bad response from upstream: {exc}",
+                empty=not ex.upstream_bytes,
+            ) from exc
+        if event is h11.NEED_DATA:
+            return None
+        if isinstance(event, h11.ConnectionClosed):
+            raise _UpstreamGoneError(
+                "upstream closed the connection before responding",
+                empty=not ex.upstream_bytes,
+            )
+        assert isinstance(event, h11.Event)
+        return event
+
     async def _next_upstream_event(self, ex: _Exchange) -> h11.Event:
         uconn = ex.uconn
         while True:
-            try:
-                event = uconn.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise _UpstreamGoneError(
-                    f"bad response from upstream: {exc}",
-                    empty=not ex.upstream_bytes,
-                ) from exc
-            if event is h11.NEED_DATA:
+            event = self._buffered_upstream_event(ex)
+            if event is None:
                 try:
                     data = bytes(await ex.upstream.stream.receive_some(READ_SIZE))
                 except (
@@ -1542,12 +1574,6 @@ class _HttpConnection:
                 ex.upstream_bytes += len(data)
                 uconn.receive_data(data)
                 continue
-            if isinstance(event, h11.ConnectionClosed):
-                raise _UpstreamGoneError(
-                    "upstream closed the connection before responding",
-                    empty=not ex.upstream_bytes,
-                )
-            assert isinstance(event, h11.Event)
             return event
 
     async def _pump_response(self, ex: _Exchange) -> None:
@@ -1656,7 +1682,9 @@ class _HttpConnection:
             )
         )
         ex.response_started = True
-        await self.send_client(data or b"", ex.log)
+        # What h11 already has of the response (usually all of a small one)
+        # goes out with the head in one write; we write before every read.
+        pending = data or b""
         upstream_chunked = bool(_header_values(headers, b"transfer-encoding"))
         trailers_ok = (
             upstream_chunked
@@ -1664,23 +1692,32 @@ class _HttpConnection:
             and ex.request.method != b"HEAD"
         )
         while True:
-            with trio.move_on_after(self.listener.idle_timeout) as idle_timeout_scope:
-                event = await self._next_upstream_event(ex)
-            if idle_timeout_scope.cancelled_caught:
-                raise _UpstreamGoneError("upstream response stalled for idle_timeout")
+            try:
+                event = self._buffered_upstream_event(ex)
+            except _UpstreamGoneError:
+                await self.send_client(pending, ex.log)
+                raise
+            if event is None:
+                await self.send_client(pending, ex.log)
+                pending = b""
+                with trio.move_on_after(
+                    self.listener.idle_timeout
+                ) as idle_timeout_scope:
+                    event = await self._next_upstream_event(ex)
+                if idle_timeout_scope.cancelled_caught:
+                    raise _UpstreamGoneError(
+                        "upstream response stalled for idle_timeout"
+                    )
             if isinstance(event, h11.Data):
-                await self.send_client(
-                    cconn.send(h11.Data(data=event.data)) or b"", ex.log
-                )
+                pending += cconn.send(h11.Data(data=event.data)) or b""
             elif isinstance(event, h11.EndOfMessage):
                 trailers = (
                     strip_hop_by_hop(event.headers.raw_items(), keep_upgrade=False)
                     if trailers_ok
                     else []
                 )
-                await self.send_client(
-                    cconn.send(h11.EndOfMessage(headers=trailers)) or b"", ex.log
-                )
+                pending += cconn.send(h11.EndOfMessage(headers=trailers)) or b""
+                await self.send_client(pending, ex.log)
                 ex.response_complete = True
                 return
 
@@ -1734,6 +1771,7 @@ async def serve_http(
     drain: trio.Event,
     connection_id: str,
     result: HttpConnectionResult | None = None,
+    on_request: Callable[[RequestLog], None] | None = None,
 ) -> HttpConnectionResult:
     """Proxy HTTP/1.1 requests from *client* to *backend* until the connection ends.
 
@@ -1757,6 +1795,8 @@ async def serve_http(
         connection_id: The connection's id, repeated in every request line.
         result: Updated in place (and returned); pass one in to see the counts
             of a connection that gets cancelled.
+        on_request: Called with each request's `RequestLog` once it is complete
+            (right after its access-log line), e.g. for metrics.
 
     Returns:
         Requests served, bytes each way and why the connection ended.
@@ -1775,6 +1815,7 @@ async def serve_http(
         drain,
         connection_id,
         result,
+        on_request,
     )
     try:
         await connection.run()

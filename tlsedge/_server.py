@@ -47,7 +47,12 @@ from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admin import AdminServer, bind_admin
 from tlsedge._certs import CertificateError
 from tlsedge._config import Config, ConfigError, ListenerConfig
-from tlsedge._http import HttpConnectionResult, KeepAlivePool, serve_http
+from tlsedge._http import (
+    HttpConnectionResult,
+    KeepAlivePool,
+    RequestLog,
+    serve_http,
+)
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._proxy_wrap import ConnectionFacts, build_proxy_header
 from tlsedge._relay import RelayStats, Termination, relay, set_abortive_close
@@ -730,6 +735,7 @@ class Edge:
                 drain=self._drain_event,
                 connection_id=log.id,
                 result=result,
+                on_request=self._record_http_request,
             )
         finally:
             log.bytes_from_client = result.bytes_from_client
@@ -738,6 +744,13 @@ class Edge:
             log.requests = result.requests
             log.termination = result.termination
             log.detail = result.detail
+
+    def _record_http_request(self, log: RequestLog) -> None:
+        """Metrics for one HTTP request (a request never answered has no status)."""
+        if log.status is not None:
+            self._metrics.record_http_request(
+                log.listener, log.backend or "", log.status, log.total
+            )
 
     @staticmethod
     async def _encrypt_upstream(

@@ -3,15 +3,35 @@
 from __future__ import annotations
 
 import json
+import logging
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
+import h11
+import pytest
 import trio
 import trustme
 
-from tests.peers import require
-from tests.tlsedge.helpers import make_config
+from proxyproto import InetAddress, ProxyHeader
+from tests.peers import free_port, nginx, require
+from tests.tlsedge.helpers import (
+    Backend,
+    access_records,
+    address_of,
+    make_config,
+    read_proxy,
+    running_edge,
+    wait_access_records,
+    wait_until,
+)
+from tests.tlsedge.test_admin import admin_address, http_get, total
+from tests.tlsedge.test_http import Client, EchoBackend as H11Backend, _next
 from tlsedge._server import Edge
+from tlsedge._tls_stream import TLSStream
 
 
 class EchoBackend:
@@ -153,3 +173,334 @@ async def test_tls_and_proxy_header_give_https_and_the_real_client(
     assert headers["x-forwarded-proto"] == ["https"]
     assert headers["x-forwarded-for"] == ["127.0.0.1"]
     assert headers["host"] == [f"localhost:{port}"]
+
+
+# -- drain, logs, metrics, PROXY v2, upgrade over TLS, nginx ----------------------
+
+
+def _tls_files(tmp_path: Path) -> tuple[dict[str, Any], trustme.CA]:
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "site.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "site.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    tls = {
+        "certificates": [
+            {"cert": str(tmp_path / "site.pem"), "key": str(tmp_path / "site.key")}
+        ]
+    }
+    return tls, ca
+
+
+@asynccontextmanager
+async def h11_edge(
+    listener: dict[str, Any] | None = None,
+    edge: dict[str, Any] | None = None,
+    extra_listeners: tuple[dict[str, Any], ...] = (),
+    extra_backends: tuple[dict[str, Any], ...] = (),
+) -> AsyncIterator[tuple[Edge, H11Backend, tuple[str, int]]]:
+    """An Edge (listener ``web``, mode http, backend ``app``) in front of
+    test_http's h11 backend (JSON echo, ``/slow/<s>``, ``/upgrade``)."""
+    async with trio.open_nursery() as nursery:
+        app = await H11Backend().start(nursery)
+        config = make_config(
+            [
+                {"name": "web", "backend": "app", "mode": "http", **(listener or {})},
+                *extra_listeners,
+            ],
+            [{"name": "app", "servers": [app.address]}, *extra_backends],
+            {"drain_timeout": 10.0, **(edge or {})},
+        )
+        async with running_edge(config) as running:
+            yield running, app, address_of(running, "web")
+        nursery.cancel_scope.cancel()
+
+
+def _split(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], ...]:
+    """(per-request lines, connection lines) of the access log."""
+    return (
+        [r for r in records if r.get("type") == "http"],
+        [r for r in records if "type" not in r],
+    )
+
+
+async def test_drain_answers_in_flight_closes_idle_refuses_new(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h11_edge() as (edge, app, address):
+        idle = await Client.open(address)
+        assert (await idle.request()).status == 200
+        busy = await Client.open(address)
+        first = await busy.request("GET", "/first")  # busy is a keep-alive client
+        assert first.header(b"connection") is None
+        responses: list[Any] = []
+
+        async def slow() -> None:
+            responses.append(await busy.request("GET", "/slow/0.5"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow)
+            await wait_until(lambda: len(app.requests) == 3)  # /slow is upstream
+            edge.drain()
+            with trio.fail_after(1):  # idle keep-alive connection: closed at once
+                assert await idle.stream.receive_some() == b""
+            assert not responses  # ... while the slow one is still being answered
+            with pytest.raises(OSError, match="onnect"):  # listener closed: refused
+                await trio.open_tcp_stream(*address)
+        (response,) = responses
+        assert response.status == 200
+        assert response.header(b"connection") == b"close"
+        assert response.json()["target"] == "/slow/0.5"
+        with trio.fail_after(2):
+            assert await busy.stream.receive_some() == b""
+        await idle.aclose()
+        await busy.aclose()
+        records = await wait_access_records(caplog, 5)
+    requests, connections = _split(records)
+    assert [r["target"] for r in requests] == ["/", "/first", "/slow/0.5"]
+    assert all(r["status"] == 200 and r["termination"] == "ok" for r in requests)
+    assert sorted((c["requests"], c["termination"]) for c in connections) == [
+        (1, "drained"),
+        (2, "drained"),
+    ]
+
+
+async def test_curl_keepalive_client_gets_connection_close_after_drain() -> None:
+    async with h11_edge() as (edge, app, address):
+        url = f"http://127.0.0.1:{address[1]}"
+        outputs: list[str] = []
+
+        async def run_curl() -> None:
+            result = await trio.run_process(
+                [
+                    require("curl"),
+                    *("-sS", "-v", "--max-time", "10"),
+                    *(f"{url}/one", f"{url}/slow/0.5"),
+                ],
+                capture_stdout=True,
+                capture_stderr=True,
+            )
+            outputs.append(result.stderr.decode())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_curl)
+            await wait_until(lambda: len(app.requests) == 2)
+            edge.drain()
+    (err,) = outputs
+    # One connection for both; the first response keeps it, the second closes it.
+    assert err.count("Connected to") == 1, err
+    assert "Connection: close" in err.rsplit("GET /slow/0.5", 1)[1], err
+    assert "Connection: close" not in err.split("GET /slow/0.5", 1)[0], err
+    assert err.count("< HTTP/1.1 200") == 2, err
+
+
+async def test_access_log_lines_per_request_and_per_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h11_edge() as (_, app, address):
+        client = await Client.open(address)
+        port = client.stream.socket.getsockname()[1]
+        assert (await client.request("GET", "/a?x=1")).status == 200
+        assert (await client.request("POST", "/b", body=b"hello")).status == 200
+        await client.aclose()
+        records = await wait_access_records(caplog, 3)
+    requests, connections = _split(records)
+    (connection,) = connections
+    assert connection["requests"] == 2
+    assert connection["termination"] == "client_closed"
+    assert connection["backend"] == "app"
+    assert connection["server"] == app.address
+    assert [(r["method"], r["target"], r["status"]) for r in requests] == [
+        ("GET", "/a?x=1", 200),
+        ("POST", "/b", 200),
+    ]
+    for record in requests:
+        assert record["connection"] == connection["id"]
+        assert record["listener"] == "web"
+        assert record["client"] == f"127.0.0.1:{port}"
+        assert record["version"] == "1.1"
+        assert record["backend"] == "app"
+        assert record["server"] == app.address
+        assert record["termination"] == "ok"
+        assert record["bytes_in"] > 0
+        assert record["bytes_out"] > 0
+        assert record["total"] >= record["first_byte"] >= 0
+    assert requests[1]["bytes_in"] > requests[0]["bytes_in"]  # the 5-byte body
+    assert app.accepted == 1  # the second request reused the pooled connection
+
+
+async def _read_until_closed(stream: trio.SocketStream) -> bytes:
+    data = b""
+    with trio.fail_after(5):
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    return data
+
+
+async def test_metrics_count_requests_by_status_class(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    async with h11_edge(
+        edge={"admin": "127.0.0.1:0"},
+        extra_listeners=({"name": "dead", "backend": "gone", "mode": "http"},),
+        extra_backends=({"name": "gone", "servers": [dead], "retries": 0},),
+    ) as (edge, _, address):
+        admin = admin_address(edge)
+        client = await Client.open(address)
+        assert (await client.request()).status == 200
+        await client.aclose()
+        smuggler = await trio.open_tcp_stream(*address)
+        await smuggler.send_all(
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        )
+        answer = await _read_until_closed(smuggler)
+        await smuggler.aclose()
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        gone = await Client.open(address_of(edge, "dead"))
+        assert (await gone.request()).status == 502
+        await gone.aclose()
+        await wait_until(lambda: len(_split(access_records(caplog))[0]) == 3)
+        text = (await http_get(admin, "/metrics")).text
+    name = "tlsedge_http_requests_total"
+    assert total(text, name, listener="web", backend="app", code="2xx") == 1
+    assert total(text, name, listener="web", backend="app", code="4xx") == 1
+    assert total(text, name, listener="dead", backend="gone", code="5xx") == 1
+    assert total(text, name) == 3
+    assert total(text, "tlsedge_http_request_duration_seconds_count") == 3
+
+
+async def test_send_proxy_v2_dedicated_upstream_per_client_connection() -> None:
+    seen: list[tuple[ProxyHeader, list[str]]] = []
+
+    async def proxy_then_http(stream: trio.SocketStream) -> None:
+        header, rest = await read_proxy(stream)
+        targets: list[str] = []
+        seen.append((header, targets))
+        conn = h11.Connection(h11.SERVER)
+        conn.receive_data(rest)
+        while True:
+            event = await _next(conn, stream)
+            if isinstance(event, h11.ConnectionClosed):
+                return
+            if isinstance(event, h11.Request):
+                targets.append(event.target.decode())
+            if isinstance(event, h11.EndOfMessage):
+                body = targets[-1].encode()
+                await stream.send_all(
+                    (
+                        conn.send(
+                            h11.Response(
+                                status_code=200,
+                                headers=[("Content-Length", str(len(body)))],
+                            )
+                        )
+                        or b""
+                    )
+                    + (conn.send(h11.Data(data=body)) or b"")
+                    + (conn.send(h11.EndOfMessage()) or b"")
+                )
+                conn.start_next_cycle()
+
+    async with trio.open_nursery() as nursery:
+        backend = await Backend(proxy_then_http).start(nursery)
+        config = make_config(
+            [{"name": "web", "backend": "app", "mode": "http"}],
+            [{"name": "app", "servers": [backend.address], "send_proxy": "v2"}],
+        )
+        async with running_edge(config) as edge:
+            address = address_of(edge, "web")
+            first = await Client.open(address)
+            second = await Client.open(address)
+            ports = [c.stream.socket.getsockname()[1] for c in (first, second)]
+            assert (await first.request("GET", "/a1")).body == b"/a1"
+            assert (await second.request("GET", "/b1")).body == b"/b1"
+            assert (await first.request("GET", "/a2")).body == b"/a2"
+            await first.aclose()
+            await second.aclose()
+        nursery.cancel_scope.cancel()
+    assert backend.accepted == 2
+    by_port = {}
+    for header, targets in seen:
+        assert header.version == 2
+        assert header.command.name == "PROXY"
+        assert isinstance(header.source, InetAddress)
+        assert isinstance(header.destination, InetAddress)
+        assert str(header.source.host) == "127.0.0.1"
+        assert header.destination.port == address[1]
+        by_port[header.source.port] = targets
+    assert by_port == {ports[0]: ["/a1", "/a2"], ports[1]: ["/b1"]}
+
+
+async def test_upgrade_over_tls_relays_both_ways_and_half_closes(
+    tmp_path: Path,
+) -> None:
+    tls, ca = _tls_files(tmp_path)
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3  # half-close: close_notify
+    async with h11_edge({"tls": tls}) as (_, _, address):
+        stream = TLSStream(
+            await trio.open_tcp_stream(*address),
+            context,
+            server_side=False,
+            server_hostname="localhost",
+        )
+        await stream.do_handshake()
+        await stream.send_all(
+            b"GET /upgrade HTTP/1.1\r\nHost: localhost\r\n"
+            b"Connection: Upgrade\r\nUpgrade: websocket\r\n\r\nearly-frame|"
+        )
+        received = b""
+        with trio.fail_after(10):
+            while b"EARLY-FRAME|" not in received:
+                chunk = await stream.receive_some(65536)
+                assert chunk, received
+                received += chunk
+            head, _, rest = received.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 101 "), head
+            assert b"upgrade: echo" in head.lower()
+            assert rest == b"server-hello|EARLY-FRAME|"
+            await stream.send_all(b"frame2")
+            while not rest.endswith(b"FRAME2"):
+                chunk = await stream.receive_some(65536)
+                assert chunk, rest
+                rest += chunk
+            await stream.send_eof()  # close_notify: the backend still answers
+            while chunk := await stream.receive_some(65536):
+                rest += chunk
+        assert rest == b"server-hello|EARLY-FRAME|FRAME2|bye"
+        await stream.aclose()
+
+
+async def test_nginx_backend_sees_x_forwarded_for() -> None:
+    nginx_port = free_port()
+    body = (
+        "http { access_log off; keepalive_timeout 60s; server { listen 127.0.0.1:"
+        f"{nginx_port}; location / {{ return 200 "
+        '"xff=$http_x_forwarded_for proto=$http_x_forwarded_proto '
+        'n=$connection_requests\\n"; } } }'
+    )
+    with nginx(body, [nginx_port]):
+        config = make_config(
+            [{"name": "web", "backend": "nginx", "mode": "http"}],
+            [{"name": "nginx", "servers": [f"127.0.0.1:{nginx_port}"]}],
+        )
+        async with running_edge(config) as edge:
+            url = f"http://127.0.0.1:{address_of(edge, 'web')[1]}/"
+            result = await trio.run_process(
+                [
+                    require("curl"),
+                    *("-sS", "--max-time", "10"),
+                    *("-H", "X-Forwarded-For: 6.6.6.6", url, url),
+                ],
+                capture_stdout=True,
+            )
+    assert result.stdout.decode().splitlines() == [
+        "xff=127.0.0.1 proto=http n=1",
+        "xff=127.0.0.1 proto=http n=2",  # the pooled upstream connection
+    ]
