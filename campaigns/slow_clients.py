@@ -74,6 +74,18 @@ class Kind:
         ]
 
 
+def edge_closes(log: str) -> dict[str, list[float]]:
+    """Durations of the edge's connections by termination cause, from its
+    access log (the edge's own view of when it closed each one)."""
+    found: dict[str, list[float]] = {}
+    for line in log.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError, KeyError):
+                record = json.loads(line)
+                found.setdefault(record["termination"], []).append(record["duration"])
+    return found
+
+
 def client_hello() -> bytes:
     context = ssl.create_default_context()
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
@@ -243,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 kinds, unloaded, loaded, fds_base, fds_after = trio.run(
                     campaign, args, procs
                 )
+            edge_side = edge_closes(procs.log("tlsedge"))
         finally:
             procs.stop_all()
     out(
@@ -254,14 +267,38 @@ def main(argv: list[str] | None = None) -> int:
     )
     base, during = statistics.median(unloaded), statistics.median(loaded)
     ratio = during / base
-    late = sum(1 for k in kinds.values() for c in k.closed if c > TIMEOUT + LATE)
+    timeouts = edge_side.get("header_timeout", []) + edge_side.get(
+        "tls_handshake_timeout", []
+    )
+    late = sum(1 for d in timeouts if d > TIMEOUT + LATE)
+    early = sum(1 for d in timeouts if d < TIMEOUT - 0.05)
+    client_late = sum(1 for k in kinds.values() for c in k.closed if c > TIMEOUT + LATE)
+    out(
+        "",
+        "edge side (access log durations), by termination:",
+        render_table(
+            ["termination", "count", "min s", "median s", "max s"],
+            [
+                [
+                    cause,
+                    str(len(d)),
+                    f"{min(d):.2f}",
+                    f"{statistics.median(d):.2f}",
+                    f"{max(d):.2f}",
+                ]
+                for cause, d in sorted(edge_side.items())
+            ],
+        ),
+    )
     out(
         "",
         f"normal client latency, median of {len(unloaded)}: "
         f"unloaded {base * 1000:.2f} ms,"
         f" during slow clients {during * 1000:.2f} ms ({ratio:.2f}x;"
         f" goal <= {args.max_ratio:g}x)",
-        f"closes later than timeout + {LATE:g} s: {late}",
+        f"edge closes later than timeout + {LATE:g} s: {late}, earlier: {early}",
+        f"client noticed later than timeout + {LATE:g} s: {client_late}"
+        " (the client process is loaded too; informational)",
         f"edge fds: {fds_base} at rest, {fds_after} after",
     )
     closed_ok = all(k.closed and not k.early and not k.errors for k in kinds.values())
@@ -284,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
                 for k in kinds.values()
             },
             "late": late,
+            "early_edge": early,
+            "client_late": client_late,
+            "edge_timeouts": len(timeouts),
             "latency_unloaded_ms": base * 1000,
             "latency_loaded_ms": during * 1000,
             "ratio": ratio,

@@ -1,7 +1,7 @@
 """HTTP mode speed: tlsedge (mode http) vs HAProxy (mode http), X-Forwarded-For.
 
-Run: ``python bench/http.py [--quick] [--duration 10] [--reps 3] [--no-pin]``
-     ``python bench/http.py --profile bench/results/profile`` (py-spy on tlsedge)
+Run: ``python bench/http_mode.py [--quick] [--duration 10] [--reps 3] [--no-pin]``
+     ``python bench/http_mode.py --profile bench/results/profile`` (py-spy on tlsedge)
 
 Both proxies parse every request, add ``X-Forwarded-For`` (and nothing else)
 and forward it over pooled keep-alive connections to the same nginx (started
@@ -56,13 +56,9 @@ from edge import (
     wait_port,
 )
 
-# This file's name shadows the standard library's ``http`` (which tlsedge
-# imports) while bench/ is first on sys.path: take bench/ off it now.
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tlsedge._certs import make_dev_certificates  # noqa: E402
+from tlsedge._certs import make_dev_certificates
 
 PROXY_CPU = "1"
 LOAD_CPU = "0"
@@ -340,9 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pin = pin and (os.cpu_count() or 1) >= 2
     workdir = Path(tempfile.mkdtemp(prefix="tlsedge-bench-http-"))
     procs = Procs(workdir, pin)
-    print(
-        banner("bench/http.py: HTTP mode (X-Forwarded-For), side by side", tools=True)
-    )
+    title = "bench/http_mode.py: HTTP mode (X-Forwarded-For), side by side"
+    print(banner(title, tools=True))
     print(
         f"pinning: {'proxy on CPU 1, nginx/wrk on CPU 0' if pin else 'none'}; "
         f"wrk -t1 -c50 -d{args.duration:g}s; {args.reps} reps, rotating order"
