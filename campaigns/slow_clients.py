@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         f"edge fds: {fds_base} at rest, {fds_after} after",
     )
     closed_ok = all(k.closed and not k.early and not k.errors for k in kinds.values())
+    closed_ok = closed_ok and early == 0 and len(timeouts) > 0
     ok = (
         closed_ok
         and late == 0
