@@ -1260,7 +1260,7 @@ def test_ensure_supported_refuses_http_mode_to_tls_backends() -> None:
     with pytest.raises(ConfigError) as info:
         ensure_supported(config)
     assert str(info.value).startswith(
-        "listeners[0].mode: HTTP mode to a TLS backend (b: protocol = \"tls\")"
+        'listeners[0].mode: HTTP mode to a TLS backend (b: protocol = "tls")'
     )
 
 
