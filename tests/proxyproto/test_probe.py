@@ -57,6 +57,8 @@ def fake_target(behaviour: Behaviour) -> Iterator[int]:
     server = socket.create_server(("127.0.0.1", 0))
     server.settimeout(0.1)
     stop = threading.Event()
+    handlers: list[threading.Thread] = []
+    connections: list[socket.socket] = []
 
     def handle(conn: socket.socket) -> None:
         with conn:
@@ -72,7 +74,10 @@ def fake_target(behaviour: Behaviour) -> Iterator[int]:
                 continue
             except OSError:
                 return
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+            connections.append(conn)
+            handler = threading.Thread(target=handle, args=(conn,), daemon=True)
+            handlers.append(handler)
+            handler.start()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -82,6 +87,13 @@ def fake_target(behaviour: Behaviour) -> Iterator[int]:
         stop.set()
         thread.join(5)
         server.close()
+        # Handlers that hold their connection open (sleeping behaviours) must
+        # not outlive the test: wake them by shutting their sockets down.
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for handler in handlers:
+            handler.join(15)
 
 
 def reset(conn: socket.socket) -> None:
