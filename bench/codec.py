@@ -76,7 +76,6 @@ from proxyproto import (
     parse,
 )
 from proxyproto._crc32c import ACCELERATED, crc32c_pure
-from proxyproto._options import DEFAULT_OPTIONS as DEFAULT_OPTIONS_
 
 # One pass over the pool: returns elapsed nanoseconds.
 Pass = Callable[[], int]
@@ -527,223 +526,6 @@ def describe_crc() -> str:
     )
 
 
-# -- experiments: measured suggestions for proxyproto ---------------------------
-# Each pairs the current code path with a proposed replacement, timed the same
-# interleaved way. The replacements are written here, not in proxyproto/.
-
-
-def _fast_inet(host: object, port: int) -> InetAddress:
-    """InetAddress without __init__/__post_init__ (values already validated)."""
-    address = object.__new__(InetAddress)
-    _SET_HOST(address, host)
-    _SET_PORT(address, port)
-    return address
-
-
-_SET_HOST = InetAddress.__dict__["host"].__set__
-_SET_PORT = InetAddress.__dict__["port"].__set__
-_SET_IP4 = IPv4Address.__dict__["_ip"].__set__
-_HEADER_SETTERS = tuple(
-    ProxyHeader.__dict__[name].__set__
-    for name in ("version", "command", "family", "transport", "tlvs", "_wire")
-)
-
-
-def _fast_v2_addresses(wire: bytes) -> tuple[InetAddress, InetAddress]:
-    src, dst, sport, dport = our_v2._INET4.unpack_from(wire, 16)
-    a = object.__new__(IPv4Address)
-    _SET_IP4(a, src)
-    b = object.__new__(IPv4Address)
-    _SET_IP4(b, dst)
-    return _fast_inet(a, sport), _fast_inet(b, dport)
-
-
-def _fast_v1_addresses(line: bytes) -> tuple[InetAddress, InetAddress]:
-    # The line already matched the strict TCP4 regex: inet_aton's leniency
-    # (octal, short forms) cannot be reached.
-    parts = line.split(b" ")
-    return (
-        _fast_inet(
-            IPv4Address(int.from_bytes(socket.inet_aton(parts[2].decode()))),
-            int(parts[4]),
-        ),
-        _fast_inet(
-            IPv4Address(int.from_bytes(socket.inet_aton(parts[3].decode()))),
-            int(parts[5]),
-        ),
-    )
-
-
-def _check_ssl_only(value: bytes, error: type[Exception]) -> None:
-    """What _walk_ssl checks, without building the list the parser discards and
-    with ``& 0x01`` instead of ``& SSLClient.SSL`` (an IntFlag: a Python-level
-    ``__and__``)."""
-    from proxyproto._tlv import _SSL_TEXT_FIELDS
-
-    if len(value) < 5:
-        raise error("SSL TLV too short")
-    has_version = False
-    pos, end = 5, len(value)
-    while pos < end:
-        if end - pos < 3:
-            raise error("SSL sub-TLV header truncated")
-        sub_type = value[pos]
-        stop = pos + 3 + ((value[pos + 1] << 8) | value[pos + 2])
-        if stop > end:
-            raise error("SSL sub-TLV overruns")
-        if sub_type in _SSL_TEXT_FIELDS:
-            sub = value[pos + 3 : stop]
-            if not sub or not sub.isascii() or not sub.decode("ascii").isprintable():
-                raise error("bad SSL text sub-TLV")
-            if sub_type == 0x21:
-                has_version = True
-        elif sub_type == 0x22:
-            text = value[pos + 3 : stop].decode("utf-8")
-            if not text or not text.isprintable():
-                raise error("bad SSL CN")
-        pos = stop
-    if value[0] & 0x01 and not has_version:
-        raise error("SSL TLV without VERSION")
-
-
-def _loop(fn: Callable[[Any], object], pool: Sequence[Any]) -> Pass:
-    def body() -> None:
-        for item in pool:
-            fn(item)
-
-    return lambda: _timed(body)
-
-
-def build_experiments(pool_size: int, seed: int) -> list[Case]:
-    from proxyproto._errors import RemoteProtocolError
-    from proxyproto._tlv import _walk_ssl
-    from proxyproto._v1 import _host_text, _ipv6, decode_v1_addresses
-    from proxyproto._v2 import decode_v2_addresses
-
-    rng = random.Random(seed)
-    eps4 = _endpoints(rng, pool_size, v6=False)
-    eps6 = _endpoints(rng, pool_size, v6=True)
-    v2_4 = [encode_v2(our_header(ep, 2, tlvs=False, crc=False)) for ep in eps4]
-    v1_4 = [encode_v1(our_header(ep, 1, tlvs=False, crc=False))[:-2] for ep in eps4]
-    v6_text = [str(ep.src).encode() for ep in eps6]
-    v6_hosts = [ep.src for ep in eps6]
-    ssl_values = [TLV.ssl(_SSL_INFO).value] * pool_size
-    parsed_fresh = v2_4  # parse each time: the header object must be new
-
-    for data in v2_4[:20]:
-        assert _fast_v2_addresses(data) == decode_v2_addresses(data)
-    for line in v1_4[:20]:
-        assert _fast_v1_addresses(line) == decode_v1_addresses(line)
-    for text in v6_text[:20]:
-        assert IPv6Address(socket.inet_pton(socket.AF_INET6, text.decode())) == _ipv6(
-            text, DEFAULT_OPTIONS_
-        )
-    for host in v6_hosts[:200]:
-        assert socket.inet_ntop(socket.AF_INET6, host.packed) == _host_text(host)
-    _check_ssl_only(ssl_values[0], RemoteProtocolError)
-
-    def parse_then_source(data: bytes) -> object:
-        return parse(data)[0].source
-
-    def parse_then_decode(data: bytes) -> object:
-        parse(data)
-        return decode_v2_addresses(data)
-
-    def setattr_header_unrolled(data: bytes) -> object:
-        header = object.__new__(ProxyHeader)
-        _set = object.__setattr__
-        _set(header, "version", 2)
-        _set(header, "command", Command.PROXY)
-        _set(header, "family", Family.INET)
-        _set(header, "transport", Transport.STREAM)
-        _set(header, "tlvs", ())
-        _set(header, "_wire", data)
-        return header
-
-    def descriptor_header(data: bytes) -> object:
-        header = object.__new__(ProxyHeader)
-        sv, sc, sf, st, stl, sw = _HEADER_SETTERS
-        sv(header, 2)
-        sc(header, Command.PROXY)
-        sf(header, Family.INET)
-        st(header, Transport.STREAM)
-        stl(header, ())
-        sw(header, data)
-        return header
-
-    return [
-        Case(
-            "v2: decode_v2_addresses -> new+slot setters, no __post_init__",
-            _loop(_fast_v2_addresses, v2_4),
-            _loop(decode_v2_addresses, v2_4),
-        ),
-        Case(
-            "v2: parse+.source (lazy __getattr__) -> parse+direct decode",
-            _loop(parse_then_decode, parsed_fresh),
-            _loop(parse_then_source, parsed_fresh),
-        ),
-        Case(
-            "v2: header via object.__setattr__ x6 -> slot __set__ x6",
-            _loop(descriptor_header, v2_4),
-            _loop(setattr_header_unrolled, v2_4),
-        ),
-        Case(
-            "v1: decode_v1_addresses -> inet_aton + fast InetAddress",
-            _loop(_fast_v1_addresses, v1_4),
-            _loop(decode_v1_addresses, v1_4),
-        ),
-        Case(
-            "v1 TCP6: IPv6Address(str) -> IPv6Address(inet_pton(...))",
-            _loop(
-                lambda t: IPv6Address(socket.inet_pton(socket.AF_INET6, t.decode())),
-                v6_text,
-            ),
-            _loop(lambda t: _ipv6(t, DEFAULT_OPTIONS_), v6_text),
-        ),
-        Case(
-            "v1 TCP6 encode: _host_text (str) -> inet_ntop",
-            _loop(lambda h: socket.inet_ntop(socket.AF_INET6, h.packed), v6_hosts),
-            _loop(_host_text, v6_hosts),
-        ),
-        Case(
-            "SSL TLV check: _walk_ssl -> check-only walker, & 0x01",
-            _loop(lambda v: _check_ssl_only(v, RemoteProtocolError), ssl_values),
-            _loop(lambda v: _walk_ssl(v, RemoteProtocolError), ssl_values),
-        ),
-        Case(
-            "value[0] & SSLClient.SSL -> value[0] & 0x01",
-            _loop(lambda v: v[0] & 0x01, ssl_values),
-            _loop(lambda v: v[0] & SSLClient.SSL, ssl_values),
-        ),
-    ]
-
-
-def run_experiments(args: argparse.Namespace) -> None:
-    print(
-        "experiments: current proxyproto code vs a proposed replacement "
-        "(written in bench/codec.py), interleaved"
-    )
-    rows = []
-    for case in build_experiments(args.pool, args.seed):
-        run_case(case, args.reps, args.pool)
-        new, cur = median(case.ours_times), median(case.theirs_times)
-        rows.append(
-            [
-                case.name,
-                f"{cur:.3f}",
-                f"{new:.3f}",
-                f"{(cur - new) * 1000:.0f}",
-                fmt_ratio(cur / new),
-            ]
-        )
-        print(f"  done: {case.name}", file=sys.stderr)
-    print(
-        render_table(
-            ["change", "current us", "proposed us", "saved ns/call", "speedup"], rows
-        )
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=40, help="passes per side")
@@ -752,11 +534,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="5 passes of 200")
     parser.add_argument(
         "--only", default="", help="run only the cases whose name contains this"
-    )
-    parser.add_argument(
-        "--experiments",
-        action="store_true",
-        help="time proposed proxyproto changes against the current code instead",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -776,13 +553,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"included); GC off during a pass"
     )
     print(
-        "note: our parser builds address objects lazily; '+ read source' rows "
-        "touch header.source.host (ours) / result.source[0] (theirs)"
+        "note: '+ read source' rows also touch header.source.host (ours) / "
+        "result.source[0] (theirs)"
     )
     print()
-    if args.experiments:
-        run_experiments(args)
-        return 0
     cases = [c for c in build_cases(args.pool, args.seed) if args.only in c.name]
     rows = []
     below = []
