@@ -605,6 +605,28 @@ def slot_setters(
     return tuple(cls.__dict__[name].__set__ for name in names)
 
 
+# The decoders' setters (see slot_setters), shared by _v1 and _v2.
+(
+    SET_VERSION,
+    SET_COMMAND,
+    SET_FAMILY,
+    SET_TRANSPORT,
+    SET_SOURCE,
+    SET_DESTINATION,
+    SET_TLVS,
+) = slot_setters(
+    ProxyHeader,
+    "version",
+    "command",
+    "family",
+    "transport",
+    "source",
+    "destination",
+    "tlvs",
+)
+SET_HOST, SET_PORT = slot_setters(InetAddress, "host", "port")
+
+
 def _validate_header(h: ProxyHeader) -> None:
     if h.version not in (1, 2):
         raise LocalProtocolError(f"version must be 1 or 2, got {h.version!r}")

@@ -14,12 +14,20 @@ from ipaddress import IPv4Address, IPv6Address
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
 from proxyproto._events import (
+    SET_COMMAND as _SET_COMMAND,
+    SET_DESTINATION as _SET_DESTINATION,
+    SET_FAMILY as _SET_FAMILY,
+    SET_HOST as _SET_HOST,
+    SET_PORT as _SET_PORT,
+    SET_SOURCE as _SET_SOURCE,
+    SET_TLVS as _SET_TLVS,
+    SET_TRANSPORT as _SET_TRANSPORT,
+    SET_VERSION as _SET_VERSION,
     Command,
     Family,
     InetAddress,
     ProxyHeader,
     Transport,
-    slot_setters,
 )
 from proxyproto._options import V1_MAX_LENGTH, Options
 
@@ -38,25 +46,6 @@ _OCTETS = {str(n).encode("ascii"): n for n in range(256)}
 # Headers and addresses are built without their validating constructors, from
 # fields checked here (see _v2).
 _new = object.__new__
-(
-    _SET_VERSION,
-    _SET_COMMAND,
-    _SET_FAMILY,
-    _SET_TRANSPORT,
-    _SET_SOURCE,
-    _SET_DESTINATION,
-    _SET_TLVS,
-) = slot_setters(
-    ProxyHeader,
-    "version",
-    "command",
-    "family",
-    "transport",
-    "source",
-    "destination",
-    "tlvs",
-)
-_SET_HOST, _SET_PORT = slot_setters(InetAddress, "host", "port")
 _PROXY = Command.PROXY
 _INET = Family.INET
 _INET6 = Family.INET6

@@ -14,6 +14,15 @@ from ipaddress import IPv4Address, IPv6Address
 from proxyproto._crc32c import crc32c
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
 from proxyproto._events import (
+    SET_COMMAND as _SET_COMMAND,
+    SET_DESTINATION as _SET_DESTINATION,
+    SET_FAMILY as _SET_FAMILY,
+    SET_HOST as _SET_HOST,
+    SET_PORT as _SET_PORT,
+    SET_SOURCE as _SET_SOURCE,
+    SET_TLVS as _SET_TLVS,
+    SET_TRANSPORT as _SET_TRANSPORT,
+    SET_VERSION as _SET_VERSION,
     TLV,
     UNIX_PATH_LENGTH,
     Command,
@@ -70,25 +79,6 @@ def _reject(msg: str, reason: str = "bad_v2") -> RemoteProtocolError:
 # bytes (h11 does the same with its _parsed flag): more than halves the cost of
 # a parse. A prebound slot setter is about twice as fast as object.__setattr__.
 _new = object.__new__
-(
-    _SET_VERSION,
-    _SET_COMMAND,
-    _SET_FAMILY,
-    _SET_TRANSPORT,
-    _SET_SOURCE,
-    _SET_DESTINATION,
-    _SET_TLVS,
-) = slot_setters(
-    ProxyHeader,
-    "version",
-    "command",
-    "family",
-    "transport",
-    "source",
-    "destination",
-    "tlvs",
-)
-_SET_HOST, _SET_PORT = slot_setters(InetAddress, "host", "port")
 _SET_TLV_TYPE, _SET_TLV_VALUE, _SET_TLV_VALID = slot_setters(
     TLV, "type", "value", "_valid"
 )
