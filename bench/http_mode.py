@@ -55,26 +55,13 @@ from edge import (
     terminate_on_sigterm,
     wait_port,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tlsedge._certs import make_dev_certificates
+from tls import make_certificates
 
 PROXY_CPU = "1"
 LOAD_CPU = "0"
 SCENARIOS = ("https-keep-alive", "http-keep-alive")
 ALL_PROXIES = ("tlsedge", "tlsedge-nolog", "haproxy")
 GOALS = {"https-keep-alive": 0.5, "http-keep-alive": 0.5}
-
-
-def make_certificates(workdir: Path) -> tuple[Path, Path, Path]:
-    """(cert, key, cert+key for HAProxy): ECDSA P-256, as in ``tls.py``."""
-    made = make_dev_certificates(
-        workdir / "certs", names=("127.0.0.1", "localhost"), key_type="ecdsa-p256"
-    )
-    combined = workdir / "certs" / "haproxy.pem"
-    combined.write_bytes(Path(made.cert).read_bytes() + Path(made.key).read_bytes())
-    return Path(made.cert), Path(made.key), combined
 
 
 class Proxy:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import h11
 import trio
 
 from tlsedge._config import Address
+from tlsedge._listen import open_listening_sockets
 from tlsedge._status_page import render_status_page
 from tlsedge._version import __version__
 
@@ -130,6 +130,10 @@ def rate_totals(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, f
     return dict(totals)
 
 
+# Scrapes and probes are few; the kernel queue need not be long.
+_ADMIN_BACKLOG = 128
+
+
 async def bind_admin(
     address: Address, *, reuse_port: bool
 ) -> list[trio.socket.SocketType]:
@@ -139,32 +143,14 @@ async def bind_admin(
         OSError: the address does not resolve or cannot be bound; the message
             names ``edge.admin``.
     """
-    sockets: list[trio.socket.SocketType] = []
     try:
-        infos = await trio.socket.getaddrinfo(
-            address.host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        return await open_listening_sockets(
+            address.host, address.port, reuse_port=reuse_port, backlog=_ADMIN_BACKLOG
         )
-        seen: set[tuple[object, ...]] = set()
-        for family, type_, proto, _, sockaddr in infos:
-            if sockaddr in seen or (address.port == 0 and sockets):
-                continue
-            seen.add(sockaddr)
-            sock = trio.socket.socket(family, type_, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            await sock.bind(sockaddr)
-            sock.listen(128)
     except OSError as exc:
-        for sock in sockets:
-            sock.close()
         raise OSError(
             exc.errno, f"edge.admin {address}: {exc.strerror or exc}"
         ) from exc
-    return sockets
 
 
 class AdminServer:

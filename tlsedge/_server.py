@@ -53,6 +53,7 @@ from tlsedge._http import (
     RequestLog,
     serve_http,
 )
+from tlsedge._listen import open_listening_sockets
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._proxy_wrap import ConnectionFacts, build_proxy_header
 from tlsedge._relay import RelayStats, Termination, relay, set_abortive_close
@@ -144,33 +145,12 @@ async def _bind(
     config: ListenerConfig, *, reuse_port: bool
 ) -> list[trio.socket.SocketType]:
     """Open the listening sockets of *config* (all addresses its host has)."""
-    infos = await trio.socket.getaddrinfo(
+    return await open_listening_sockets(
         config.bind.host,
         config.bind.port,
-        type=socket.SOCK_STREAM,
-        flags=socket.AI_PASSIVE,
+        reuse_port=reuse_port,
+        backlog=_LISTEN_BACKLOG,
     )
-    sockets: list[trio.socket.SocketType] = []
-    seen: set[tuple[object, ...]] = set()
-    try:
-        for family, type_, proto, _, sockaddr in infos:
-            if sockaddr in seen or (config.bind.port == 0 and sockets):
-                continue
-            seen.add(sockaddr)
-            sock = trio.socket.socket(family, type_, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            await sock.bind(sockaddr)
-            sock.listen(_LISTEN_BACKLOG)
-    except OSError:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
 
 
 class Edge:

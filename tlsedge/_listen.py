@@ -1,0 +1,47 @@
+"""Opening listening sockets, for the traffic listeners and the admin endpoint."""
+
+from __future__ import annotations
+
+import socket
+
+import trio
+
+__all__ = ["open_listening_sockets"]
+
+
+async def open_listening_sockets(
+    host: str, port: int, *, reuse_port: bool, backlog: int
+) -> list[trio.socket.SocketType]:
+    """Bind and listen on every address *host* resolves to (once for port 0).
+
+    ``SO_REUSEPORT`` lets ``edge.workers`` processes share the port; IPv6
+    sockets are v6-only so ``0.0.0.0`` and ``::`` can be bound side by side.
+
+    Raises:
+        OSError: the host does not resolve or an address cannot be bound; no
+            socket is left open then.
+    """
+    infos = await trio.socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    sockets: list[trio.socket.SocketType] = []
+    seen: set[tuple[object, ...]] = set()
+    try:
+        for family, type_, proto, _, sockaddr in infos:
+            if sockaddr in seen or (port == 0 and sockets):
+                continue
+            seen.add(sockaddr)
+            sock = trio.socket.socket(family, type_, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            await sock.bind(sockaddr)
+            sock.listen(backlog)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
