@@ -744,7 +744,8 @@ class _Exchange:
     scanner: ChunkedBodyScanner | None
     response_timeout_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     nursery_scope: trio.CancelScope | None = None
-    request_complete: bool = False
+    request_read: bool = False  # the client's whole request has been read
+    request_complete: bool = False  # ... and written to the upstream
     response_started: bool = False
     response_complete: bool = False
     upstream_bytes: int = 0  # received from the upstream in this exchange
@@ -1375,6 +1376,7 @@ class _HttpConnection:
         uconn = ex.uconn
         clean = (
             reusable
+            and ex.request_complete
             and not ex.switched
             and uconn.our_state is h11.DONE
             and uconn.their_state is h11.DONE
@@ -1436,6 +1438,7 @@ class _HttpConnection:
             return
         if not ex.has_body:
             # Nothing to pump upstream: no second task (nor a nursery) needed.
+            ex.request_read = True
             self._request_sent(ex)
             await self._pump_response(ex)
             return
@@ -1443,9 +1446,11 @@ class _HttpConnection:
             ex.nursery_scope = nursery.cancel_scope
             nursery.start_soon(self._pump_request_body, ex)
             await self._pump_response(ex)
-            if not ex.request_complete:
+            if not ex.request_read:
                 # Answered before the whole request arrived (an early error,
                 # or an upgrade refused): stop reading it; the connection ends.
+                # A request read in full is still delivered (bounded by
+                # idle_timeout), so the upstream never holds half of one.
                 nursery.cancel_scope.cancel()
 
     def _request_sent(self, ex: _Exchange) -> None:
@@ -1499,6 +1504,7 @@ class _HttpConnection:
                         or scanner.excess != len(ex.cconn.trailing_data[0])
                     ):
                         raise RequestRejectedError(400, "chunked framing ambiguity")
+                    ex.request_read = True
                     trailers = self._clean_trailers(event.headers.raw_items())
                     await self._send_upstream(
                         ex,
@@ -1671,7 +1677,10 @@ class _HttpConnection:
     async def _forward_response(self, ex: _Exchange, response: h11.Response) -> None:
         cconn = ex.cconn
         headers = strip_hop_by_hop(response.headers.raw_items(), keep_upgrade=False)
-        if self.drain.is_set() or not ex.request_complete:
+        # The backend may answer before our task forwarding the request's
+        # last bytes has run again: what counts is whether the client's
+        # request was read in full, not whether its write has returned.
+        if self.drain.is_set() or not ex.request_read:
             headers.append((b"Connection", b"close"))
         ex.log.status = response.status_code
         data = cconn.send(

@@ -892,6 +892,26 @@ async def test_chunked_both_ways_with_trailers() -> None:
         await client.aclose()
 
 
+async def test_keepalive_survives_a_backend_answering_at_once() -> None:
+    # The backend answers the moment the request's last byte reaches it, which
+    # can be before the edge's task writing that byte runs again. The client's
+    # connection must stay open all the same: its request was read in full.
+    async with echo_and_proxy() as (echo, proxy):
+        client = await Client.open(proxy.address)
+        for i in range(200):
+            response = await client.request(
+                "POST",
+                f"/{i}",
+                headers=[("Transfer-Encoding", "chunked")] if i % 2 else [],
+                body=b"x" * (i + 1),
+            )
+            assert response.status == 200
+            assert response.header(b"connection") is None
+            assert response.json()["size"] == i + 1
+        await client.aclose()
+    assert echo.accepted == 1
+
+
 async def test_large_streamed_upload_and_download_bounded_memory() -> None:
     size = 50 * 1024 * 1024
     async with echo_and_proxy() as (_, proxy):
