@@ -32,6 +32,10 @@ on the command line, by default ``fuzz/corpus``::
 
     python fuzz/fuzz_reader.py --replay [PATH ...]
 
+``--splits`` checks invariant 2 with three cut points derived from each input
+instead of every byte (plus the ``bytes_needed`` chunks, as always): about 4x
+the executions per second, for campaigns of millions of executions.
+
 See fuzz/README.md.
 """
 
@@ -40,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,6 +56,7 @@ except ImportError:  # replay mode only
 # Instrument proxyproto for coverage feedback, but only when fuzzing for real:
 # tests import this module to replay the corpus.
 _fuzzing = atheris is not None and __name__ == "__main__" and "--replay" not in sys.argv
+_splits_only = __name__ == "__main__" and "--splits" in sys.argv
 with (
     atheris.instrument_imports(include=["proxyproto"])
     if _fuzzing
@@ -142,18 +148,30 @@ def _limit(data: bytes, config: dict[str, object]) -> int:
     return V1_MAX - 1 if data[:1] == b"P" else 16 + max_v2 - 1
 
 
-def _byte_by_byte(data: bytes, config: dict[str, object]) -> Outcome:
+def _cut_points(data: bytes) -> range | list[int]:
+    """Where to split *data*: after every byte, or (``--splits``) three places."""
+    if not _splits_only:
+        return range(1, len(data))
+    size = len(data) + 1
+    return sorted({zlib.crc32(data) % size, zlib.adler32(data) % size, size // 2})
+
+
+def _in_pieces(data: bytes, config: dict[str, object]) -> Outcome:
     reader = _reader(config)
     limit = _limit(data, config)
+    start = 0
     try:
-        for i in range(len(data)):
-            reader.receive_data(data[i : i + 1])
+        for end in [*_cut_points(data), len(data)]:
+            if end <= start:
+                continue
+            reader.receive_data(data[start:end])
+            start = end
             event = reader.next_event()
             if event is not NEED_DATA:
                 outcome = _finish(reader, event)
-                return (*outcome[:-1], outcome[-1] + data[i + 1 :])  # type: ignore[operator]
+                return (*outcome[:-1], outcome[-1] + data[end:])  # type: ignore[operator]
             # The reader only keeps waiting while a valid header can still come.
-            assert i + 1 <= limit, f"still NEED_DATA after {i + 1} bytes"
+            assert end <= limit, f"still NEED_DATA after {end} bytes"
         reader.receive_data(b"")
         event = reader.next_event()
     except RemoteProtocolError as exc:
@@ -218,7 +236,8 @@ def _check_reencode(header: ProxyHeader, config: dict[str, object]) -> None:
 def check(data: bytes, config: dict[str, object]) -> None:
     """Check the invariant for one input and one reader configuration."""
     whole = _whole(data, config)
-    assert _byte_by_byte(data, config) == whole, (_byte_by_byte(data, config), whole)
+    pieces = _in_pieces(data, config)
+    assert pieces == whole, (pieces, whole)
     assert _by_bytes_needed(data, config) == whole
     options = {k: v for k, v in config.items() if k != "optional"}
     try:
@@ -258,6 +277,7 @@ def replay(paths: Sequence[str]) -> int:
 
 
 def main(argv: list[str]) -> None:
+    argv = [a for a in argv if a != "--splits"]
     if _fuzzing:
         atheris.Setup(argv, TestOneInput)
         atheris.Fuzz()

@@ -114,15 +114,23 @@ descriptors, six syscalls) per connection, so it is not used. Skipping the
 ``recv()`` after a short read cut roughly a further 10% of the per-exchange CPU
 (noisy; 20x1000 run: ~54 -> ~47 us).
 
-Buffers: the fast path starts each direction with a 16 KiB buffer (below malloc's
-mmap threshold; small requests and responses never need more) and switches to
-``buffer_size`` (default 256 KiB, as proxy-protocol's relay) on the first read that
-fills it. Measured with ``python bench/edge.py --duration 5 --reps 3`` side by side
-with the previous version (64 KiB buffers, a watcher task and three cancel scopes
-per relay): iperf3 bulk 9.55 -> 12.69 Gbit per proxy CPU-second (HAProxy 12.86),
-6.14 -> 9.67 Gbit/s; keep-alive 24962 -> 27521 requests per CPU-second; new
-connections 1488 -> 1579 per CPU-second (the per-connection cost is mostly outside
-this module; see ``bench/README.md``).
+Buffers: the fast path holds no buffer while a direction waits for data, so an
+idle connection costs no buffer memory (HAProxy's rule: buffers only while data
+is pending). A pump receives into its thread's *scratch* buffer of
+``buffer_size`` bytes (default 256 KiB, as proxy-protocol's relay), shared by every
+pump of the thread, and sends at once; it does not await between the
+``recv_into`` and that first ``send``, so no other pump can overwrite the data.
+Only if the destination cannot take everything does the pump copy the rest into
+a private buffer before it awaits; it keeps reading into that private buffer
+while data keeps coming (a bulk transfer pays for the copy once) and drops it
+when the source runs dry. The scratch buffer is per thread because ``recv_into``
+releases the GIL: two trio runs in two threads must not share one.
+Earlier version (a 16 KiB buffer per direction allocated when the relay
+starts, grown to ``buffer_size`` on the first full read), measured with
+``python bench/edge.py --duration 5 --reps 3`` against a version with 64 KiB
+buffers, a watcher task and three cancel scopes per relay: iperf3 bulk 9.55 ->
+12.69 Gbit per proxy CPU-second (HAProxy 12.86), keep-alive 24962 -> 27521
+requests per CPU-second, new connections 1488 -> 1579 per CPU-second.
 """
 
 from __future__ import annotations
@@ -131,6 +139,7 @@ import contextlib
 import enum
 import socket
 import struct
+import threading
 from dataclasses import dataclass
 
 import trio
@@ -142,11 +151,9 @@ __all__ = ["RelayStats", "Termination", "relay", "set_abortive_close"]
 # chunks that is one checkpoint per ~1 MiB, at 100-byte chunks one per 16 exchanges.
 _MAX_UNYIELDED_CHUNKS = 16
 
-# The fast path's first buffer per direction; a read that fills it switches to
-# ``buffer_size``. Small requests and responses never need more, and 16 KiB is
-# below malloc's mmap threshold (a 256 KiB buffer per direction per connection
-# would be an mmap, page faults and munmap for every short connection).
-_INITIAL_BUFFER_SIZE = 16384
+# Each thread's shared receive buffers for the fast path, by size (see Buffers
+# in the module docstring).
+_scratch = threading.local()
 
 # The stream path sends a large chunk in slices of this size and counts each one
 # as progress for the fin timers (see the module docstring).
@@ -414,10 +421,9 @@ class _Relay:
         dest_side = _Side.SERVER if source_side is _Side.CLIENT else _Side.CLIENT
         stats = self.stats
         from_client = source_side is _Side.CLIENT
-        # Small at first (idle keep-alive connections are the many); grown to
-        # buffer_size the first time a read fills it (bulk transfers).
-        size = min(buffer_size, _INITIAL_BUFFER_SIZE)
-        buffer = bytearray(size)
+        # The thread's scratch buffer unless data is pending (see Buffers above).
+        scratch = _scratch_buffer(buffer_size)
+        buffer = scratch
         view = memoryview(buffer)
         source_fd = source.fileno()
         dest_fd = dest.fileno()
@@ -430,6 +436,9 @@ class _Relay:
         drained = False
         while True:
             if drained:
+                if buffer is not scratch:
+                    buffer = scratch  # the source ran dry: drop the private one
+                    view = memoryview(buffer)
                 await wait_readable(source_fd)
                 unyielded = 0
             try:
@@ -442,7 +451,7 @@ class _Relay:
                 return
             if not received:
                 break
-            drained = received < size
+            drained = received < buffer_size
             self.last_activity = current_time()
             if from_client:
                 stats.bytes_from_client += received
@@ -453,6 +462,13 @@ class _Relay:
                 try:
                     sent += dest.send(view[sent:received])
                 except BlockingIOError:
+                    if buffer is scratch:
+                        # Other pumps reuse the scratch buffer while we wait.
+                        buffer = bytearray(buffer_size)
+                        buffer[: received - sent] = view[sent:received]
+                        view = memoryview(buffer)
+                        received -= sent
+                        sent = 0
                     await wait_writable(dest_fd)
                     # Writable again: the reader took bytes, which is progress.
                     self.last_send = current_time()
@@ -460,10 +476,6 @@ class _Relay:
                 except OSError:
                     self.failed(dest_side)
                     return
-            if received == size < buffer_size:
-                size = buffer_size
-                buffer = bytearray(size)
-                view = memoryview(buffer)
             unyielded += 1
             if unyielded >= _MAX_UNYIELDED_CHUNKS:
                 await trio.lowlevel.checkpoint()
@@ -485,6 +497,17 @@ class _Relay:
         if self.first_eof is _Side.CLIENT:
             return Termination.CLIENT_CLOSED
         return Termination.SERVER_CLOSED
+
+
+def _scratch_buffer(size: int) -> bytearray:
+    """This thread's shared fast-path receive buffer of ``size`` bytes."""
+    buffers: dict[int, bytearray] | None = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buffer = buffers.get(size)
+    if buffer is None:
+        buffer = buffers[size] = bytearray(size)
+    return buffer
 
 
 # Placeholder until relay() enters the real scopes; never entered.
