@@ -31,6 +31,7 @@ __all__ = [
     "REPO",
     "Procs",
     "banner",
+    "cpu_seconds",
     "fd_count",
     "free_port",
     "make_certificate",
@@ -105,6 +106,12 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time *pid* has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def fd_count(pid: int) -> int:

@@ -192,8 +192,10 @@ def tlsedge_config(  # noqa: PLR0917 (one call site, all ports/paths)
 
 
 def haproxy_config(plain: int, tls: int, echo: int, pem: Path, n: int) -> str:
+    # maxconn counts client connections; HAProxy sizes its fd limit from it
+    # (about 2 per connection), which must fit under RLIMIT_NOFILE.
     return (
-        f"global\n    nbthread 1\n    maxconn {2 * n + 200}\n"
+        f"global\n    nbthread 1\n    maxconn {n + 100}\n"
         "defaults\n    mode tcp\n    timeout connect 5s\n"
         "    timeout client 600s\n    timeout server 600s\n"
         f"frontend plain\n    bind 127.0.0.1:{plain}\n    default_backend echo\n"

@@ -94,3 +94,25 @@ def test_faults_quick(tmp_path: Path) -> None:
         "flap",
         "emfile",
     }
+
+
+def test_http_clients_quick(tmp_path: Path) -> None:
+    data = run_campaign("http_clients", tmp_path, "--max-ratio", "4")
+    shares = data["shares"]
+    for name, status in (("slowloris", 408), ("stalled-body", 408), ("oversized", 431)):
+        share = shares[name]
+        assert share["total"] > 0, name
+        assert share["statuses"] == {str(status): share["total"]}, (name, share)
+        assert share["not_closed"] == share["early"] == share["errors"] == 0, name
+    assert data["edge_header_timeouts"] == shares["slowloris"]["total"]
+    assert data["vectors"], data["stdout"]
+    for name, vector in data["vectors"].items():
+        assert vector["sent"] > 0, name
+        assert vector["wrong"] == {}, (name, vector["wrong"])
+    assert data["backend_smuggled"] == 0, data["stdout"]
+    assert data["probe_errors"] == [], data["stdout"]
+    assert data["ratio"] < 4, data["stdout"]
+    assert data["fds_after"] <= data["fds_base"], data["stdout"]
+    failed = [name for name, ok in data["goals"].items() if ok is False]
+    assert failed == [], data["stdout"]
+    assert data["ok"], data["stdout"]

@@ -740,6 +740,7 @@ class _Exchange:
     started: float
     has_body: bool
     chunked: bool
+    length: int  # the Content-Length (0 when chunked or without a body)
     upgrade: bool
     scanner: ChunkedBodyScanner | None
     response_timeout_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -1178,6 +1179,7 @@ class _HttpConnection:
                 started=started,
                 has_body=has_body,
                 chunked=chunked,
+                length=length,
                 upgrade=upgrade,
                 scanner=scanner,
             )
@@ -1494,6 +1496,12 @@ class _HttpConnection:
                         raise RequestRejectedError(
                             413, f"request body larger than {max_body} bytes"
                         )
+                    if not ex.chunked and ex.body_bytes == ex.length:
+                        # The whole request is read (its EndOfMessage needs no
+                        # more bytes). Say so before the write: the upstream may
+                        # answer as soon as these bytes reach it, and the answer
+                        # can be read before this task runs again.
+                        ex.request_read = True
                     await self._send_upstream(
                         ex, ex.uconn.send(h11.Data(data=event.data)) or b""
                     )

@@ -32,6 +32,8 @@ from tlsedge._http import (
     HttpConnectionResult,
     KeepAlivePool,
     RequestRejectedError,
+    _Exchange,
+    _HttpConnection,
     check_request_head,
     serve_http,
     strip_hop_by_hop,
@@ -909,6 +911,34 @@ async def test_keepalive_survives_a_backend_answering_at_once() -> None:
             assert response.header(b"connection") is None
             assert response.json()["size"] == i + 1
         await client.aclose()
+    assert echo.accepted == 1
+
+
+async def test_keepalive_when_the_answer_overtakes_the_body_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by campaigns/http_clients.py: with the backend in another process
+    # and the edge loaded, the backend's answer can be read before the edge's
+    # task that wrote the last body bytes upstream runs again. The request was
+    # read in full all the same: no "Connection: close", and the request
+    # pipelined behind it is served (it used to be dropped with the close).
+    send_upstream = _HttpConnection._send_upstream
+
+    async def resumes_late(self: _HttpConnection, ex: _Exchange, data: bytes) -> None:
+        await send_upstream(self, ex, data)
+        await trio.sleep(0.2)  # a busy event loop
+
+    monkeypatch.setattr(_HttpConnection, "_send_upstream", resumes_late)
+    async with echo_and_proxy() as (echo, proxy):
+        out = await raw(
+            proxy.address,
+            b"POST /1 HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhello"
+            b"GET /2 HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        )
+    responses = parse_responses(out, [b"POST", b"GET"])
+    assert [r.json()["target"] for r in responses] == ["/1", "/2"]
+    assert responses[0].header(b"connection") is None
+    assert responses[0].json()["size"] == 5
     assert echo.accepted == 1
 
 
