@@ -277,6 +277,10 @@ class HttpConfig:
     request_header_timeout: float = 10.0  # whole request head (408 beyond)
     keepalive_timeout: float = 60.0  # idle between requests (quiet close)
     max_body_size: int = 0  # request body bytes (413 beyond); 0 = unlimited
+    # A request body must keep an average of request_body_min_rate bytes/s after
+    # a grace of request_body_timeout (408 beyond); Apache's body=20,MinRate=500.
+    request_body_timeout: float = 20.0
+    request_body_min_rate: int = 500  # bytes/s; 0 = no rate check
     response_timeout: float = 60.0  # request sent -> response head (504 beyond)
 
 
@@ -862,6 +866,8 @@ def _http(t: _Table) -> HttpConfig:
         request_header_timeout=t.get("request_header_timeout", _DURATION),
         keepalive_timeout=t.get("keepalive_timeout", _DURATION),
         max_body_size=t.get("max_body_size", _int_in(0)),
+        request_body_timeout=t.get("request_body_timeout", _DURATION),
+        request_body_min_rate=t.get("request_body_min_rate", _int_in(0)),
         response_timeout=t.get("response_timeout", _DURATION),
     )
 

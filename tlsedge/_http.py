@@ -33,6 +33,10 @@ close), ``request_header_timeout`` (the rest of the head; for the first request
 counted from the start of the connection: 408), ``response_timeout`` (from the
 request fully sent upstream to the response head: 504). Body transfers in
 either direction are bounded per read/write by the listener's ``idle_timeout``.
+A request body must also keep up an average rate: after the grace of
+``request_body_timeout`` it may take 1 s per ``request_body_min_rate`` bytes
+received (Apache's mod_reqtimeout rule), so a body trickled a byte at a time,
+never idle for long, still gets 408.
 
 One exchange
 ------------
@@ -92,6 +96,7 @@ import enum
 import http
 import json
 import logging
+import math
 import os
 import re
 import select
@@ -752,6 +757,7 @@ class _Exchange:
     upstream_bytes: int = 0  # received from the upstream in this exchange
     switched: bool = False
     body_bytes: int = 0
+    body_started: float = 0.0  # when the request body pump started
     failure: _Failure | None = None
 
     def fail(self, failure: _Failure) -> None:
@@ -1461,6 +1467,13 @@ class _HttpConnection:
             trio.current_time() + self.http.response_timeout
         )
 
+    def _body_deadline(self, ex: _Exchange) -> float:
+        """When the request body is too slow (``request_body_min_rate``)."""
+        rate = self.http.request_body_min_rate
+        if not rate:
+            return math.inf
+        return ex.body_started + self.http.request_body_timeout + ex.body_bytes / rate
+
     async def _next_client_event(self, ex: _Exchange) -> h11.Event:
         cconn = ex.cconn
         while True:
@@ -1468,9 +1481,21 @@ class _HttpConnection:
             if event is not h11.NEED_DATA:
                 assert isinstance(event, h11.Event)
                 return event
-            with trio.move_on_after(self.listener.idle_timeout) as idle_timeout_scope:
+            now = trio.current_time()
+            body_deadline = self._body_deadline(ex)
+            with trio.move_on_at(
+                min(now + self.listener.idle_timeout, body_deadline)
+            ) as idle_timeout_scope:
                 data = await self.receive_client()
             if idle_timeout_scope.cancelled_caught:
+                if trio.current_time() >= body_deadline:
+                    raise RequestRejectedError(
+                        408,
+                        f"request body slower than request_body_min_rate"
+                        f" ({self.http.request_body_min_rate} bytes/s):"
+                        f" {ex.body_bytes} bytes in"
+                        f" {trio.current_time() - ex.body_started:.1f} s",
+                    )
                 raise RequestRejectedError(408, "request body stalled for idle_timeout")
             if ex.scanner is not None:
                 ex.scanner.feed(data)
@@ -1479,6 +1504,7 @@ class _HttpConnection:
     async def _pump_request_body(self, ex: _Exchange) -> None:
         """Client -> upstream: one chunk at a time (backpressure)."""
         max_body = self.http.max_body_size
+        ex.body_started = trio.current_time()
         try:
             while True:
                 try:

@@ -92,6 +92,8 @@ max_headers = 50
 request_header_timeout = 5
 keepalive_timeout = 75.0
 max_body_size = 1048576
+request_body_timeout = 10
+request_body_min_rate = 1000
 response_timeout = 30
 
 [[listeners]]
@@ -201,6 +203,8 @@ FULL_EXPECTED = Config(
                 request_header_timeout=5.0,
                 keepalive_timeout=75.0,
                 max_body_size=1048576,
+                request_body_timeout=10.0,
+                request_body_min_rate=1000,
                 response_timeout=30.0,
             ),
         ),
@@ -337,6 +341,8 @@ def test_minimal_config_gets_every_default() -> None:
         request_header_timeout=10.0,
         keepalive_timeout=60.0,
         max_body_size=0,
+        request_body_timeout=20.0,
+        request_body_min_rate=500,
         response_timeout=60.0,
     )
 
@@ -883,6 +889,10 @@ ERRORS: list[tuple[str, str]] = [
     (
         HTTP + "[listeners.http]\nresponse_timeout = 0\n" + B,
         "listeners[0].http.response_timeout: must be greater than 0 s, got 0",
+    ),
+    (
+        HTTP + "[listeners.http]\nrequest_body_min_rate = -1\n" + B,
+        "listeners[0].http.request_body_min_rate: must be at least 0, got -1",
     ),
     (
         HTTP + "[listeners.http]\nkeepalive_timout = 5\n" + B,

@@ -1219,6 +1219,70 @@ async def test_keepalive_timeout_and_drain_close_idle(
     assert b"connection: close" in out.lower()
 
 
+async def _trickle_body(
+    proxy: Proxy, *, length: int, pause: float
+) -> tuple[bytes, float]:
+    """Send a head announcing *length* body bytes, then one byte per *pause*."""
+    stream = await trio.open_tcp_stream(*proxy.address)
+    out = bytearray()
+    start = time.monotonic()
+    try:
+        await stream.send_all(
+            b"POST /up HTTP/1.1\r\nHost: h\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n" % length
+        )
+        async with trio.open_nursery() as nursery:
+
+            async def trickle() -> None:
+                with contextlib.suppress(trio.BrokenResourceError):
+                    for _ in range(length):
+                        await stream.send_all(b"x")
+                        await trio.sleep(pause)
+
+            nursery.start_soon(trickle)
+            with trio.fail_after(10):
+                while chunk := await stream.receive_some():
+                    out += chunk
+            nursery.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    return bytes(out), time.monotonic() - start
+
+
+async def test_request_body_below_min_rate_408() -> None:
+    # One byte every 0.1 s is never idle for idle_timeout, but at 10 bytes/s
+    # it falls behind 20 bytes/s once the 0.5 s grace is used up: the deadline
+    # 0.5 + received/20 is passed at about 1 s.
+    http = {"request_body_timeout": 0.5, "request_body_min_rate": 20}
+    async with echo_and_proxy(http=http, idle_timeout=5.0) as (echo, proxy):
+        out, elapsed = await _trickle_body(proxy, length=1000, pause=0.1)
+        results = await wait_results(proxy, 1)
+    assert out.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert 0.8 < elapsed < 4
+    assert results[0].termination == "bad_request"
+    assert "slower than request_body_min_rate (20 bytes/s)" in str(results[0].detail)
+    assert echo.requests == []  # the backend never got a whole request
+
+
+async def test_request_body_at_min_rate_is_not_cut() -> None:
+    # The same trickle with a rate check it keeps up with goes through.
+    http = {"request_body_timeout": 0.5, "request_body_min_rate": 5}
+    async with echo_and_proxy(http=http, idle_timeout=5.0) as (_, proxy):
+        out, _ = await _trickle_body(proxy, length=15, pause=0.1)
+    (response,) = parse_responses(out, [b"POST"])
+    assert response.json()["size"] == 15
+
+
+async def test_request_body_stalled_for_idle_timeout_408() -> None:
+    http = {"request_body_min_rate": 0}
+    async with echo_and_proxy(http=http, idle_timeout=0.5) as (_, proxy):
+        out, elapsed = await _trickle_body(proxy, length=10, pause=30)
+        results = await wait_results(proxy, 1)
+    assert out.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert 0.4 < elapsed < 4
+    assert results[0].detail == "request body stalled for idle_timeout"
+
+
 async def test_keepalive_timeout_real_backend() -> None:
     async with echo_and_proxy(http={"keepalive_timeout": 0.3}) as (_, proxy):
         client = await Client.open(proxy.address)
