@@ -217,16 +217,19 @@ async def test_stalled_response_is_ended_by_idle_timeout(
         client = await connect(address_of(edge, "in"))
         start = trio.current_time()
         got = b""
+        reset = False
         with trio.fail_after(5):
             try:
                 while chunk := await client.receive_some(100):
                     got += chunk
             except trio.BrokenResourceError:
-                pass
+                reset = True
         elapsed = trio.current_time() - start
         (record,) = await wait_access_records(caplog)
         await wait_until(lambda: backend.active == 0)
     assert got == b"partial"
+    # A reset, never a FIN: the cut response must not look complete.
+    assert reset
     assert 0.4 <= elapsed < 3
     assert record["termination"] == "idle_timeout"
 

@@ -70,9 +70,11 @@ fields:
   were waiting for, as before). The stream path sends large chunks in 64 KiB slices
   so that progress is seen at that granularity. Both timers run at once in the
   half-closed state; the earlier one fires.
-A timeout returns normally with the cause in ``stats.termination``; the caller's
-close is graceful (FIN), except that the kernel sends an RST anyway if unread data
-is left. Cancellation from outside (e.g. the drain deadline) records ``CANCELLED``
+A timeout returns normally with the cause in ``stats.termination``, with both
+streams set to close with an RST, as after an error: a timeout can cut a transfer
+in the middle (a backend that stalls mid-response), and a FIN would let a client
+of a close-delimited protocol take the truncated stream for a complete one.
+Cancellation from outside (e.g. the drain deadline) records ``CANCELLED``
 (unless a cause was already recorded) and re-raises.
 
 Fast path
@@ -351,6 +353,8 @@ class _Relay:
             if trio.current_time() >= deadline:
                 if self.stats.termination is None:
                     self.stats.termination = cause
+                set_abortive_close(self.client)
+                set_abortive_close(self.server)
                 self.scope.cancel()
                 return
             # The pumps only store timestamps; re-checked when this wakes up.
@@ -538,8 +542,8 @@ async def relay(
     Returns normally for every peer-caused ending (clean close, timeout, RST or
     other error); the cause is in ``stats.termination``. Never closes either
     stream: the caller closes both in its own ``finally`` (use
-    :func:`trio.aclose_forcefully` when the cause is an error or timeout; after an
-    error both sockets are already set to close with an RST).
+    :func:`trio.aclose_forcefully` when the cause is an error or timeout; after
+    either, both sockets are already set to close with an RST).
 
     Args:
         client: The stream accepted from the client (TLS or plain).
