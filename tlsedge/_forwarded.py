@@ -13,11 +13,12 @@ not in ``[listeners.forwarded] trusted_proxies``, every client-sent
 compared case-insensitively, every occurrence) before ours are added, so a
 client cannot claim to be someone else. From a trusted peer the list-valued
 headers (``X-Forwarded-For``, ``Forwarded``) keep their chain and get our hop
-appended; the single-valued ones (``X-Forwarded-Proto``/``-Port``) are kept as
+appended (a field value holding a control character is dropped from the
+chain); the single-valued ones (``X-Forwarded-Proto``/``-Port``) are kept as
 the trusted proxy set them, and only added when absent.
 
 Formats, as HAProxy and nginx write them: ``X-Forwarded-For`` carries the bare
-address (IPv6 without brackets, no port). ``Forwarded`` (RFC 7239 section 4)
+address (IPv6 without brackets, no port, no zone id). ``Forwarded`` (RFC 7239 section 4)
 carries nodes with ports, IPv6 in brackets, and quotes every value that is not
 a token: ``for="[2001:db8::1]:4711";proto=https;host=example.com;by="192.0.2.1:443"``.
 
@@ -107,12 +108,22 @@ class ForwardingContext:
 
 
 def _parse_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address in *host*, IPv4-mapped IPv6 as IPv4, without a zone id.
+
+    A zone id (``fe80::1%eth0``, as ``getpeername`` reports link-local peers)
+    names an interface of this host: meaningless to the next hop, not part of the
+    address syntax of RFC 7239 nodes or of X-Forwarded-For parsers, and free text
+    (it could hold a comma, a quote or a control character).
+    """
     try:
         address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        return address.ipv4_mapped
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped:
+            return address.ipv4_mapped
+        if address.scope_id is not None:
+            return ipaddress.IPv6Address(address.packed)
     return address
 
 
@@ -200,9 +211,14 @@ def is_valid_request_id(value: bytes) -> bool:
 
 
 def _joined(headers: Iterable[Header], name: bytes) -> bytes:
-    """Every value of *name*, in order, as one comma-separated list."""
+    """Every value of *name*, in order, as one comma-separated list.
+
+    A value holding a control character (CR, LF, NUL, ...) is left out: it is
+    no list of hops, and we never emit one (h11 refuses CR, LF and NUL on input
+    already; this keeps the promise for any caller).
+    """
     values = [v.strip() for n, v in headers if n.lower() == name]
-    return b", ".join(v for v in values if v)
+    return b", ".join(v for v in values if v and not _CONTROL_RE.search(v))
 
 
 def choose_request_id(
@@ -210,9 +226,11 @@ def choose_request_id(
 ) -> bytes:
     """Keep a trusted proxy's well-formed request id; otherwise make a new one.
 
-    Exactly one occurrence is needed to keep it: two ids are ambiguous.
+    Exactly one occurrence is needed to keep it: two ids are ambiguous. *name*
+    is compared case-insensitively, like the fields' names.
     """
     if trusted:
+        name = name.lower()
         values = [v for n, v in headers if n.lower() == name]
         if len(values) == 1 and is_valid_request_id(values[0]):
             return values[0]

@@ -1,15 +1,17 @@
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import re
+import tempfile
 import tomllib
 from ipaddress import ip_network
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import event, given, strategies as st
 
 from tlsedge._config import (
     Address,
@@ -1397,7 +1399,8 @@ values = st.recursive(
 def _load_or_reject(data: Any) -> None:
     try:
         config = config_from_mapping(data, base_dir=BASE)
-    except ConfigError:
+    except ConfigError as error:
+        _check_config_error(error, data)  # defined below
         return
     assert isinstance(config, Config)
 
@@ -1443,3 +1446,187 @@ def test_datetime_values_are_described() -> None:
         ConfigError, match=r"^edge.workers: expected an integer, got a time"
     ):
         config_from_mapping(data, base_dir=BASE)
+
+
+# --- property: mutations of the real configurations ----------------------------
+#
+# The properties above feed random shapes and one change to FULL; these start from
+# every shipped example, make up to four structural changes of any kind (delete,
+# replace, add, duplicate, wrap, empty) or mangle the TOML text itself, and check
+# the documented contract of the error too: it starts with the dotted path of a
+# place that exists in the document ("top level" for the document itself), or
+# with the file name when the file is not TOML.
+
+# (document, base_dir) pairs: every complete configuration we ship or test with.
+VALID_DOCUMENTS = {
+    "FULL": FULL,
+    "MINIMAL": MINIMAL,
+    "edge.toml": (EXAMPLES / "edge.toml").read_text(),
+    "tcp-relay.toml": (EXAMPLES / "tcp-relay.toml").read_text(),
+}
+_PATH_RE = re.compile(r"top level|[a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*")
+_STEP_RE = re.compile(r"\.?([a-z_]+)|\[(\d+)\]")
+
+
+def _located(path: str, document: Any) -> bool:
+    """True when *path* ("listeners[0].tls.policy", "top level") exists in
+    *document*."""
+    if path == "top level":
+        return True
+    node = document
+    for step in _STEP_RE.finditer(path):
+        key, index = step.groups()
+        if key is not None:
+            if not isinstance(node, dict) or key not in node:
+                return False
+            node = node[key]
+        else:
+            if not isinstance(node, list | tuple) or int(index) >= len(node):
+                return False
+            node = node[int(index)]
+    return True
+
+
+def _check_config_error(error: ConfigError, document: Any) -> None:
+    path, sep, reason = str(error).partition(": ")
+    assert sep, f"no 'path: reason' in {error}"
+    assert reason.strip(), f"no reason in {error}"
+    assert _PATH_RE.fullmatch(path), f"not a dotted path: {path!r} ({error})"
+    assert _located(path, document), f"{path!r} is not in the document ({error})"
+
+
+def _mutate(data: st.DataObject, document: Any) -> None:
+    """One structural change somewhere in *document* (in place)."""
+    node = document
+    while True:
+        entries = (
+            list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+        )
+        inner = [k for k, v in entries if isinstance(v, dict | list)]
+        if not inner or data.draw(st.booleans(), label="stop here"):
+            break
+        node = node[data.draw(st.sampled_from(inner), label="descend into")]
+    keys_here = list(node) if isinstance(node, dict) else list(range(len(node)))
+    operation = data.draw(
+        st.sampled_from(["delete", "replace", "add", "duplicate", "wrap", "empty"]),
+        label="operation",
+    )
+    if operation == "add" or not keys_here:
+        if isinstance(node, dict):
+            node[data.draw(keys, label="new key")] = data.draw(values, label="value")
+        else:
+            node.insert(
+                data.draw(st.integers(0, len(node)), label="at"),
+                data.draw(values, label="value"),
+            )
+        return
+    key = data.draw(st.sampled_from(keys_here), label="key")
+    if operation == "delete":
+        del node[key]
+    elif operation == "replace":
+        node[key] = data.draw(values, label="value")
+    elif operation == "duplicate":  # the same value again, e.g. a second listener
+        if isinstance(node, list):
+            node.append(copy.deepcopy(node[key]))
+        else:
+            node[data.draw(keys, label="copy to")] = copy.deepcopy(node[key])
+    elif operation == "wrap":
+        node[key] = data.draw(
+            st.sampled_from([[node[key]], {"x": node[key]}, {key: node[key]}]),
+            label="wrapped",
+        )
+    else:  # empty
+        node[key] = type(node[key])() if isinstance(node[key], dict | list) else ""
+
+
+@given(st.data())
+def test_mutated_configs_give_config_or_located_config_error(
+    data: st.DataObject,
+) -> None:
+    name = data.draw(st.sampled_from(sorted(VALID_DOCUMENTS)), label="start from")
+    document: Any = tomllib.loads(VALID_DOCUMENTS[name])
+    for _ in range(data.draw(st.integers(1, 4), label="changes")):
+        _mutate(data, document)
+    snapshot = copy.deepcopy(document)
+    try:
+        config = config_from_mapping(document, base_dir=EXAMPLES)
+    except ConfigError as error:
+        _check_config_error(error, document)
+        event("config error")
+    else:
+        assert isinstance(config, Config)
+        event("loaded")
+    assert document == snapshot  # the loader never changes its input
+
+
+_TOML_SNIPPETS = st.sampled_from(
+    [
+        "[edge]\n",
+        "[[listeners]]\n",
+        "[[backends]]\n",
+        "[listeners.tls]\n",
+        'name = "l"\n',
+        'bind = "127.0.0.1:0"\n',
+        "workers = 0\n",
+        "x = 1\n",
+        "servers = []\n",
+        "edge = 1\n",
+        "[listeners]\n",
+        "a.b.c = 1\n",
+        "= 1\n",
+        '"\n',
+        "\ufeff",
+    ]
+)
+
+
+@given(st.data())
+def test_mangled_toml_files_load_or_fail_with_a_located_error(
+    data: st.DataObject,
+) -> None:
+    name = data.draw(st.sampled_from(["edge.toml", "tcp-relay.toml"]), label="file")
+    lines = VALID_DOCUMENTS[name].splitlines(keepends=True)
+    for _ in range(data.draw(st.integers(1, 3), label="changes")):
+        at = data.draw(st.integers(0, len(lines) - 1), label="line")
+        operation = data.draw(
+            st.sampled_from(["delete", "duplicate", "insert", "swap", "cut", "byte"]),
+            label="operation",
+        )
+        if operation == "delete" and len(lines) > 1:
+            del lines[at]
+        elif operation == "duplicate":
+            lines.insert(at, lines[at])
+        elif operation == "insert":
+            lines.insert(at, data.draw(_TOML_SNIPPETS | st.text(max_size=30)))
+        elif operation == "swap":
+            other = data.draw(st.integers(0, len(lines) - 1), label="with")
+            lines[at], lines[other] = lines[other], lines[at]
+        elif operation == "cut":  # the file ends in the middle of this line
+            lines[at] = lines[at][: data.draw(st.integers(0, len(lines[at])))]
+            del lines[at + 1 :]
+        else:
+            column = data.draw(st.integers(0, len(lines[at])), label="column")
+            char = data.draw(st.characters(), label="char")
+            lines[at] = lines[at][:column] + char + lines[at][column + 1 :]
+    raw = "".join(lines).encode("utf-8", "surrogatepass")
+    if data.draw(st.booleans(), label="invalid UTF-8"):
+        raw += b"\xff"
+    with tempfile.TemporaryDirectory() as folder:
+        file = Path(folder) / name
+        file.write_bytes(raw)
+        try:
+            config = load_config(file)
+        except ConfigError as error:
+            failure = error
+        else:
+            assert isinstance(config, Config)
+            event("loaded")
+            return
+    try:
+        document = tomllib.loads(raw.decode())
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+        assert str(failure).startswith(f"{file}: invalid TOML: "), failure
+        event("invalid TOML")
+    else:
+        _check_config_error(failure, document)
+        event("config error")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from ipaddress import ip_network
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from tlsedge._config import ForwardedConfig
 from tlsedge._forwarded import (
@@ -260,3 +262,412 @@ def test_untrusted_values_never_survive(
     for _, value in out:
         assert b"\r" not in value
         assert b"\n" not in value
+
+
+# -- properties: any header list, trusted or not ------------------------------------
+#
+# RFC 7239 section 4 and RFC 9110 section 5.6: a value is a token or a
+# quoted-string; a node (section 6) is an IPv4 address, a bracketed IPv6 address,
+# "unknown" or an obfuscated name, with an optional port.
+
+TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
+VALUE_RE = re.compile(rb"(%s)|(%s)" % (TOKEN, QUOTED))
+PAIR = rb"(%s)=(%s|%s)" % (TOKEN, TOKEN, QUOTED)
+ELEMENT_RE = re.compile(rb"%s(?:;%s)*" % (PAIR, PAIR))
+PAIR_RE = re.compile(PAIR)
+OBF = rb"_[A-Za-z0-9._-]+"
+NODE_RE = re.compile(
+    rb"(?P<name>unknown|%s|\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<v4>[0-9.]+))"
+    rb"(?::(?P<port>[0-9]{1,5}|%s))?" % (OBF, OBF)
+)
+# What h11 never lets through in a field value, and what we must never emit.
+CR_LF_NUL = re.compile(rb"[\r\n\x00]")
+CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def unquote(value: bytes) -> bytes:
+    """Parse an RFC 7239 value (token or quoted-string); fail on anything else."""
+    match = VALUE_RE.fullmatch(value)
+    assert match is not None, f"not a token or quoted-string: {value!r}"
+    if match.group(1) is not None:
+        return value
+    return re.sub(rb"\\(.)", rb"\1", value[1:-1], flags=re.DOTALL)
+
+
+def parse_node(value: bytes) -> tuple[bytes, int | None]:
+    """An RFC 7239 node -> (nodename as written, port or None)."""
+    node = unquote(value)
+    match = NODE_RE.fullmatch(node)
+    assert match is not None, f"not an RFC 7239 node: {node!r}"
+    if match["v4"] is not None:
+        assert ipaddress.ip_address(match["v4"].decode()).version == 4
+    if match["v6"] is not None:
+        assert ipaddress.ip_address(match["v6"].decode()).version == 6
+    port = match["port"]
+    name = match["name"]
+    if match["v6"] is not None:
+        name = match["v6"]
+    return name, int(port) if port is not None else None
+
+
+def parse_element(element: bytes) -> dict[bytes, bytes]:
+    """One Forwarded element -> {parameter (lower case): unquoted value}."""
+    assert ELEMENT_RE.fullmatch(element), f"not a forwarded-element: {element!r}"
+    pairs: dict[bytes, bytes] = {}
+    for match in PAIR_RE.finditer(element):
+        name = match[1].lower()
+        assert name not in pairs, f"parameter {name!r} twice in {element!r}"
+        pairs[name] = match[2]
+    return pairs
+
+
+def expected_ip(host: str | None) -> str | None:
+    """The address a client host should appear as, or None for "unknown":
+    canonical text, IPv4-mapped IPv6 as IPv4, no zone id (meaningless off this
+    host, and not part of RFC 7239's or X-Forwarded-For's address syntax)."""
+    if host is None:
+        return None
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        return str(address.ipv4_mapped)
+    return str(ipaddress.ip_address(address.packed))
+
+
+def recase(name: bytes, mask: int) -> bytes:
+    """*name* with the letters whose bit is set in *mask* in the other case."""
+    return bytes(
+        c ^ 0x20 if 0x61 <= (c | 0x20) <= 0x7A and mask >> (i % 30) & 1 else c
+        for i, c in enumerate(name)
+    )
+
+
+ipv4_text = st.ip_addresses(v=4).map(str)
+ipv6_text = st.ip_addresses(v=6).map(str) | st.ip_addresses(v=6).map(
+    lambda a: a.exploded.upper()
+)
+zone = st.text(
+    st.characters(codec="ascii", exclude_characters="%"), min_size=1, max_size=6
+)
+client_hosts = st.one_of(
+    ipv4_text,
+    ipv6_text,
+    st.ip_addresses(v=4).map(lambda a: f"::ffff:{a}"),
+    st.builds(lambda a, z: f"{a}%{z}", ipv6_text, zone),
+    ipv6_text.map(lambda a: f"[{a}]"),
+    st.sampled_from(["unknown", "_hidden", "1.2.3", "300.1.1.1", "example.com"]),
+    st.text(max_size=20),
+)
+endpoints = st.none() | st.tuples(client_hosts, st.integers(0, 65535))
+hosts = (
+    st.none()
+    | st.binary(max_size=30)
+    | st.sampled_from(
+        [b"example.com", b"example.com:8443", b"[::1]:8443", b'a"b\\c', b"a\r\nX: y"]
+    )
+)
+contexts = st.builds(
+    ForwardingContext,
+    client=endpoints,
+    destination=endpoints,
+    tls=st.booleans(),
+    trusted=st.booleans(),
+    host=hosts,
+)
+configs = st.builds(
+    ForwardedConfig,
+    x_forwarded_for=st.booleans(),
+    x_forwarded_proto=st.booleans(),
+    x_forwarded_port=st.booleans(),
+    forwarded=st.booleans(),
+)
+
+# Values h11 can deliver: no CR, LF or NUL (nor other controls, for simplicity).
+visible = st.binary(max_size=30).map(lambda v: CONTROL.sub(b"", v))
+hop_texts = st.one_of(
+    ipv4_text,
+    ipv6_text,
+    st.sampled_from(
+        ["unknown", "_hidden", "1.2.3", "[::1]:80", "a b", '"x"', "fe80::1%eth0", ""]
+    ),
+    st.text(
+        st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters=","),
+        max_size=12,
+    ),
+)
+xff_values = (
+    st.builds(
+        lambda hops, sep: sep.join(hops).encode(),
+        st.lists(hop_texts, max_size=4),
+        st.sampled_from([", ", ",", " , ", ",, "]),
+    )
+    | visible
+)
+forwarded_values = (
+    st.builds(
+        forwarded_element,
+        st.builds(
+            ForwardingContext,
+            client=endpoints,
+            destination=endpoints,
+            tls=st.booleans(),
+            trusted=st.just(True),
+            host=hosts,
+        ),
+    )
+    | visible
+)
+other_names = st.sampled_from([b"host", b"accept", b"via", b"x-request-id", b"x-a"])
+masks = st.integers(0, 2**30 - 1)
+
+
+def named(names: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    return st.builds(recase, names, masks)
+
+
+def hops(values: list[bytes]) -> list[bytes]:
+    """The X-Forwarded-For hops of some field values, in order."""
+    return [hop.strip() for v in values for hop in v.split(b",") if hop.strip()]
+
+
+def values_of(headers: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
+    return [v for n, v in headers if n.lower() == name]
+
+
+def split_passthrough(
+    headers: list[tuple[bytes, bytes]],
+    out: list[tuple[bytes, bytes]],
+    *,
+    trusted: bool,
+    rid_name: bytes | None = None,
+) -> list[tuple[bytes, bytes]]:
+    """Check the fields we do not manage come first, unchanged and in order, and
+    return the fields we added after them."""
+    managed = {b"x-forwarded-for", b"forwarded"}
+    if not trusted:
+        managed |= FORWARDING_HEADERS
+    if rid_name is not None:
+        managed.add(rid_name.lower())
+    kept = [(n, v) for n, v in headers if n.lower() not in managed]
+    assert out[: len(kept)] == kept
+    return out[len(kept) :]
+
+
+@given(
+    xff=st.lists(st.tuples(named(st.just(b"x-forwarded-for")), xff_values), max_size=5),
+    others=st.lists(st.tuples(named(other_names), visible), max_size=3),
+    client=endpoints,
+    append=st.booleans(),
+)
+@example(
+    xff=[(b"X-Forwarded-For", b"192.0.2.1")],
+    others=[],
+    client=("fe80::1%a,b", 4711),
+    append=True,
+).via("a zone id (here with a comma: a fake hop) went into X-Forwarded-For")
+def test_trusted_xff_chain_keeps_every_hop_and_ends_with_the_client(
+    xff: list[tuple[bytes, bytes]],
+    others: list[tuple[bytes, bytes]],
+    client: tuple[str, int] | None,
+    append: bool,
+) -> None:
+    headers = [*others[:1], *xff, *others[1:]]
+    config = ForwardedConfig(x_forwarded_for=append, x_forwarded_proto=False)
+    c = ForwardingContext(client=client, destination=None, tls=False, trusted=True)
+    out = rewrite_forwarding_headers(headers, config, c)
+    ours = split_passthrough(headers, out, trusted=True)
+    chain = values_of(ours, b"x-forwarded-for")
+    sent = hops([v for _, v in xff])
+    if append:
+        (value,) = chain
+        me = expected_ip(client[0] if client else None)
+        assert hops(chain) == [*sent, (me or "unknown").encode()]
+        assert b"%" not in value.rsplit(b",", 1)[-1]
+    else:  # kept as it came (in one field), nothing added
+        assert len(chain) <= 1
+        assert hops(chain) == sent
+
+
+@given(
+    fwd=st.lists(st.tuples(named(st.just(b"forwarded")), forwarded_values), max_size=4),
+    context=contexts,
+)
+def test_trusted_forwarded_chain_is_kept_and_our_element_is_last(
+    fwd: list[tuple[bytes, bytes]], context: ForwardingContext
+) -> None:
+    out = rewrite_forwarding_headers(fwd, ForwardedConfig(forwarded=True), context)
+    (value,) = [v for n, v in out if n == b"Forwarded"]
+    element = forwarded_element(context)
+    chain = [v.strip() for _, v in fwd if v.strip()] if context.trusted else []
+    assert value == b", ".join([*chain, element])
+
+
+@given(context=contexts)
+@example(
+    context=ForwardingContext(
+        client=("fe80::1%eth0", 4711),
+        destination=("::%\x1f", 0),
+        tls=False,
+        trusted=False,
+    )
+).via("zone ids made an invalid node, or raised ValueError with a control char")
+def test_forwarded_element_follows_rfc7239(context: ForwardingContext) -> None:
+    element = forwarded_element(context)
+    assert not CR_LF_NUL.search(element)
+    pairs = parse_element(element)
+    assert unquote(pairs[b"proto"]) == (b"https" if context.tls else b"http")
+    for parameter, endpoint in ((b"for", context.client), (b"by", context.destination)):
+        if parameter == b"by" and endpoint is None:
+            assert b"by" not in pairs
+            continue
+        name, port = parse_node(pairs[parameter])
+        ip = expected_ip(endpoint[0] if endpoint else None)
+        if ip is None:
+            assert (name, port) == (b"unknown", None)
+        else:
+            assert endpoint is not None
+            assert ipaddress.ip_address(name.decode()) == ipaddress.ip_address(ip)
+            assert name.decode() == ip  # canonical text
+            assert port == (endpoint[1] or None)
+    if context.host and not CONTROL.search(context.host):
+        assert unquote(pairs[b"host"]) == context.host
+    else:
+        assert b"host" not in pairs
+
+
+@given(host=client_hosts, port=st.integers(0, 65535))
+@example(host="fe80::1%eth0", port=80).via("zone id inside the brackets")
+@example(host="fe80::1%\r", port=80).via("raised ValueError")
+def test_forwarded_node_is_an_rfc7239_node(host: str, port: int) -> None:
+    node = forwarded_node((host, port))
+    name, parsed_port = parse_node(node)
+    ip = expected_ip(host)
+    assert name.decode() == (ip or "unknown")
+    assert parsed_port == (port or None if ip is not None else None)
+    assert client_ip_text(host) == (ip or "unknown").encode()
+
+
+@given(st.binary(max_size=40))
+def test_quote_value_output_parses_back(value: bytes) -> None:
+    if CONTROL.search(value):
+        with pytest.raises(ValueError, match="control character"):
+            quote_value(value)
+        return
+    quoted = quote_value(value)
+    assert unquote(quoted) == value
+    if re.fullmatch(TOKEN, value):
+        assert quoted == value
+
+
+rid_names = st.sampled_from([b"x-request-id", b"x-amzn-trace-id", b"request-id"])
+valid_ids = st.from_regex(rb"[A-Za-z0-9._:+/=-]{1,128}", fullmatch=True)
+
+
+@given(
+    name=named(rid_names),
+    values=st.lists(valid_ids | st.binary(max_size=140), max_size=3),
+    others=st.lists(st.tuples(named(other_names), st.binary(max_size=20)), max_size=3),
+    trusted=st.booleans(),
+    masks=st.lists(masks, min_size=3, max_size=3),
+)
+@example(
+    name=b"X-Request-Id",
+    values=[b"abc"],
+    others=[],
+    trusted=True,
+    masks=[0, 0, 0],
+).via("name given in another case than the field")
+def test_choose_request_id_keeps_only_a_trusted_valid_id(
+    name: bytes,
+    values: list[bytes],
+    others: list[tuple[bytes, bytes]],
+    trusted: bool,
+    masks: list[int],
+) -> None:
+    fields = [(recase(name, mask), v) for v, mask in zip(values, masks, strict=False)]
+    headers = [*others, *fields]
+    chosen = choose_request_id(headers, name, trusted=trusted)
+    assert is_valid_request_id(chosen)
+    assert re.fullmatch(rb"[\x21-\x7e]{1,128}", chosen)
+    sent = [v for n, v in headers if n.lower() == name.lower()]
+    if trusted and len(sent) == 1 and is_valid_request_id(sent[0]):
+        assert chosen == sent[0]
+    else:
+        assert re.fullmatch(rb"[0-9a-f]{32}", chosen)
+        assert chosen not in sent
+
+
+header_lists = st.lists(
+    st.tuples(
+        named(st.sampled_from(sorted(FORWARDING_HEADERS)) | other_names),
+        st.binary(max_size=30),
+    ),
+    max_size=8,
+)
+
+
+@given(
+    headers=header_lists,
+    config=configs,
+    context=contexts,
+    rid=st.none() | st.tuples(named(rid_names), valid_ids),
+)
+@example(
+    headers=[(b"X-Forwarded-For", b"1.2.3.4\r\nX-Evil: 1"), (b"Forwarded", b"\x00")],
+    config=ForwardedConfig(forwarded=True),
+    context=ctx(("10.1.2.3", 5000), trusted=True),
+    rid=None,
+).via("a trusted peer's chain was copied with its CR/LF/NUL")
+def test_values_we_emit_never_hold_cr_lf_or_nul(
+    headers: list[tuple[bytes, bytes]],
+    config: ForwardedConfig,
+    context: ForwardingContext,
+    rid: tuple[bytes, bytes] | None,
+) -> None:
+    out = rewrite_forwarding_headers(headers, config, context, request_id=rid)
+    ours = split_passthrough(
+        headers, out, trusted=context.trusted, rid_name=rid[0] if rid else None
+    )
+    for name, value in ours:
+        assert not CR_LF_NUL.search(value), (name, value)
+    names = [n.lower() for n, _ in ours]
+    assert len(names) == len(set(names))  # each of ours once
+    if not context.trusted:
+        # From an untrusted peer no forwarding value survives.
+        for name, value in ours:
+            if name.lower() == b"x-forwarded-for":
+                assert (
+                    value
+                    == (
+                        expected_ip(context.client[0] if context.client else None)
+                        or "unknown"
+                    ).encode()
+                )
+
+
+@given(
+    headers=header_lists,
+    config=configs,
+    context=contexts,
+    rid=st.none() | st.tuples(rid_names, valid_ids),
+    mask=masks,
+    rid_mask=masks,
+)
+def test_header_name_case_does_not_matter(
+    *,
+    headers: list[tuple[bytes, bytes]],
+    config: ForwardedConfig,
+    context: ForwardingContext,
+    rid: tuple[bytes, bytes] | None,
+    mask: int,
+    rid_mask: int,
+) -> None:
+    lowered = [(n.lower(), v) for n, v in headers]
+    recased = [(recase(n, mask + i), v) for i, (n, v) in enumerate(lowered)]
+    rid_recased = (recase(rid[0], rid_mask), rid[1]) if rid else None
+    plain = rewrite_forwarding_headers(lowered, config, context, request_id=rid)
+    odd = rewrite_forwarding_headers(recased, config, context, request_id=rid_recased)
+    assert [(n.lower(), v) for n, v in odd] == [(n.lower(), v) for n, v in plain]
