@@ -154,6 +154,8 @@ class Procs:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group, for cleanup
                 cwd=self.workdir,
+                # This checkout's code, whatever `pip install -e` points at.
+                env={**os.environ, "PYTHONPATH": str(REPO)},
             )
         self.running.append((name, proc))
         return proc
