@@ -47,7 +47,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -165,29 +165,59 @@ def _multiprocess_path() -> str | None:
     return None
 
 
+_M = TypeVar("_M", Counter, Gauge, Histogram)
+
+
+class _Children(Generic[_M]):
+    """A labelled metric's children, each looked up once.
+
+    ``labels()`` checks and converts the values and takes a lock at every call
+    (~1 us); the connection path calls it a dozen times per connection. Children
+    are still created by ``labels()`` on first use, as before, so the exposed
+    series and values are the same.
+    """
+
+    __slots__ = ("_children", "_metric")
+
+    _metric: _M
+    _children: dict[tuple[str, ...], _M]
+
+    def __init__(self, metric: _M) -> None:
+        self._metric = metric
+        self._children = {}
+
+    def __call__(self, *values: str) -> _M:
+        """The child for *values*: ``metric.labels(*values)``, cached."""
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
 @dataclass(frozen=True, slots=True)
 class _Counters:
-    """The event metrics (see ``docs/operations.md`` for each one)."""
+    """The event metrics (see ``docs/operations.md`` for each one), each
+    called with its label values to get the child."""
 
-    accepted: Counter
-    active: Gauge
-    closed: Counter
-    refused: Counter
-    duration: Histogram
-    bytes_received: Counter
-    bytes_sent: Counter
-    proxy_errors: Counter
-    tls_handshakes: Counter
-    tls_failures: Counter
-    server_connections: Counter
-    server_active: Gauge
-    server_bytes_sent: Counter
-    server_bytes_received: Counter
-    connect_failures: Counter
-    no_server: Counter
-    retries: Counter
-    http_requests: Counter
-    http_duration: Histogram
+    accepted: _Children[Counter]
+    active: _Children[Gauge]
+    closed: _Children[Counter]
+    refused: _Children[Counter]
+    duration: _Children[Histogram]
+    bytes_received: _Children[Counter]
+    bytes_sent: _Children[Counter]
+    proxy_errors: _Children[Counter]
+    tls_handshakes: _Children[Counter]
+    tls_failures: _Children[Counter]
+    server_connections: _Children[Counter]
+    server_active: _Children[Gauge]
+    server_bytes_sent: _Children[Counter]
+    server_bytes_received: _Children[Counter]
+    connect_failures: _Children[Counter]
+    no_server: _Children[Counter]
+    retries: _Children[Counter]
+    http_requests: _Children[Counter]
+    http_duration: _Children[Histogram]
 
 
 def _make_counters(registry: CollectorRegistry | None) -> _Counters:
@@ -195,123 +225,161 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
     listener = ("listener",)
     server = ("backend", "server")
     return _Counters(
-        accepted=Counter(
-            "tlsedge_connections",
-            "Client connections accepted.",
-            listener,
-            registry=r,
+        accepted=_Children(
+            Counter(
+                "tlsedge_connections",
+                "Client connections accepted.",
+                listener,
+                registry=r,
+            ),
         ),
-        active=Gauge(
-            "tlsedge_connections_active",
-            "Client connections open now.",
-            listener,
-            registry=r,
-            multiprocess_mode="livesum",
+        active=_Children(
+            Gauge(
+                "tlsedge_connections_active",
+                "Client connections open now.",
+                listener,
+                registry=r,
+                multiprocess_mode="livesum",
+            ),
         ),
-        closed=Counter(
-            "tlsedge_connections_closed",
-            "Client connections ended, by termination cause (access log).",
-            ("listener", "termination"),
-            registry=r,
+        closed=_Children(
+            Counter(
+                "tlsedge_connections_closed",
+                "Client connections ended, by termination cause (access log).",
+                ("listener", "termination"),
+                registry=r,
+            ),
         ),
-        refused=Counter(
-            "tlsedge_connections_refused",
-            "Client connections closed before anything was relayed, by reason.",
-            ("listener", "reason"),
-            registry=r,
+        refused=_Children(
+            Counter(
+                "tlsedge_connections_refused",
+                "Client connections closed before anything was relayed, by reason.",
+                ("listener", "reason"),
+                registry=r,
+            ),
         ),
-        duration=Histogram(
-            "tlsedge_connection_duration_seconds",
-            "How long client connections lasted.",
-            listener,
-            registry=r,
-            buckets=CONNECTION_BUCKETS,
+        duration=_Children(
+            Histogram(
+                "tlsedge_connection_duration_seconds",
+                "How long client connections lasted.",
+                listener,
+                registry=r,
+                buckets=CONNECTION_BUCKETS,
+            ),
         ),
-        bytes_received=Counter(
-            "tlsedge_client_bytes_received",
-            "Bytes received from clients (after PROXY and TLS unwrapping).",
-            listener,
-            registry=r,
+        bytes_received=_Children(
+            Counter(
+                "tlsedge_client_bytes_received",
+                "Bytes received from clients (after PROXY and TLS unwrapping).",
+                listener,
+                registry=r,
+            ),
         ),
-        bytes_sent=Counter(
-            "tlsedge_client_bytes_sent",
-            "Bytes sent to clients (before TLS).",
-            listener,
-            registry=r,
+        bytes_sent=_Children(
+            Counter(
+                "tlsedge_client_bytes_sent",
+                "Bytes sent to clients (before TLS).",
+                listener,
+                registry=r,
+            ),
         ),
-        proxy_errors=Counter(
-            "tlsedge_proxy_header_errors",
-            "PROXY protocol headers refused, by reason.",
-            ("listener", "reason"),
-            registry=r,
+        proxy_errors=_Children(
+            Counter(
+                "tlsedge_proxy_header_errors",
+                "PROXY protocol headers refused, by reason.",
+                ("listener", "reason"),
+                registry=r,
+            ),
         ),
-        tls_handshakes=Counter(
-            "tlsedge_tls_handshakes",
-            "Completed TLS handshakes with clients, by protocol version.",
-            ("listener", "version"),
-            registry=r,
+        tls_handshakes=_Children(
+            Counter(
+                "tlsedge_tls_handshakes",
+                "Completed TLS handshakes with clients, by protocol version.",
+                ("listener", "version"),
+                registry=r,
+            ),
         ),
-        tls_failures=Counter(
-            "tlsedge_tls_handshake_failures",
-            "Failed TLS handshakes with clients, by reason.",
-            ("listener", "reason"),
-            registry=r,
+        tls_failures=_Children(
+            Counter(
+                "tlsedge_tls_handshake_failures",
+                "Failed TLS handshakes with clients, by reason.",
+                ("listener", "reason"),
+                registry=r,
+            ),
         ),
-        server_connections=Counter(
-            "tlsedge_server_connections",
-            "Connections relayed to a backend server.",
-            server,
-            registry=r,
+        server_connections=_Children(
+            Counter(
+                "tlsedge_server_connections",
+                "Connections relayed to a backend server.",
+                server,
+                registry=r,
+            ),
         ),
-        server_active=Gauge(
-            "tlsedge_server_active_connections",
-            "Connections open to a backend server now.",
-            server,
-            registry=r,
-            multiprocess_mode="livesum",
+        server_active=_Children(
+            Gauge(
+                "tlsedge_server_active_connections",
+                "Connections open to a backend server now.",
+                server,
+                registry=r,
+                multiprocess_mode="livesum",
+            ),
         ),
-        server_bytes_sent=Counter(
-            "tlsedge_server_bytes_sent",
-            "Bytes forwarded to a backend server (client data, no PROXY header).",
-            server,
-            registry=r,
+        server_bytes_sent=_Children(
+            Counter(
+                "tlsedge_server_bytes_sent",
+                "Bytes forwarded to a backend server (client data, no PROXY header).",
+                server,
+                registry=r,
+            ),
         ),
-        server_bytes_received=Counter(
-            "tlsedge_server_bytes_received",
-            "Bytes received from a backend server.",
-            server,
-            registry=r,
+        server_bytes_received=_Children(
+            Counter(
+                "tlsedge_server_bytes_received",
+                "Bytes received from a backend server.",
+                server,
+                registry=r,
+            ),
         ),
-        connect_failures=Counter(
-            "tlsedge_backend_connect_failures",
-            "Client connections dropped because every connect attempt failed.",
-            ("backend",),
-            registry=r,
+        connect_failures=_Children(
+            Counter(
+                "tlsedge_backend_connect_failures",
+                "Client connections dropped because every connect attempt failed.",
+                ("backend",),
+                registry=r,
+            ),
         ),
-        no_server=Counter(
-            "tlsedge_backend_no_server",
-            "Client connections dropped because no server was healthy.",
-            ("backend",),
-            registry=r,
+        no_server=_Children(
+            Counter(
+                "tlsedge_backend_no_server",
+                "Client connections dropped because no server was healthy.",
+                ("backend",),
+                registry=r,
+            ),
         ),
-        retries=Counter(
-            "tlsedge_backend_retries",
-            "Extra connect attempts made by connections that reached a server.",
-            ("backend",),
-            registry=r,
+        retries=_Children(
+            Counter(
+                "tlsedge_backend_retries",
+                "Extra connect attempts made by connections that reached a server.",
+                ("backend",),
+                registry=r,
+            ),
         ),
-        http_requests=Counter(
-            "tlsedge_http_requests",
-            "HTTP requests (HTTP mode), by response status class.",
-            ("listener", "backend", "code"),
-            registry=r,
+        http_requests=_Children(
+            Counter(
+                "tlsedge_http_requests",
+                "HTTP requests (HTTP mode), by response status class.",
+                ("listener", "backend", "code"),
+                registry=r,
+            ),
         ),
-        http_duration=Histogram(
-            "tlsedge_http_request_duration_seconds",
-            "HTTP request latency (HTTP mode): request head in to response done.",
-            ("listener", "backend"),
-            registry=r,
-            buckets=HTTP_BUCKETS,
+        http_duration=_Children(
+            Histogram(
+                "tlsedge_http_request_duration_seconds",
+                "HTTP request latency (HTTP mode): request head in to response done.",
+                ("listener", "backend"),
+                registry=r,
+                buckets=HTTP_BUCKETS,
+            ),
         ),
     )
 
@@ -355,8 +423,8 @@ class EdgeMetrics:
 
     def connection_opened(self, listener: str) -> None:
         """A client connection was accepted on *listener*."""
-        self._m.accepted.labels(listener).inc()
-        self._m.active.labels(listener).inc()
+        self._m.accepted(listener).inc()
+        self._m.active(listener).inc()
 
     def server_connected(self, log: ConnectionLog, attempts: int) -> None:
         """The connection of *log* reached ``log.server`` after *attempts* tries.
@@ -365,47 +433,45 @@ class EdgeMetrics:
         active-connection count when the connection ends.
         """
         backend, server = log.backend or "", log.server or ""
-        self._m.server_connections.labels(backend, server).inc()
-        self._m.server_active.labels(backend, server).inc()
+        self._m.server_connections(backend, server).inc()
+        self._m.server_active(backend, server).inc()
         if attempts > 1:
-            self._m.retries.labels(backend).inc(attempts - 1)
+            self._m.retries(backend).inc(attempts - 1)
 
     def proxy_header_error(self, listener: str, reason: str) -> None:
         """A PROXY header was refused; *reason* is ``RemoteProtocolError.reason``."""
-        self._m.proxy_errors.labels(listener, reason).inc()
+        self._m.proxy_errors(listener, reason).inc()
 
     def record(self, log: ConnectionLog) -> None:
         """Account for a finished connection (call once, next to ``log.emit()``)."""
         m = self._m
         listener = log.listener
-        m.active.labels(listener).dec()
-        m.closed.labels(listener, log.termination).inc()
+        m.active(listener).dec()
+        m.closed(listener, log.termination).inc()
         if log.termination in REFUSED_TERMINATIONS:
-            m.refused.labels(listener, log.termination).inc()
-        m.duration.labels(listener).observe(log.duration)
+            m.refused(listener, log.termination).inc()
+        m.duration(listener).observe(log.duration)
         if log.bytes_from_client:
-            m.bytes_received.labels(listener).inc(log.bytes_from_client)
+            m.bytes_received(listener).inc(log.bytes_from_client)
         if log.bytes_from_server:
-            m.bytes_sent.labels(listener).inc(log.bytes_from_server)
+            m.bytes_sent(listener).inc(log.bytes_from_server)
         if log.tls is not None:
-            m.tls_handshakes.labels(listener, log.tls.split(" ", 1)[0]).inc()
+            m.tls_handshakes(listener, log.tls.split(" ", 1)[0]).inc()
         elif log.termination in _TLS_FAILURES:
             reason = tls_failure_reason(log.termination, log.detail)
-            m.tls_failures.labels(listener, reason).inc()
+            m.tls_failures(listener, reason).inc()
         backend = log.backend or ""
         if log.server is not None:
             server = log.server
-            m.server_active.labels(backend, server).dec()
+            m.server_active(backend, server).dec()
             if log.bytes_from_client:
-                m.server_bytes_sent.labels(backend, server).inc(log.bytes_from_client)
+                m.server_bytes_sent(backend, server).inc(log.bytes_from_client)
             if log.bytes_from_server:
-                m.server_bytes_received.labels(backend, server).inc(
-                    log.bytes_from_server
-                )
+                m.server_bytes_received(backend, server).inc(log.bytes_from_server)
         elif log.termination == "connect_failed":
-            m.connect_failures.labels(backend).inc()
+            m.connect_failures(backend).inc()
         elif log.termination == "no_server":
-            m.no_server.labels(backend).inc()
+            m.no_server(backend).inc()
 
     def record_http_request(
         self, listener: str, backend: str, status: int, seconds: float
@@ -419,8 +485,8 @@ class EdgeMetrics:
                 answers the edge made itself); counted by class, ``"2xx"``.
             seconds: From the complete request head to the last response byte.
         """
-        self._m.http_requests.labels(listener, backend, _status_class(status)).inc()
-        self._m.http_duration.labels(listener, backend).observe(seconds)
+        self._m.http_requests(listener, backend, _status_class(status)).inc()
+        self._m.http_duration(listener, backend).observe(seconds)
 
     # -- exposition -------------------------------------------------------
 

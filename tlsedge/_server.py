@@ -30,7 +30,6 @@ existing connections keep the settings they started with.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 import trio
 
 from proxyproto import Policy, RemoteProtocolError, SSLClient, SSLInfo, TrustPolicy
-from proxyproto.trio import read_proxy_header, socket_addresses
+from proxyproto.trio import read_proxy_header
 from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admin import AdminServer, bind_admin
 from tlsedge._certs import CertificateError
@@ -467,13 +466,13 @@ class Edge:
         peer_address: object,
     ) -> None:
         config = state.config
-        peer, local = socket_addresses(stream)
-        if peer is None:
-            # Reset before we got here (HAProxy's health checks close with an
-            # RST): getpeername() fails, but accept() told us who it was.
-            peer = _socket_address(peer_address)
-            with contextlib.suppress(OSError):
-                local = _socket_address(stream.socket.getsockname())
+        # accept() told us who the peer is: no getpeername() (which also fails
+        # once the peer reset the connection, as HAProxy's health checks do).
+        peer = _socket_address(peer_address)
+        try:
+            local = _socket_address(stream.socket.getsockname())
+        except OSError:
+            local = None
         log = ConnectionLog(
             id=os.urandom(8).hex(),
             listener=config.name,
