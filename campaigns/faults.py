@@ -84,6 +84,7 @@ class Server:
         self.handler = handler
         self.port = free_port()
         self.scope: trio.CancelScope | None = None
+        self.stopped = trio.Event()
 
     @property
     def address(self) -> str:
@@ -92,17 +93,23 @@ class Server:
     async def start(self, nursery: trio.Nursery) -> None:
         await nursery.start(self._run)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        """Close the listener and every connection; return once they are closed."""
         if self.scope is not None:
             self.scope.cancel()
             self.scope = None
+            await self.stopped.wait()
 
     async def _run(self, *, task_status: trio.TaskStatus[None]) -> None:
-        with trio.CancelScope() as scope:
-            self.scope = scope
-            listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
-            task_status.started()
-            await trio.serve_listeners(self._handle, listeners)
+        self.stopped = trio.Event()
+        try:
+            with trio.CancelScope() as scope:
+                self.scope = scope
+                listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
+                task_status.started()
+                await trio.serve_listeners(self._handle, listeners)
+        finally:
+            self.stopped.set()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
@@ -186,7 +193,7 @@ async def refuse(nursery: trio.Nursery, n: int) -> Result:
     dead = f"127.0.0.1:{free_port()}"
     async with edge_for(make_config([dead, good.address], retries=1)) as address:
         answers = Counter([(await request(address))[1] for _ in range(n)])
-    good.stop()
+    await good.stop()
     return Result(
         "refuse",
         f"{n}/{n} served by the other server",
@@ -207,7 +214,7 @@ async def reset(nursery: trio.Nursery, n: int) -> Result:
     await server.start(nursery)
     async with edge_for(make_config([server.address])) as address:
         outcomes = Counter([(await request(address))[0] for _ in range(n)])
-    server.stop()
+    await server.stop()
     return Result(
         "reset",
         f"{n}/{n} clients see a reset",
@@ -225,7 +232,7 @@ async def blackholed(nursery: trio.Nursery, n: int) -> Result:
             start = trio.current_time()
             answers = Counter([(await request(address))[1] for _ in range(n)])
             elapsed = trio.current_time() - start
-    good.stop()
+    await good.stop()
     return Result(
         "blackhole",
         f"{n}/{n} served; hole DOWN after 6 timeouts",
@@ -256,7 +263,7 @@ async def stall(nursery: trio.Nursery) -> Result:
                     reset = True
         elapsed = trio.current_time() - start
         await trio.sleep(0.2)
-    server.stop()
+    await server.stop()
     logged = ACCESS.causes()["idle_timeout"] - before
     return Result(
         "stall",
@@ -280,11 +287,16 @@ async def flap(nursery: trio.Nursery, duration: float) -> Result:
     seen: Counter[bytes] = Counter()
     errors = 0
     async with edge_for(config) as address:
+        # a goes down between two requests, never under one: stopping a
+        # server kills the connections it holds (and those in its accept
+        # backlog), which no proxy can hide once the connection was made.
+        between_requests = trio.Lock()
 
         async def toggle() -> None:
             while True:
                 await trio.sleep(1)
-                a.stop()
+                async with between_requests:
+                    await a.stop()
                 await trio.sleep(1)
                 await a.start(nursery)
 
@@ -292,14 +304,15 @@ async def flap(nursery: trio.Nursery, duration: float) -> Result:
             inner.start_soon(toggle)
             end = trio.current_time() + duration
             while trio.current_time() < end:
-                outcome, data = await request(address)
+                async with between_requests:
+                    outcome, data = await request(address)
                 if outcome != "eof" or data not in {b"a", b"b"}:
                     errors += 1
                 seen[data] += 1
                 await trio.sleep(0.01)
             inner.cancel_scope.cancel()
-    a.stop()
-    b.stop()
+    await a.stop()
+    await b.stop()
     total = sum(seen.values())
     return Result(
         "flap",
@@ -345,7 +358,7 @@ async def emfile(procs: Procs, clients: int) -> Result:
                 await trio.sleep(0.2)
         alive = proc.poll() is None
         procs.stop(proc)
-        backend.stop()
+        await backend.stop()
     return Result(
         "emfile",
         "keeps running, logs accept failure, serves again",
