@@ -40,7 +40,15 @@ from dataclasses import dataclass, field
 
 import trio
 
-from proxyproto import Policy, RemoteProtocolError, SSLClient, SSLInfo, TrustPolicy
+from proxyproto import (
+    Command,
+    Family,
+    Policy,
+    RemoteProtocolError,
+    SSLClient,
+    SSLInfo,
+    TrustPolicy,
+)
 from proxyproto.trio import read_proxy_header
 from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admin import AdminServer, bind_admin
@@ -79,6 +87,8 @@ _ACCEPT_RETRY_DELAY = 0.1
 _ACCEPT_BATCH = 64
 # Ask for the largest accept queue; the kernel caps it at net.core.somaxconn.
 _LISTEN_BACKLOG = 65535
+# How a relay ends when the client side finishes first; see ``health_check``.
+_CLIENT_ENDED = frozenset({Termination.CLIENT_CLOSED, Termination.CLIENT_ERROR})
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,6 +546,9 @@ class Edge:
         client: trio.abc.Stream = stream
         client_address, destination = peer, local
         leftover = b""
+        # A LOCAL (or v1 UNKNOWN / v2 UNSPEC) header describes no client: the
+        # load balancer's own connection, usually a health check.
+        health_check = False
         pp = config.proxy_protocol
         if pp is not None and state.trust is not None:
             policy = state.trust.decide(peer, local)
@@ -560,6 +573,10 @@ class Edge:
                 return None, stream
             client_address = proxy_stream.client_address or peer
             destination = proxy_stream.server_address or local
+            received = proxy_stream.header
+            health_check = received is not None and (
+                received.command is Command.LOCAL or received.family is Family.UNSPEC
+            )
             _, leftover = proxy_stream.detach()
         log.client = format_address(client_address)
         log.destination = format_address(destination)
@@ -619,7 +636,8 @@ class Edge:
         server = connected.server
         log.server = format_address(server.address)
         self._metrics.server_connected(log, connected.attempts)
-        stats = RelayStats()
+        # Client bytes that came with the PROXY header or the TLS handshake.
+        stats = RelayStats(bytes_from_client=len(leftover))
         try:
             backend = pool.config
             if backend.send_proxy != "none" and client_address and destination:
@@ -639,7 +657,6 @@ class Edge:
                     return upstream, client
             if leftover:
                 await upstream.send_all(leftover)
-            stats.bytes_from_client = len(leftover)
             await relay(
                 client,
                 upstream,
@@ -668,6 +685,14 @@ class Edge:
                     if stats.termination is Termination.CANCELLED
                     else stats.termination.value
                 )
+            if (
+                health_check
+                and stats.bytes_from_client == 0
+                and stats.termination in _CLIENT_ENDED
+            ):
+                # Checks close at once, often with an RST (HAProxy's do):
+                # not a client error to count or alert on.
+                log.termination = "health_check"
         return upstream, client
 
     def _keepalive_pool(self, backend: str) -> KeepAlivePool:

@@ -131,6 +131,50 @@ async def test_unwrap_local_header_uses_the_real_endpoints(
     assert answer["data"] == "check"
 
 
+@pytest.mark.parametrize(
+    ("header", "reset"),
+    [
+        (encode_v2(ProxyHeader.local()), True),  # HAProxy check-send-proxy
+        (encode_v2(ProxyHeader.local()), False),
+        (b"PROXY UNKNOWN\r\n", True),
+    ],
+)
+async def test_health_check_through_a_local_header_is_logged_as_such(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    header: bytes,
+    reset: bool,
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_protocol={"trusted": LOOPBACK})
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(header)
+        await wait_until(lambda: backend.accepted == 1)
+        if reset:
+            set_abortive_close(client)
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    # Not client_error: a load balancer's checks are no client's failure.
+    assert record["termination"] == "health_check", record
+    assert record["bytes_from_client"] == 0
+
+
+async def test_local_header_with_data_is_ordinary_traffic(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_protocol={"trusted": LOOPBACK})
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(encode_v2(ProxyHeader.local()) + b"GET /")
+        await client.send_eof()
+        await read_all(client)
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "client_closed"
+
+
 async def test_unwrap_bytes_after_the_header_arrive_intact_and_first(
     nursery: trio.Nursery,
 ) -> None:
@@ -752,7 +796,8 @@ async def test_client_reset_while_queued_keeps_its_address(
         records = await wait_access_records(caplog, 2)
     assert len(records) == 2
     (record,) = [r for r in records if r["peer"] == f"127.0.0.1:{queued_port}"]
-    assert record["termination"] == "client_error"
+    # LOCAL then an RST, without data: how HAProxy's health checks look.
+    assert record["termination"] == "health_check"
 
 
 async def test_a_bug_on_one_connection_does_not_stop_the_edge(
