@@ -505,7 +505,10 @@ async def test_http_check_silent_server_times_out_without_leaking(
         await trio.sleep(INTERVAL)
         before = len(os.listdir(fd_dir))
         await trio.sleep(INTERVAL * 10)
-        assert len(os.listdir(fd_dir)) <= before
+        # Ten more checks, each of which would leak its socket; at the moment
+        # of either count one check may be under way (its socket and the
+        # server's end of it), which is not a leak.
+        assert len(os.listdir(fd_dir)) <= before + 2
     assert all(not r.ok for r in state.history)
 
 
