@@ -39,6 +39,7 @@ __all__ = [
     "raise_nofile",
     "render_table",
     "rss_kib",
+    "run_probe",
     "terminate_on_sigterm",
     "wait_port",
     "write_json",
@@ -98,6 +99,18 @@ def raise_nofile(wanted: int) -> int:
     except (ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def run_probe(script: Path, port: int, count: int) -> Any:
+    """Run *script*'s ``--probe PORT COUNT`` mode (the normal client) in its own
+    process; its JSON output."""
+    result = subprocess.run(  # noqa: S603 (our own argv)
+        [sys.executable, str(script), "--probe", str(port), str(count)],
+        capture_output=True,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(result.stdout)
 
 
 def rss_kib(pid: int) -> int:

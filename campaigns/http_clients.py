@@ -52,7 +52,6 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,6 +73,7 @@ from common import (
     raise_nofile,
     render_table,
     rss_kib,
+    run_probe,
     terminate_on_sigterm,
     wait_port,
     write_json,
@@ -495,23 +495,6 @@ def probe(port: int, count: int) -> dict[str, Any]:
     return {"samples": samples, "errors": errors, "connections": connections}
 
 
-def run_probe(port: int, count: int) -> dict[str, Any]:
-    result = subprocess.run(  # noqa: S603 (our own argv)
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--probe",
-            str(port),
-            str(count),
-        ],
-        capture_output=True,
-        check=True,
-        timeout=300,
-    )
-    data: dict[str, Any] = json.loads(result.stdout)
-    return data
-
-
 async def _backend_connection(stream: trio.SocketStream) -> None:
     """Answer every request with 200 once its body is read; log what was parsed:
     ``head TARGET``, ``done TARGET`` or ``broken TARGET: error``."""
@@ -618,7 +601,7 @@ async def campaign(args: argparse.Namespace, procs: Procs) -> Run:
     wait_port(backend_port, backend, "backend")
     edge = procs.tlsedge("tlsedge", edge_config(port, backend_port), port, nofile)
     fds_base = fd_count(edge.pid)
-    unloaded = await trio.to_thread.run_sync(run_probe, port, args.samples)
+    unloaded = await trio.to_thread.run_sync(run_probe, SCRIPT, port, args.samples)
     rss = {"rest": rss_kib(edge.pid)}
     names = ("slowloris", "stalled-body", "slow-body", "oversized", "smuggling")
     shares = {name: Share(name) for name in names}
@@ -667,7 +650,9 @@ async def campaign(args: argparse.Namespace, procs: Procs) -> Run:
                 if i % 50 == 49:
                     await trio.sleep(0.1)  # ramp up instead of a SYN flood
             await trio.sleep(HEADER_TIMEOUT / 2)  # all of them under way
-            loaded = await trio.to_thread.run_sync(run_probe, port, args.samples)
+            loaded = await trio.to_thread.run_sync(
+                run_probe, SCRIPT, port, args.samples
+            )
             await trio.sleep_until(until)
             rss["end"] = rss_kib(edge.pid)
             elapsed = trio.current_time() - start

@@ -25,7 +25,6 @@ import contextlib
 import json
 import ssl
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,10 +41,12 @@ from common import (
     out,
     raise_nofile,
     render_table,
+    run_probe,
     terminate_on_sigterm,
     write_json,
 )
 
+SCRIPT = Path(__file__).resolve()
 TIMEOUT = 3.0  # proxy_protocol.timeout and tls.handshake_timeout (3 s: the minimum)
 LATE = 3.0  # how late a close may come on a shared machine (reported)
 KINDS = ("proxy-trickle", "tls-trickle", "silent")
@@ -156,23 +157,6 @@ def probe(port: int, count: int) -> list[float]:
     return trio.run(run)
 
 
-def run_probe(port: int, count: int) -> list[float]:
-    result = subprocess.run(  # noqa: S603 (our own argv)
-        [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--probe",
-            str(port),
-            str(count),
-        ],
-        capture_output=True,
-        check=True,
-        timeout=300,
-    )
-    samples: list[float] = json.loads(result.stdout)
-    return samples
-
-
 def edge_config(pp: int, tls: int, echo: int, cert: Path, key: Path) -> str:
     return (
         "[edge]\nmax_connections = 50000\n\n"
@@ -198,7 +182,7 @@ async def campaign(
     edge = procs.tlsedge("tlsedge", edge_config(pp, tls, echo, cert, key), pp, nofile)
     fds_base = fd_count(edge.pid)
     samples = args.samples
-    unloaded = await trio.to_thread.run_sync(run_probe, pp, samples)
+    unloaded = await trio.to_thread.run_sync(run_probe, SCRIPT, pp, samples)
     kinds = {name: Kind(name) for name in KINDS}
     payload = {
         "proxy-trickle": PROXY_LINE,
@@ -217,7 +201,7 @@ async def campaign(
             if i % 100 == 99:
                 await trio.sleep(0.05)  # ramp up instead of a SYN flood
         await trio.sleep(TIMEOUT / 2)  # all of them pending
-        loaded = await trio.to_thread.run_sync(run_probe, pp, samples)
+        loaded = await trio.to_thread.run_sync(run_probe, SCRIPT, pp, samples)
     with trio.move_on_after(15):
         while fd_count(edge.pid) > fds_base + 4:  # noqa: ASYNC110
             await trio.sleep(0.2)

@@ -63,6 +63,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.tlsedge.test_relay import NoHalfClose, Passthrough
 from tlsedge._relay import RelayStats, Termination, relay
 
 # Longest a settle or a blocking read may take before the test calls it a hang.
@@ -89,50 +90,6 @@ Wiring = Literal["fast", "stream", "tls_like_client"]
 _CLEAN = {Termination.CLIENT_CLOSED, Termination.SERVER_CLOSED}
 
 F = TypeVar("F", bound=Callable[..., None])
-
-
-# -- relay-side stream wrappers --------------------------------------------------
-
-
-class Passthrough(trio.abc.HalfCloseableStream):
-    """Hides a SocketStream's type so relay() takes its generic stream path."""
-
-    def __init__(self, inner: trio.SocketStream) -> None:
-        self.transport_stream = inner  # how set_abortive_close finds the socket
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.transport_stream.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.transport_stream.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.transport_stream.receive_some(max_bytes)
-
-    async def send_eof(self) -> None:
-        await self.transport_stream.send_eof()
-
-    async def aclose(self) -> None:
-        await self.transport_stream.aclose()
-
-
-class NoHalfClose(trio.abc.Stream):
-    """A stream without send_eof, like trio.SSLStream."""
-
-    def __init__(self, inner: trio.SocketStream) -> None:
-        self.transport_stream = inner
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.transport_stream.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.transport_stream.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.transport_stream.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.transport_stream.aclose()
 
 
 # -- the relay under test, in its own trio run ------------------------------------
