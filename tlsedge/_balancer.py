@@ -6,9 +6,11 @@ failed servers in ``exclude``, for each connect retry).
 
 State lives in `Server` objects that three parties share:
 
-- the relay increments `Server.active` right after a pick (before it awaits the
-  connect, so that concurrent picks already see the new connection) and
-  decrements it when the upstream connection closes;
+- a `ServerLease` owns one count of `Server.active`: the connection path takes
+  one right after a pick (before it awaits the connect, so that concurrent picks
+  already see the new connection) and releases it exactly once, when the
+  upstream connection closes (tcp mode) or goes back to the keep-alive pool
+  (http mode). Nothing else writes ``active``;
 - the health checker (`tlsedge._health`) writes `Server.healthy` and
   `Server.down_until`;
 - the balancer only reads them, except for its own bookkeeping (smooth
@@ -35,6 +37,7 @@ __all__ = [
     "POLICIES",
     "Balancer",
     "Server",
+    "ServerLease",
 ]
 
 #: The ``balance`` values a backend accepts, in the order the docs list them.
@@ -66,7 +69,9 @@ class Server:
         weight: Relative share of new connections, at least 1.
         healthy: False while the server is marked down. Starts True so that
             traffic flows at startup before any health check has run.
-        active: Open upstream connections to this server.
+        active: Upstream connections in use to this server: the number of
+            unreleased `ServerLease` objects (idle pooled connections do not
+            count).
         down_until: While the server is down because real traffic failed and no
             active check runs, the `time.monotonic`-style clock value after which
             the balancer offers it traffic again as a trial (half-open). None
@@ -115,6 +120,45 @@ class Server:
         True when healthy, or when a passive ejection's cool-down has passed.
         """
         return self.healthy or (self.down_until is not None and now >= self.down_until)
+
+
+class ServerLease:
+    """One use of a server, holding one count of `Server.active` until released.
+
+    The single owner of a server's connection count: whoever picks a server
+    takes a lease before connecting and releases it when it is done with the
+    connection, whatever the mode. `release` is idempotent, so a cleanup path
+    that runs twice (an error, then a ``finally``) cannot count twice.
+
+    Args:
+        server: The server in use.
+        on_release: Called once with the lease when it is released (metrics).
+    """
+
+    __slots__ = ("_on_release", "released", "server")
+
+    def __init__(
+        self,
+        server: Server,
+        on_release: Callable[[ServerLease], None] | None = None,
+    ) -> None:
+        self.server = server
+        self.released = False
+        self._on_release = on_release
+        server.active += 1
+
+    def release(self) -> None:
+        """Give the count back (once; later calls do nothing)."""
+        if self.released:
+            return
+        self.released = True
+        self.server.active -= 1
+        if self._on_release is not None:
+            self._on_release(self)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<ServerLease {self.server} {state}>"
 
 
 class _Affinity:

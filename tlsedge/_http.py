@@ -97,10 +97,8 @@ import http
 import json
 import logging
 import math
-import os
 import re
 import select
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Final
@@ -109,7 +107,7 @@ import h11
 import trio
 
 from tlsedge._accesslog import format_address
-from tlsedge._balancer import Server
+from tlsedge._balancer import Server, ServerLease
 from tlsedge._config import HttpConfig, ListenerConfig
 from tlsedge._forwarded import (
     FORWARDING_HEADERS,
@@ -719,10 +717,16 @@ class _UpstreamGoneError(Exception):
 @dataclass(slots=True)
 class _Upstream:
     stream: trio.abc.Stream
-    server: Server
+    #: Held while an exchange uses the connection; a dedicated connection
+    #: waiting for its client's next request holds a released one.
+    lease: ServerLease
     reused: bool
     connect_time: float
     prefix: bytes = b""  # the PROXY header, sent with the first request head
+
+    @property
+    def server(self) -> Server:
+        return self.lease.server
 
 
 @dataclass(slots=True)
@@ -782,6 +786,8 @@ class _HttpConnection:
         connection_id: str,
         result: HttpConnectionResult,
         on_request: Callable[[RequestLog], None] | None = None,
+        *,
+        initial_data: bytes = b"",
     ) -> None:
         self.client = client
         self.listener = listener
@@ -803,7 +809,8 @@ class _HttpConnection:
         )
         rid = listener.forwarded.request_id
         self.request_id_name = rid.lower().encode() if rid else None
-        self.buffer = bytearray()
+        self.buffer = bytearray(initial_data)
+        result.bytes_from_client += len(initial_data)
         self.client_eof = False
         self.started = trio.current_time()
         self.idle_scope: trio.CancelScope | None = None
@@ -1290,6 +1297,9 @@ class _HttpConnection:
     ) -> _Upstream:
         """A connection for the next exchange: dedicated, pooled or new.
 
+        The returned connection holds a lease on its server, given back by
+        `_finish_upstream` (or `close_upstreams`).
+
         Raises:
             NoServerError: no healthy server.
             ConnectFailedError: every attempt failed.
@@ -1297,7 +1307,7 @@ class _HttpConnection:
         if self.proxy_header is not None:
             if self.dedicated is not None:
                 upstream, self.dedicated = self.dedicated, None
-                upstream.server.active += 1
+                upstream.lease = self.backend.lease(upstream.server)
                 upstream.reused = True
                 return upstream
             return await self._connect(None, proxy_header=self.proxy_header)
@@ -1310,8 +1320,9 @@ class _HttpConnection:
             return await self._connect(None)
         stream = None if fresh else await self.keepalive.acquire(server)
         if stream is not None:
-            server.active += 1
-            return _Upstream(stream, server, reused=True, connect_time=0.0)
+            return _Upstream(
+                stream, self.backend.lease(server), reused=True, connect_time=0.0
+            )
         return await self._connect(server)
 
     async def _connect(
@@ -1320,67 +1331,23 @@ class _HttpConnection:
         """Open a new upstream connection (to *server* first, if given).
 
         The first attempt goes to the server the balancer picked for the pool
-        lookup; if it fails and the backend has ``retries``, `BackendPool.connect`
-        takes over with its usual sequence (so a failing first server costs one
-        attempt more than in tcp mode; with ``retries = 0`` there is one attempt).
+        lookup; `BackendPool.connect` retries as configured from there.
         """
         started = trio.current_time()
-        stream: trio.abc.Stream | None = None
-        if server is not None:
-            stream = await self._connect_to(server)
-            if stream is None and self.backend.config.retries == 0:
-                msg = f"backend {self.backend.name}: connect to {server} failed"
-                raise ConnectFailedError(msg)
-        if stream is None:
-            connected = await self.backend.connect(self.client_ip)
-            stream, server = connected.stream, connected.server
-        assert server is not None
+        connected = await self.backend.connect(self.client_ip, first=server)
         return _Upstream(
-            stream,
-            server,
+            connected.stream,
+            connected.lease,
             reused=False,
             connect_time=trio.current_time() - started,
             prefix=proxy_header or b"",
         )
 
-    async def _connect_to(self, server: Server) -> trio.abc.Stream | None:
-        """One connect attempt to *server*; None (counted as failure) if it fails."""
-        # (BackendPool offers no "connect to this server"; this mirrors its
-        # private _open and reports to the same health state.)
-        health = next((h for h in self.backend.servers if h.server is server), None)
-        host, port = server.address
-        sock = trio.socket.socket(
-            socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
-        )
-        server.active += 1
-        try:
-            with trio.fail_after(self.backend.config.connect_timeout):
-                await sock.connect((host, port))
-        except (OSError, trio.TooSlowError) as exc:
-            server.active -= 1
-            sock.close()
-            detail = (
-                os.strerror(exc.errno).lower()
-                if isinstance(exc, OSError) and exc.errno
-                else str(exc) or type(exc).__name__
-            )
-            LOGGER.info("backend %s: %s: %s", self.backend.name, server, detail)
-            if health is not None:
-                health.connect_failed(detail)
-            return None
-        except BaseException:
-            server.active -= 1
-            sock.close()
-            raise
-        if health is not None:
-            health.connect_succeeded()
-        return trio.SocketStream(sock)
-
     async def _finish_upstream(self, ex: _Exchange, *, reusable: bool) -> None:
         """Pool, keep (dedicated) or close the exchange's upstream connection."""
         upstream = ex.upstream
         self.in_flight = None
-        upstream.server.active -= 1
+        upstream.lease.release()
         uconn = ex.uconn
         clean = (
             reusable
@@ -1400,9 +1367,8 @@ class _HttpConnection:
     async def close_upstreams(self) -> None:
         for upstream in (self.in_flight, self.dedicated):
             if upstream is not None:
+                upstream.lease.release()
                 await trio.aclose_forcefully(upstream.stream)
-        if self.in_flight is not None:
-            self.in_flight.server.active -= 1
         self.in_flight = self.dedicated = None
 
     # -- proxying one exchange ----------------------------------------------
@@ -1815,6 +1781,7 @@ async def serve_http(
     connection_id: str,
     result: HttpConnectionResult | None = None,
     on_request: Callable[[RequestLog], None] | None = None,
+    initial_data: bytes = b"",
 ) -> HttpConnectionResult:
     """Proxy HTTP/1.1 requests from *client* to *backend* until the connection ends.
 
@@ -1840,6 +1807,8 @@ async def serve_http(
             of a connection that gets cancelled.
         on_request: Called with each request's `RequestLog` once it is complete
             (right after its access-log line), e.g. for metrics.
+        initial_data: Client bytes an earlier stage read past its own data
+            (what followed a PROXY header): the start of the first request.
 
     Returns:
         Requests served, bytes each way and why the connection ended.
@@ -1859,6 +1828,7 @@ async def serve_http(
         connection_id,
         result,
         on_request,
+        initial_data=initial_data,
     )
     try:
         await connection.run()

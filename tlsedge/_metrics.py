@@ -8,8 +8,10 @@ one, so several edges in one process, as in the tests, do not mix) holding two
 kinds of metrics:
 
 - *Event metrics*, counters, gauges and histograms that the connection path
-  updates: a connection was accepted (`EdgeMetrics.connection_opened`), reached
-  a server (`EdgeMetrics.server_connected`), sent a bad PROXY header
+  updates: a connection was accepted (`EdgeMetrics.connection_opened`), a
+  server's lease was taken or released and a new upstream connection made
+  (`EdgeMetrics.server_leased` and friends, as the backend pool's
+  `LeaseObserver`, in every mode), sent a bad PROXY header
   (`EdgeMetrics.proxy_header_error`), and ended (`EdgeMetrics.record`, which
   derives everything else from the finished `ConnectionLog`: termination
   cause, TLS outcome, bytes, duration). HTTP mode calls
@@ -310,7 +312,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
         server_connections=_Children(
             Counter(
                 "tlsedge_server_connections",
-                "Connections relayed to a backend server.",
+                "Upstream connections made to a backend server.",
                 server,
                 registry=r,
             ),
@@ -318,7 +320,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
         server_active=_Children(
             Gauge(
                 "tlsedge_server_active_connections",
-                "Connections open to a backend server now.",
+                "Upstream connections in use to a backend server now.",
                 server,
                 registry=r,
                 multiprocess_mode="livesum",
@@ -426,15 +428,19 @@ class EdgeMetrics:
         self._m.accepted(listener).inc()
         self._m.active(listener).inc()
 
-    def server_connected(self, log: ConnectionLog, attempts: int) -> None:
-        """The connection of *log* reached ``log.server`` after *attempts* tries.
-
-        Call it right after setting ``log.server``; `record` undoes the
-        active-connection count when the connection ends.
-        """
-        backend, server = log.backend or "", log.server or ""
-        self._m.server_connections(backend, server).inc()
+    def server_leased(self, backend: str, server: str) -> None:
+        """A connection to *server* is opening or in use (a `ServerLease`)."""
         self._m.server_active(backend, server).inc()
+
+    def server_released(self, backend: str, server: str) -> None:
+        """The lease of `server_leased` was given back."""
+        self._m.server_active(backend, server).dec()
+
+    def server_connection_opened(
+        self, backend: str, server: str, attempts: int
+    ) -> None:
+        """A new upstream connection to *server* was made after *attempts* tries."""
+        self._m.server_connections(backend, server).inc()
         if attempts > 1:
             self._m.retries(backend).inc(attempts - 1)
 
@@ -463,7 +469,6 @@ class EdgeMetrics:
         backend = log.backend or ""
         if log.server is not None:
             server = log.server
-            m.server_active(backend, server).dec()
             if log.bytes_from_client:
                 m.server_bytes_sent(backend, server).inc(log.bytes_from_client)
             if log.bytes_from_server:

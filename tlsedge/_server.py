@@ -58,6 +58,7 @@ from tlsedge._http import (
     HttpConnectionResult,
     KeepAlivePool,
     RequestLog,
+    Termination as HttpTermination,
     serve_http,
 )
 from tlsedge._listen import open_listening_sockets
@@ -89,6 +90,9 @@ _ACCEPT_BATCH = 64
 _LISTEN_BACKLOG = 65535
 # How a relay ends when the client side finishes first; see ``health_check``.
 _CLIENT_ENDED = frozenset({Termination.CLIENT_CLOSED, Termination.CLIENT_ERROR})
+_HTTP_CLIENT_ENDED = frozenset(
+    {HttpTermination.CLIENT_CLOSED, HttpTermination.CLIENT_ERROR}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +243,7 @@ class Edge:
             for backend in config.backends:
                 pool = self._pools.get(backend.name)
                 if pool is None:
-                    pool = await BackendPool.create(backend)
+                    pool = await BackendPool.create(backend, observer=self._metrics)
                 else:
                     await pool.update(backend)
                 pools[backend.name] = pool
@@ -295,7 +299,9 @@ class Edge:
         """
         try:
             for backend in self.config.backends:
-                self._pools[backend.name] = await BackendPool.create(backend)
+                self._pools[backend.name] = await BackendPool.create(
+                    backend, observer=self._metrics
+                )
         except OSError as exc:
             raise ConfigError(f"backends: {exc}") from exc
         states = [_listener_state(lconf) for lconf in self.config.listeners]
@@ -590,8 +596,12 @@ class Edge:
                 try:
                     await tls_stream.do_handshake()
                 except trio.BrokenResourceError as exc:
-                    log.termination = "tls_error"
                     log.detail = str(exc.__cause__ or exc)
+                    if health_check and tls_stream.transport_bytes_received == 0:
+                        # The load balancer's check: connect, header, close.
+                        log.termination = "health_check"
+                        return None, client
+                    log.termination = "tls_error"
                     LOGGER.info(
                         "listener %s: TLS handshake with %s failed: %s",
                         config.name,
@@ -618,7 +628,15 @@ class Edge:
                 destination=destination,
                 ssl_info=ssl_info,
                 log=log,
+                initial_data=leftover,
             )
+            if (
+                health_check
+                and log.requests == 0
+                and log.bytes_from_client == 0
+                and log.termination in _HTTP_CLIENT_ENDED
+            ):
+                log.termination = "health_check"
             return None, client
         try:
             connected = await pool.connect(
@@ -633,9 +651,7 @@ class Edge:
             LOGGER.warning("listener %s: %s", config.name, exc)
             return None, client
         upstream: trio.abc.Stream = connected.stream
-        server = connected.server
-        log.server = format_address(server.address)
-        self._metrics.server_connected(log, connected.attempts)
+        log.server = format_address(connected.server.address)
         # Client bytes that came with the PROXY header or the TLS handshake.
         stats = RelayStats(bytes_from_client=len(leftover))
         try:
@@ -676,7 +692,7 @@ class Edge:
                 await trio.aclose_forcefully(upstream)
             raise
         finally:
-            server.active -= 1
+            connected.lease.release()
             log.bytes_from_client = stats.bytes_from_client
             log.bytes_from_server = stats.bytes_from_server
             if stats.termination is not None:
@@ -714,6 +730,7 @@ class Edge:
         destination: tuple[str, int] | None,
         ssl_info: SSLFacts | None,
         log: ConnectionLog,
+        initial_data: bytes,
     ) -> None:
         """HTTP mode: h11 on both sides (see ``_http.py``)."""
         backend = pool.config
@@ -740,6 +757,7 @@ class Edge:
                 connection_id=log.id,
                 result=result,
                 on_request=self._record_http_request,
+                initial_data=initial_data,
             )
         finally:
             log.bytes_from_client = result.bytes_from_client

@@ -112,6 +112,8 @@ class TLSStream(trio.abc.HalfCloseableStream):
         initial_data: bytes = b"",
     ) -> None:
         self.transport_stream = transport_stream
+        #: Bytes read from the transport (``initial_data`` included).
+        self.transport_bytes_received = len(initial_data)
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         if initial_data:
@@ -195,6 +197,7 @@ class TLSStream(trio.abc.HalfCloseableStream):
         except trio.BrokenResourceError as exc:
             raise self._fail(exc) from exc
         if data:
+            self.transport_bytes_received += len(data)
             self._incoming.write(data)
         else:
             self._incoming.write_eof()

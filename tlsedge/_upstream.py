@@ -23,17 +23,25 @@ import os
 import socket
 import ssl
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
-from tlsedge._balancer import Balancer, Server
+from tlsedge._balancer import Balancer, Server, ServerLease
 from tlsedge._certs import CertificateError
 from tlsedge._config import BackendConfig, HealthConfig
 from tlsedge._discovery import DnsDiscovery, Found
 from tlsedge._health import HealthState, ServerHealth, run_health_checks
 from tlsedge._tls import backend_server_hostname, build_client_context
 
-__all__ = ["BackendPool", "ConnectFailedError", "NoServerError", "resolve"]
+__all__ = [
+    "BackendPool",
+    "ConnectFailedError",
+    "Connected",
+    "LeaseObserver",
+    "NoServerError",
+    "resolve",
+]
 
 LOGGER = logging.getLogger("tlsedge.upstream")
 
@@ -52,11 +60,37 @@ class ConnectFailedError(Exception):
 
 @dataclass(slots=True)
 class Connected:
-    """A connected upstream socket and the server it goes to."""
+    """A connected upstream socket and the lease on the server it goes to.
+
+    The caller owns both: it closes the stream and releases the lease.
+    """
 
     stream: trio.SocketStream
-    server: Server
+    lease: ServerLease
     attempts: int
+
+    @property
+    def server(self) -> Server:
+        return self.lease.server
+
+
+class LeaseObserver(Protocol):
+    """Hears about a backend's server use (the edge's metrics implement it).
+
+    ``server`` is the server's address as the access log writes it
+    (``str(Server)``).
+    """
+
+    def server_leased(self, backend: str, server: str) -> None:
+        """A lease on *server* was taken (a connection is opening or in use)."""
+
+    def server_released(self, backend: str, server: str) -> None:
+        """A lease on *server* was released."""
+
+    def server_connection_opened(
+        self, backend: str, server: str, attempts: int
+    ) -> None:
+        """A new upstream connection to *server* was made after *attempts* tries."""
 
 
 async def resolve(host: str, port: int) -> tuple[str, int]:
@@ -116,15 +150,22 @@ class BackendPool:
         # the checks of servers that come and go.
         self._health_nursery: trio.Nursery | None = None
         self._health_scopes: dict[tuple[str, int], trio.CancelScope] = {}
+        #: Told about every lease and new connection (the edge's metrics).
+        self.observer: LeaseObserver | None = None
 
     @classmethod
-    async def create(cls, config: BackendConfig) -> BackendPool:
+    async def create(
+        cls, config: BackendConfig, *, observer: LeaseObserver | None = None
+    ) -> BackendPool:
         """Resolve the servers of *config* and build the pool.
+
+        *observer* hears about every lease and new connection (metrics).
 
         Raises:
             OSError: a server name does not resolve.
         """
         pool = cls(config)
+        pool.observer = observer
         await pool.update(config)
         return pool
 
@@ -284,10 +325,32 @@ class BackendPool:
                 scope = self._health_scopes[address] = trio.CancelScope()
                 nursery.start_soon(self._check_server, server_health, health, scope)
 
-    async def connect(self, client_ip: str | None) -> Connected:
+    def lease(self, server: Server) -> ServerLease:
+        """Take a lease on *server*: it counts in ``server.active`` until released.
+
+        Every use of a server goes through here (a connect in tcp mode, an
+        exchange in http mode, whether its connection is new or pooled).
+        """
+        observer = self.observer
+        if observer is None:
+            return ServerLease(server)
+        backend, label = self.name, str(server)
+        observer.server_leased(backend, label)
+        return ServerLease(server, lambda _: observer.server_released(backend, label))
+
+    async def connect(
+        self, client_ip: str | None, *, first: Server | None = None
+    ) -> Connected:
         """Pick a server and connect to it, retrying as configured.
 
-        Each attempt is bounded by ``connect_timeout`` (a cancel scope).
+        Each attempt is bounded by ``connect_timeout`` (a cancel scope). The
+        attempt's lease is taken before the connect is awaited, so concurrent
+        picks see it; a failed attempt releases it.
+
+        Args:
+            client_ip: The client's address, for "source-ip" affinity.
+            first: The server for the first attempt, when the caller picked
+                one already (http mode looks in its keep-alive pool first).
 
         Raises:
             NoServerError: no healthy server.
@@ -297,17 +360,17 @@ class BackendPool:
         attempts = 1 + config.retries
         tried: list[Server] = []
         failures: list[str] = []
-        server = self.balancer.pick(client_ip)
+        server = first if first is not None else self.balancer.pick(client_ip)
         for attempt in range(1, attempts + 1):
             if server is None:
                 break
             tried.append(server)
             health = self._health.get(server.address)
-            server.active += 1
+            lease = self.lease(server)
             try:
                 stream = await self._open(server, config.connect_timeout)
             except (OSError, trio.TooSlowError) as exc:
-                server.active -= 1
+                lease.release()
                 detail = (
                     f"timeout after {config.connect_timeout:g} s"
                     if isinstance(exc, trio.TooSlowError)
@@ -319,10 +382,17 @@ class BackendPool:
                 local = isinstance(exc, OSError) and exc.errno in _LOCAL_ERRNOS
                 if health is not None and not local:
                     health.connect_failed(detail)
+            except BaseException:
+                lease.release()
+                raise
             else:
                 if health is not None:
                     health.connect_succeeded()
-                return Connected(stream, server, attempt)
+                if self.observer is not None:
+                    self.observer.server_connection_opened(
+                        self.name, str(server), attempt
+                    )
+                return Connected(stream, lease, attempt)
             if attempt == attempts:
                 break
             await trio.sleep(RETRY_DELAY)

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, strategies as st
 
-from tlsedge._balancer import POLICIES, Balancer, Server
+from tlsedge._balancer import POLICIES, Balancer, Server, ServerLease
 
 
 class FakeClock:
@@ -434,3 +434,22 @@ def test_balancer_never_picks_an_unavailable_server(
                 clock.now += step
             case _:
                 raise AssertionError(op)
+
+
+# -- leases ------------------------------------------------------------------
+
+
+def test_a_lease_counts_once_and_releases_once() -> None:
+    server = Server(("127.0.0.1", 80))
+    released: list[ServerLease] = []
+    first = ServerLease(server, released.append)
+    second = ServerLease(server)
+    assert server.active == 2
+    first.release()
+    first.release()  # a second cleanup path gives nothing back twice
+    assert server.active == 1
+    assert released == [first]
+    assert first.released
+    assert not second.released
+    second.release()
+    assert server.active == 0

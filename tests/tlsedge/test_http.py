@@ -1320,7 +1320,8 @@ async def test_connect_refused_502() -> None:
         (result,) = await wait_results(proxy)
     assert response.status == 502
     assert response.header(b"content-type") == b"text/plain; charset=utf-8"
-    assert b"connect to 127.0.0.1" in response.body
+    assert b"1 connect attempts failed (127.0.0.1:" in response.body
+    assert b"connection refused" in response.body
     assert result.termination == "connect_failed"
     # With retries the backend's usual connect sequence follows.
     async with running_proxy([f"127.0.0.1:{port}"], backend={"retries": 2}) as proxy:

@@ -314,7 +314,9 @@ async def test_record_derives_everything_from_the_connection_log() -> None:
     metrics.connection_opened("in")
     log = ConnectionLog(id="1", listener="in", peer="127.0.0.1:1", backend="b")
     log.server = "127.0.0.1:8080"
-    metrics.server_connected(log, attempts=3)
+    metrics.server_leased("b", log.server)
+    metrics.server_connection_opened("b", log.server, attempts=3)
+    metrics.server_released("b", log.server)
     log.tls = "TLSv1.3 TLS_AES_128_GCM_SHA256"
     log.bytes_from_client, log.bytes_from_server = 10, 20
     log.termination = "client_closed"
@@ -323,6 +325,7 @@ async def test_record_derives_everything_from_the_connection_log() -> None:
     assert total(text, "tlsedge_backend_retries_total", backend="b") == 2
     assert total(text, "tlsedge_tls_handshakes_total", version="TLSv1.3") == 1
     assert total(text, "tlsedge_server_active_connections") == 0
+    assert total(text, "tlsedge_server_connections_total", backend="b") == 1
     assert total(text, "tlsedge_connections_refused_total") == 0
     assert total(text, "tlsedge_connections_closed_total", termination="client_closed")
     assert "connect_failed" in REFUSED_TERMINATIONS

@@ -6,13 +6,17 @@ import hashlib
 import json
 import logging
 import os
+import socket
+import ssl
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
+import trustme
 
 import tlsedge._server
 from proxyproto import ProxyHeader, encode, encode_v2, parse
@@ -26,15 +30,18 @@ from tests.tlsedge.helpers import (
     make_config,
     proxy_echo_handler,
     read_all,
+    read_proxy,
     running_edge,
     tag_handler,
     wait_access_records,
     wait_until,
 )
+from tests.tlsedge.test_tls_edge import PrefixFirstSend
 from tlsedge._config import Config
 from tlsedge._proxy_wrap import build_proxy_header
 from tlsedge._relay import set_abortive_close
 from tlsedge._server import Edge
+from tlsedge._tls_stream import TLSStream
 
 LOOPBACK = ["127.0.0.1/32"]
 ELSEWHERE = ["10.0.0.0/8"]
@@ -836,3 +843,223 @@ async def test_a_bug_on_one_connection_does_not_stop_the_edge(
     assert "simulated bug" in record["detail"]
     assert answer["data"] == "next"
     await wait_until(lambda: backend.active == 0)  # its upstream was closed
+
+
+# -- bytes after the PROXY header, every mode --------------------------------
+
+
+def _http_backend_handler(seen: list[bytes]) -> Any:
+    """Answers one HTTP request with 200 and records the head it received."""
+
+    async def handler(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                return
+            head += chunk
+        seen.append(head)
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+        )
+
+    return handler
+
+
+def _tls_listener(tmp_path: Path) -> tuple[dict[str, Any], ssl.SSLContext]:
+    ca = trustme.CA()
+    leaf = ca.issue_cert("edge.test")
+    leaf.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "edge.pem"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "edge.key"))
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    tls = {
+        "certificates": [
+            {"cert": str(tmp_path / "edge.pem"), "key": str(tmp_path / "edge.key")}
+        ]
+    }
+    return tls, context
+
+
+@pytest.mark.parametrize("mode", ["tcp", "tls", "http", "http+tls"])
+async def test_bytes_in_the_segment_of_the_proxy_header_reach_the_next_stage(
+    nursery: trio.Nursery, tmp_path: Path, mode: str
+) -> None:
+    # The PROXY header and the client's first bytes in one send(), as
+    # HAProxy's send-proxy and AWS NLB send them.
+    seen: list[bytes] = []
+    http = mode.startswith("http")
+    handler = _http_backend_handler(seen) if http else proxy_echo_handler(proxy=False)
+    backend = await Backend(handler).start(nursery)
+    listener: dict[str, Any] = {
+        "name": "in",
+        "backend": "b",
+        "mode": "http" if http else "tcp",
+        "proxy_protocol": {"trusted": LOOPBACK},
+    }
+    context = None
+    if mode.endswith("tls"):
+        listener["tls"], context = _tls_listener(tmp_path)
+    config = make_config([listener], [{"name": "b", "servers": [backend.address]}])
+    header = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION, version=1))
+    request = (
+        b"GET /first HTTP/1.1\r\nHost: edge.test\r\nConnection: close\r\n\r\n"
+        if http
+        else b"first"
+    )
+    async with running_edge(config) as edge:
+        tcp = await connect(address_of(edge, "in"))
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        client: trio.abc.Stream
+        if context is None:
+            await tcp.send_all(header + request)
+            client = tcp
+        else:
+            prefixed = PrefixFirstSend(tcp, header)
+            client = TLSStream(
+                prefixed, context, server_side=False, server_hostname="edge.test"
+            )
+            with trio.fail_after(10):
+                await client.do_handshake()
+            assert prefixed.first_send is not None
+            assert prefixed.first_send[len(header)] == 0x16  # the ClientHello
+            await client.send_all(request)
+        if not http:
+            assert isinstance(client, trio.abc.HalfCloseableStream)
+            await client.send_eof()
+        with trio.fail_after(10):
+            answer = await read_until_closed(client)
+        await trio.aclose_forcefully(client)
+    if http:
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+        assert answer.endswith(b"ok")
+        (head,) = seen
+        assert head.startswith(b"GET /first HTTP/1.1\r\n")
+        assert b"x-forwarded-for: 203.0.113.7\r\n" in head.lower()
+    else:
+        assert json.loads(answer)["data"] == "first"
+
+
+# -- a server's connection count: one lease per use, every mode ----------------
+
+
+def _server_metrics(edge: Edge) -> dict[tuple[str, str], float]:
+    return {
+        (name, labels["server"]): value
+        for name, labels, value in edge._metrics.samples()
+        if name
+        in {"tlsedge_server_active_connections", "tlsedge_server_connections_total"}
+    }
+
+
+def _keepalive_http_handler(seen: list[bytes], *, proxy: bool) -> Any:
+    """Answers every request on a connection with ``200 ok`` (keep-alive)."""
+
+    async def handler(stream: trio.SocketStream) -> None:
+        buffer = b""
+        if proxy:
+            _, buffer = await read_proxy(stream)
+        while True:
+            while b"\r\n\r\n" not in buffer:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    return
+                buffer += chunk
+            head, _, buffer = buffer.partition(b"\r\n\r\n")
+            seen.append(head)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    return handler
+
+
+@pytest.mark.parametrize("send_proxy", ["none", "v2"])
+async def test_http_mode_server_counts_return_to_zero(
+    nursery: trio.Nursery, send_proxy: str
+) -> None:
+    seen: list[bytes] = []
+    handler = _keepalive_http_handler(seen, proxy=send_proxy != "none")
+    a = await Backend(handler).start(nursery)
+    b = await Backend(handler).start(nursery)
+    config = make_config(
+        [{"name": "in", "backend": "app", "mode": "http"}],
+        [
+            {
+                "name": "app",
+                "servers": [a.address, b.address],
+                "send_proxy": send_proxy,
+            }
+        ],
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        for requests in (3, 4, 4):  # 11 requests on three connections
+            async with await connect(address) as client:
+                for _ in range(requests):
+                    await client.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                    answer = b""
+                    with trio.fail_after(10):
+                        while not answer.endswith(b"ok"):
+                            answer += await client.receive_some(65536)
+                    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        await wait_until(lambda: edge.active_connections == 0)
+        pool = edge._pools["app"]
+        counts = {h.server.address[1]: h.server.active for h in pool.servers}
+        metrics = _server_metrics(edge)
+    assert len(seen) == 11
+    assert counts == {a.port: 0, b.port: 0}
+    active = {
+        server: value
+        for (name, server), value in metrics.items()
+        if name == "tlsedge_server_active_connections"
+    }
+    opened = {
+        server: value
+        for (name, server), value in metrics.items()
+        if name == "tlsedge_server_connections_total"
+    }
+    assert active == {a.address: 0.0, b.address: 0.0}, metrics
+    # Both servers got connections: one per client connection with send_proxy
+    # (dedicated), fewer when pooled.
+    assert set(opened) == {a.address, b.address}, metrics
+    assert (
+        sum(opened.values()) == 3
+        if send_proxy == "v2"
+        else 2 <= sum(opened.values()) <= 3
+    )
+
+
+async def test_http_mode_counts_a_request_in_flight(nursery: trio.Nursery) -> None:
+    release = trio.Event()
+
+    async def slow(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        await release.wait()
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    backend = await Backend(slow).start(nursery)
+    config = make_config(
+        [{"name": "in", "backend": "app", "mode": "http"}],
+        [{"name": "app", "servers": [backend.address]}],
+    )
+    async with running_edge(config) as edge:
+        (health,) = edge._pools["app"].servers
+        async with await connect(address_of(edge, "in")) as client:
+            await client.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await wait_until(lambda: backend.active == 1)
+            in_flight = health.server.active
+            in_flight_metric = _server_metrics(edge)[
+                ("tlsedge_server_active_connections", backend.address)
+            ]
+            release.set()
+            answer = b""
+            with trio.fail_after(10):
+                while not answer.endswith(b"ok"):
+                    answer += await client.receive_some(65536)
+        idle = health.server.active  # the upstream is pooled, not in use
+        idle_metric = _server_metrics(edge)[
+            ("tlsedge_server_active_connections", backend.address)
+        ]
+    assert (in_flight, in_flight_metric) == (1, 1.0)
+    assert (idle, idle_metric) == (0, 0.0)
