@@ -562,6 +562,7 @@ async def test_server_health_run_checks(
     ("kwargs", "message"),
     [
         ({"kind": "udp"}, "unknown health check kind 'udp'"),
+        ({"send_proxy": "v3"}, "unknown send_proxy 'v3'; choose one of none, v1, v2"),
         ({"interval": 0.0}, "interval and timeout"),
         ({"timeout": -1.0}, "interval and timeout"),
         ({"kind": "http", "path": "healthz"}, "bad health check path"),
