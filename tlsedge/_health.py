@@ -8,7 +8,10 @@ the balancer reads). Results flow in from two places and both count as
 
 - Active checks: `run_health_checks` probes the server every ``interval`` seconds
   (a TCP connect, or an HTTP GET whose status line must be 2xx/3xx) and records
-  a pass or a failure.
+  a pass or a failure. A check speaks what the server expects from the edge:
+  the backend's PROXY header version (a header for no client) and TLS with the
+  backend's own client context, so a server that needs either is not marked
+  down for a check it could never pass.
 - Passive results: the relay reports every upstream connect. A failed connect
   counts as a failure toward ``unhealthy_threshold``; a successful one resets the
   consecutive failure count.
@@ -41,13 +44,16 @@ import ipaddress
 import logging
 import re
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from typing import Final, NamedTuple, NoReturn
 
 import trio
 
+from proxyproto import ProxyHeader, encode_v1, encode_v2
 from tlsedge._balancer import Server
+from tlsedge._tls_stream import TLSStream
 
 __all__ = [
     "DEFAULT_HEALTHY_THRESHOLD",
@@ -89,7 +95,20 @@ MAX_STATUS_LINE: Final = 4096
 #: The ``kind`` values of ``[backends.health]``.
 HEALTH_CHECK_KINDS: Final = ("tcp", "http")
 
+# What a check sends first, by the backend's ``send_proxy``: a header that
+# describes no client (v2 LOCAL, v1 UNKNOWN), as HAProxy's
+# ``check-send-proxy`` does. Receivers then use the connection's own
+# addresses, and the check is not taken for a client.
+_CHECK_PROXY_HEADERS: Final = {
+    "none": b"",
+    "v1": encode_v1(ProxyHeader.unknown()),
+    "v2": encode_v2(ProxyHeader.local()),
+}
+
 _USER_AGENT: Final = "tlsedge-health"
+
+# ALPN outcomes an HTTP/1.1 check can talk over (None: no ALPN negotiated).
+_HTTP1_ALPN: Final = (None, "http/1.1", "http/1.0")
 
 # "HTTP/1.x NNN" then a space (reason phrase) or the end of the line.
 _STATUS_LINE: Final = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?:[ \t][^\r\n]*)?\r?\n")
@@ -409,6 +428,9 @@ class ServerHealth:
         interval: float = DEFAULT_INTERVAL,
         timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 (per check, see below)
         host_header: str = "",
+        send_proxy: str = "none",
+        tls_context: ssl.SSLContext | None = None,
+        server_hostname: str = "",
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> NoReturn:
         """`run_health_checks` for this server, state, backend name and clock."""
@@ -420,6 +442,9 @@ class ServerHealth:
             interval=interval,
             timeout=timeout,
             host_header=host_header,
+            send_proxy=send_proxy,
+            tls_context=tls_context,
+            server_hostname=server_hostname,
             backend=self.backend,
             clock=self.clock,
             task_status=task_status,
@@ -434,13 +459,90 @@ def _describe_error(exc: OSError) -> str:
     return (exc.strerror or type(exc).__name__).lower()
 
 
-async def _read_status_line(sock: trio.socket.SocketType) -> tuple[bool, str]:
+class _CheckTransport(trio.abc.Stream):
+    """A check's TCP stream that notes whether and how the server ended it.
+
+    A server that ends the connection after our PROXY header without a byte
+    of reply refused the header; `_check_once` says so.
+    """
+
+    __slots__ = ("ended", "replied", "stream")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        #: Whether any byte came from the server.
+        self.replied = False
+        #: How the server ended the connection ("connection closed",
+        #: "connection reset"), or None while it has not.
+        self.ended: str | None = None
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            await self.stream.send_all(data)
+        except trio.BrokenResourceError as exc:
+            self._broke(exc)
+            raise
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        try:
+            data = await self.stream.receive_some(max_bytes)
+        except trio.BrokenResourceError as exc:
+            self._broke(exc)
+            raise
+        if data:
+            self.replied = True
+        else:
+            self.ended = "connection closed"
+        return bytes(data)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    def _broke(self, exc: trio.BrokenResourceError) -> None:
+        cause = exc.__cause__
+        self.ended = (
+            _describe_error(cause) if isinstance(cause, OSError) else "connection lost"
+        )
+
+
+def _describe_broken(exc: BaseException, transport: _CheckTransport) -> str:
+    """Why a check's stream broke, in words for the log: the innermost cause."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate verify failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, ssl.SSLEOFError):
+        return (exc.reason or str(exc)).replace("_", " ").lower()
+    if transport.ended is not None:
+        return transport.ended
+    return str(exc) or type(exc).__name__
+
+
+class _Probe(NamedTuple):
+    """What every check of one server does; built once by `run_health_checks`."""
+
+    family: int
+    address: tuple[str, int]
+    #: Sent first (b"" with ``send_proxy = "none"``); see `_CHECK_PROXY_HEADERS`.
+    proxy_header: bytes
+    #: The backend's client context with ``protocol = "tls"``, else None.
+    tls_context: ssl.SSLContext | None
+    #: SNI and the name the certificate must match (with ``tls_context``).
+    server_hostname: str
+    #: The HTTP request (``kind = "http"``), or None (``kind = "tcp"``).
+    request: bytes | None
+
+
+async def _read_status_line(stream: trio.abc.ReceiveStream) -> tuple[bool, str]:
     """Read up to `MAX_STATUS_LINE` bytes until the first line; judge the status."""
     buffer = bytearray()
     while b"\n" not in buffer:
         if len(buffer) >= MAX_STATUS_LINE:
             return False, f"no status line in the first {MAX_STATUS_LINE} bytes"
-        chunk = await sock.recv(MAX_STATUS_LINE - len(buffer))
+        chunk = await stream.receive_some(MAX_STATUS_LINE - len(buffer))
         if not chunk:
             return False, "connection closed before the status line"
         buffer += chunk
@@ -452,39 +554,73 @@ async def _read_status_line(sock: trio.socket.SocketType) -> tuple[bool, str]:
     return 200 <= status < 400, f"HTTP {status}"
 
 
-async def _check_once(
-    family: int, address: tuple[str, int], request: bytes | None
-) -> tuple[bool, str]:
-    """One check: connect (and with a request, send it and judge the reply).
+async def _converse(probe: _Probe, transport: _CheckTransport) -> tuple[bool, str]:
+    """The check on a connected transport, in the data path's order: PROXY
+    header, TLS handshake, then with a request the request and its status line.
+
+    Raises:
+        trio.BrokenResourceError: the connection failed (other than in the TLS
+            handshake, whose failure is a result).
+    """
+    if probe.proxy_header:
+        await transport.send_all(probe.proxy_header)
+    if probe.tls_context is None:
+        stream: trio.abc.Stream = transport
+        done = "connected"
+    else:
+        tls = TLSStream(
+            transport,
+            probe.tls_context,
+            server_side=False,
+            server_hostname=probe.server_hostname,
+        )
+        try:
+            await tls.do_handshake()
+        except trio.BrokenResourceError as exc:
+            return False, f"TLS handshake failed: {_describe_broken(exc, transport)}"
+        stream = tls
+        done = f"TLS handshake completed ({tls.ssl_object.version()})"
+        alpn = tls.ssl_object.selected_alpn_protocol()
+        if probe.request is not None and alpn not in _HTTP1_ALPN:
+            # The backend's `alpn` let the server choose a protocol (h2)
+            # that the GET below is not: say so rather than "bad status line".
+            return False, f"the server chose ALPN {alpn!r}; http checks speak HTTP/1.1"
+    if probe.request is None:
+        return True, done
+    await stream.send_all(probe.request)
+    return await _read_status_line(stream)
+
+
+async def _check_once(probe: _Probe) -> tuple[bool, str]:
+    """One check: connect, then `_converse`.
 
     The caller bounds it with the ``timeout`` scope; the socket is closed on
     every path, cancellation included.
     """
-    sock: trio.socket.SocketType | None = None
+    sock = trio.socket.socket(probe.family, socket.SOCK_STREAM)
     try:
-        sock = trio.socket.socket(family, socket.SOCK_STREAM)
-        # Numeric address: trio converts it without a resolver thread.
-        await sock.connect(address)
-        if request is None:
-            return True, "connected"
-        view = memoryview(request)
-        while view:
-            sent = await sock.send(view)
-            view = view[sent:]
-        return await _read_status_line(sock)
-    except OSError as exc:
-        return False, _describe_error(exc)
+        try:
+            # Numeric address: trio converts it without a resolver thread.
+            await sock.connect(probe.address)
+        except OSError as exc:
+            return False, _describe_error(exc)
+        transport = _CheckTransport(trio.SocketStream(sock))
+        try:
+            ok, detail = await _converse(probe, transport)
+        except trio.BrokenResourceError as exc:
+            ok, detail = False, _describe_broken(exc, transport)
+        if not ok and probe.proxy_header and transport.ended and not transport.replied:
+            # Ended right after our header, without a byte of reply.
+            detail = f"PROXY header refused: {transport.ended}"
+        return ok, detail
     finally:
-        if sock is not None:
-            sock.close()
+        sock.close()
 
 
-async def _timed_check(
-    family: int, address: tuple[str, int], request: bytes | None, limit: float
-) -> tuple[bool, str]:
+async def _timed_check(probe: _Probe, limit: float) -> tuple[bool, str]:
     """`_check_once` within the health ``timeout`` (passed here as ``limit``)."""
     with trio.move_on_after(limit) as timeout:
-        return await _check_once(family, address, request)
+        return await _check_once(probe)
     assert timeout.cancelled_caught
     return False, f"timeout after {limit:g} s"
 
@@ -500,19 +636,33 @@ async def run_health_checks(
     # `[backends.health] timeout` field, applied as a move_on_after scope.
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
     host_header: str = "",
+    send_proxy: str = "none",
+    tls_context: ssl.SSLContext | None = None,
+    server_hostname: str = "",
     backend: str = "-",
     clock: Callable[[], float] = time.monotonic,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Check ``server`` every ``interval`` seconds until cancelled.
 
-    Each check must finish within ``timeout`` (a `trio.move_on_after` scope):
+    A check speaks what the server expects from the edge's own connections,
+    in the same order: first the PROXY header of ``send_proxy`` (one that
+    describes no client, `_CHECK_PROXY_HEADERS`, as HAProxy's
+    ``check-send-proxy`` sends), then with ``tls_context`` a TLS handshake
+    (SNI and certificate name ``server_hostname``), then:
 
-    - ``"tcp"``: the connect succeeds (the socket is closed right away);
-    - ``"http"``: connect, send ``GET {path} HTTP/1.1`` with ``Host:
-      {host_header}`` and ``Connection: close``, and read the status line (at
-      most `MAX_STATUS_LINE` bytes): 2xx and 3xx pass, anything else (another
+    - ``"tcp"``: nothing more: the connect (and the handshake) succeeded, and
+      the socket is closed right away;
+    - ``"http"``: send ``GET {path} HTTP/1.1`` with ``Host: {host_header}``
+      and ``Connection: close``, and read the status line (at most
+      `MAX_STATUS_LINE` bytes): 2xx and 3xx pass, anything else (another
       status, garbage, EOF, reset, timeout) fails.
+
+    All of it must finish within ``timeout`` (a `trio.move_on_after` scope).
+    A failed check's detail says what failed: "connection refused", "TLS
+    handshake failed: certificate verify failed: ...", "PROXY header refused:
+    connection closed" (the server ended the connection after the header
+    without a byte of reply), "HTTP 503", "timeout after 5 s".
 
     The first result sets the initial state outright; see the module docstring.
     Results update ``state`` and are copied to ``server``; UP/DOWN transitions
@@ -530,26 +680,44 @@ async def run_health_checks(
         path: Request target for "http".
         interval: Seconds between check starts.
         timeout: Seconds one check may take.
-        host_header: Host header for "http" (default: the server's address).
+        host_header: Host header for "http" (default: ``server_hostname`` when
+            it is a name, else the server's address).
+        send_proxy: "none", "v1" or "v2": the backend's ``send_proxy``.
+        tls_context: The backend's client context (``protocol = "tls"``), the
+            one its connections use; None for plain TCP.
+        server_hostname: With ``tls_context``: the name sent as SNI and
+            checked against the certificate (default: the server's IP).
         backend: Backend name for log lines.
         clock: Clock for `HealthState` timestamps; the `Balancer`'s clock.
         task_status: Started (with None) after the first check has completed,
             so that startup knows the initial state.
 
     Raises:
-        ValueError: unknown kind, non-positive interval or timeout, or a path or
-            host_header that is empty or has spaces or control characters.
+        ValueError: unknown kind or send_proxy, non-positive interval or
+            timeout, or a path or host_header that is empty or has spaces or
+            control characters.
     """
     if kind not in HEALTH_CHECK_KINDS:
         raise ValueError(
             f"unknown health check kind {kind!r}; "
             f"choose one of {', '.join(HEALTH_CHECK_KINDS)}"
         )
+    if send_proxy not in _CHECK_PROXY_HEADERS:
+        raise ValueError(
+            f"unknown send_proxy {send_proxy!r}; "
+            f"choose one of {', '.join(_CHECK_PROXY_HEADERS)}"
+        )
     if not (interval > 0 and timeout > 0):
         raise ValueError(f"interval and timeout must be > 0: {interval}, {timeout}")
+    address = server.address
+    server_hostname = server_hostname or address[0]
     request: bytes | None = None
     if kind == "http":
-        host = host_header or str(server)
+        host = host_header or (
+            server_hostname
+            if tls_context is not None and server_hostname != address[0]
+            else str(server)
+        )
         if not path.startswith("/") or _FORBIDDEN_IN_REQUEST.search(path):
             raise ValueError(f"bad health check path {path!r}")
         if _FORBIDDEN_IN_REQUEST.search(host):
@@ -558,18 +726,22 @@ async def run_health_checks(
             f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
             f"User-Agent: {_USER_AGENT}\r\n\r\n"
         ).encode("ascii")
-    address = server.address
-    family = (
-        socket.AF_INET6
+    probe = _Probe(
+        family=socket.AF_INET6
         if ipaddress.ip_address(address[0]).version == 6
-        else socket.AF_INET
+        else socket.AF_INET,
+        address=address,
+        proxy_header=_CHECK_PROXY_HEADERS[send_proxy],
+        tls_context=tls_context,
+        server_hostname=server_hostname,
+        request=request,
     )
 
     state.start_active_checks()
     _sync(server, state)
     try:
         next_check = trio.current_time()
-        ok, detail = await _timed_check(family, address, request, timeout)
+        ok, detail = await _timed_check(probe, timeout)
         changed = state.record_first_check(clock(), ok, detail)
         _sync(server, state)
         if changed:
@@ -578,7 +750,7 @@ async def run_health_checks(
         while True:
             next_check = max(next_check + interval, trio.current_time())
             await trio.sleep_until(next_check)
-            ok, detail = await _timed_check(family, address, request, timeout)
+            ok, detail = await _timed_check(probe, timeout)
             if ok:
                 changed = state.record_success(clock(), detail)
             else:

@@ -295,6 +295,9 @@ class BackendPool:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         address = server_health.server.address
+        # Checks speak what the edge's connections speak: the PROXY header
+        # version, and TLS with this pool's context and server name.
+        tls = self.config.tls if self.tls_context is not None else None
         try:
             with scope:
                 await run_health_checks(
@@ -304,6 +307,11 @@ class BackendPool:
                     path=health.path,
                     interval=health.interval,
                     timeout=health.timeout,
+                    send_proxy=self.config.send_proxy,
+                    tls_context=self.tls_context,
+                    server_hostname=""
+                    if tls is None
+                    else backend_server_hostname(tls, address[0]),
                     backend=self.name,
                     task_status=task_status,
                 )

@@ -1,18 +1,36 @@
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import socket
+import ssl
 import sys
-from collections.abc import Awaitable, Callable
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
+import trustme
 
+from proxyproto import ProxyHeader, parse
+from tests.peers import free_port, nginx
+from tests.tlsedge.helpers import (
+    address_of,
+    exchange,
+    make_config,
+    running_edge,
+    wait_until,
+)
 from tlsedge._balancer import Balancer, Server
+from tlsedge._config import Config
 from tlsedge._health import (
     HISTORY_LENGTH,
     MAX_STATUS_LINE,
@@ -21,6 +39,8 @@ from tlsedge._health import (
     ServerHealth,
     run_health_checks,
 )
+from tlsedge._tls_stream import TLSStream
+from tlsedge._upstream import BackendPool
 
 INTERVAL = 10.0
 TIMEOUT = 5.0
@@ -542,6 +562,7 @@ async def test_server_health_run_checks(
     ("kwargs", "message"),
     [
         ({"kind": "udp"}, "unknown health check kind 'udp'"),
+        ({"send_proxy": "v3"}, "unknown send_proxy 'v3'; choose one of none, v1, v2"),
         ({"interval": 0.0}, "interval and timeout"),
         ({"timeout": -1.0}, "interval and timeout"),
         ({"kind": "http", "path": "healthz"}, "bad health check path"),
@@ -576,3 +597,516 @@ async def test_ipv6_tcp_check(
     state = HealthState()
     await start_checker(nursery, Server(("::1", port)), state, kind="tcp")
     assert state.history[-1].ok
+
+
+# -- PROXY and TLS in checks: how failures read, and nothing leaks ---------------
+
+
+@dataclass(frozen=True)
+class TlsPeer:
+    """A server context for 127.0.0.1 and a client context that trusts it."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+
+
+@pytest.fixture(scope="module")
+def tls_peer() -> TlsPeer:
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server)
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+    return TlsPeer(server, client)
+
+
+async def hang_up(stream: trio.SocketStream) -> None:
+    """Read what comes first, then close cleanly (FIN, no RST) without a word."""
+    await stream.receive_some()
+    await stream.send_eof()
+    while await stream.receive_some():
+        pass
+
+
+@pytest.mark.parametrize(
+    ("send_proxy", "detail"),
+    [
+        ("none", "TLS handshake failed: connection closed"),
+        ("v1", "PROXY header refused: connection closed"),
+        ("v2", "PROXY header refused: connection closed"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["tcp", "http"])
+async def test_tls_check_against_a_server_that_hangs_up(  # noqa: PLR0917
+    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock,
+    tls_peer: TlsPeer,
+    kind: str,
+    send_proxy: str,
+    detail: str,
+) -> None:
+    port = await start_server(nursery, hang_up)
+    state = HealthState()
+    await start_checker(
+        nursery,
+        Server(("127.0.0.1", port)),
+        state,
+        kind=kind,
+        send_proxy=send_proxy,
+        tls_context=tls_peer.client,
+    )
+    assert state.history[-1][1:] == (False, detail, "check")
+
+
+async def test_plain_check_against_a_server_that_hangs_up_after_the_header(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    port = await start_server(nursery, hang_up)
+    state = HealthState()
+    await start_checker(
+        nursery, Server(("127.0.0.1", port)), state, kind="http", send_proxy="v2"
+    )
+    assert state.history[-1].detail in {
+        "PROXY header refused: connection closed",
+        "PROXY header refused: connection reset",  # closed with the GET unread
+    }
+    plain = HealthState()
+    await start_checker(nursery, Server(("127.0.0.1", port)), plain, kind="http")
+    assert plain.history[-1].detail in {
+        "connection closed before the status line",
+        "connection reset",
+    }
+
+
+def tls_http_handler(
+    context: ssl.SSLContext, headers: list[ProxyHeader | None], requests: list[bytes]
+) -> Handler:
+    """Reads a PROXY header if one comes, then over TLS one request; answers OK."""
+
+    async def handler(stream: trio.SocketStream) -> None:
+        first = await stream.receive_some()
+        header: ProxyHeader | None = None
+        if first.startswith((b"PROXY", b"\r\n\r\n")):
+            header, used = parse(first)
+            first = first[used:]
+        headers.append(header)
+        tls = TLSStream(stream, context, server_side=True, initial_data=first)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = await tls.receive_some()
+            if not chunk:
+                return
+            data += chunk
+        requests.append(data)
+        await tls.send_all(OK)
+        await tls.aclose()
+
+    return handler
+
+
+@pytest.mark.parametrize("send_proxy", ["none", "v1", "v2"])
+async def test_http_check_over_tls_after_the_proxy_header(
+    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock,
+    tls_peer: TlsPeer,
+    send_proxy: str,
+) -> None:
+    headers: list[ProxyHeader | None] = []
+    requests: list[bytes] = []
+    port = await start_server(
+        nursery, tls_http_handler(tls_peer.server, headers, requests)
+    )
+    state = HealthState()
+    await start_checker(
+        nursery,
+        Server(("127.0.0.1", port)),
+        state,
+        kind="http",
+        path="/healthz",
+        send_proxy=send_proxy,
+        tls_context=tls_peer.client,
+    )
+    assert state.history[-1][1:] == (True, "HTTP 200", "check")
+    expected = {
+        "none": None,
+        "v1": ProxyHeader.unknown(),
+        "v2": ProxyHeader.local(),
+    }[send_proxy]
+    assert headers == [expected]
+    # No name to send: the Host is the server's address, as without TLS.
+    assert requests[0].startswith(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:%d" % port)
+
+
+async def test_http_check_over_tls_refuses_an_h2_server(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, tls_peer: TlsPeer
+) -> None:
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    trustme_ca = trustme.CA()
+    trustme_ca.issue_cert("127.0.0.1").configure_cert(server)
+    server.set_alpn_protocols(["h2"])
+    client = ssl.create_default_context()
+    trustme_ca.configure_trust(client)
+    client.set_alpn_protocols(["h2", "http/1.1"])
+    port = await start_server(nursery, tls_http_handler(server, [], []))
+    state = HealthState()
+    await start_checker(
+        nursery, Server(("127.0.0.1", port)), state, kind="http", tls_context=client
+    )
+    assert state.history[-1].detail == (
+        "the server chose ALPN 'h2'; http checks speak HTTP/1.1"
+    )
+
+
+def task_count() -> int:
+    """The tasks alive in this trio run."""
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    stack, count = [root], 0
+    while stack:
+        task = stack.pop()
+        count += 1
+        stack.extend(t for n in task.child_nurseries for t in n.child_tasks)
+    return count
+
+
+async def test_tls_checks_of_a_silent_server_time_out_without_leaking(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, tls_peer: TlsPeer
+) -> None:
+    async def silent(stream: trio.SocketStream) -> None:
+        while await stream.receive_some():
+            pass
+
+    port = await start_server(nursery, silent)
+    state = HealthState()
+    await start_checker(
+        nursery,
+        Server(("127.0.0.1", port)),
+        state,
+        kind="http",
+        send_proxy="v2",
+        tls_context=tls_peer.client,
+    )
+    assert state.history[-1].detail == "timeout after 5 s"
+    tasks = task_count()
+    if sys.platform == "linux":
+        await trio.sleep(INTERVAL)
+        before = len(os.listdir("/proc/self/fd"))
+        await trio.sleep(INTERVAL * 10)
+        # One check may be under way at either count (see the plain test).
+        assert len(os.listdir("/proc/self/fd")) <= before + 2
+    assert task_count() == tasks
+    assert len(state.history) == HISTORY_LENGTH
+    assert all(r.detail == "timeout after 5 s" for r in state.history)
+
+
+# -- checks that speak PROXY and TLS, against real servers -----------------------
+#
+# The backends are built from config mappings, as the edge builds them, so the
+# checks get the backend's send_proxy and TLS context the way they do in
+# production. Real clock: nginx and uvicorn run in their own processes/threads.
+
+FAST = {"interval": 0.2, "timeout": 0.2}
+# For tests that look at the first check only: it runs at once, and a loaded
+# machine gets more than FAST's timeout to answer it.
+FIRST_ONLY = {"interval": 5.0, "timeout": 5.0}
+
+
+@dataclass(frozen=True)
+class NginxBackends:
+    """One nginx with a port per way of speaking, and the files to reach it."""
+
+    proxy: int  # plain HTTP, `listen ... proxy_protocol`
+    tls: int  # `listen ... ssl`: 200 for Host backend.test, else 404
+    tls_proxy: int  # `listen ... ssl proxy_protocol`
+    client_cert: int  # `listen ... ssl` with `ssl_verify_client on`
+    ca: Path  # issued nginx's certificate (backend.test, 127.0.0.1)
+    other_ca: Path  # a CA that did not
+    cert: Path  # a client certificate nginx's client_cert port accepts
+    key: Path
+
+
+@pytest.fixture(scope="module")
+def nginx_backends(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[NginxBackends]:
+    directory = tmp_path_factory.mktemp("health-pki")
+    ca, other_ca, client_ca = trustme.CA(), trustme.CA(), trustme.CA()
+    leaf = ca.issue_cert("backend.test", "127.0.0.1")
+    client = client_ca.issue_cert("edge.test")
+    files = {
+        "ca": ca.cert_pem,
+        "other-ca": other_ca.cert_pem,
+        "client-ca": client_ca.cert_pem,
+        "server": leaf.cert_chain_pems[0],
+        "server-key": leaf.private_key_pem,
+        "client": client.cert_chain_pems[0],
+        "client-key": client.private_key_pem,
+    }
+    for name, blob in files.items():
+        blob.write_to_path(str(directory / f"{name}.pem"))
+    proxy, tls, tls_proxy, client_cert = (free_port() for _ in range(4))
+    ssl_files = (
+        f"ssl_certificate {directory}/server.pem; "
+        f"ssl_certificate_key {directory}/server-key.pem; "
+        "ssl_protocols TLSv1.2 TLSv1.3;"
+    )
+    ok = 'location / { return 200 "ok\\n"; }'
+    body = (
+        "http {\n  access_log off;\n"
+        f"  server {{ listen 127.0.0.1:{proxy} proxy_protocol; {ok} }}\n"
+        f"  server {{ listen 127.0.0.1:{tls} ssl default_server; {ssl_files}"
+        " return 404; }\n"
+        f"  server {{ listen 127.0.0.1:{tls} ssl; server_name backend.test;"
+        f" {ssl_files} {ok} }}\n"
+        f"  server {{ listen 127.0.0.1:{tls_proxy} ssl proxy_protocol;"
+        f" {ssl_files} {ok} }}\n"
+        f"  server {{ listen 127.0.0.1:{client_cert} ssl; {ssl_files}"
+        f" ssl_verify_client on; ssl_client_certificate {directory}/client-ca.pem;"
+        f" {ok} }}\n"
+        "}\n"
+    )
+    with nginx(body, [proxy, tls, tls_proxy, client_cert]):
+        yield NginxBackends(
+            proxy=proxy,
+            tls=tls,
+            tls_proxy=tls_proxy,
+            client_cert=client_cert,
+            ca=directory / "ca.pem",
+            other_ca=directory / "other-ca.pem",
+            cert=directory / "client.pem",
+            key=directory / "client-key.pem",
+        )
+
+
+def backend_config(port: int, health: dict[str, Any], **options: Any) -> Config:
+    """A config with one backend "b" (one server, 127.0.0.1:port) and checks."""
+    return make_config(
+        [{"name": "in", "backend": "b"}],
+        [
+            {
+                "name": "b",
+                "servers": [f"127.0.0.1:{port}"],
+                "health": {**FAST, **health},
+                **options,
+            }
+        ],
+    )
+
+
+async def checked_server(
+    nursery: trio.Nursery, config: Config, *, healthy: bool, checks: int = 3
+) -> ServerHealth:
+    """Run the backend's checks until ``checks`` ran and it is ``healthy``."""
+    pool = await BackendPool.create(config.backends[0])
+    await nursery.start(pool.run_health_checks)
+    (health,) = pool.servers
+    await wait_until(
+        lambda: len(health.state.history) >= checks and health.server.healthy is healthy
+    )
+    return health
+
+
+def details(health: ServerHealth) -> set[str]:
+    return {result.detail for result in health.state.history}
+
+
+def health_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tlsedge.health"]
+
+
+@pytest.mark.parametrize("send_proxy", ["v1", "v2"])
+async def test_http_check_sends_proxy_header_to_nginx(
+    nursery: trio.Nursery, nginx_backends: NginxBackends, send_proxy: str
+) -> None:
+    # nginx with `listen ... proxy_protocol` closes a connection that does
+    # not start with a header: without one, every check failed.
+    config = backend_config(
+        nginx_backends.proxy, {"kind": "http", "path": "/"}, send_proxy=send_proxy
+    )
+    health = await checked_server(nursery, config, healthy=True)
+    assert "HTTP 200" in details(health)
+
+
+async def ok_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An ASGI app that answers every request with an empty 200."""
+    assert scope["type"] == "http"
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+@contextlib.contextmanager
+def run_uvicorn(**kwargs: Any) -> Iterator[int]:
+    """proxyproto.uvicorn serving `ok_app` in a thread; yields its port."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from proxyproto.uvicorn import ProxyConfig
+
+    config = ProxyConfig(
+        ok_app,
+        host="127.0.0.1",
+        port=0,
+        lifespan="off",
+        log_config=None,
+        timeout_graceful_shutdown=2,
+        **kwargs,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive(), "uvicorn exited during startup"
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.mark.parametrize("send_proxy", ["v1", "v2"])
+async def test_http_check_sends_proxy_header_to_proxyproto_uvicorn(
+    nursery: trio.Nursery, send_proxy: str
+) -> None:
+    # Its default trust policy requires a header from 127.0.0.1.
+    with run_uvicorn() as port:
+        config = backend_config(
+            port, {"kind": "http", "path": "/"}, send_proxy=send_proxy
+        )
+        health = await checked_server(nursery, config, healthy=True)
+        assert "HTTP 200" in details(health)
+        nursery.cancel_scope.cancel()
+
+
+async def test_refused_proxy_header_is_named_in_the_down_line(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="tlsedge.health")
+    # This uvicorn takes only v2 headers: it closes at once on a v1 one.
+    with run_uvicorn(proxy_options={"versions": {2}}) as port:
+        config = backend_config(
+            port, {**FIRST_ONLY, "kind": "http", "path": "/"}, send_proxy="v1"
+        )
+        health = await checked_server(nursery, config, healthy=False, checks=1)
+        nursery.cancel_scope.cancel()
+    assert health.state.last_detail in {
+        "PROXY header refused: connection closed",
+        "PROXY header refused: connection reset",
+    }
+    assert health_lines(caplog)[0] == (
+        f"backend b server 127.0.0.1:{port} is DOWN after 1 failed check "
+        f"(last: {health.state.history[0].detail})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "detail"),
+    [("tcp", "TLS handshake completed (TLSv1.3)"), ("http", "HTTP 200")],
+)
+@pytest.mark.parametrize("send_proxy", ["none", "v2"])
+async def test_check_of_a_tls_backend(
+    nursery: trio.Nursery,
+    nginx_backends: NginxBackends,
+    kind: str,
+    detail: str,
+    send_proxy: str,
+) -> None:
+    # The http check's Host is the SNI name: nginx's default server for
+    # other names answers 404. With v2, the header comes before the handshake.
+    port = nginx_backends.tls if send_proxy == "none" else nginx_backends.tls_proxy
+    config = backend_config(
+        port,
+        {"kind": kind, "path": "/"},
+        protocol="tls",
+        send_proxy=send_proxy,
+        tls={"ca": str(nginx_backends.ca), "sni": "backend.test"},
+    )
+    health = await checked_server(nursery, config, healthy=True)
+    assert detail in details(health)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "http"])
+@pytest.mark.parametrize(
+    ("tls", "reason"),
+    [
+        (
+            {"ca": "other"},
+            "certificate verify failed: unable to get local issuer certificate",
+        ),
+        (
+            {"sni": "elsewhere.test"},
+            "certificate verify failed: Hostname mismatch, certificate is not "
+            "valid for 'elsewhere.test'.",
+        ),
+    ],
+    ids=["wrong-ca", "wrong-name"],
+)
+async def test_tls_verification_failure_takes_the_server_down(  # noqa: PLR0917
+    nursery: trio.Nursery,
+    nginx_backends: NginxBackends,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+    tls: dict[str, str],
+    reason: str,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="tlsedge.health")
+    ca = nginx_backends.other_ca if tls.get("ca") == "other" else nginx_backends.ca
+    config = backend_config(
+        nginx_backends.tls,
+        {**FIRST_ONLY, "kind": kind, "path": "/"},
+        protocol="tls",
+        tls={**tls, "ca": str(ca)},
+    )
+    health = await checked_server(nursery, config, healthy=False, checks=1)
+    assert health.state.history[0].detail == f"TLS handshake failed: {reason}"
+    assert health_lines(caplog)[0] == (
+        f"backend b server 127.0.0.1:{nginx_backends.tls} is DOWN after 1 failed "
+        f"check (last: TLS handshake failed: {reason})"
+    )
+
+
+async def test_check_sends_the_backends_client_certificate(
+    nursery: trio.Nursery, nginx_backends: NginxBackends
+) -> None:
+    # nginx answers 400 to a request without a client certificate.
+    config = backend_config(
+        nginx_backends.client_cert,
+        {"kind": "http", "path": "/"},
+        protocol="tls",
+        tls={
+            "ca": str(nginx_backends.ca),
+            "cert": str(nginx_backends.cert),
+            "key": str(nginx_backends.key),
+        },
+    )
+    health = await checked_server(nursery, config, healthy=True)
+    assert "HTTP 200" in details(health)
+
+
+async def test_edge_serves_requests_to_a_proxy_protocol_backend(
+    nginx_backends: NginxBackends,
+) -> None:
+    # The issue's setup: HTTP mode, send_proxy = "v2" to nginx `proxy_protocol`,
+    # http checks. The checks used to take the server down: every request 503.
+    config = make_config(
+        [{"name": "in", "backend": "b", "mode": "http"}],
+        [
+            {
+                "name": "b",
+                "servers": [f"127.0.0.1:{nginx_backends.proxy}"],
+                "send_proxy": "v2",
+                "health": {**FAST, "kind": "http", "path": "/"},
+            }
+        ],
+    )
+    async with running_edge(config) as edge:
+        (health,) = edge._pools["b"].servers
+        await wait_until(
+            lambda: len(health.state.history) >= 2 and health.server.healthy
+        )
+        response = await exchange(
+            address_of(edge, "in"),
+            b"GET / HTTP/1.1\r\nHost: app.test\r\nConnection: close\r\n\r\n",
+        )
+    assert response.startswith(b"HTTP/1.1 200 "), response
+    assert response.endswith(b"\r\n\r\nok\n")
