@@ -740,6 +740,7 @@ class Edge:
                 connection_id=log.id,
                 result=result,
                 on_request=self._record_http_request,
+                ssl_info=ssl_info,
             )
         finally:
             log.bytes_from_client = result.bytes_from_client
