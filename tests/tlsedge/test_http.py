@@ -26,7 +26,7 @@ from hypothesis import given, strategies as st
 
 from tests.peers import free_port, nginx, require
 from tests.tlsedge.helpers import Backend, make_config
-from tlsedge._config import Config
+from tlsedge._config import Config, ConfigError
 from tlsedge._http import (
     ChunkedBodyScanner,
     HttpConnectionResult,
@@ -895,6 +895,19 @@ async def test_header_names_with_underscores_dropped(trusted: bool) -> None:
     assert info["trailers"] == [["x-sum", "1"]]
 
 
+def test_underscores_in_headers_must_be_a_boolean() -> None:
+    listener = {"name": "web", "mode": "http", "backend": "app"}
+    backend = {"name": "app", "servers": ["127.0.0.1:1"]}
+    config = make_config([{**listener, "http": {}}], [backend])
+    assert config.listeners[0].http.underscores_in_headers is False
+    with pytest.raises(ConfigError) as info:
+        make_config([{**listener, "http": {"underscores_in_headers": "on"}}], [backend])
+    assert str(info.value) == (
+        "listeners[0].http.underscores_in_headers: expected true or false, "
+        "got a string ('on')"
+    )
+
+
 async def test_underscores_in_headers_on_keeps_others_not_forwarding_lookalikes() -> (
     None
 ):
@@ -1467,12 +1480,17 @@ async def test_no_healthy_server_503() -> None:
     assert echo.accepted == 0
 
 
-async def test_connect_refused_502() -> None:
+async def test_connect_refused_502(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge")
     port = free_port()
     async with running_proxy([f"127.0.0.1:{port}"]) as proxy:
         response = await get(proxy.address)
         (result,) = await wait_results(proxy)
     assert response.status == 502
+    # The backend failed, not the client: the operator should hear of it.
+    (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.name == "tlsedge.http"
+    assert "-> 502: backend app" in warning.getMessage()
     assert response.header(b"content-type") == b"text/plain; charset=utf-8"
     assert b"connect to 127.0.0.1" in response.body
     assert result.termination == "connect_failed"
