@@ -46,6 +46,10 @@ the server the balancer picked. With ``send_proxy`` the connection is instead
 *dedicated* to this client connection: opened with the PROXY header first, kept
 across its requests, never pooled (a PROXY header describes one client).
 
+The target goes upstream in origin-form: an absolute-form target
+(``http://host/x``) becomes ``/x`` and its authority the ``Host`` (`origin_form`,
+RFC 9112 section 3.2.2); other targets but ``*`` for OPTIONS get 400. Header
+fields named with ``_`` are dropped unless ``underscores_in_headers``.
 Forwarded headers are rewritten by `tlsedge._forwarded`; hop-by-hop fields
 (``Connection`` and the fields it names, ``Keep-Alive``, ``TE``, ...) are
 dropped both ways. A second ``h11.Connection`` (client role) frames the request
@@ -165,8 +169,9 @@ LINGER_MAX_BYTES: Final = 1 << 20
 MAX_CHUNK_LINE: Final = 4096
 #: Chunk sizes beyond 16 hex digits overflow 64-bit parsers (a smuggling vector).
 MAX_CHUNK_SIZE_DIGITS: Final = 16
-#: Request targets are cut to this many characters in the access log.
-MAX_LOGGED_TARGET: Final = 512
+#: Request targets and User-Agent values are cut to this many characters in the
+#: access log.
+MAX_LOGGED_TEXT: Final = 512
 #: RFC 9110 section 9.2.2, as far as retrying without a body is concerned.
 IDEMPOTENT_METHODS: Final = frozenset(
     {
@@ -546,10 +551,11 @@ def _reason(status: int, reason: bytes) -> bytes:
         return b""
 
 
-def _log_target(target: bytes) -> str:
-    text = target.decode("latin-1")
-    if len(text) > MAX_LOGGED_TARGET:
-        return text[:MAX_LOGGED_TARGET] + "..."
+def _log_text(value: bytes) -> str:
+    """A peer's bytes for the access log: latin-1, cut at `MAX_LOGGED_TEXT`."""
+    text = value.decode("latin-1")
+    if len(text) > MAX_LOGGED_TEXT:
+        return text[:MAX_LOGGED_TEXT] + "..."
     return text
 
 
@@ -1098,7 +1104,7 @@ class _HttpConnection:
         match = _REQUEST_LINE_RE.match(self.buffer)
         if match is not None:
             log.method = match.group(1).decode("ascii")
-            log.target = _log_target(match.group(2))
+            log.target = _log_text(match.group(2))
         LOGGER.info(
             "listener %s: client %s: %d: %s",
             self.listener.name,
@@ -1117,19 +1123,20 @@ class _HttpConnection:
     # -- one request -------------------------------------------------------
 
     def _new_log(self, request: h11.Request) -> RequestLog:
-        hosts = _header_values(request.headers.raw_items(), b"host")
-        agents = _header_values(request.headers.raw_items(), b"user-agent")
+        headers = request.headers.raw_items()
+        hosts = _header_values(headers, b"host")
+        agents = _header_values(headers, b"user-agent")
         return RequestLog(
             connection=self.connection_id,
             listener=self.listener.name,
             client=self.client_text,
             start=self.request_start_time,
             method=request.method.decode("ascii"),
-            target=_log_target(request.target),
+            target=_log_text(request.target),
             version=request.http_version.decode("ascii"),
             # Checked (_HOST_RE: ASCII only) before h11 saw it.
             host=hosts[0].decode("ascii") if hosts else None,
-            user_agent=_log_target(agents[0]) if agents else None,
+            user_agent=_log_text(agents[0]) if agents else None,
             backend=self.backend.name,
             tls=self.tls_text,
             sni=self.sni,

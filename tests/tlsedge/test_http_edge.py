@@ -131,6 +131,31 @@ async def test_spoofed_forwarding_headers_are_replaced() -> None:
     assert "x-real-ip" not in headers
 
 
+async def test_curl_through_the_edge_as_a_proxy_and_underscore_headers() -> None:
+    # curl --proxy sends the absolute form; the backend gets origin-form and
+    # the target's authority as Host (RFC 9112 3.2.2), never the client's Host.
+    # Header names with "_" (WSGI's HTTP_X_FORWARDED_FOR) never get through.
+    async with trio.open_nursery() as nursery:
+        edge, _, port = await _start(nursery, {"forwarded": {"forwarded": True}})
+        (seen,) = await curl(
+            *("--proxy", f"http://127.0.0.1:{port}"),
+            *("-H", "Host: good.test"),
+            *("-H", "X_Forwarded_For: 6.6.6.6"),
+            *("-H", "X_Real_IP: 6.6.6.6"),
+            *("-H", "Foo_Bar: 1"),
+            "http://evil.test:8080/x?y=1",
+        )
+        edge.drain()
+    headers = seen["headers"]
+    assert isinstance(headers, dict)
+    assert seen["request"] == "GET /x?y=1 HTTP/1.1"
+    assert headers["host"] == ["evil.test:8080"]
+    (forwarded,) = headers["forwarded"]
+    assert ';host="evil.test:8080";' in forwarded, forwarded
+    assert headers["x-forwarded-for"] == ["127.0.0.1"]
+    assert not [name for name in headers if "_" in name], headers
+
+
 async def test_keepalive_reuses_one_upstream_connection() -> None:
     async with trio.open_nursery() as nursery:
         edge, backend, port = await _start(nursery, {})
