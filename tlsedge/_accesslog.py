@@ -1,7 +1,10 @@
 """One JSON access-log line per connection (logger ``tlsedge.access``).
 
 Every connection ends with exactly one line saying who it was, where it went,
-how many bytes went each way, how long it took and why it ended. JSON encoding
+how many bytes went each way, when it started, how long it took and why it
+ended (HTTP mode adds a line per request: ``tlsedge._http.RequestLog``, with
+the same names and formats for the fields both have; docs/operations.md
+describes every field). JSON encoding
 escapes anything a peer could smuggle into a field (addresses come from
 validated headers, error texts quote peer bytes with ``repr``).
 
@@ -10,17 +13,18 @@ every value, ~18 us a call) and encoded by one shared :class:`json.JSONEncoder`
 (the C encoder), so building a line costs a few microseconds; writing it is the
 handler's business. The output is byte-identical to
 ``json.dumps(asdict(log), separators=(",", ":"))`` with ``start`` and
-``duration`` formatted as below.
+``duration`` formatted as below (``start``: `format_time`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, fields
 
-__all__ = ["ACCESS_LOGGER", "ConnectionLog"]
+__all__ = ["ACCESS_LOGGER", "ConnectionLog", "format_address", "format_time"]
 
 ACCESS_LOGGER = logging.getLogger("tlsedge.access")
 
@@ -31,6 +35,16 @@ def format_address(address: tuple[str, int] | None) -> str | None:
         return None
     host, port = address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def format_time(timestamp: float) -> str:
+    """A Unix time in RFC 3339, UTC, milliseconds: ``2026-11-23T19:50:01.123Z``.
+
+    Milliseconds are cut, not rounded, so a time never shows the next second.
+    """
+    millis = math.floor(timestamp * 1000)
+    seconds, millis = divmod(millis, 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
 @dataclass(slots=True)
@@ -57,7 +71,7 @@ class ConnectionLog:
     def to_json(self) -> str:
         """The access-log line: one JSON object, fields in declaration order."""
         line = {name: getattr(self, name) for name in _FIELD_NAMES}
-        line["start"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.start))
+        line["start"] = format_time(self.start)
         line["duration"] = round(self.duration, 6)
         return _ENCODE(line)
 

@@ -282,6 +282,9 @@ class HttpConfig:
     request_body_timeout: float = 20.0
     request_body_min_rate: int = 500  # bytes/s; 0 = no rate check
     response_timeout: float = 60.0  # request sent -> response head (504 beyond)
+    # Request fields whose name holds "_" are dropped unless this is on (nginx's
+    # underscores_in_headers): CGI/WSGI read X_Real_IP as HTTP_X_REAL_IP.
+    underscores_in_headers: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -869,6 +872,7 @@ def _http(t: _Table) -> HttpConfig:
         request_body_timeout=t.get("request_body_timeout", _DURATION),
         request_body_min_rate=t.get("request_body_min_rate", _int_in(0)),
         response_timeout=t.get("response_timeout", _DURATION),
+        underscores_in_headers=t.get("underscores_in_headers", _bool),
     )
 
 

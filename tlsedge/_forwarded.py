@@ -11,7 +11,11 @@ not in ``[listeners.forwarded] trusted_proxies``, every client-sent
 ``X-Forwarded-For``, ``X-Forwarded-Proto``, ``X-Forwarded-Port``,
 ``X-Forwarded-Host``, ``X-Real-IP`` and ``Forwarded`` field is removed (names
 compared case-insensitively, every occurrence) before ours are added, so a
-client cannot claim to be someone else. From a trusted peer the list-valued
+client cannot claim to be someone else. A field named like one of these with
+``_`` for ``-`` (``X_Forwarded_For``, ``X_Real_IP``; also the request id's
+name) is removed from everyone, trusted or not: CGI and WSGI map both spellings
+to the same ``HTTP_X_FORWARDED_FOR`` key, and no proxy writes the underscore
+form (`forwarding_key`). From a trusted peer the list-valued
 headers (``X-Forwarded-For``, ``Forwarded``) keep their chain and get our hop
 appended (a field value holding a control character is dropped from the
 chain); the single-valued ones (``X-Forwarded-Proto``/``-Port``) are kept as
@@ -46,6 +50,7 @@ __all__ = [
     "client_ip_text",
     "forwarded_element",
     "forwarded_node",
+    "forwarding_key",
     "is_trusted_peer",
     "is_valid_request_id",
     "new_request_id",
@@ -200,6 +205,15 @@ def forwarded_element(context: ForwardingContext) -> bytes:
     return b";".join(pairs)
 
 
+def forwarding_key(name: bytes) -> bytes:
+    """*name* as compared with the forwarding headers: lower case, ``_`` as ``-``.
+
+    ``X_Forwarded_For`` -> ``x-forwarded-for``: the key CGI/WSGI servers give
+    it (``HTTP_X_FORWARDED_FOR``) is the real header's.
+    """
+    return name.lower().replace(b"_", b"-")
+
+
 def new_request_id() -> bytes:
     """A fresh random request id (32 lower-case hex digits)."""
     return os.urandom(REQUEST_ID_BYTES).hex().encode("ascii")
@@ -237,6 +251,12 @@ def choose_request_id(
     return new_request_id()
 
 
+def _replaced(name: bytes, managed: set[bytes], lookalikes: set[bytes]) -> bool:
+    """True when the field *name* goes: one we manage, or a look-alike."""
+    key = forwarding_key(name)
+    return key in managed or (key in lookalikes and b"_" in name)
+
+
 def rewrite_forwarding_headers(
     headers: Sequence[Header],
     config: ForwardedConfig,
@@ -255,15 +275,18 @@ def rewrite_forwarding_headers(
 
     Returns:
         A new list: untouched fields in their order, then ours. From an
-        untrusted peer every field named in `FORWARDING_HEADERS` is gone.
+        untrusted peer every field named in `FORWARDING_HEADERS` is gone; from
+        any peer, every underscore spelling of those names and of the request
+        id's (`forwarding_key`).
     """
-    rid_name = request_id[0].lower() if request_id is not None else None
     managed = {_XFF, _FORWARDED}
     if not context.trusted:
         managed |= FORWARDING_HEADERS
-    out = [
-        (n, v) for n, v in headers if n.lower() not in managed and n.lower() != rid_name
-    ]
+    lookalikes = set(FORWARDING_HEADERS)
+    if request_id is not None:
+        managed.add(forwarding_key(request_id[0]))
+        lookalikes.add(forwarding_key(request_id[0]))
+    out = [(n, v) for n, v in headers if not _replaced(n, managed, lookalikes)]
     present = {n.lower() for n, _ in out}
     if config.x_forwarded_for:
         chain = _joined(headers, _XFF) if context.trusted else b""

@@ -46,6 +46,10 @@ the server the balancer picked. With ``send_proxy`` the connection is instead
 *dedicated* to this client connection: opened with the PROXY header first, kept
 across its requests, never pooled (a PROXY header describes one client).
 
+The target goes upstream in origin-form: an absolute-form target
+(``http://host/x``) becomes ``/x`` and its authority the ``Host`` (`origin_form`,
+RFC 9112 section 3.2.2); other targets but ``*`` for OPTIONS get 400. Header
+fields named with ``_`` are dropped unless ``underscores_in_headers``.
 Forwarded headers are rewritten by `tlsedge._forwarded`; hop-by-hop fields
 (``Connection`` and the fields it names, ``Keep-Alive``, ``TE``, ...) are
 dropped both ways. A second ``h11.Connection`` (client role) frames the request
@@ -99,6 +103,7 @@ import logging
 import math
 import re
 import select
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Final
@@ -106,17 +111,19 @@ from typing import Final
 import h11
 import trio
 
-from tlsedge._accesslog import format_address
+from tlsedge._accesslog import format_address, format_time
 from tlsedge._balancer import Server, ServerLease
 from tlsedge._config import HttpConfig, ListenerConfig
 from tlsedge._forwarded import (
     FORWARDING_HEADERS,
     ForwardingContext,
     choose_request_id,
+    forwarding_key,
     is_trusted_peer,
     rewrite_forwarding_headers,
 )
 from tlsedge._relay import RelayStats, relay, set_abortive_close
+from tlsedge._tls import SSLFacts
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
 __all__ = [
@@ -128,6 +135,7 @@ __all__ = [
     "RequestLog",
     "RequestRejectedError",
     "check_request_head",
+    "origin_form",
     "serve_http",
 ]
 
@@ -159,8 +167,9 @@ LINGER_MAX_BYTES: Final = 1 << 20
 MAX_CHUNK_LINE: Final = 4096
 #: Chunk sizes beyond 16 hex digits overflow 64-bit parsers (a smuggling vector).
 MAX_CHUNK_SIZE_DIGITS: Final = 16
-#: Request targets are cut to this many characters in the access log.
-MAX_LOGGED_TARGET: Final = 512
+#: Request targets and User-Agent values are cut to this many characters in the
+#: access log.
+MAX_LOGGED_TEXT: Final = 512
 #: RFC 9110 section 9.2.2, as far as retrying without a body is concerned.
 IDEMPOTENT_METHODS: Final = frozenset(
     {
@@ -216,6 +225,8 @@ _CODINGS_RE: Final = re.compile(_TOKEN + rb"(?:[ \t]*,[ \t]*" + _TOKEN + rb")*")
 _HOST_RE: Final = re.compile(
     rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~!$&'()*+,;=%-]*)(?::[0-9]{0,5})?"
 )
+# RFC 3986 scheme ":" hier-part (an absolute-form target; origin-form starts "/").
+_ABSOLUTE_FORM_RE: Final = re.compile(rb"([A-Za-z][A-Za-z0-9+.-]*):(.*)")
 _CHUNK_LINE_RE: Final = re.compile(
     rb"([0-9A-Fa-f]{1,%d})" % MAX_CHUNK_SIZE_DIGITS
     + rb"(?:;"
@@ -305,6 +316,64 @@ def check_request_head(head: bytes, *, max_headers: int) -> None:
         raise RequestRejectedError(400, "HTTP/1.1 request without Host")
     if hosts and not _HOST_RE.fullmatch(hosts[0]):
         raise RequestRejectedError(400, "malformed Host")
+
+
+def origin_form(method: bytes, target: bytes) -> tuple[bytes, bytes | None]:
+    """The request target to send upstream, and the authority to send as Host.
+
+    Origin-form (``/path?query``) and, for OPTIONS, asterisk-form (``*``) go on
+    as they are (no authority). An absolute-form target
+    (``http://example.com:8080/path?query``) becomes origin-form (``/path?query``;
+    ``/`` for an empty path, ``*`` for an OPTIONS request with neither path nor
+    query) and its authority (``example.com:8080``, as sent) is returned to
+    replace ``Host``: RFC 9112 section 3.2.2 has a server use the target's
+    authority and ignore ``Host``, and a proxy send a ``Host`` made from the
+    target. So the backend's target, its ``Host`` and ``Forwarded: host=``
+    agree. The scheme does not change ``X-Forwarded-Proto`` (the listener's TLS
+    does).
+
+    Raises:
+        RequestRejectedError: 400 for every other target: a scheme other than
+            ``http``/``https``, no ``//authority``, an empty host, userinfo
+            (``user@``), a malformed authority, a fragment (``#``), ``*`` with
+            a method other than OPTIONS, or none of the forms at all. (CONNECT
+            and its authority-form get 501 before this.)
+    """
+    if target[:1] == b"/":
+        return target, None
+    if target == b"*":
+        if method == b"OPTIONS":
+            return target, None
+        raise RequestRejectedError(400, "the target '*' is only for OPTIONS")
+    match = _ABSOLUTE_FORM_RE.fullmatch(target)
+    if match is None:
+        raise RequestRejectedError(
+            400, "malformed request target: expected '/path' or 'http://host/path'"
+        )
+    scheme, rest = match.groups()
+    if scheme.lower() not in {b"http", b"https"}:
+        shown = scheme[:32].decode("ascii")
+        raise RequestRejectedError(
+            400, f"request target with scheme {shown!r}: expected http or https"
+        )
+    if not rest.startswith(b"//"):
+        raise RequestRejectedError(400, "absolute-form target without '//host'")
+    if b"#" in rest:
+        raise RequestRejectedError(400, "fragment ('#') in the request target")
+    ends = [i for i in (rest.find(b"/", 2), rest.find(b"?", 2)) if i >= 0]
+    end = min(ends, default=len(rest))
+    authority, path = rest[2:end], rest[end:]
+    if b"@" in authority:
+        raise RequestRejectedError(400, "userinfo ('user@') in the request target")
+    if not _HOST_RE.fullmatch(authority):
+        raise RequestRejectedError(400, "malformed host in the request target")
+    if authority[:1] in {b"", b":"}:
+        raise RequestRejectedError(400, "empty host in the request target")
+    if not path:
+        path = b"*" if method == b"OPTIONS" else b"/"
+    elif path[:1] == b"?":
+        path = b"/" + path
+    return path, authority
 
 
 class _ChunkState(enum.Enum):
@@ -480,10 +549,11 @@ def _reason(status: int, reason: bytes) -> bytes:
         return b""
 
 
-def _log_target(target: bytes) -> str:
-    text = target.decode("latin-1")
-    if len(text) > MAX_LOGGED_TARGET:
-        return text[:MAX_LOGGED_TARGET] + "..."
+def _log_text(value: bytes) -> str:
+    """A peer's bytes for the access log: latin-1, cut at `MAX_LOGGED_TEXT`."""
+    text = value.decode("latin-1")
+    if len(text) > MAX_LOGGED_TEXT:
+        return text[:MAX_LOGGED_TEXT] + "..."
     return text
 
 
@@ -634,6 +704,19 @@ class Termination:
     INTERNAL_ERROR: Final = "internal_error"  # a bug; logged with a traceback
 
 
+#: Error responses that say the backend failed: logged at WARNING. Every other
+#: error response (4xx, and 501/505 for what the client asked) is the client's
+#: doing, logged at INFO: a client must not be able to raise warnings at will.
+_BACKEND_FAILURES: Final = frozenset(
+    {
+        Termination.NO_SERVER,
+        Termination.CONNECT_FAILED,
+        Termination.SERVER_ERROR,
+        Termination.RESPONSE_TIMEOUT,
+    }
+)
+
+
 @dataclass(slots=True)
 class HttpConnectionResult:
     """What `serve_http` reports for the connection-level access-log line.
@@ -660,14 +743,23 @@ class HttpConnectionResult:
 
 @dataclass(slots=True)
 class RequestLog:
-    """One per-request access-log line (logger ``tlsedge.access``, JSON)."""
+    """One per-request access-log line (logger ``tlsedge.access``, JSON).
+
+    The fields a connection's line has too (``listener``, ``client``, ``start``,
+    ``tls``, ``sni``, ``backend``, ``server``, ``termination``, ``detail``)
+    have its names and formats; docs/operations.md describes every field.
+    ``start`` is a Unix time, written in RFC 3339 with milliseconds (UTC).
+    """
 
     connection: str
     listener: str
     client: str | None
+    start: float = 0.0
     method: str | None = None
     target: str | None = None
     version: str | None = None
+    host: str | None = None
+    user_agent: str | None = None
     status: int | None = None
     bytes_in: int = 0
     bytes_out: int = 0
@@ -676,6 +768,8 @@ class RequestLog:
     total: float = 0.0
     backend: str | None = None
     server: str | None = None
+    tls: str | None = None
+    sni: str | None = None
     request_id: str | None = None
     termination: str = "ok"
     detail: str | None = None
@@ -687,6 +781,7 @@ class RequestLog:
         line: dict[str, object] = {"type": "http"}
         for name in _REQUEST_LOG_FIELDS:
             line[name] = getattr(self, name)
+        line["start"] = format_time(self.start)
         for key in ("connect", "first_byte", "total"):
             value = line[key]
             if isinstance(value, float):
@@ -742,6 +837,7 @@ class _Exchange:
     """State of one request/response exchange, shared by the two pumps."""
 
     request: h11.Request
+    target: bytes  # what goes upstream: origin-form (see `origin_form`)
     cconn: h11.Connection
     uconn: h11.Connection
     upstream: _Upstream
@@ -786,6 +882,7 @@ class _HttpConnection:
         connection_id: str,
         result: HttpConnectionResult,
         on_request: Callable[[RequestLog], None] | None = None,
+        ssl_info: SSLFacts | None = None,
         *,
         initial_data: bytes = b"",
     ) -> None:
@@ -799,6 +896,8 @@ class _HttpConnection:
         self.client_text = format_address(client_address)
         self.destination = destination
         self.tls = tls
+        self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
+        self.sni = ssl_info.server_name if ssl_info else None
         self.proxy_header = proxy_header
         self.drain = drain
         self.connection_id = connection_id
@@ -813,6 +912,10 @@ class _HttpConnection:
         result.bytes_from_client += len(initial_data)
         self.client_eof = False
         self.started = trio.current_time()
+        # When the request being read began (trio clock, Unix time): the
+        # connection's start for the first one, its first byte for later ones.
+        self.request_started = self.started
+        self.request_start_time = time.time()
         self.idle_scope: trio.CancelScope | None = None
         self.dedicated: _Upstream | None = None  # with send_proxy
         self.in_flight: _Upstream | None = None
@@ -941,6 +1044,8 @@ class _HttpConnection:
                 return None
             self.buffer += data
         deadline_base = self.started if first else trio.current_time()
+        self.request_started = deadline_base
+        self.request_start_time = time.time() - (trio.current_time() - deadline_base)
         with trio.move_on_at(
             deadline_base + limits.request_header_timeout
         ) as request_header_timeout_scope:
@@ -991,6 +1096,9 @@ class _HttpConnection:
             connection=self.connection_id,
             listener=self.listener.name,
             client=self.client_text,
+            start=self.request_start_time,
+            tls=self.tls_text,
+            sni=self.sni,
             status=exc.status,
             backend=self.backend.name,
             termination=(
@@ -1003,7 +1111,7 @@ class _HttpConnection:
         match = _REQUEST_LINE_RE.match(self.buffer)
         if match is not None:
             log.method = match.group(1).decode("ascii")
-            log.target = _log_target(match.group(2))
+            log.target = _log_text(match.group(2))
         LOGGER.info(
             "listener %s: client %s: %d: %s",
             self.listener.name,
@@ -1016,20 +1124,29 @@ class _HttpConnection:
         with contextlib.suppress(_ClientGoneError):
             await self.send_client(error_response_bytes(exc.status, exc.reason), log)
             await self.linger()
-        log.total = trio.current_time() - self.started
+        log.total = trio.current_time() - self.request_started
         self._emit(log)
 
     # -- one request -------------------------------------------------------
 
     def _new_log(self, request: h11.Request) -> RequestLog:
+        headers = request.headers.raw_items()
+        hosts = _header_values(headers, b"host")
+        agents = _header_values(headers, b"user-agent")
         return RequestLog(
             connection=self.connection_id,
             listener=self.listener.name,
             client=self.client_text,
+            start=self.request_start_time,
             method=request.method.decode("ascii"),
-            target=_log_target(request.target),
+            target=_log_text(request.target),
             version=request.http_version.decode("ascii"),
+            # Checked (_HOST_RE: ASCII only) before h11 saw it.
+            host=hosts[0].decode("ascii") if hosts else None,
+            user_agent=_log_text(agents[0]) if agents else None,
             backend=self.backend.name,
+            tls=self.tls_text,
+            sni=self.sni,
         )
 
     async def _handle_request(self, head_length: int) -> bool:
@@ -1062,7 +1179,7 @@ class _HttpConnection:
         try:
             return await self._exchange(cconn, request, log, started)
         finally:
-            log.total = trio.current_time() - started
+            log.total = trio.current_time() - self.request_started
             self._emit(log)
 
     async def _refuse(
@@ -1078,7 +1195,7 @@ class _HttpConnection:
         log.termination = termination
         log.detail = reason
         self._end(termination, reason)
-        level = logging.WARNING if status >= 500 else logging.INFO
+        level = logging.WARNING if termination in _BACKEND_FAILURES else logging.INFO
         LOGGER.log(
             level,
             "listener %s: client %s: %s %s -> %d: %s",
@@ -1126,6 +1243,14 @@ class _HttpConnection:
             return await self._refuse(
                 cconn, log, 501, "CONNECT is not supported", Termination.BAD_REQUEST
             )
+        try:
+            target, authority = origin_form(request.method, request.target)
+        except RequestRejectedError as exc:
+            return await self._refuse(
+                cconn, log, exc.status, exc.reason, Termination.BAD_REQUEST
+            )
+        if authority is not None:
+            log.host = authority.decode("ascii")
         chunked = bool(_header_values(headers, b"transfer-encoding"))
         lengths = _header_values(headers, b"content-length")
         length = int(lengths[0]) if lengths else 0
@@ -1159,7 +1284,9 @@ class _HttpConnection:
                 return await self._refuse(
                     cconn, log, exc.status, exc.reason, Termination.BAD_REQUEST
                 )
-        upstream_headers, request_id = self._upstream_headers(request, upgrade=upgrade)
+        upstream_headers, request_id = self._upstream_headers(
+            request, upgrade=upgrade, authority=authority
+        )
         if request_id is not None:
             log.request_id = request_id.decode("ascii")
         idempotent_retry = request.method in IDEMPOTENT_METHODS and not has_body
@@ -1185,6 +1312,7 @@ class _HttpConnection:
             )
             ex = _Exchange(
                 request=request,
+                target=target,
                 cconn=cconn,
                 uconn=uconn,
                 upstream=upstream,
@@ -1267,9 +1395,20 @@ class _HttpConnection:
         return False
 
     def _upstream_headers(
-        self, request: h11.Request, *, upgrade: bool
+        self, request: h11.Request, *, upgrade: bool, authority: bytes | None
     ) -> tuple[list[Header], bytes | None]:
+        """The request's fields for the backend, and the request id (if any).
+
+        *authority* (from an absolute-form target) replaces ``Host``. Fields
+        named with ``_`` are dropped unless ``underscores_in_headers``.
+        """
         headers = strip_hop_by_hop(request.headers.raw_items(), keep_upgrade=upgrade)
+        if not self.http.underscores_in_headers:
+            headers = [(n, v) for n, v in headers if b"_" not in n]
+        if authority is not None:
+            headers = [(b"Host", authority)] + [
+                (n, v) for n, v in headers if n.lower() != b"host"
+            ]
         hosts = _header_values(headers, b"host")
         context = ForwardingContext(
             client=self.client_address,
@@ -1394,7 +1533,7 @@ class _HttpConnection:
             head = ex.uconn.send(
                 h11.Request(
                     method=request.method,
-                    target=request.target,
+                    target=ex.target,
                     headers=headers,
                     http_version=b"1.1",
                 )
@@ -1534,12 +1673,26 @@ class _HttpConnection:
         ex.nursery_scope.cancel()
 
     def _clean_trailers(self, trailers: Sequence[Header]) -> list[Header]:
-        drop = _NOT_IN_TRAILERS
-        if not self.trusted:
-            drop = drop | FORWARDING_HEADERS
-        if self.request_id_name is not None:
-            drop = drop | {self.request_id_name}
-        return [(n, v) for n, v in trailers if n.lower() not in drop]
+        """Trailers without framing, hop-by-hop and forwarding fields.
+
+        The same name rules as the head's fields: untrusted peers' forwarding
+        fields, the request id and every ``_`` spelling of those go; so does
+        any name with ``_`` unless ``underscores_in_headers``.
+        """
+        underscores = self.http.underscores_in_headers
+        rid = self.request_id_name
+        out: list[Header] = []
+        for name, value in trailers:
+            lower, key = name.lower(), forwarding_key(name)
+            if (
+                lower in _NOT_IN_TRAILERS
+                or (b"_" in name and not underscores)
+                or (rid is not None and key == forwarding_key(rid))
+                or (key in FORWARDING_HEADERS and (not self.trusted or key != lower))
+            ):
+                continue
+            out.append((name, value))
+        return out
 
     @staticmethod
     def _buffered_upstream_event(ex: _Exchange) -> h11.Event | None:
@@ -1782,6 +1935,7 @@ async def serve_http(
     result: HttpConnectionResult | None = None,
     on_request: Callable[[RequestLog], None] | None = None,
     initial_data: bytes = b"",
+    ssl_info: SSLFacts | None = None,
 ) -> HttpConnectionResult:
     """Proxy HTTP/1.1 requests from *client* to *backend* until the connection ends.
 
@@ -1809,6 +1963,8 @@ async def serve_http(
             (right after its access-log line), e.g. for metrics.
         initial_data: Client bytes an earlier stage read past its own data
             (what followed a PROXY header): the start of the first request.
+        ssl_info: What the client's TLS handshake negotiated, for the
+            request lines' ``tls`` and ``sni`` (None: no TLS).
 
     Returns:
         Requests served, bytes each way and why the connection ended.
@@ -1828,6 +1984,7 @@ async def serve_http(
         connection_id,
         result,
         on_request,
+        ssl_info,
         initial_data=initial_data,
     )
     try:

@@ -7,7 +7,9 @@ Two streams leave a running edge:
   ``json`` (one object per line: ``time``, ``level``, ``logger``, ``pid``,
   ``message``, and ``exc_info`` / ``stack_info`` when there are any);
 - the *access log* (logger ``tlsedge.access``, one JSON object per connection,
-  built by `tlsedge._accesslog`), written as it is to stderr (``"-"``), stdout
+  built by `tlsedge._accesslog`, and in HTTP mode one per request, built by
+  `tlsedge._http.RequestLog`; times in RFC 3339 with milliseconds, UTC, like
+  the ``time`` of the JSON process log), written as it is to stderr (``"-"``), stdout
   or a file, whatever the process-log format. Access lines are written at any
   ``--log-level``.
 

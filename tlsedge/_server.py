@@ -758,6 +758,7 @@ class Edge:
                 result=result,
                 on_request=self._record_http_request,
                 initial_data=initial_data,
+                ssl_info=ssl_info,
             )
         finally:
             log.bytes_from_client = result.bytes_from_client

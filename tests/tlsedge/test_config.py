@@ -97,6 +97,7 @@ max_body_size = 1048576
 request_body_timeout = 10
 request_body_min_rate = 1000
 response_timeout = 30
+underscores_in_headers = true
 
 [[listeners]]
 name = "relay"
@@ -208,6 +209,7 @@ FULL_EXPECTED = Config(
                 request_body_timeout=10.0,
                 request_body_min_rate=1000,
                 response_timeout=30.0,
+                underscores_in_headers=True,
             ),
         ),
         ListenerConfig(name="relay", bind=Address(host="::", port=0), backend="db"),
@@ -346,6 +348,7 @@ def test_minimal_config_gets_every_default() -> None:
         request_body_timeout=20.0,
         request_body_min_rate=500,
         response_timeout=60.0,
+        underscores_in_headers=False,
     )
 
     (backend,) = config.backends

@@ -17,6 +17,7 @@ from tlsedge._forwarded import (
     client_ip_text,
     forwarded_element,
     forwarded_node,
+    forwarding_key,
     is_trusted_peer,
     is_valid_request_id,
     new_request_id,
@@ -98,6 +99,46 @@ def test_trusted_peer_keeps_chain_and_appends() -> None:
             b'by="198.51.100.1:80"',
         ),
     ]
+
+
+LOOKALIKES = [
+    (b"Host", b"example.com"),
+    (b"X_Forwarded_For", b"6.6.6.6"),
+    (b"x_forwarded_proto", b"https"),
+    (b"X_Forwarded-Port", b"1"),
+    (b"X-Forwarded_Host", b"evil.example"),
+    (b"X_Real_IP", b"6.6.6.6"),
+    (b"X_Request_Id", b"spoofed"),
+    (b"Foo_Bar", b"kept"),
+]
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["untrusted", "trusted"])
+def test_underscore_spellings_of_forwarding_headers_go_from_anyone(
+    trusted: bool,
+) -> None:
+    # CGI/WSGI read X_Forwarded_For as HTTP_X_FORWARDED_FOR: the same key as
+    # the real header. No proxy writes that spelling, so nobody's is kept.
+    out = rewrite_forwarding_headers(
+        LOOKALIKES,
+        ForwardedConfig(),
+        ctx(("10.1.2.3", 5000), trusted=trusted),
+        request_id=(b"X-Request-Id", b"abc"),
+    )
+    client = b"10.1.2.3"
+    assert out == [
+        (b"Host", b"example.com"),
+        (b"Foo_Bar", b"kept"),
+        (b"X-Forwarded-For", client),
+        (b"X-Forwarded-Proto", b"http"),
+        (b"X-Forwarded-Port", b"80"),
+        (b"X-Request-Id", b"abc"),
+    ]
+
+
+def test_forwarding_key() -> None:
+    assert forwarding_key(b"X_Forwarded-FOR") == b"x-forwarded-for"
+    assert forwarding_key(b"Foo_Bar") == b"foo-bar"
 
 
 def test_trusted_peer_without_headers_gets_ours() -> None:

@@ -26,7 +26,7 @@ from hypothesis import given, strategies as st
 
 from tests.peers import free_port, nginx, require
 from tests.tlsedge.helpers import Backend, make_config
-from tlsedge._config import Config
+from tlsedge._config import Config, ConfigError
 from tlsedge._http import (
     ChunkedBodyScanner,
     HttpConnectionResult,
@@ -35,6 +35,7 @@ from tlsedge._http import (
     _Exchange,
     _HttpConnection,
     check_request_head,
+    origin_form,
     serve_http,
     strip_hop_by_hop,
 )
@@ -168,6 +169,52 @@ def test_too_many_headers_is_431() -> None:
     with pytest.raises(RequestRejectedError) as info:
         check_request_head(head, max_headers=10)
     assert info.value.status == 431
+
+
+# -- sans-IO: request targets -----------------------------------------------------
+
+TARGETS: list[tuple[bytes, bytes, bytes, bytes | None]] = [
+    (b"GET", b"/x?y=1", b"/x?y=1", None),
+    (b"OPTIONS", b"*", b"*", None),
+    (b"GET", b"http://evil.test/x?y=1", b"/x?y=1", b"evil.test"),
+    (b"GET", b"HTTPS://Evil.Test:8443/a/b", b"/a/b", b"Evil.Test:8443"),
+    (b"GET", b"http://evil.test", b"/", b"evil.test"),
+    (b"GET", b"http://evil.test?q", b"/?q", b"evil.test"),
+    (b"GET", b"http://[2001:db8::1]:8080/", b"/", b"[2001:db8::1]:8080"),
+    (b"OPTIONS", b"http://evil.test", b"*", b"evil.test"),
+    (b"OPTIONS", b"http://evil.test/", b"/", b"evil.test"),
+]
+
+
+@pytest.mark.parametrize(("method", "target", "sent", "authority"), TARGETS)
+def test_origin_form(
+    method: bytes, target: bytes, sent: bytes, authority: bytes | None
+) -> None:
+    assert origin_form(method, target) == (sent, authority)
+
+
+BAD_TARGETS: dict[str, tuple[bytes, str]] = {
+    "ftp-scheme": (b"ftp://evil.test/x", "scheme 'ftp'"),
+    "userinfo": (b"http://user:pw@evil.test/x", "userinfo"),
+    "no-slashes": (b"http:evil.test/x", "without '//host'"),
+    "empty-host": (b"http:///x", "empty host"),
+    "port-only": (b"http://:80/x", "empty host"),
+    "fragment": (b"http://evil.test/x#top", "fragment"),
+    "bad-host": (b"http://ev%il<.test/x", "malformed host"),
+    "bad-ipv6": (b"http://[::1/x", "malformed host"),
+    "asterisk-get": (b"*", "only for OPTIONS"),
+    "relative": (b"x/y", "malformed request target"),
+    "authority-form": (b"evil.test:443", "scheme 'evil.test'"),
+}
+
+
+@pytest.mark.parametrize(
+    ("target", "reason"), list(BAD_TARGETS.values()), ids=list(BAD_TARGETS)
+)
+def test_origin_form_refuses(target: bytes, reason: str) -> None:
+    with pytest.raises(RequestRejectedError, match=re.escape(reason)) as info:
+        origin_form(b"GET", target)
+    assert info.value.status == 400
 
 
 # -- sans-IO: chunked body scanner ----------------------------------------------
@@ -762,6 +809,126 @@ async def test_forwarding_headers_replace_spoofed_ones() -> None:
     assert response.header(b"keep-alive") is None
 
 
+async def _one(address: tuple[str, int], head: bytes) -> Response:
+    """Send one raw request head (the proxy answers and closes); its response."""
+    (response,) = parse_responses(await raw(address, head))
+    return response
+
+
+@pytest.mark.parametrize(
+    ("request_line", "host", "target", "backend_host"),
+    [
+        (b"GET http://evil.test/x?y=1 HTTP/1.1", b"good.test", "/x?y=1", "evil.test"),
+        (b"GET HTTP://evil.test:8080 HTTP/1.1", b"good.test", "/", "evil.test:8080"),
+        (b"OPTIONS http://evil.test HTTP/1.1", b"good.test", "*", "evil.test"),
+        (b"GET http://evil.test/x HTTP/1.0", None, "/x", "evil.test"),
+    ],
+)
+async def test_absolute_form_target_rewritten_to_origin_form_and_host(
+    request_line: bytes, host: bytes | None, target: str, backend_host: str
+) -> None:
+    # RFC 9112 3.2.2: the target's authority wins over Host. The backend must
+    # get one story: origin-form target, Host and Forwarded host= agree.
+    head = request_line + b"\r\n"
+    if host is not None:
+        head += b"Host: " + host + b"\r\n"
+    head += b"Connection: close\r\n\r\n"
+    async with echo_and_proxy(forwarded={"forwarded": True}) as (_, proxy):
+        response = await _one(proxy.address, head)
+    assert response.status == 200
+    info = response.json()
+    assert info["target"] == target
+    assert seen_headers(info, "host") == [backend_host]
+    (fwd,) = seen_headers(info, "forwarded")
+    assert f";host={backend_host};" in fwd or f';host="{backend_host}";' in fwd, fwd
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        b"ftp://evil.test/x",
+        b"http://user@evil.test/x",
+        b"http:///x",
+        b"http://evil.test/x#frag",
+        b"*",
+        b"x",
+    ],
+)
+async def test_bad_request_targets_refused_with_400(target: bytes) -> None:
+    async with echo_and_proxy() as (echo, proxy):
+        out = await raw(
+            proxy.address, b"GET " + target + b" HTTP/1.1\r\nHost: good.test\r\n\r\n"
+        )
+    assert out.startswith(b"HTTP/1.1 400 "), out
+    assert b"\r\nconnection: close\r\n" in out.lower()
+    assert echo.accepted == 0
+
+
+UNDERSCORED = [
+    ("X_Forwarded_For", "6.6.6.6"),
+    ("X_Real_IP", "6.6.6.6"),
+    ("X_Forwarded_Proto", "https"),
+    ("Foo_Bar", "1"),
+]
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["untrusted", "trusted"])
+async def test_header_names_with_underscores_dropped(trusted: bool) -> None:
+    # WSGI/CGI would read X_Forwarded_For as HTTP_X_FORWARDED_FOR (nginx's
+    # underscores_in_headers off): by default no "_" name reaches the backend.
+    forwarded = {"trusted_proxies": ["127.0.0.1"]} if trusted else {}
+    async with echo_and_proxy(forwarded=forwarded) as (_, proxy):
+        client = await Client.open(proxy.address)
+        response = await client.request(
+            "POST",
+            "/",
+            headers=[*UNDERSCORED, ("Transfer-Encoding", "chunked")],
+            body=[b"abc"],
+            trailers=[("Foo_Bar", "t"), ("X_Real_IP", "6.6.6.6"), ("X-Sum", "1")],
+        )
+        await client.aclose()
+    info = response.json()
+    names = [name for name, _ in info["headers"]]
+    assert not [name for name in names if "_" in name], names
+    assert seen_headers(info, "x-forwarded-for") == ["127.0.0.1"]
+    assert seen_headers(info, "x-forwarded-proto") == ["http"]
+    assert info["trailers"] == [["x-sum", "1"]]
+
+
+def test_underscores_in_headers_must_be_a_boolean() -> None:
+    listener = {"name": "web", "mode": "http", "backend": "app"}
+    backend = {"name": "app", "servers": ["127.0.0.1:1"]}
+    config = make_config([{**listener, "http": {}}], [backend])
+    assert config.listeners[0].http.underscores_in_headers is False
+    with pytest.raises(ConfigError) as info:
+        make_config([{**listener, "http": {"underscores_in_headers": "on"}}], [backend])
+    assert str(info.value) == (
+        "listeners[0].http.underscores_in_headers: expected true or false, "
+        "got a string ('on')"
+    )
+
+
+async def test_underscores_in_headers_on_keeps_others_not_forwarding_lookalikes() -> (
+    None
+):
+    async with echo_and_proxy(http={"underscores_in_headers": True}) as (_, proxy):
+        client = await Client.open(proxy.address)
+        response = await client.request(
+            "POST",
+            "/",
+            headers=[*UNDERSCORED, ("Transfer-Encoding", "chunked")],
+            body=[b"abc"],
+            trailers=[("Foo_Bar", "t"), ("X_Real_IP", "6.6.6.6")],
+        )
+        await client.aclose()
+    info = response.json()
+    assert seen_headers(info, "foo_bar") == ["1"]
+    for name in ("x_forwarded_for", "x_real_ip", "x_forwarded_proto"):
+        assert seen_headers(info, name) == [], name
+    assert seen_headers(info, "x-forwarded-for") == ["127.0.0.1"]
+    assert info["trailers"] == [["foo_bar", "t"]]
+
+
 async def test_trusted_proxy_chain_is_appended() -> None:
     forwarded = {"trusted_proxies": ["127.0.0.0/8"], "forwarded": True}
     async with echo_and_proxy(forwarded=forwarded) as (_, proxy):
@@ -1313,12 +1480,17 @@ async def test_no_healthy_server_503() -> None:
     assert echo.accepted == 0
 
 
-async def test_connect_refused_502() -> None:
+async def test_connect_refused_502(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge")
     port = free_port()
     async with running_proxy([f"127.0.0.1:{port}"]) as proxy:
         response = await get(proxy.address)
         (result,) = await wait_results(proxy)
     assert response.status == 502
+    # The backend failed, not the client: the operator should hear of it.
+    (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.name == "tlsedge.http"
+    assert "-> 502: backend app" in warning.getMessage()
     assert response.header(b"content-type") == b"text/plain; charset=utf-8"
     assert b"1 connect attempts failed (127.0.0.1:" in response.body
     assert b"connection refused" in response.body

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
+import re
 import ssl
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -126,6 +129,31 @@ async def test_spoofed_forwarding_headers_are_replaced() -> None:
     assert headers["x-forwarded-port"] == [str(port)]
     assert "forwarded" not in headers
     assert "x-real-ip" not in headers
+
+
+async def test_curl_through_the_edge_as_a_proxy_and_underscore_headers() -> None:
+    # curl --proxy sends the absolute form; the backend gets origin-form and
+    # the target's authority as Host (RFC 9112 3.2.2), never the client's Host.
+    # Header names with "_" (WSGI's HTTP_X_FORWARDED_FOR) never get through.
+    async with trio.open_nursery() as nursery:
+        edge, _, port = await _start(nursery, {"forwarded": {"forwarded": True}})
+        (seen,) = await curl(
+            *("--proxy", f"http://127.0.0.1:{port}"),
+            *("-H", "Host: good.test"),
+            *("-H", "X_Forwarded_For: 6.6.6.6"),
+            *("-H", "X_Real_IP: 6.6.6.6"),
+            *("-H", "Foo_Bar: 1"),
+            "http://evil.test:8080/x?y=1",
+        )
+        edge.drain()
+    headers = seen["headers"]
+    assert isinstance(headers, dict)
+    assert seen["request"] == "GET /x?y=1 HTTP/1.1"
+    assert headers["host"] == ["evil.test:8080"]
+    (forwarded,) = headers["forwarded"]
+    assert ';host="evil.test:8080";' in forwarded, forwarded
+    assert headers["x-forwarded-for"] == ["127.0.0.1"]
+    assert not [name for name in headers if "_" in name], headers
 
 
 async def test_keepalive_reuses_one_upstream_connection() -> None:
@@ -329,6 +357,121 @@ async def test_access_log_lines_per_request_and_per_connection(
         assert record["total"] >= record["first_byte"] >= 0
     assert requests[1]["bytes_in"] > requests[0]["bytes_in"]  # the 5-byte body
     assert app.accepted == 1  # the second request reused the pooled connection
+
+
+#: Every field of a request line, in order (docs/operations.md lists them).
+REQUEST_FIELDS = [
+    "type",
+    "connection",
+    "listener",
+    "client",
+    "start",
+    "method",
+    "target",
+    "version",
+    "host",
+    "user_agent",
+    "status",
+    "bytes_in",
+    "bytes_out",
+    "connect",
+    "first_byte",
+    "total",
+    "backend",
+    "server",
+    "tls",
+    "sni",
+    "request_id",
+    "termination",
+    "detail",
+]
+RFC3339_MS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+def _unix_time(text: str) -> float:
+    assert RFC3339_MS.fullmatch(text), text
+    return datetime.datetime.fromisoformat(text).timestamp()
+
+
+@pytest.mark.parametrize("use_tls", [False, True], ids=["plain", "tls"])
+async def test_access_log_request_and_connection_fields_with_curl(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, use_tls: bool
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    tls, _ = _tls_files(tmp_path)
+    before = time.time()
+    async with h11_edge({"tls": tls} if use_tls else {}) as (_, app, address):
+        port = address[1]
+        scheme = "https" if use_tls else "http"
+        (seen,) = await curl(
+            *("--cacert", str(tmp_path / "ca.pem")),
+            *("--resolve", f"localhost:{port}:127.0.0.1"),
+            *("-A", "probe/1.0 (test)"),
+            f"{scheme}://localhost:{port}/a?x=1",
+        )
+        records = await wait_access_records(caplog, 2)
+    after = time.time()
+    assert seen["target"] == "/a?x=1"
+    requests, connections = _split(records)
+    (request,), (connection,) = requests, connections
+    assert list(request) == REQUEST_FIELDS
+    # The times: RFC 3339, UTC, milliseconds, both lines.
+    assert before - 0.001 <= _unix_time(connection["start"]) <= after
+    assert _unix_time(connection["start"]) <= _unix_time(request["start"]) <= after
+    assert request["connection"] == connection["id"]
+    assert request["listener"] == connection["listener"] == "web"
+    assert request["client"] == connection["client"]
+    assert request["client"].startswith("127.0.0.1:")
+    assert (request["method"], request["target"], request["version"]) == (
+        "GET",
+        "/a?x=1",
+        "1.1",
+    )
+    assert request["host"] == f"localhost:{port}"
+    assert request["user_agent"] == "probe/1.0 (test)"
+    assert request["status"] == 200
+    assert request["bytes_in"] > len("GET /a?x=1 HTTP/1.1\r\n\r\n")
+    assert request["bytes_out"] > len(json.dumps(seen))
+    assert 0 <= request["connect"] <= request["first_byte"] <= request["total"]
+    assert request["backend"] == connection["backend"] == "app"
+    assert request["server"] == connection["server"] == app.address
+    assert request["request_id"] is None
+    assert (request["termination"], request["detail"]) == ("ok", None)
+    assert (request["tls"], request["sni"]) == (connection["tls"], connection["sni"])
+    if use_tls:
+        assert re.fullmatch(r"TLSv1\.[23] \S+", request["tls"]), request["tls"]
+        assert request["sni"] == "localhost"
+    else:
+        assert (request["tls"], request["sni"]) == (None, None)
+
+
+async def test_client_caused_error_responses_are_not_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="tlsedge")
+    async with h11_edge() as (_, app, address):
+        answers = []
+        for head in (
+            b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
+            b"GET ftp://evil.test/ HTTP/1.1\r\nHost: good.test\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n",
+        ):
+            stream = await trio.open_tcp_stream(*address)
+            await stream.send_all(head)
+            answers.append((await _read_until_closed(stream)).split(b"\r\n")[0])
+            await stream.aclose()
+        records = await wait_access_records(caplog, 6)
+    assert answers == [
+        b"HTTP/1.1 501 Not Implemented",
+        b"HTTP/1.1 400 Bad Request",
+        b"HTTP/1.1 400 Bad Request",
+    ]
+    assert sorted(r["status"] for r in _split(records)[0]) == [400, 400, 501]
+    assert app.accepted == 0
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warnings, [r.getMessage() for r in warnings]
+    refusals = [r for r in caplog.records if r.name == "tlsedge.http"]
+    assert [r.levelno for r in refusals] == [logging.INFO] * 3
 
 
 async def _read_until_closed(stream: trio.SocketStream) -> bytes:

@@ -25,7 +25,7 @@ from tests.tlsedge.helpers import (
     tag_handler,
     wait_until,
 )
-from tlsedge._accesslog import ConnectionLog
+from tlsedge._accesslog import ConnectionLog, format_time
 from tlsedge._cli import main
 from tlsedge._logging import (
     EscapingFormatter,
@@ -129,6 +129,15 @@ def test_json_format() -> None:
 
 def emit_access(id_: str = "c1") -> None:
     ConnectionLog(id=id_, listener="in", peer="10.0.0.1:5555", detail=GARBAGE).emit()
+
+
+def test_access_log_times_are_rfc3339_utc_with_milliseconds() -> None:
+    assert format_time(1795463401.123) == "2026-11-23T19:50:01.123Z"
+    assert format_time(0) == "1970-01-01T00:00:00.000Z"
+    # Cut, not rounded: a time never shows the next second.
+    assert format_time(59.9999) == "1970-01-01T00:00:59.999Z"
+    line = ConnectionLog(id="c", listener="l", peer=None, start=1795463401.5)
+    assert json.loads(line.to_json())["start"] == "2026-11-23T19:50:01.500Z"
 
 
 @pytest.mark.parametrize("log_format", ["text", "json"])
