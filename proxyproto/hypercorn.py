@@ -65,6 +65,7 @@ from proxyproto._asgi import (
     set_current_info,
 )
 from proxyproto._errors import RemoteProtocolError
+from proxyproto._extras import require
 from proxyproto._policy import Policy, TrustPolicy
 
 if TYPE_CHECKING:
@@ -446,6 +447,7 @@ async def serve(
         **reader_options: ``HeaderReader`` options (``versions``,
             ``max_v2_length``, ``verify_crc32c``, ...).
     """
+    require("hypercorn", feature="proxyproto.hypercorn", extra="hypercorn")
     options = _Options(
         trust=make_trust_policy(trusted, untrusted),
         header_timeout=header_timeout,
@@ -556,6 +558,9 @@ def _hypercorn_cli_config(argv: Sequence[str]) -> Config | int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m proxyproto.hypercorn APP [--proxy-* ...] [hypercorn options]``."""
+    require(
+        "hypercorn", feature="proxyproto.hypercorn", extra="hypercorn", command=True
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = proxy_argument_parser("python -m proxyproto.hypercorn")
     proxy_kwargs, rest = parse_proxy_arguments(parser, argv)

@@ -37,9 +37,6 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import uvicorn
-from uvicorn.config import STARTUP_FAILURE
-
 from proxyproto._asgi import (
     DEFAULT_SSL_HANDSHAKE_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -55,7 +52,20 @@ from proxyproto._asgi import (
     print_proxy_help,
     proxy_argument_parser,
 )
+from proxyproto._extras import missing_extra
 from proxyproto._policy import Policy, TrustPolicy
+
+try:
+    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
+except ModuleNotFoundError as exc:
+    missing_extra(
+        exc,
+        feature="proxyproto.uvicorn",
+        package="uvicorn",
+        extra="uvicorn",
+        command=__name__ == "__main__",
+    )
 
 __all__ = [
     "DEFAULT_TIMEOUT",
