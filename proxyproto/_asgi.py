@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
+import ipaddress
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -41,6 +43,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEFAULT_TRUSTED",
     "EXTENSION",
+    "TRUSTED_ENVIRONMENT",
     "ASGIApp",
     "AddressSocket",
     "AsyncioSettings",
@@ -52,6 +55,7 @@ __all__ = [
     "header_addresses",
     "make_trust_policy",
     "parse_proxy_arguments",
+    "parse_trusted",
     "print_proxy_help",
     "proxy_argument_parser",
     "set_current_info",
@@ -316,15 +320,54 @@ class ProxyScopeMiddleware:
 # --------------------------------------------------------------------------
 
 
+#: The environment variable read when ``--proxy-trusted`` is not given.
+TRUSTED_ENVIRONMENT = "PROXYPROTO_TRUSTED"
+_EVERYONE = "*"
+
+
+def parse_trusted(text: str) -> list[str]:
+    """A ``--proxy-trusted`` value: addresses and networks (CIDR), separated
+    by commas, or ``*`` for every peer (as Uvicorn's ``--forwarded-allow-ips``).
+
+    Raises:
+        argparse.ArgumentTypeError: an entry is neither.
+    """
+    entries = [entry.strip() for entry in text.split(",")]
+    for entry in entries:
+        if entry == _EVERYONE:
+            continue
+        try:
+            ipaddress.ip_network(entry)
+        except ValueError as exc:
+            where = f" in {text!r}" if len(entries) > 1 else ""
+            raise argparse.ArgumentTypeError(
+                "expected IP addresses or networks (CIDR) separated by commas, "
+                f"or '*', got {entry!r}{where} ({exc})"
+            ) from None
+    return entries
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
 def proxy_argument_parser(prog: str) -> argparse.ArgumentParser:
     """The ``--proxy-*`` options both command lines add to the server's own."""
     parser = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
     parser.add_argument(
         "--proxy-trusted",
         action="append",
-        metavar="CIDR",
-        help="a load balancer address or network that must send a PROXY header "
-        "(repeatable; default: 127.0.0.1 and ::1)",
+        type=parse_trusted,
+        metavar="CIDRS",
+        help="load balancer addresses or networks that must send a PROXY header, "
+        "comma-separated, or '*' for every peer (repeatable; default: "
+        f"${TRUSTED_ENVIRONMENT}, else 127.0.0.1 and ::1)",
     )
     parser.add_argument(
         "--proxy-untrusted",
@@ -334,7 +377,7 @@ def proxy_argument_parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--proxy-timeout",
-        type=float,
+        type=_positive_seconds,
         default=DEFAULT_TIMEOUT,
         metavar="SECONDS",
         help=f"how long the header may take (default {DEFAULT_TIMEOUT})",
@@ -349,13 +392,41 @@ def proxy_argument_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _trusted_argument(
+    parser: argparse.ArgumentParser,
+    lists: list[list[str]] | None,
+    environ: Mapping[str, str],
+) -> TrustPolicy | list[str]:
+    if lists is None:
+        text = environ.get(TRUSTED_ENVIRONMENT)
+        if text is None:
+            return list(DEFAULT_TRUSTED)
+        try:
+            lists = [parse_trusted(text)]
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"environment variable {TRUSTED_ENVIRONMENT}: {exc}")
+    entries = [entry for entries in lists for entry in entries]
+    if _EVERYONE in entries:
+        return TrustPolicy.everyone(Policy.REQUIRE)
+    return entries
+
+
 def parse_proxy_arguments(
-    parser: argparse.ArgumentParser, argv: Sequence[str]
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """Split *argv* into the adapters' keyword arguments and the rest."""
+    """Split *argv* into the adapters' keyword arguments and the rest.
+
+    ``--proxy-trusted`` defaults to ``$PROXYPROTO_TRUSTED`` (from *environ*,
+    default ``os.environ``), then to ``DEFAULT_TRUSTED``. A bad value is a
+    usage error (``parser.error``: the message and exit status 2).
+    """
     args, rest = parser.parse_known_args(list(argv))
     kwargs: dict[str, Any] = {
-        "trusted": args.proxy_trusted or list(DEFAULT_TRUSTED),
+        "trusted": _trusted_argument(
+            parser, args.proxy_trusted, os.environ if environ is None else environ
+        ),
         "untrusted": Policy(args.proxy_untrusted),
         "header_timeout": args.proxy_timeout,
     }

@@ -480,18 +480,10 @@ def run(
         **reader_options: as for ``serve``.
 
     Raises:
-        ValueError: more than one worker, or an unknown worker class.
+        ValueError: more than one worker, an unknown worker class, or TLS
+            with uvloop.
     """
-    if config.workers not in (0, 1):
-        raise ValueError(
-            "proxyproto.hypercorn runs one worker; run several processes with "
-            "SO_REUSEPORT binds instead of --workers"
-        )
-    if config.worker_class == "uvloop" and config.ssl_enabled:
-        raise ValueError(
-            "TLS after a PROXY header needs the asyncio or trio worker "
-            "(uvloop's start_tls() accepts only its own transports)"
-        )
+    _check_config(config)
     loaded = _load_app(app, config) if isinstance(app, str) else app
     coroutine = partial(
         serve,
@@ -506,7 +498,7 @@ def run(
         import trio
 
         trio.run(coroutine)
-    elif config.worker_class in ("asyncio", "uvloop"):
+    else:  # asyncio or uvloop: _check_config refused anything else
         loop_factory = None
         if config.worker_class == "uvloop":
             import uvloop  # type: ignore[import-not-found]
@@ -514,8 +506,36 @@ def run(
             loop_factory = uvloop.new_event_loop
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(coroutine())
-    else:
-        raise ValueError(f"unknown worker class {config.worker_class!r}")
+
+
+_WORKER_CLASSES = ("asyncio", "uvloop", "trio")
+
+
+def _check_config(config: Config) -> None:
+    """Refuse what ``run`` cannot do with *config*.
+
+    Raises:
+        ValueError: more than one worker, an unknown worker class, or TLS
+            with uvloop; the message starts with the command-line option
+            (``argument -w/--workers: ...``).
+    """
+    if config.workers not in (0, 1):
+        raise ValueError(
+            "argument -w/--workers: proxyproto.hypercorn runs one worker per "
+            f"process, got {config.workers}; run several processes with "
+            "SO_REUSEPORT binds instead"
+        )
+    if config.worker_class not in _WORKER_CLASSES:
+        raise ValueError(
+            "argument -k/--worker-class: expected asyncio, uvloop or trio, got "
+            f"{config.worker_class!r}"
+        )
+    if config.worker_class == "uvloop" and config.ssl_enabled:
+        raise ValueError(
+            "argument -k/--worker-class: TLS after a PROXY header needs the "
+            "asyncio or trio worker (uvloop's start_tls() accepts only its own "
+            "transports)"
+        )
 
 
 def _load_app(path: str, config: Config) -> ASGIApp:
@@ -569,6 +589,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_proxy_help(parser)
     if isinstance(config, int):
         return config
+    try:
+        _check_config(config)
+    except ValueError as exc:
+        parser.error(str(exc))
     run(config.application_path, config, **proxy_kwargs)
     return 0
 

@@ -126,6 +126,19 @@ class _ProtocolFactory:
         return ServerProtocolWrapper(self.settings, make_protocol)
 
 
+def _tls(kwargs: Mapping[str, Any]) -> bool:
+    return bool(kwargs.get("ssl_certfile") or kwargs.get("ssl_context_factory"))
+
+
+def _check_loop(kwargs: Mapping[str, Any]) -> None:
+    """Refuse TLS with ``loop="uvloop"`` (ValueError naming ``--loop``)."""
+    if _tls(kwargs) and kwargs.get("loop") == "uvloop":
+        raise ValueError(
+            "argument --loop: TLS after a PROXY header needs the asyncio loop "
+            "(uvloop's start_tls() accepts only its own transports)"
+        )
+
+
 class ProxyConfig(uvicorn.Config):
     """A ``uvicorn.Config`` whose server reads a PROXY header on every connection.
 
@@ -160,16 +173,9 @@ class ProxyConfig(uvicorn.Config):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("proxy_headers", False)
-        tls = bool(kwargs.get("ssl_certfile") or kwargs.get("ssl_context_factory"))
-        if tls:
-            loop = kwargs.get("loop", "auto")
-            if loop == "auto":
-                kwargs["loop"] = "asyncio"
-            elif loop == "uvloop":
-                raise ValueError(
-                    "TLS after a PROXY header needs the asyncio loop "
-                    "(uvloop's start_tls() accepts only its own transports)"
-                )
+        _check_loop(kwargs)
+        if _tls(kwargs) and kwargs.get("loop", "auto") == "auto":
+            kwargs["loop"] = "asyncio"
         super().__init__(app, **kwargs)
         self.proxy_trust = make_trust_policy(trusted, untrusted)
         self.proxy_header_timeout = header_timeout
@@ -336,6 +342,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         proxy_kwargs["proxy_options"] = {"versions": versions}
     if kwargs.get("proxy_headers") is True and "--proxy-headers" not in rest:
         kwargs["proxy_headers"] = False  # the PROXY header gives the client
+    try:
+        _check_loop(kwargs)
+    except ValueError as exc:
+        parser.error(str(exc))
     run(app, **proxy_kwargs, **kwargs)
     return 0
 
