@@ -64,7 +64,6 @@ from proxyproto._asgi import (
     proxy_argument_parser,
     set_current_info,
 )
-from proxyproto._errors import RemoteProtocolError
 from proxyproto._extras import require
 from proxyproto._policy import Policy, TrustPolicy
 
@@ -257,7 +256,7 @@ async def _serve_trio(
 ) -> None:
     import trio
 
-    from proxyproto.trio import read_proxy_header, socket_addresses
+    from proxyproto.trio import accept_proxy_header
 
     lifespan_class, tcp_server_class, worker_context_class = _hypercorn_internals(
         "trio"
@@ -270,21 +269,19 @@ async def _serve_trio(
     context = worker_context_class(_max_requests(config))
 
     async def handle(ssl_context: ssl.SSLContext | None, stream: Any) -> None:
-        peer, local = socket_addresses(stream)
-        policy = options.trust.decide(peer, local)
-        try:
-            proxy_stream = await read_proxy_header(
-                stream,
-                policy=policy,
-                header_timeout=options.header_timeout,
-                **options.reader_options,
-            )
-        except (RemoteProtocolError, trio.BrokenResourceError) as exc:
-            LOGGER.warning("closing connection from %s: %s", peer, exc)
-            await trio.aclose_forcefully(stream)
+        proxy_stream = await accept_proxy_header(
+            stream,
+            trust=options.trust,
+            header_timeout=options.header_timeout,
+            logger=LOGGER,
+            **options.reader_options,
+        )
+        if proxy_stream is None:
             return
-        set_current_info(ProxyInfo(header=proxy_stream.header, peer=peer))
-        wrapped_stream: Any = _SocketStream(proxy_stream, policy)
+        set_current_info(
+            ProxyInfo(header=proxy_stream.header, peer=proxy_stream.peer_address)
+        )
+        wrapped_stream: Any = _SocketStream(proxy_stream, proxy_stream.policy)
         if ssl_context is not None:
             wrapped_stream = trio.SSLStream(
                 wrapped_stream, ssl_context, server_side=True, https_compatible=True

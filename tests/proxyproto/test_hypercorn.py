@@ -32,6 +32,12 @@ from hypercorn.config import Config  # noqa: E402
 from proxyproto import TLV, Policy, ProxyHeader, TLVType, encode_v2  # noqa: E402
 from proxyproto.hypercorn import serve  # noqa: E402
 from tests.peers import free_port, haproxy, require  # noqa: E402
+from tests.proxyproto.lb_checks import (  # noqa: E402
+    BEFORE_HEADER,
+    assert_no_warnings,
+    queue_health_checks,
+    send_health_checks,
+)
 
 TIMEOUT = 10.0
 LOGGER_NAME = "proxyproto.hypercorn"
@@ -89,9 +95,14 @@ def running(
     *,
     certfile: Path | None = None,
     keyfile: Path | None = None,
+    before_start: Callable[[int], None] | None = None,
     **kwargs: Any,
 ) -> Iterator[int]:
-    """Run proxyproto.hypercorn.serve in a thread under *flavour*; yield the port."""
+    """Run proxyproto.hypercorn.serve in a thread under *flavour*; yield the port.
+
+    *before_start(port)* runs once the port listens, before the server
+    accepts (connections it makes wait in the accept queue).
+    """
     # Listening before the server starts: no start-up race, no probe
     # connection (which would be logged as a missing header).
     listener = socket.socket()
@@ -99,6 +110,8 @@ def running(
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
+    if before_start is not None:
+        before_start(port)
     config = Config()
     config.bind = [f"fd://{listener.detach()}"]  # hypercorn owns it now
     config.graceful_timeout = 2
@@ -437,6 +450,25 @@ def test_slow_header_times_out(flavour: str, caplog: pytest.LogCaptureFixture) -
     assert "0.3 s" in caplog.text
 
 
+def test_health_checks_are_not_warnings(
+    flavour: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A LOCAL header then a reset, a bare reset (both before the server
+    # accepts: the peer is gone when it asks for the address), and the same
+    # plus LOCAL then a close once it runs: no header is bad here.
+    caplog.set_level(logging.INFO)
+    with running(flavour, before_start=queue_health_checks) as port:
+        send_health_checks(port)
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=V1_HEADER)
+    assert seen["client"] == ["192.0.2.1", 1234]
+    assert_no_warnings(caplog)
+    gone = [r for r in caplog.records if BEFORE_HEADER in r.getMessage()]
+    assert len(gone) >= 2
+    assert {(r.name, r.levelname) for r in gone} == {(LOGGER_NAME, "INFO")}
+
+
 def test_private_api() -> None:
     """Fails loudly if the Hypercorn internals proxyproto.hypercorn uses change."""
     from proxyproto.hypercorn import _hypercorn_internals
@@ -537,6 +569,32 @@ def test_haproxy_tls_passthrough_and_curl(
     seen = json.loads(out.stdout)
     assert seen["client"] == ["127.0.0.1", local_port]
     assert seen["scheme"] == "https"
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize(
+    "check",
+    [
+        pytest.param("", id="tcp-check"),
+        pytest.param("    option httpchk GET /\n", id="httpchk"),
+    ],
+)
+def test_haproxy_health_checks_are_not_warnings(
+    flavour: str, check: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # HAProxy sends a LOCAL header on the checks of a send-proxy-v2 server;
+    # its plain check then resets the connection at once.
+    caplog.set_level(logging.INFO)
+    with running(flavour) as port:
+        front = free_port()
+        config = (
+            f"frontend fe\n    bind 127.0.0.1:{front}\n    default_backend be\n"
+            f"backend be\n{check}"
+            f"    server app 127.0.0.1:{port} send-proxy-v2 check inter 50ms\n"
+        )
+        with haproxy(config, [front]):
+            time.sleep(1)  # about 20 checks
+    assert_no_warnings(caplog)
 
 
 # -- command line -------------------------------------------------------------

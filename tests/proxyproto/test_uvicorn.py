@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,12 @@ from proxyproto import (  # noqa: E402
 )
 from proxyproto.uvicorn import ProxyConfig  # noqa: E402
 from tests.peers import free_port, haproxy, require  # noqa: E402
+from tests.proxyproto.lb_checks import (  # noqa: E402
+    BEFORE_HEADER,
+    assert_no_warnings,
+    queue_health_checks,
+    send_health_checks,
+)
 
 TIMEOUT = 10.0
 
@@ -83,8 +89,14 @@ cli_app = app
 
 
 @contextlib.contextmanager
-def running(**kwargs: Any) -> Iterator[int]:
-    """Run a ProxyConfig uvicorn server in a thread; yield its port."""
+def running(
+    before_start: Callable[[int], None] | None = None, **kwargs: Any
+) -> Iterator[int]:
+    """Run a ProxyConfig uvicorn server in a thread; yield its port.
+
+    With *before_start(port)*, the server gets a socket that already listens,
+    and *before_start* runs before the server accepts.
+    """
     kwargs.setdefault("lifespan", "off")
     config = ProxyConfig(
         app,
@@ -95,7 +107,12 @@ def running(**kwargs: Any) -> Iterator[int]:
         **kwargs,
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    sockets = None
+    if before_start is not None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        sockets = [listener]
+        before_start(listener.getsockname()[1])
+    thread = threading.Thread(target=server.run, args=(sockets,), daemon=True)
     thread.start()
     deadline = time.monotonic() + TIMEOUT
     while not server.started:
@@ -108,6 +125,8 @@ def running(**kwargs: Any) -> Iterator[int]:
         server.should_exit = True
         thread.join(TIMEOUT)
         assert not thread.is_alive(), "uvicorn did not shut down"
+        for sock in sockets or ():
+            sock.close()
 
 
 def connect(port: int) -> tuple[socket.socket, int]:
@@ -445,6 +464,21 @@ def test_eof_inside_header_is_closed(caplog: pytest.LogCaptureFixture) -> None:
     assert "before a complete PROXY header" in caplog.text
 
 
+def test_health_checks_are_not_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    # As in test_hypercorn: resets and LOCAL headers from load balancers.
+    caplog.set_level(logging.INFO)
+    with running(before_start=queue_health_checks) as port:
+        send_health_checks(port)
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=V1_HEADER)
+    assert seen["client"] == ["192.0.2.1", 1234]
+    assert_no_warnings(caplog)
+    gone = [r for r in caplog.records if BEFORE_HEADER in r.getMessage()]
+    assert len(gone) >= 2
+    assert {(r.name, r.levelname) for r in gone} == {("proxyproto.uvicorn", "INFO")}
+
+
 def test_only_v2_accepted() -> None:
     with running(proxy_options={"versions": {2}}) as port:
         sock, _ = connect(port)
@@ -559,6 +593,30 @@ def test_haproxy_tls_passthrough_and_curl(tls_files: dict[str, Any]) -> None:
     seen = json.loads(out.stdout)
     assert seen["client"] == ["127.0.0.1", local_port]
     assert seen["scheme"] == "https"
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize(
+    "check",
+    [
+        pytest.param("", id="tcp-check"),
+        pytest.param("    option httpchk GET /\n", id="httpchk"),
+    ],
+)
+def test_haproxy_health_checks_are_not_warnings(
+    check: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    with running() as port:
+        front = free_port()
+        config = (
+            f"frontend fe\n    bind 127.0.0.1:{front}\n    default_backend be\n"
+            f"backend be\n{check}"
+            f"    server app 127.0.0.1:{port} send-proxy-v2 check inter 50ms\n"
+        )
+        with haproxy(config, [front]):
+            time.sleep(1)  # about 20 checks
+    assert_no_warnings(caplog)
 
 
 # -- command line -------------------------------------------------------------
