@@ -1,7 +1,9 @@
 """What ``proxyproto.uvicorn`` and ``proxyproto.hypercorn`` share (private).
 
-- the scope extension: ``ProxyInfo``, ``ProxyScopeMiddleware`` and the
-  context variable Hypercorn's connections carry their ``ProxyInfo`` in;
+- the scope extension: ``ProxyInfo``, ``Connection`` (what a connection
+  brings to its scopes: the extension and, from the header's SSL TLV, the
+  scheme), ``ProxyScopeMiddleware`` and the context variable Hypercorn's
+  connections carry their ``Connection`` in;
 - ``make_trust_policy`` for the ``trusted``/``untrusted`` arguments, and the
   ``--proxy-*`` command-line options;
 - the header's addresses in the form servers read from a socket
@@ -33,7 +35,7 @@ from proxyproto._adapters import (
     format_address,
     uses_header_addresses,
 )
-from proxyproto._events import InetAddress, ProxyHeader, UnixAddress
+from proxyproto._events import InetAddress, ProxyHeader, SSLClient, UnixAddress
 from proxyproto._policy import Policy, TrustPolicy
 from proxyproto._reader import ReaderOptions
 from proxyproto.asyncio import ProxyProtocolWrapper
@@ -47,6 +49,7 @@ __all__ = [
     "ASGIApp",
     "AddressSocket",
     "AsyncioSettings",
+    "Connection",
     "ProxyInfo",
     "ProxyScopeMiddleware",
     "ServerProtocolWrapper",
@@ -58,7 +61,7 @@ __all__ = [
     "parse_trusted",
     "print_proxy_help",
     "proxy_argument_parser",
-    "set_current_info",
+    "set_current_connection",
 ]
 
 #: Who may send a header when nothing else is configured: only this host.
@@ -89,6 +92,37 @@ class ProxyInfo(TypedDict):
 
     header: ProxyHeader | None
     peer: SocketAddress | None
+
+
+#: The scheme of a connection whose client used TLS to the load balancer.
+_TLS_SCHEMES = {"http": "https", "ws": "wss"}
+
+
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """What a connection brings to each of its HTTP and WebSocket scopes.
+
+    Attributes:
+        info: ``scope["extensions"]["proxyproto"]``.
+        client_tls: the client reached the load balancer over TLS: the
+            header applies (``uses_header_addresses``: a PROXY command under
+            ``REQUIRE`` or ``USE``) and its SSL TLV has the ``SSLClient.SSL``
+            flag. The scope's ``scheme`` is then ``https`` / ``wss``.
+    """
+
+    info: ProxyInfo
+    client_tls: bool
+
+    @classmethod
+    def from_header(
+        cls, header: ProxyHeader | None, policy: Policy, peer: SocketAddress | None
+    ) -> Connection:
+        """The ``Connection`` of a header read under *policy* from *peer*."""
+        ssl_info = header.ssl if uses_header_addresses(header, policy) else None
+        return cls(
+            info=ProxyInfo(header=header, peer=peer),
+            client_tls=ssl_info is not None and SSLClient.SSL in ssl_info.client,
+        )
 
 
 def make_trust_policy(
@@ -207,7 +241,7 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
     ``settings.ssl_context`` TLS starts on the bytes after the header).
 
     - ``make_protocol``: the server's protocol, built from the connection's
-      ``ProxyInfo`` once the header is read.
+      ``Connection`` once the header is read.
     - ``extra_info``: when the header's addresses apply, ``peername``,
       ``sockname`` and ``socket`` (an ``AddressSocket``) report them in
       socket-address form, which is where Uvicorn and Hypercorn look.
@@ -215,13 +249,13 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
 
     Args:
         settings: trust policy, timeouts, TLS context, logger.
-        make_protocol: builds the server's protocol from the ``ProxyInfo``.
+        make_protocol: builds the server's protocol from the ``Connection``.
     """
 
     def __init__(
         self,
         settings: AsyncioSettings,
-        make_protocol: Callable[[ProxyInfo], asyncio.BaseProtocol],
+        make_protocol: Callable[[Connection], asyncio.BaseProtocol],
     ) -> None:
         super().__init__(
             None,
@@ -233,7 +267,7 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
             logger=settings.logger,
         )
         self._make_server_protocol = make_protocol
-        self._info: ProxyInfo | None = None
+        self._connection: Connection | None = None
 
     def extra_info(self, extra: dict[str, object]) -> dict[str, object]:
         policy = extra["proxyproto.policy"]
@@ -249,13 +283,15 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
         return extra
 
     def make_protocol(self, extra: Mapping[str, object]) -> asyncio.BaseProtocol:
-        self._info = ProxyInfo(
-            header=self.header, peer=format_address(extra["proxyproto.peername"])
+        policy = extra["proxyproto.policy"]
+        assert isinstance(policy, Policy)
+        self._connection = Connection.from_header(
+            self.header, policy, format_address(extra["proxyproto.peername"])
         )
-        return self._make_server_protocol(self._info)
+        return self._make_server_protocol(self._connection)
 
     def handshake_failed(self, exc: BaseException) -> None:
-        peer = None if self._info is None else self._info["peer"]
+        peer = None if self._connection is None else self._connection.info["peer"]
         self.logger.info("TLS handshake with %s failed: %r", peer, exc)
 
 
@@ -263,37 +299,39 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
 # ASGI: the scope extension
 # --------------------------------------------------------------------------
 
-_CURRENT: contextvars.ContextVar[ProxyInfo] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[Connection] = contextvars.ContextVar(
     "proxyproto_connection"
 )
 
 
-def set_current_info(info: ProxyInfo) -> None:
-    """Make *info* the ``ProxyInfo`` of the current task's connection (the
-    app's tasks inherit it): what ``ProxyScopeMiddleware`` finds by default."""
-    _CURRENT.set(info)
+def set_current_connection(connection: Connection) -> None:
+    """Make *connection* the current task's connection (the app's tasks
+    inherit it): what ``ProxyScopeMiddleware`` finds by default."""
+    _CURRENT.set(connection)
 
 
-def _current_info(scope: Mapping[str, Any]) -> ProxyInfo | None:
+def _current_connection(scope: Mapping[str, Any]) -> Connection | None:
     return _CURRENT.get(None)
 
 
 class ProxyScopeMiddleware:
-    """Adds ``scope["extensions"]["proxyproto"]`` to HTTP and WebSocket scopes.
+    """Adds ``scope["extensions"]["proxyproto"]`` to HTTP and WebSocket scopes,
+    and makes their ``scheme`` ``https`` / ``wss`` when the client used TLS to
+    the load balancer (``Connection.client_tls``), so that the URLs the app
+    builds (``url_for``, redirects) use the scheme the client sees.
 
-    The adapters wrap the app in it; *lookup* finds the connection's
-    ``ProxyInfo`` for a scope (how depends on the server).
+    The adapters wrap the app in it; *lookup* finds the ``Connection`` a
+    scope belongs to (how depends on the server).
 
     Args:
         app: the ASGI 3 application.
-        lookup: returns the ``ProxyInfo`` of the connection a scope belongs
-            to, or ``None``.
+        lookup: returns the ``Connection`` a scope belongs to, or ``None``.
     """
 
     def __init__(
         self,
         app: ASGIApp,
-        lookup: Callable[[Mapping[str, Any]], ProxyInfo | None] = _current_info,
+        lookup: Callable[[Mapping[str, Any]], Connection | None] = _current_connection,
     ) -> None:
         self.app = app
         self.lookup = lookup
@@ -305,13 +343,19 @@ class ProxyScopeMiddleware:
         send: Callable[[Any], Awaitable[None]],
     ) -> None:
         if scope["type"] in ("http", "websocket"):
-            info = self.lookup(scope)
-            if info is not None:
+            connection = self.lookup(scope)
+            if connection is not None:
                 scope = dict(scope)
                 scope["extensions"] = {
                     **(scope.get("extensions") or {}),
-                    EXTENSION: info,
+                    EXTENSION: connection.info,
                 }
+                if connection.client_tls:
+                    # "scheme" is optional: "http" / "ws" by default.
+                    plain = scope.get(
+                        "scheme", "http" if scope["type"] == "http" else "ws"
+                    )
+                    scope["scheme"] = _TLS_SCHEMES.get(plain, plain)
         await self.app(scope, receive, send)
 
 

@@ -53,6 +53,7 @@ from proxyproto._asgi import (
     AddressSocket,
     ASGIApp,
     AsyncioSettings,
+    Connection,
     ProxyInfo,
     ProxyScopeMiddleware,
     ServerProtocolWrapper,
@@ -62,7 +63,7 @@ from proxyproto._asgi import (
     parse_proxy_arguments,
     print_proxy_help,
     proxy_argument_parser,
-    set_current_info,
+    set_current_connection,
 )
 from proxyproto._extras import require
 from proxyproto._policy import Policy, TrustPolicy
@@ -179,18 +180,23 @@ async def _serve_asyncio(
     tasks: set[asyncio.Task[Any]] = set()
 
     async def connected(
-        info: ProxyInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        connection: Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-        set_current_info(info)  # this task's context: the app's tasks inherit it
+        # This task's context: the app's tasks inherit it.
+        set_current_connection(connection)
         await tcp_server_class(wrapped, loop, config, context, state, reader, writer)
 
-    def make_stream_protocol(info: ProxyInfo) -> asyncio.Protocol:
+    def make_stream_protocol(connection: Connection) -> asyncio.Protocol:
         reader = asyncio.StreamReader(loop=loop)
-        return asyncio.StreamReaderProtocol(reader, partial(connected, info), loop=loop)
+        return asyncio.StreamReaderProtocol(
+            reader, partial(connected, connection), loop=loop
+        )
 
     servers = []
     for secure, group in (
@@ -278,8 +284,10 @@ async def _serve_trio(
         )
         if proxy_stream is None:
             return
-        set_current_info(
-            ProxyInfo(header=proxy_stream.header, peer=proxy_stream.peer_address)
+        set_current_connection(
+            Connection.from_header(
+                proxy_stream.header, proxy_stream.policy, proxy_stream.peer_address
+            )
         )
         wrapped_stream: Any = _SocketStream(proxy_stream, proxy_stream.policy)
         if ssl_context is not None:

@@ -43,6 +43,7 @@ from proxyproto._asgi import (
     DEFAULT_TRUSTED,
     EXTENSION,
     AsyncioSettings,
+    Connection,
     ProxyInfo,
     ProxyScopeMiddleware,
     ServerProtocolWrapper,
@@ -79,17 +80,17 @@ __all__ = [
 
 LOGGER = logging.getLogger("proxyproto.uvicorn")
 
-# The per-connection ProxyInfo rides in the protocol's app_state copy under
+# The per-connection Connection rides in the protocol's app_state copy under
 # this key (so it survives ``reset_contextvars``); the middleware moves it to
 # scope["extensions"]["proxyproto"] and removes it from scope["state"].
 _STATE_KEY = "proxyproto.connection"
 
 
-def _lookup_state(scope: Mapping[str, Any]) -> ProxyInfo | None:
+def _lookup_state(scope: Mapping[str, Any]) -> Connection | None:
     state = scope.get("state")
     if isinstance(state, dict):
-        info: ProxyInfo | None = state.pop(_STATE_KEY, None)
-        return info
+        connection: Connection | None = state.pop(_STATE_KEY, None)
+        return connection
     return None
 
 
@@ -115,9 +116,9 @@ class _ProtocolFactory:
         app_state: dict[str, Any],
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> asyncio.Protocol:
-        def make_protocol(info: ProxyInfo) -> asyncio.Protocol:
+        def make_protocol(connection: Connection) -> asyncio.Protocol:
             state = dict(app_state)
-            state[_STATE_KEY] = info
+            state[_STATE_KEY] = connection
             protocol: asyncio.Protocol = self.protocol_class(
                 config=config, server_state=server_state, app_state=state, _loop=_loop
             )

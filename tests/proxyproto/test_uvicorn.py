@@ -28,7 +28,9 @@ from proxyproto import (  # noqa: E402
     TLV,
     Policy,
     ProxyHeader,
+    SSLClient,
     TLVType,
+    TrustPolicy,
     encode_v1,
     encode_v2,
 )
@@ -39,6 +41,12 @@ from tests.proxyproto.lb_checks import (  # noqa: E402
     assert_no_warnings,
     queue_health_checks,
     send_health_checks,
+)
+from tests.proxyproto.scheme_checks import (  # noqa: E402
+    CLIENT,
+    ssl_header,
+    websocket_app,
+    websocket_scheme,
 )
 
 TIMEOUT = 10.0
@@ -52,6 +60,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             await send({"type": message["type"] + ".complete"})
             if message["type"] == "lifespan.shutdown":
                 return
+    if scope["type"] == "websocket":
+        await websocket_app(scope, receive, send)
+        return
     if scope["type"] != "http":
         return
     ext = scope.get("extensions", {}).get("proxyproto")
@@ -505,6 +516,55 @@ def test_tls_with_uvloop_is_refused() -> None:
         ProxyConfig(app, ssl_certfile="x.pem", loop="uvloop")
 
 
+@pytest.mark.parametrize(
+    ("client", "http", "websocket"),
+    [
+        pytest.param(SSLClient.SSL, "https", "wss", id="tls"),
+        pytest.param(
+            SSLClient.SSL | SSLClient.CERT_CONN | SSLClient.CERT_SESS,
+            "https",
+            "wss",
+            id="tls-client-cert",
+        ),
+        pytest.param(SSLClient(0), "http", "ws", id="no-tls-flag"),
+    ],
+)
+def test_scheme_from_ssl_tlv(client: SSLClient, http: str, websocket: str) -> None:
+    # The load balancer terminated TLS and says so in the SSL TLV: the app
+    # builds its URLs with the scheme the client used.
+    with running() as port:
+        sock, _ = connect(port)
+        with sock:
+            client_ = Client(sock)
+            seen = [client_.request(first=ssl_header(client)), client_.request()]
+        sock, _ = connect(port)
+        with sock:
+            assert websocket_scheme(sock, first=ssl_header(client)) == websocket
+    assert [s["scheme"] for s in seen] == [http, http]
+    assert seen[0]["client"] == list(CLIENT)
+
+
+def test_scheme_ignores_ssl_tlv_of_local_header() -> None:
+    # LOCAL: a health check, no client; its TLVs say nothing about one.
+    with running() as port:
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=ssl_header(SSLClient.SSL, local=True))
+    assert seen["command"] == "LOCAL"
+    assert seen["scheme"] == "http"
+
+
+def test_scheme_ignores_ssl_tlv_under_ignore_policy() -> None:
+    # IGNORE: the header is read but does not describe the connection.
+    trust = TrustPolicy.everyone(Policy.IGNORE)
+    with running(trusted=trust) as port:
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=ssl_header(SSLClient.SSL))
+    assert seen["client"][0] == "127.0.0.1"
+    assert seen["scheme"] == "http"
+
+
 def test_private_api() -> None:
     """Fails loudly if the Uvicorn internals proxyproto.uvicorn uses change."""
     source = inspect.getsource(uvicorn.server.Server.startup)
@@ -617,6 +677,42 @@ def test_haproxy_health_checks_are_not_warnings(
         with haproxy(config, [front]):
             time.sleep(1)  # about 20 checks
     assert_no_warnings(caplog)
+
+
+@pytest.mark.peers
+def test_haproxy_terminates_tls_send_proxy_v2_ssl(
+    tls_files: dict[str, Any], tmp_path: Path
+) -> None:
+    # HAProxy terminates TLS and sends plain HTTP with a v2 header whose SSL
+    # TLV says the client used TLS: the app sees https.
+    curl = require("curl")
+    pem = tmp_path / "haproxy.pem"
+    pem.write_bytes(tls_files["cert"].read_bytes() + tls_files["key"].read_bytes())
+    with running() as port:
+        front = free_port()
+        config = (
+            f"frontend fe\n    bind 127.0.0.1:{front} ssl crt {pem}\n"
+            "    default_backend be\n"
+            f"backend be\n    server app 127.0.0.1:{port} send-proxy-v2-ssl\n"
+        )
+        with haproxy(config, [front]):
+            out = subprocess.run(
+                [
+                    curl,
+                    "-sS",
+                    "--max-time",
+                    "10",
+                    "--cacert",
+                    str(tls_files["ca"]),
+                    f"https://localhost:{front}/",
+                ],
+                capture_output=True,
+                check=True,
+                timeout=30,
+            )
+    seen = json.loads(out.stdout)
+    assert seen["scheme"] == "https"
+    assert seen["server"] == ["127.0.0.1", front]
 
 
 # -- command line -------------------------------------------------------------
