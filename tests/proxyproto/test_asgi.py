@@ -79,12 +79,12 @@ def request_from(source: str, port: int) -> bytes:
         sock.settimeout(TIMEOUT)
         sock.bind((source, 0))
         sock.connect(("127.0.0.1", port))
+        answer = b""
         try:
             sock.sendall(V1_HEADER + REQUEST)
-            answer = b""
             while chunk := sock.recv(65536):
                 answer += chunk
-        except ConnectionResetError:
+        except (ConnectionResetError, BrokenPipeError):
             pass
     return answer
 
