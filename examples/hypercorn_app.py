@@ -1,11 +1,14 @@
 """An ASGI app behind a PROXY-protocol load balancer, served by Hypercorn.
 
-Run it under asyncio (``python examples/hypercorn_app.py``) or trio
-(``python examples/hypercorn_app.py trio``), or from the command line with any
-hypercorn option::
+Needs ``pip install 'tlsedge[hypercorn]'``. Run it under asyncio (``python
+examples/hypercorn_app.py``) or trio (``python examples/hypercorn_app.py
+trio``), or from the command line with any hypercorn option::
 
     python -m proxyproto.hypercorn examples.hypercorn_app:app \\
-        --bind 127.0.0.1:8000 --worker-class trio --proxy-trusted 127.0.0.1
+        --bind 127.0.0.1:8000 --worker-class trio --proxy-trusted 127.0.0.1,10.0.0.0/8
+
+``scheme`` is ``https`` when the load balancer terminated TLS and said so in
+the header's SSL TLV (HAProxy ``send-proxy-v2-ssl``).
 
 Try it without a load balancer::
 
@@ -41,6 +44,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     reply = {
         "client": scope["client"],  # from the PROXY header
         "server": scope["server"],
+        "scheme": scope["scheme"],  # https if the client used TLS to the LB
         "load_balancer": info["peer"] if info else None,
         "tlvs": [(tlv.type, tlv.value.hex()) for tlv in header.tlvs] if header else [],
         "unique_id": header.unique_id.hex() if header and header.unique_id else None,

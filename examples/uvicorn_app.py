@@ -1,16 +1,24 @@
 """An ASGI app behind a PROXY-protocol load balancer, served by Uvicorn.
 
-Run it (the load balancer at 10.0.0.0/8 must send a PROXY v1/v2 header;
-127.0.0.1 may too, for a local test)::
+Needs ``pip install 'tlsedge[uvicorn]'``. Run it (the load balancer at
+10.0.0.0/8 must send a PROXY v1/v2 header; 127.0.0.1 may too, for a local
+test)::
 
     python examples/uvicorn_app.py
     # or, with any uvicorn option:
     python -m proxyproto.uvicorn examples.uvicorn_app:app --port 8000 \\
-        --proxy-trusted 127.0.0.1 --proxy-trusted 10.0.0.0/8
+        --proxy-trusted 127.0.0.1,10.0.0.0/8   # or PROXYPROTO_TRUSTED=...
 
 Try it without a load balancer::
 
     printf 'PROXY TCP4 192.0.2.1 192.0.2.2 4242 80\\r\\nGET / HTTP/1.0\\r\\n\\r\\n' \\
+        | nc 127.0.0.1 8000
+
+``scheme`` is ``https`` when the load balancer terminated TLS and said so in
+the header's SSL TLV (HAProxy ``send-proxy-v2-ssl``)::
+
+    { proxyproto encode --raw --source 192.0.2.1:4242 --destination 192.0.2.2:443 \\
+        --ssl-version TLSv1.3; printf 'GET / HTTP/1.0\\r\\n\\r\\n'; } \\
         | nc 127.0.0.1 8000
 """
 
@@ -32,7 +40,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     reply = {
         "client": scope["client"],
         "server": scope["server"],
-        "scheme": scope["scheme"],
+        "scheme": scope["scheme"],  # https if the client used TLS to the LB
         # The load balancer itself (the TCP peer).
         "load_balancer": info["peer"] if info else None,
         "proxy_command": header.command.name if header else None,

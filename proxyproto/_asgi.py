@@ -1,7 +1,9 @@
 """What ``proxyproto.uvicorn`` and ``proxyproto.hypercorn`` share (private).
 
-- the scope extension: ``ProxyInfo``, ``ProxyScopeMiddleware`` and the
-  context variable Hypercorn's connections carry their ``ProxyInfo`` in;
+- the scope extension: ``ProxyInfo``, ``Connection`` (what a connection
+  brings to its scopes: the extension and, from the header's SSL TLV, the
+  scheme), ``ProxyScopeMiddleware`` and the context variable Hypercorn's
+  connections carry their ``Connection`` in;
 - ``make_trust_policy`` for the ``trusted``/``untrusted`` arguments, and the
   ``--proxy-*`` command-line options;
 - the header's addresses in the form servers read from a socket
@@ -17,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
+import ipaddress
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -31,7 +35,7 @@ from proxyproto._adapters import (
     format_address,
     uses_header_addresses,
 )
-from proxyproto._events import InetAddress, ProxyHeader, UnixAddress
+from proxyproto._events import InetAddress, ProxyHeader, SSLClient, UnixAddress
 from proxyproto._policy import Policy, TrustPolicy
 from proxyproto._reader import ReaderOptions
 from proxyproto.asyncio import ProxyProtocolWrapper
@@ -41,9 +45,11 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEFAULT_TRUSTED",
     "EXTENSION",
+    "TRUSTED_ENVIRONMENT",
     "ASGIApp",
     "AddressSocket",
     "AsyncioSettings",
+    "Connection",
     "ProxyInfo",
     "ProxyScopeMiddleware",
     "ServerProtocolWrapper",
@@ -52,9 +58,10 @@ __all__ = [
     "header_addresses",
     "make_trust_policy",
     "parse_proxy_arguments",
+    "parse_trusted",
     "print_proxy_help",
     "proxy_argument_parser",
-    "set_current_info",
+    "set_current_connection",
 ]
 
 #: Who may send a header when nothing else is configured: only this host.
@@ -85,6 +92,37 @@ class ProxyInfo(TypedDict):
 
     header: ProxyHeader | None
     peer: SocketAddress | None
+
+
+#: The scheme of a connection whose client used TLS to the load balancer.
+_TLS_SCHEMES = {"http": "https", "ws": "wss"}
+
+
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """What a connection brings to each of its HTTP and WebSocket scopes.
+
+    Attributes:
+        info: ``scope["extensions"]["proxyproto"]``.
+        client_tls: the client reached the load balancer over TLS: the
+            header applies (``uses_header_addresses``: a PROXY command under
+            ``REQUIRE`` or ``USE``) and its SSL TLV has the ``SSLClient.SSL``
+            flag. The scope's ``scheme`` is then ``https`` / ``wss``.
+    """
+
+    info: ProxyInfo
+    client_tls: bool
+
+    @classmethod
+    def from_header(
+        cls, header: ProxyHeader | None, policy: Policy, peer: SocketAddress | None
+    ) -> Connection:
+        """The ``Connection`` of a header read under *policy* from *peer*."""
+        ssl_info = header.ssl if uses_header_addresses(header, policy) else None
+        return cls(
+            info=ProxyInfo(header=header, peer=peer),
+            client_tls=ssl_info is not None and SSLClient.SSL in ssl_info.client,
+        )
 
 
 def make_trust_policy(
@@ -203,7 +241,7 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
     ``settings.ssl_context`` TLS starts on the bytes after the header).
 
     - ``make_protocol``: the server's protocol, built from the connection's
-      ``ProxyInfo`` once the header is read.
+      ``Connection`` once the header is read.
     - ``extra_info``: when the header's addresses apply, ``peername``,
       ``sockname`` and ``socket`` (an ``AddressSocket``) report them in
       socket-address form, which is where Uvicorn and Hypercorn look.
@@ -211,13 +249,13 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
 
     Args:
         settings: trust policy, timeouts, TLS context, logger.
-        make_protocol: builds the server's protocol from the ``ProxyInfo``.
+        make_protocol: builds the server's protocol from the ``Connection``.
     """
 
     def __init__(
         self,
         settings: AsyncioSettings,
-        make_protocol: Callable[[ProxyInfo], asyncio.BaseProtocol],
+        make_protocol: Callable[[Connection], asyncio.BaseProtocol],
     ) -> None:
         super().__init__(
             None,
@@ -229,7 +267,7 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
             logger=settings.logger,
         )
         self._make_server_protocol = make_protocol
-        self._info: ProxyInfo | None = None
+        self._connection: Connection | None = None
 
     def extra_info(self, extra: dict[str, object]) -> dict[str, object]:
         policy = extra["proxyproto.policy"]
@@ -245,13 +283,15 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
         return extra
 
     def make_protocol(self, extra: Mapping[str, object]) -> asyncio.BaseProtocol:
-        self._info = ProxyInfo(
-            header=self.header, peer=format_address(extra["proxyproto.peername"])
+        policy = extra["proxyproto.policy"]
+        assert isinstance(policy, Policy)
+        self._connection = Connection.from_header(
+            self.header, policy, format_address(extra["proxyproto.peername"])
         )
-        return self._make_server_protocol(self._info)
+        return self._make_server_protocol(self._connection)
 
     def handshake_failed(self, exc: BaseException) -> None:
-        peer = None if self._info is None else self._info["peer"]
+        peer = None if self._connection is None else self._connection.info["peer"]
         self.logger.info("TLS handshake with %s failed: %r", peer, exc)
 
 
@@ -259,37 +299,39 @@ class ServerProtocolWrapper(ProxyProtocolWrapper):
 # ASGI: the scope extension
 # --------------------------------------------------------------------------
 
-_CURRENT: contextvars.ContextVar[ProxyInfo] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[Connection] = contextvars.ContextVar(
     "proxyproto_connection"
 )
 
 
-def set_current_info(info: ProxyInfo) -> None:
-    """Make *info* the ``ProxyInfo`` of the current task's connection (the
-    app's tasks inherit it): what ``ProxyScopeMiddleware`` finds by default."""
-    _CURRENT.set(info)
+def set_current_connection(connection: Connection) -> None:
+    """Make *connection* the current task's connection (the app's tasks
+    inherit it): what ``ProxyScopeMiddleware`` finds by default."""
+    _CURRENT.set(connection)
 
 
-def _current_info(scope: Mapping[str, Any]) -> ProxyInfo | None:
+def _current_connection(scope: Mapping[str, Any]) -> Connection | None:
     return _CURRENT.get(None)
 
 
 class ProxyScopeMiddleware:
-    """Adds ``scope["extensions"]["proxyproto"]`` to HTTP and WebSocket scopes.
+    """Adds ``scope["extensions"]["proxyproto"]`` to HTTP and WebSocket scopes,
+    and makes their ``scheme`` ``https`` / ``wss`` when the client used TLS to
+    the load balancer (``Connection.client_tls``), so that the URLs the app
+    builds (``url_for``, redirects) use the scheme the client sees.
 
-    The adapters wrap the app in it; *lookup* finds the connection's
-    ``ProxyInfo`` for a scope (how depends on the server).
+    The adapters wrap the app in it; *lookup* finds the ``Connection`` a
+    scope belongs to (how depends on the server).
 
     Args:
         app: the ASGI 3 application.
-        lookup: returns the ``ProxyInfo`` of the connection a scope belongs
-            to, or ``None``.
+        lookup: returns the ``Connection`` a scope belongs to, or ``None``.
     """
 
     def __init__(
         self,
         app: ASGIApp,
-        lookup: Callable[[Mapping[str, Any]], ProxyInfo | None] = _current_info,
+        lookup: Callable[[Mapping[str, Any]], Connection | None] = _current_connection,
     ) -> None:
         self.app = app
         self.lookup = lookup
@@ -301,13 +343,19 @@ class ProxyScopeMiddleware:
         send: Callable[[Any], Awaitable[None]],
     ) -> None:
         if scope["type"] in ("http", "websocket"):
-            info = self.lookup(scope)
-            if info is not None:
+            connection = self.lookup(scope)
+            if connection is not None:
                 scope = dict(scope)
                 scope["extensions"] = {
                     **(scope.get("extensions") or {}),
-                    EXTENSION: info,
+                    EXTENSION: connection.info,
                 }
+                if connection.client_tls:
+                    # "scheme" is optional: "http" / "ws" by default.
+                    plain = scope.get(
+                        "scheme", "http" if scope["type"] == "http" else "ws"
+                    )
+                    scope["scheme"] = _TLS_SCHEMES.get(plain, plain)
         await self.app(scope, receive, send)
 
 
@@ -316,15 +364,54 @@ class ProxyScopeMiddleware:
 # --------------------------------------------------------------------------
 
 
+#: The environment variable read when ``--proxy-trusted`` is not given.
+TRUSTED_ENVIRONMENT = "PROXYPROTO_TRUSTED"
+_EVERYONE = "*"
+
+
+def parse_trusted(text: str) -> list[str]:
+    """A ``--proxy-trusted`` value: addresses and networks (CIDR), separated
+    by commas, or ``*`` for every peer (as Uvicorn's ``--forwarded-allow-ips``).
+
+    Raises:
+        argparse.ArgumentTypeError: an entry is neither.
+    """
+    entries = [entry.strip() for entry in text.split(",")]
+    for entry in entries:
+        if entry == _EVERYONE:
+            continue
+        try:
+            ipaddress.ip_network(entry)
+        except ValueError as exc:
+            where = f" in {text!r}" if len(entries) > 1 else ""
+            raise argparse.ArgumentTypeError(
+                "expected IP addresses or networks (CIDR) separated by commas, "
+                f"or '*', got {entry!r}{where} ({exc})"
+            ) from None
+    return entries
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
 def proxy_argument_parser(prog: str) -> argparse.ArgumentParser:
     """The ``--proxy-*`` options both command lines add to the server's own."""
     parser = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
     parser.add_argument(
         "--proxy-trusted",
         action="append",
-        metavar="CIDR",
-        help="a load balancer address or network that must send a PROXY header "
-        "(repeatable; default: 127.0.0.1 and ::1)",
+        type=parse_trusted,
+        metavar="CIDRS",
+        help="load balancer addresses or networks that must send a PROXY header, "
+        "comma-separated, or '*' for every peer (repeatable; default: "
+        f"${TRUSTED_ENVIRONMENT}, else 127.0.0.1 and ::1)",
     )
     parser.add_argument(
         "--proxy-untrusted",
@@ -334,7 +421,7 @@ def proxy_argument_parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--proxy-timeout",
-        type=float,
+        type=_positive_seconds,
         default=DEFAULT_TIMEOUT,
         metavar="SECONDS",
         help=f"how long the header may take (default {DEFAULT_TIMEOUT})",
@@ -349,13 +436,41 @@ def proxy_argument_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _trusted_argument(
+    parser: argparse.ArgumentParser,
+    lists: list[list[str]] | None,
+    environ: Mapping[str, str],
+) -> TrustPolicy | list[str]:
+    if lists is None:
+        text = environ.get(TRUSTED_ENVIRONMENT)
+        if text is None:
+            return list(DEFAULT_TRUSTED)
+        try:
+            lists = [parse_trusted(text)]
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"environment variable {TRUSTED_ENVIRONMENT}: {exc}")
+    entries = [entry for entries in lists for entry in entries]
+    if _EVERYONE in entries:
+        return TrustPolicy.everyone(Policy.REQUIRE)
+    return entries
+
+
 def parse_proxy_arguments(
-    parser: argparse.ArgumentParser, argv: Sequence[str]
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """Split *argv* into the adapters' keyword arguments and the rest."""
+    """Split *argv* into the adapters' keyword arguments and the rest.
+
+    ``--proxy-trusted`` defaults to ``$PROXYPROTO_TRUSTED`` (from *environ*,
+    default ``os.environ``), then to ``DEFAULT_TRUSTED``. A bad value is a
+    usage error (``parser.error``: the message and exit status 2).
+    """
     args, rest = parser.parse_known_args(list(argv))
     kwargs: dict[str, Any] = {
-        "trusted": args.proxy_trusted or list(DEFAULT_TRUSTED),
+        "trusted": _trusted_argument(
+            parser, args.proxy_trusted, os.environ if environ is None else environ
+        ),
         "untrusted": Policy(args.proxy_untrusted),
         "header_timeout": args.proxy_timeout,
     }

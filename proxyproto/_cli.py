@@ -44,6 +44,7 @@ from proxyproto import (
     encode_v1,
     encode_v2,
 )
+from proxyproto._extras import missing_extra
 
 __all__ = ["decode_header", "main"]
 
@@ -578,7 +579,16 @@ def _parse_target(text: str) -> tuple[str, int]:
 
 
 def _cmd_probe(args: argparse.Namespace, out: TextIO) -> int:
-    from proxyproto import _probe
+    try:
+        from proxyproto import _probe
+    except ModuleNotFoundError as exc:
+        missing_extra(
+            exc,
+            feature="proxyproto probe",
+            package="hypothesis",
+            extra="probe",
+            command=True,
+        )
 
     host, port = _parse_target(args.target)
     payload = b""

@@ -312,7 +312,9 @@ def encode_v1(header: ProxyHeader) -> bytes:
     """
     if header.version != 1:
         raise LocalProtocolError(
-            f"encode_v1 needs a version-1 header, got version {header.version}"
+            f"encode_v1 needs a version-1 header, got version {header.version} "
+            "(build it with ProxyHeader.from_addresses(..., version=1), or "
+            "encode() a header in its own version)"
         )
     src, dst = header.source, header.destination
     if not isinstance(src, InetAddress) or not isinstance(dst, InetAddress):

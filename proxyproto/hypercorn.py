@@ -53,6 +53,7 @@ from proxyproto._asgi import (
     AddressSocket,
     ASGIApp,
     AsyncioSettings,
+    Connection,
     ProxyInfo,
     ProxyScopeMiddleware,
     ServerProtocolWrapper,
@@ -62,9 +63,9 @@ from proxyproto._asgi import (
     parse_proxy_arguments,
     print_proxy_help,
     proxy_argument_parser,
-    set_current_info,
+    set_current_connection,
 )
-from proxyproto._errors import RemoteProtocolError
+from proxyproto._extras import require
 from proxyproto._policy import Policy, TrustPolicy
 
 if TYPE_CHECKING:
@@ -179,18 +180,23 @@ async def _serve_asyncio(
     tasks: set[asyncio.Task[Any]] = set()
 
     async def connected(
-        info: ProxyInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        connection: Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-        set_current_info(info)  # this task's context: the app's tasks inherit it
+        # This task's context: the app's tasks inherit it.
+        set_current_connection(connection)
         await tcp_server_class(wrapped, loop, config, context, state, reader, writer)
 
-    def make_stream_protocol(info: ProxyInfo) -> asyncio.Protocol:
+    def make_stream_protocol(connection: Connection) -> asyncio.Protocol:
         reader = asyncio.StreamReader(loop=loop)
-        return asyncio.StreamReaderProtocol(reader, partial(connected, info), loop=loop)
+        return asyncio.StreamReaderProtocol(
+            reader, partial(connected, connection), loop=loop
+        )
 
     servers = []
     for secure, group in (
@@ -256,7 +262,7 @@ async def _serve_trio(
 ) -> None:
     import trio
 
-    from proxyproto.trio import read_proxy_header, socket_addresses
+    from proxyproto.trio import accept_proxy_header
 
     lifespan_class, tcp_server_class, worker_context_class = _hypercorn_internals(
         "trio"
@@ -269,21 +275,21 @@ async def _serve_trio(
     context = worker_context_class(_max_requests(config))
 
     async def handle(ssl_context: ssl.SSLContext | None, stream: Any) -> None:
-        peer, local = socket_addresses(stream)
-        policy = options.trust.decide(peer, local)
-        try:
-            proxy_stream = await read_proxy_header(
-                stream,
-                policy=policy,
-                header_timeout=options.header_timeout,
-                **options.reader_options,
-            )
-        except (RemoteProtocolError, trio.BrokenResourceError) as exc:
-            LOGGER.warning("closing connection from %s: %s", peer, exc)
-            await trio.aclose_forcefully(stream)
+        proxy_stream = await accept_proxy_header(
+            stream,
+            trust=options.trust,
+            header_timeout=options.header_timeout,
+            logger=LOGGER,
+            **options.reader_options,
+        )
+        if proxy_stream is None:
             return
-        set_current_info(ProxyInfo(header=proxy_stream.header, peer=peer))
-        wrapped_stream: Any = _SocketStream(proxy_stream, policy)
+        set_current_connection(
+            Connection.from_header(
+                proxy_stream.header, proxy_stream.policy, proxy_stream.peer_address
+            )
+        )
+        wrapped_stream: Any = _SocketStream(proxy_stream, proxy_stream.policy)
         if ssl_context is not None:
             wrapped_stream = trio.SSLStream(
                 wrapped_stream, ssl_context, server_side=True, https_compatible=True
@@ -446,6 +452,7 @@ async def serve(
         **reader_options: ``HeaderReader`` options (``versions``,
             ``max_v2_length``, ``verify_crc32c``, ...).
     """
+    require("hypercorn", feature="proxyproto.hypercorn", extra="hypercorn")
     options = _Options(
         trust=make_trust_policy(trusted, untrusted),
         header_timeout=header_timeout,
@@ -478,18 +485,10 @@ def run(
         **reader_options: as for ``serve``.
 
     Raises:
-        ValueError: more than one worker, or an unknown worker class.
+        ValueError: more than one worker, an unknown worker class, or TLS
+            with uvloop.
     """
-    if config.workers not in (0, 1):
-        raise ValueError(
-            "proxyproto.hypercorn runs one worker; run several processes with "
-            "SO_REUSEPORT binds instead of --workers"
-        )
-    if config.worker_class == "uvloop" and config.ssl_enabled:
-        raise ValueError(
-            "TLS after a PROXY header needs the asyncio or trio worker "
-            "(uvloop's start_tls() accepts only its own transports)"
-        )
+    _check_config(config)
     loaded = _load_app(app, config) if isinstance(app, str) else app
     coroutine = partial(
         serve,
@@ -504,7 +503,7 @@ def run(
         import trio
 
         trio.run(coroutine)
-    elif config.worker_class in ("asyncio", "uvloop"):
+    else:  # asyncio or uvloop: _check_config refused anything else
         loop_factory = None
         if config.worker_class == "uvloop":
             import uvloop  # type: ignore[import-not-found]
@@ -512,8 +511,36 @@ def run(
             loop_factory = uvloop.new_event_loop
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(coroutine())
-    else:
-        raise ValueError(f"unknown worker class {config.worker_class!r}")
+
+
+_WORKER_CLASSES = ("asyncio", "uvloop", "trio")
+
+
+def _check_config(config: Config) -> None:
+    """Refuse what ``run`` cannot do with *config*.
+
+    Raises:
+        ValueError: more than one worker, an unknown worker class, or TLS
+            with uvloop; the message starts with the command-line option
+            (``argument -w/--workers: ...``).
+    """
+    if config.workers not in (0, 1):
+        raise ValueError(
+            "argument -w/--workers: proxyproto.hypercorn runs one worker per "
+            f"process, got {config.workers}; run several processes with "
+            "SO_REUSEPORT binds instead"
+        )
+    if config.worker_class not in _WORKER_CLASSES:
+        raise ValueError(
+            "argument -k/--worker-class: expected asyncio, uvloop or trio, got "
+            f"{config.worker_class!r}"
+        )
+    if config.worker_class == "uvloop" and config.ssl_enabled:
+        raise ValueError(
+            "argument -k/--worker-class: TLS after a PROXY header needs the "
+            "asyncio or trio worker (uvloop's start_tls() accepts only its own "
+            "transports)"
+        )
 
 
 def _load_app(path: str, config: Config) -> ASGIApp:
@@ -556,6 +583,9 @@ def _hypercorn_cli_config(argv: Sequence[str]) -> Config | int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m proxyproto.hypercorn APP [--proxy-* ...] [hypercorn options]``."""
+    require(
+        "hypercorn", feature="proxyproto.hypercorn", extra="hypercorn", command=True
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = proxy_argument_parser("python -m proxyproto.hypercorn")
     proxy_kwargs, rest = parse_proxy_arguments(parser, argv)
@@ -564,6 +594,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_proxy_help(parser)
     if isinstance(config, int):
         return config
+    try:
+        _check_config(config)
+    except ValueError as exc:
+        parser.error(str(exc))
     run(config.application_path, config, **proxy_kwargs)
     return 0
 

@@ -53,8 +53,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
-from hypothesis import strategies as st
-
 from proxyproto._crc32c import crc32c
 from proxyproto._events import (
     TLV,
@@ -68,8 +66,16 @@ from proxyproto._events import (
     Transport,
     UnixAddress,
 )
+from proxyproto._extras import missing_extra
 from proxyproto._v1 import encode_v1
 from proxyproto._v2 import V2_SIGNATURE, encode_v2
+
+try:
+    from hypothesis import strategies as st
+except ModuleNotFoundError as exc:
+    missing_extra(
+        exc, feature="proxyproto.strategies", package="hypothesis", extra="probe"
+    )
 
 __all__ = [
     "INVALID_KINDS",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "ProxyListener",
     "ProxyStream",
+    "accept_proxy_header",
     "open_proxy_listener",
     "read_proxy_header",
     "socket_addresses",
@@ -59,6 +61,7 @@ _READ_SIZE = 65536
 DEFAULT_MAX_PENDING = 1024
 
 SocketAddress = tuple[str, int]
+_INET_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
 
 class _ConflictDetector:
@@ -294,6 +297,68 @@ async def read_proxy_header(
     )
 
 
+async def accept_proxy_header(
+    stream: trio.abc.Stream,
+    *,
+    trust: TrustPolicy,
+    header_timeout: float = DEFAULT_TIMEOUT,
+    logger: logging.Logger = LOGGER,
+    **reader_options: Any,
+) -> ProxyStream | None:
+    """Serve a freshly accepted *stream* as a listener would: decide its
+    policy from its addresses, read its header, and hand it over.
+
+    What ``open_proxy_listener`` does per connection, for servers with their
+    own accept loop (``proxyproto.hypercorn``). Nothing is raised for what
+    the peer does: *stream* is closed, one line is logged on *logger*, and
+    ``None`` returned.
+
+    - A peer gone before its header (the connection reset before we asked
+      for its address: HAProxy's health checks connect, send a ``LOCAL``
+      header and reset at once) or whose connection broke while sending
+      it: INFO. Nothing is wrong with its bytes.
+    - A ``REJECT`` peer, a bad, missing, incomplete or late header: WARNING.
+
+    A ``LOCAL`` header is a complete, valid header: the stream is returned,
+    with the real endpoints as its addresses.
+
+    Args:
+        stream: the accepted connection (nothing read from it yet).
+        trust: decides the policy from the peer and local address.
+        header_timeout: seconds the complete header may take.
+        logger: where refused connections are logged.
+        **reader_options: ``read_proxy_header`` options.
+
+    Returns:
+        The ``ProxyStream`` (the caller owns it), or ``None``.
+    """
+    peer = None
+    try:
+        peer, local = socket_addresses(stream)
+        sock = _find_socket(stream)
+        if peer is None and getattr(sock, "family", None) in _INET_FAMILIES:
+            # getpeername() failed on a TCP socket: the peer is gone already.
+            logger.info("connection closed by its peer before its header")
+            await trio.aclose_forcefully(stream)
+            return None
+        policy = trust.decide(peer, local)
+        return await read_proxy_header(
+            stream, policy=policy, header_timeout=header_timeout, **reader_options
+        )
+    except RemoteProtocolError as exc:
+        logger.warning("closing connection from %s: %s", peer, exc)
+        await trio.aclose_forcefully(stream)
+        return None
+    except trio.BrokenResourceError as exc:
+        logger.info("connection from %s broke before its header: %s", peer, exc)
+        await trio.aclose_forcefully(stream)
+        return None
+    except BaseException:
+        # Cancelled (e.g. the listener is closing) or a bug: never leak the fd.
+        await trio.aclose_forcefully(stream)
+        raise
+
+
 class ProxyListener(trio.abc.Listener[ProxyStream]):
     """A listener whose accepted streams have a complete, valid PROXY header.
 
@@ -358,34 +423,14 @@ async def open_proxy_listener(
     pending = trio.CapacityLimiter(max_pending)
 
     async def handshake(stream: trio.abc.Stream) -> None:
-        peer = None
         try:
-            peer, local = socket_addresses(stream)
-            if peer is None and _find_socket(stream) is not None:
-                # getpeername() failed: the peer is already gone (HAProxy's
-                # health checks reset right after connecting). Nothing to
-                # serve, and nothing wrong with the peer's bytes.
-                LOGGER.info("connection closed by its peer before its header")
-                await trio.aclose_forcefully(stream)
-                return
-            policy = trust.decide(peer, local)
-            result = await read_proxy_header(
-                stream, policy=policy, header_timeout=header_timeout, **reader_options
+            result = await accept_proxy_header(
+                stream, trust=trust, header_timeout=header_timeout, **reader_options
             )
-        except RemoteProtocolError as exc:
-            LOGGER.warning("closing connection from %s: %s", peer, exc)
-            await trio.aclose_forcefully(stream)
-            return
-        except trio.BrokenResourceError as exc:
-            LOGGER.info("connection from %s broke before its header: %s", peer, exc)
-            await trio.aclose_forcefully(stream)
-            return
-        except BaseException:
-            # Cancelled (the listener is closing) or a bug: never leak the fd.
-            await trio.aclose_forcefully(stream)
-            raise
         finally:
             pending.release_on_behalf_of(stream)
+        if result is None:
+            return
         try:
             await send.send(result)
         except (trio.BrokenResourceError, trio.ClosedResourceError):

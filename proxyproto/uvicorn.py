@@ -37,15 +37,13 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import uvicorn
-from uvicorn.config import STARTUP_FAILURE
-
 from proxyproto._asgi import (
     DEFAULT_SSL_HANDSHAKE_TIMEOUT,
     DEFAULT_TIMEOUT,
     DEFAULT_TRUSTED,
     EXTENSION,
     AsyncioSettings,
+    Connection,
     ProxyInfo,
     ProxyScopeMiddleware,
     ServerProtocolWrapper,
@@ -55,7 +53,20 @@ from proxyproto._asgi import (
     print_proxy_help,
     proxy_argument_parser,
 )
+from proxyproto._extras import missing_extra
 from proxyproto._policy import Policy, TrustPolicy
+
+try:
+    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
+except ModuleNotFoundError as exc:
+    missing_extra(
+        exc,
+        feature="proxyproto.uvicorn",
+        package="uvicorn",
+        extra="uvicorn",
+        command=__name__ == "__main__",
+    )
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -69,17 +80,17 @@ __all__ = [
 
 LOGGER = logging.getLogger("proxyproto.uvicorn")
 
-# The per-connection ProxyInfo rides in the protocol's app_state copy under
+# The per-connection Connection rides in the protocol's app_state copy under
 # this key (so it survives ``reset_contextvars``); the middleware moves it to
 # scope["extensions"]["proxyproto"] and removes it from scope["state"].
 _STATE_KEY = "proxyproto.connection"
 
 
-def _lookup_state(scope: Mapping[str, Any]) -> ProxyInfo | None:
+def _lookup_state(scope: Mapping[str, Any]) -> Connection | None:
     state = scope.get("state")
     if isinstance(state, dict):
-        info: ProxyInfo | None = state.pop(_STATE_KEY, None)
-        return info
+        connection: Connection | None = state.pop(_STATE_KEY, None)
+        return connection
     return None
 
 
@@ -105,15 +116,28 @@ class _ProtocolFactory:
         app_state: dict[str, Any],
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> asyncio.Protocol:
-        def make_protocol(info: ProxyInfo) -> asyncio.Protocol:
+        def make_protocol(connection: Connection) -> asyncio.Protocol:
             state = dict(app_state)
-            state[_STATE_KEY] = info
+            state[_STATE_KEY] = connection
             protocol: asyncio.Protocol = self.protocol_class(
                 config=config, server_state=server_state, app_state=state, _loop=_loop
             )
             return protocol
 
         return ServerProtocolWrapper(self.settings, make_protocol)
+
+
+def _tls(kwargs: Mapping[str, Any]) -> bool:
+    return bool(kwargs.get("ssl_certfile") or kwargs.get("ssl_context_factory"))
+
+
+def _check_loop(kwargs: Mapping[str, Any]) -> None:
+    """Refuse TLS with ``loop="uvloop"`` (ValueError naming ``--loop``)."""
+    if _tls(kwargs) and kwargs.get("loop") == "uvloop":
+        raise ValueError(
+            "argument --loop: TLS after a PROXY header needs the asyncio loop "
+            "(uvloop's start_tls() accepts only its own transports)"
+        )
 
 
 class ProxyConfig(uvicorn.Config):
@@ -150,16 +174,9 @@ class ProxyConfig(uvicorn.Config):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("proxy_headers", False)
-        tls = bool(kwargs.get("ssl_certfile") or kwargs.get("ssl_context_factory"))
-        if tls:
-            loop = kwargs.get("loop", "auto")
-            if loop == "auto":
-                kwargs["loop"] = "asyncio"
-            elif loop == "uvloop":
-                raise ValueError(
-                    "TLS after a PROXY header needs the asyncio loop "
-                    "(uvloop's start_tls() accepts only its own transports)"
-                )
+        _check_loop(kwargs)
+        if _tls(kwargs) and kwargs.get("loop", "auto") == "auto":
+            kwargs["loop"] = "asyncio"
         super().__init__(app, **kwargs)
         self.proxy_trust = make_trust_policy(trusted, untrusted)
         self.proxy_header_timeout = header_timeout
@@ -326,6 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         proxy_kwargs["proxy_options"] = {"versions": versions}
     if kwargs.get("proxy_headers") is True and "--proxy-headers" not in rest:
         kwargs["proxy_headers"] = False  # the PROXY header gives the client
+    try:
+        _check_loop(kwargs)
+    except ValueError as exc:
+        parser.error(str(exc))
     run(app, **proxy_kwargs, **kwargs)
     return 0
 

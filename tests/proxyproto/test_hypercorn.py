@@ -29,9 +29,29 @@ hypercorn = pytest.importorskip(
 import trio  # noqa: E402
 from hypercorn.config import Config  # noqa: E402
 
-from proxyproto import TLV, Policy, ProxyHeader, TLVType, encode_v2  # noqa: E402
+from proxyproto import (  # noqa: E402
+    TLV,
+    Policy,
+    ProxyHeader,
+    SSLClient,
+    TLVType,
+    TrustPolicy,
+    encode_v2,
+)
 from proxyproto.hypercorn import serve  # noqa: E402
 from tests.peers import free_port, haproxy, require  # noqa: E402
+from tests.proxyproto.lb_checks import (  # noqa: E402
+    BEFORE_HEADER,
+    assert_no_warnings,
+    queue_health_checks,
+    send_health_checks,
+)
+from tests.proxyproto.scheme_checks import (  # noqa: E402
+    CLIENT,
+    ssl_header,
+    websocket_app,
+    websocket_scheme,
+)
 
 TIMEOUT = 10.0
 LOGGER_NAME = "proxyproto.hypercorn"
@@ -45,6 +65,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             await send({"type": message["type"] + ".complete"})
             if message["type"] == "lifespan.shutdown":
                 return
+    if scope["type"] == "websocket":
+        await websocket_app(scope, receive, send)
+        return
     if scope["type"] != "http":
         return
     ext = scope.get("extensions", {}).get("proxyproto")
@@ -89,9 +112,14 @@ def running(
     *,
     certfile: Path | None = None,
     keyfile: Path | None = None,
+    before_start: Callable[[int], None] | None = None,
     **kwargs: Any,
 ) -> Iterator[int]:
-    """Run proxyproto.hypercorn.serve in a thread under *flavour*; yield the port."""
+    """Run proxyproto.hypercorn.serve in a thread under *flavour*; yield the port.
+
+    *before_start(port)* runs once the port listens, before the server
+    accepts (connections it makes wait in the accept queue).
+    """
     # Listening before the server starts: no start-up race, no probe
     # connection (which would be logged as a missing header).
     listener = socket.socket()
@@ -99,6 +127,8 @@ def running(
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
+    if before_start is not None:
+        before_start(port)
     config = Config()
     config.bind = [f"fd://{listener.detach()}"]  # hypercorn owns it now
     config.graceful_timeout = 2
@@ -437,6 +467,76 @@ def test_slow_header_times_out(flavour: str, caplog: pytest.LogCaptureFixture) -
     assert "0.3 s" in caplog.text
 
 
+def test_health_checks_are_not_warnings(
+    flavour: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A LOCAL header then a reset, a bare reset (both before the server
+    # accepts: the peer is gone when it asks for the address), and the same
+    # plus LOCAL then a close once it runs: no header is bad here.
+    caplog.set_level(logging.INFO)
+    with running(flavour, before_start=queue_health_checks) as port:
+        send_health_checks(port)
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=V1_HEADER)
+    assert seen["client"] == ["192.0.2.1", 1234]
+    assert_no_warnings(caplog)
+    gone = [r for r in caplog.records if BEFORE_HEADER in r.getMessage()]
+    assert len(gone) >= 2
+    assert {(r.name, r.levelname) for r in gone} == {(LOGGER_NAME, "INFO")}
+
+
+@pytest.mark.parametrize(
+    ("client", "http", "websocket"),
+    [
+        pytest.param(SSLClient.SSL, "https", "wss", id="tls"),
+        pytest.param(
+            SSLClient.SSL | SSLClient.CERT_CONN | SSLClient.CERT_SESS,
+            "https",
+            "wss",
+            id="tls-client-cert",
+        ),
+        pytest.param(SSLClient(0), "http", "ws", id="no-tls-flag"),
+    ],
+)
+def test_scheme_from_ssl_tlv(
+    flavour: str, client: SSLClient, http: str, websocket: str
+) -> None:
+    # The load balancer terminated TLS and says so in the SSL TLV: the app
+    # builds its URLs with the scheme the client used.
+    with running(flavour) as port:
+        sock, _ = connect(port)
+        with sock:
+            client_ = Client(sock)
+            seen = [client_.request(first=ssl_header(client)), client_.request()]
+        sock, _ = connect(port)
+        with sock:
+            assert websocket_scheme(sock, first=ssl_header(client)) == websocket
+    assert [s["scheme"] for s in seen] == [http, http]
+    assert seen[0]["client"] == list(CLIENT)
+
+
+def test_scheme_ignores_ssl_tlv_of_local_header(flavour: str) -> None:
+    # LOCAL: a health check, no client; its TLVs say nothing about one.
+    with running(flavour) as port:
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=ssl_header(SSLClient.SSL, local=True))
+    assert seen["command"] == "LOCAL"
+    assert seen["scheme"] == "http"
+
+
+def test_scheme_ignores_ssl_tlv_under_ignore_policy(flavour: str) -> None:
+    # IGNORE: the header is read but does not describe the connection.
+    trust = TrustPolicy.everyone(Policy.IGNORE)
+    with running(flavour, trusted=trust) as port:
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=ssl_header(SSLClient.SSL))
+    assert seen["client"][0] == "127.0.0.1"
+    assert seen["scheme"] == "http"
+
+
 def test_private_api() -> None:
     """Fails loudly if the Hypercorn internals proxyproto.hypercorn uses change."""
     from proxyproto.hypercorn import _hypercorn_internals
@@ -537,6 +637,68 @@ def test_haproxy_tls_passthrough_and_curl(
     seen = json.loads(out.stdout)
     assert seen["client"] == ["127.0.0.1", local_port]
     assert seen["scheme"] == "https"
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize(
+    "check",
+    [
+        pytest.param("", id="tcp-check"),
+        pytest.param("    option httpchk GET /\n", id="httpchk"),
+    ],
+)
+def test_haproxy_health_checks_are_not_warnings(
+    flavour: str, check: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # HAProxy sends a LOCAL header on the checks of a send-proxy-v2 server;
+    # its plain check then resets the connection at once.
+    caplog.set_level(logging.INFO)
+    with running(flavour) as port:
+        front = free_port()
+        config = (
+            f"frontend fe\n    bind 127.0.0.1:{front}\n    default_backend be\n"
+            f"backend be\n{check}"
+            f"    server app 127.0.0.1:{port} send-proxy-v2 check inter 50ms\n"
+        )
+        with haproxy(config, [front]):
+            time.sleep(1)  # about 20 checks
+    assert_no_warnings(caplog)
+
+
+@pytest.mark.peers
+def test_haproxy_terminates_tls_send_proxy_v2_ssl(
+    flavour: str, tls_files: dict[str, Any], tmp_path: Path
+) -> None:
+    # HAProxy terminates TLS and sends plain HTTP with a v2 header whose SSL
+    # TLV says the client used TLS: the app sees https.
+    curl = require("curl")
+    pem = tmp_path / "haproxy.pem"
+    pem.write_bytes(tls_files["cert"].read_bytes() + tls_files["key"].read_bytes())
+    with running(flavour) as port:
+        front = free_port()
+        config = (
+            f"frontend fe\n    bind 127.0.0.1:{front} ssl crt {pem}\n"
+            "    default_backend be\n"
+            f"backend be\n    server app 127.0.0.1:{port} send-proxy-v2-ssl\n"
+        )
+        with haproxy(config, [front]):
+            out = subprocess.run(
+                [
+                    curl,
+                    "-sS",
+                    "--max-time",
+                    "10",
+                    "--cacert",
+                    str(tls_files["ca"]),
+                    f"https://localhost:{front}/",
+                ],
+                capture_output=True,
+                check=True,
+                timeout=30,
+            )
+    seen = json.loads(out.stdout)
+    assert seen["scheme"] == "https"
+    assert seen["server"] == ["127.0.0.1", front]
 
 
 # -- command line -------------------------------------------------------------

@@ -46,7 +46,8 @@ from proxyproto._probe import (
 )
 from proxyproto.strategies import INVALID_KINDS
 from proxyproto.trio import open_proxy_listener
-from tests.peers import free_port, haproxy, nginx
+from tests.peers import free_port
+from tests.proxyproto.probe_peers import running_peer
 
 Behaviour = Callable[[socket.socket], None]
 
@@ -464,13 +465,7 @@ def check_timing(result: dict[str, Any]) -> None:
 
 @pytest.mark.peers
 def test_probe_nginx() -> None:
-    port = free_port()
-    conf = (
-        "http {\n    access_log off;\n    client_header_timeout 3s;\n"
-        f"    server {{ listen 127.0.0.1:{port} proxy_protocol; "
-        'return 200 "ok\\n"; }\n}\n'
-    )
-    with nginx(conf, [port]):
+    with running_peer("nginx") as port:
         result = probe_cli(port, "--payload-http")
     check_report_structure(result, port)
     check_timing(result)
@@ -479,15 +474,7 @@ def test_probe_nginx() -> None:
 
 @pytest.mark.peers
 def test_probe_haproxy() -> None:
-    port = free_port()
-    config_text = (
-        "global\n    maxconn 4096\n"
-        "defaults\n    mode http\n    timeout connect 5s\n    timeout client 3s\n"
-        "    timeout server 30s\n    timeout http-request 3s\n"
-        f"frontend fe\n    bind 127.0.0.1:{port} accept-proxy\n"
-        "    http-request return status 200 content-type text/plain string ok\n"
-    )
-    with haproxy(config_text, [port]):
+    with running_peer("haproxy") as port:
         result = probe_cli(port, "--payload-http")
     check_report_structure(result, port)
     check_timing(result)

@@ -440,6 +440,39 @@ async def test_listener_local_uses_socket_endpoints(nursery: trio.Nursery) -> No
     nursery.cancel_scope.cancel()
 
 
+async def test_listener_on_a_unix_socket(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A UNIX peer has no IP address (it gets the policy's default); that is
+    # not a peer gone before its header.
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    path = str(tmp_path / "proxy.sock")
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.bind(path)
+    sock.listen(8)
+    served: list[ProxyHeader | None] = []
+
+    async def handler(stream: ProxyStream) -> None:
+        served.append(stream.header)
+        async with stream:
+            await stream.send_all(b"ok " + await stream.receive_some())
+
+    async with (
+        open_proxy_listener(
+            trio.SocketListener(sock), trust=TrustPolicy.everyone(Policy.REQUIRE)
+        ) as listener,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(trio.serve_listeners, handler, [listener])
+        async with await trio.open_unix_socket(path) as client:
+            await client.send_all(encode_v1(V1) + PAYLOAD)
+            with trio.fail_after(5):
+                assert await client.receive_some() == b"ok " + PAYLOAD
+        nursery.cancel_scope.cancel()
+    assert served == [V1]
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize(
     ("trusted", "data", "message"),
     [

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +28,26 @@ from proxyproto import (  # noqa: E402
     TLV,
     Policy,
     ProxyHeader,
+    SSLClient,
     TLVType,
+    TrustPolicy,
     encode_v1,
     encode_v2,
 )
 from proxyproto.uvicorn import ProxyConfig  # noqa: E402
 from tests.peers import free_port, haproxy, require  # noqa: E402
+from tests.proxyproto.lb_checks import (  # noqa: E402
+    BEFORE_HEADER,
+    assert_no_warnings,
+    queue_health_checks,
+    send_health_checks,
+)
+from tests.proxyproto.scheme_checks import (  # noqa: E402
+    CLIENT,
+    ssl_header,
+    websocket_app,
+    websocket_scheme,
+)
 
 TIMEOUT = 10.0
 
@@ -46,6 +60,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             await send({"type": message["type"] + ".complete"})
             if message["type"] == "lifespan.shutdown":
                 return
+    if scope["type"] == "websocket":
+        await websocket_app(scope, receive, send)
+        return
     if scope["type"] != "http":
         return
     ext = scope.get("extensions", {}).get("proxyproto")
@@ -83,8 +100,14 @@ cli_app = app
 
 
 @contextlib.contextmanager
-def running(**kwargs: Any) -> Iterator[int]:
-    """Run a ProxyConfig uvicorn server in a thread; yield its port."""
+def running(
+    before_start: Callable[[int], None] | None = None, **kwargs: Any
+) -> Iterator[int]:
+    """Run a ProxyConfig uvicorn server in a thread; yield its port.
+
+    With *before_start(port)*, the server gets a socket that already listens,
+    and *before_start* runs before the server accepts.
+    """
     kwargs.setdefault("lifespan", "off")
     config = ProxyConfig(
         app,
@@ -95,7 +118,12 @@ def running(**kwargs: Any) -> Iterator[int]:
         **kwargs,
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    sockets = None
+    if before_start is not None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        sockets = [listener]
+        before_start(listener.getsockname()[1])
+    thread = threading.Thread(target=server.run, args=(sockets,), daemon=True)
     thread.start()
     deadline = time.monotonic() + TIMEOUT
     while not server.started:
@@ -108,6 +136,8 @@ def running(**kwargs: Any) -> Iterator[int]:
         server.should_exit = True
         thread.join(TIMEOUT)
         assert not thread.is_alive(), "uvicorn did not shut down"
+        for sock in sockets or ():
+            sock.close()
 
 
 def connect(port: int) -> tuple[socket.socket, int]:
@@ -445,6 +475,21 @@ def test_eof_inside_header_is_closed(caplog: pytest.LogCaptureFixture) -> None:
     assert "before a complete PROXY header" in caplog.text
 
 
+def test_health_checks_are_not_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    # As in test_hypercorn: resets and LOCAL headers from load balancers.
+    caplog.set_level(logging.INFO)
+    with running(before_start=queue_health_checks) as port:
+        send_health_checks(port)
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=V1_HEADER)
+    assert seen["client"] == ["192.0.2.1", 1234]
+    assert_no_warnings(caplog)
+    gone = [r for r in caplog.records if BEFORE_HEADER in r.getMessage()]
+    assert len(gone) >= 2
+    assert {(r.name, r.levelname) for r in gone} == {("proxyproto.uvicorn", "INFO")}
+
+
 def test_only_v2_accepted() -> None:
     with running(proxy_options={"versions": {2}}) as port:
         sock, _ = connect(port)
@@ -469,6 +514,55 @@ def test_header_from_encoder_roundtrip() -> None:
 def test_tls_with_uvloop_is_refused() -> None:
     with pytest.raises(ValueError, match="asyncio loop"):
         ProxyConfig(app, ssl_certfile="x.pem", loop="uvloop")
+
+
+@pytest.mark.parametrize(
+    ("client", "http", "websocket"),
+    [
+        pytest.param(SSLClient.SSL, "https", "wss", id="tls"),
+        pytest.param(
+            SSLClient.SSL | SSLClient.CERT_CONN | SSLClient.CERT_SESS,
+            "https",
+            "wss",
+            id="tls-client-cert",
+        ),
+        pytest.param(SSLClient(0), "http", "ws", id="no-tls-flag"),
+    ],
+)
+def test_scheme_from_ssl_tlv(client: SSLClient, http: str, websocket: str) -> None:
+    # The load balancer terminated TLS and says so in the SSL TLV: the app
+    # builds its URLs with the scheme the client used.
+    with running() as port:
+        sock, _ = connect(port)
+        with sock:
+            client_ = Client(sock)
+            seen = [client_.request(first=ssl_header(client)), client_.request()]
+        sock, _ = connect(port)
+        with sock:
+            assert websocket_scheme(sock, first=ssl_header(client)) == websocket
+    assert [s["scheme"] for s in seen] == [http, http]
+    assert seen[0]["client"] == list(CLIENT)
+
+
+def test_scheme_ignores_ssl_tlv_of_local_header() -> None:
+    # LOCAL: a health check, no client; its TLVs say nothing about one.
+    with running() as port:
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=ssl_header(SSLClient.SSL, local=True))
+    assert seen["command"] == "LOCAL"
+    assert seen["scheme"] == "http"
+
+
+def test_scheme_ignores_ssl_tlv_under_ignore_policy() -> None:
+    # IGNORE: the header is read but does not describe the connection.
+    trust = TrustPolicy.everyone(Policy.IGNORE)
+    with running(trusted=trust) as port:
+        sock, _ = connect(port)
+        with sock:
+            seen = Client(sock).request(first=ssl_header(SSLClient.SSL))
+    assert seen["client"][0] == "127.0.0.1"
+    assert seen["scheme"] == "http"
 
 
 def test_private_api() -> None:
@@ -559,6 +653,66 @@ def test_haproxy_tls_passthrough_and_curl(tls_files: dict[str, Any]) -> None:
     seen = json.loads(out.stdout)
     assert seen["client"] == ["127.0.0.1", local_port]
     assert seen["scheme"] == "https"
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize(
+    "check",
+    [
+        pytest.param("", id="tcp-check"),
+        pytest.param("    option httpchk GET /\n", id="httpchk"),
+    ],
+)
+def test_haproxy_health_checks_are_not_warnings(
+    check: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    with running() as port:
+        front = free_port()
+        config = (
+            f"frontend fe\n    bind 127.0.0.1:{front}\n    default_backend be\n"
+            f"backend be\n{check}"
+            f"    server app 127.0.0.1:{port} send-proxy-v2 check inter 50ms\n"
+        )
+        with haproxy(config, [front]):
+            time.sleep(1)  # about 20 checks
+    assert_no_warnings(caplog)
+
+
+@pytest.mark.peers
+def test_haproxy_terminates_tls_send_proxy_v2_ssl(
+    tls_files: dict[str, Any], tmp_path: Path
+) -> None:
+    # HAProxy terminates TLS and sends plain HTTP with a v2 header whose SSL
+    # TLV says the client used TLS: the app sees https.
+    curl = require("curl")
+    pem = tmp_path / "haproxy.pem"
+    pem.write_bytes(tls_files["cert"].read_bytes() + tls_files["key"].read_bytes())
+    with running() as port:
+        front = free_port()
+        config = (
+            f"frontend fe\n    bind 127.0.0.1:{front} ssl crt {pem}\n"
+            "    default_backend be\n"
+            f"backend be\n    server app 127.0.0.1:{port} send-proxy-v2-ssl\n"
+        )
+        with haproxy(config, [front]):
+            out = subprocess.run(
+                [
+                    curl,
+                    "-sS",
+                    "--max-time",
+                    "10",
+                    "--cacert",
+                    str(tls_files["ca"]),
+                    f"https://localhost:{front}/",
+                ],
+                capture_output=True,
+                check=True,
+                timeout=30,
+            )
+    seen = json.loads(out.stdout)
+    assert seen["scheme"] == "https"
+    assert seen["server"] == ["127.0.0.1", front]
 
 
 # -- command line -------------------------------------------------------------
