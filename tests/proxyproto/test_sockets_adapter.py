@@ -132,8 +132,10 @@ def test_timeout_is_a_total_deadline_and_restores_timeout() -> None:
         elapsed = time.monotonic() - start
         stop.set()
         thread.join()
+        # Each byte came on time: only a total deadline times this out (the
+        # header would have been complete after about a second).
         assert info.value.reason == "timeout"
-        assert 0.25 < elapsed < 1.0
+        assert elapsed > 0.25
         assert server.gettimeout() == 7.0
 
 
