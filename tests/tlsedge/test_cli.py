@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trustme
 
 from tests.peers import free_port, require
 from tests.tlsedge.helpers import Backend, exchange, read_all, wait_until
@@ -86,6 +87,112 @@ def test_check_missing_file_exits_2(
 ) -> None:
     assert main(["check", str(tmp_path / "nope.toml")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+# What ``check`` opens and resolves, like ``nginx -t``: one TLS listener and one
+# TLS backend, every file made by trustme in the config's folder.
+TLS_CHECKED = """\
+[[listeners]]
+name = "in"
+bind = "{bind}"
+backend = "b"
+[listeners.tls]
+certificates = [{{ cert = "site.pem", key = "{site_key}" }}]
+client_auth = "optional"
+client_ca = "{client_ca}"
+[[backends]]
+name = "b"
+servers = ["{server}"]
+protocol = "tls"
+[backends.tls]
+ca = "{backend_ca}"
+cert = "client.pem"
+key = "{client_key}"
+"""
+TLS_GOOD = {
+    "bind": "127.0.0.1:8443",
+    "site_key": "site.key",
+    "client_ca": "ca.pem",
+    "server": "127.0.0.1:8080",
+    "backend_ca": "ca.pem",
+    "client_key": "client.key",
+}
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> Path:
+    ca = trustme.CA()
+    for name, leaf in (
+        ("site", ca.issue_cert("localhost")),
+        ("client", ca.issue_cert("edge.example")),
+        ("other", ca.issue_cert("other.example")),
+    ):
+        leaf.cert_chain_pems[0].write_to_path(str(tmp_path / f"{name}.pem"))
+        leaf.private_key_pem.write_to_path(str(tmp_path / f"{name}.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    return tmp_path
+
+
+def test_check_opens_the_files_and_resolves_the_names(
+    tls_files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tls_files / "edge.toml"
+    path.write_text(TLS_CHECKED.format(**TLS_GOOD | {"server": "localhost:8080"}))
+    assert main(["check", str(path)]) == 0, capsys.readouterr().err
+    assert "OK (1 listeners, 1 backends)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            {"site_key": "other.key"},
+            "listeners[0].tls.certificates[0].key: {dir}/other.key: the private "
+            "key does not match the certificate",
+        ),
+        (
+            {"site_key": "nope.key"},
+            "listeners[0].tls.certificates[0].key: {dir}/nope.key: cannot read "
+            "the private key",
+        ),
+        (
+            {"client_ca": "nope.pem"},
+            "listeners[0].tls.client_ca: {dir}/nope.pem: cannot read the client "
+            "CA bundle",
+        ),
+        (
+            {"backend_ca": "site.key"},
+            "backends[0].tls.ca: {dir}/site.key: invalid backend CA bundle",
+        ),
+        (
+            {"client_key": "site.key"},
+            "backends[0].tls.key: {dir}/site.key: the private key does not match",
+        ),
+        (
+            {"server": "nonexistent.invalid:80"},
+            "backends[0].servers[0]: host 'nonexistent.invalid' of backend 'b' "
+            "does not resolve: ",
+        ),
+        (
+            {"bind": "nonexistent.invalid:8443"},
+            "listeners[0].bind: host 'nonexistent.invalid' does not resolve: ",
+        ),
+    ],
+)
+def test_check_names_what_run_would_meet(
+    tls_files: Path,
+    capsys: pytest.CaptureFixture[str],
+    change: dict[str, str],
+    expected: str,
+) -> None:
+    path = tls_files / "edge.toml"
+    path.write_text(TLS_CHECKED.format(**TLS_GOOD | change))
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"tlsedge: {path}: {expected.format(dir=tls_files)}" in err, err
+    assert err.count("\n") == 1
+    # --config-only: the file alone is fine.
+    assert main(["check", "--config-only", str(path)]) == 0
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -322,3 +429,72 @@ async def test_demo_answers_curl_direct_and_behind_a_proxy(tmp_path: Path) -> No
     assert "real client:         127.0.0.1:" in proxied
     assert "b'GET /plain HTTP/1.1'" in plain
     assert "TLS (SSL TLV)" not in plain
+
+
+# -- start-up errors: one line, exit 2, with one process or several -----------
+
+START_FAILURES = ["port in use", "missing certificate", "unresolvable host"]
+
+
+def start_failure(case: str, port: int, folder: Path) -> tuple[str, str]:
+    """A configuration that fails at start in *case*, and its message."""
+    listener = f'[[listeners]]\nname = "in"\nbind = "127.0.0.1:{port}"\nbackend = "b"\n'
+    backend = '[[backends]]\nname = "b"\nservers = ["127.0.0.1:9"]\n'
+    if case == "port in use":
+        message = (
+            f"listeners[0].bind: cannot bind 127.0.0.1:{port}: Address already in use"
+        )
+        return listener + backend, message
+    if case == "missing certificate":
+        tls = (
+            "[listeners.tls]\n"
+            'certificates = [{ cert = "gone.pem", key = "gone.key" }]\n'
+        )
+        message = (
+            f"listeners[0].tls.certificates[0].cert: {folder}/gone.pem: cannot read "
+            "the certificate: No such file or directory"
+        )
+        return listener + tls + backend, message
+    assert case == "unresolvable host"
+    backend = backend.replace("127.0.0.1:9", "nonexistent.invalid:80")
+    message = (
+        "backends[0].servers[0]: host 'nonexistent.invalid' of backend 'b' does "
+        "not resolve: "
+    )
+    return listener + backend, message
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("case", START_FAILURES)
+async def test_run_start_failure_is_one_line_and_exit_2(
+    tmp_path: Path, case: str, workers: int
+) -> None:
+    with trio.socket.socket() as taken:
+        await taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1] if case == "port in use" else free_port()
+        text, message = start_failure(case, port, tmp_path)
+        path = tmp_path / "edge.toml"
+        path.write_text(f"[edge]\nworkers = {workers}\n\n{text}")
+        # Not a timing assertion: a supervisor that restarts its failing
+        # workers forever would hang here without it.
+        with trio.fail_after(30):
+            result = await trio.run_process(
+                [sys.executable, "-m", "tlsedge", "run", str(path)],
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    naming = [
+        line
+        for line in stderr.splitlines()
+        if "listeners[" in line or "backends[" in line
+    ]
+    assert len(naming) == 1, stderr
+    assert naming[0].startswith(f"tlsedge: {path}: {message}"), stderr
+    assert "restarting" not in stderr
