@@ -20,7 +20,7 @@ import trio
 
 from tlsedge._config import ConfigError, load_config
 from tlsedge._logging import reopen_logs, setup_logging, shutdown_logging
-from tlsedge._preflight import check_environment
+from tlsedge._preflight import access_log_error, check_environment
 from tlsedge._server import Edge
 from tlsedge._version import __version__
 
@@ -117,10 +117,7 @@ def _run(args: argparse.Namespace) -> int:
             config.edge.access_log,
         )
     except OSError as exc:
-        raise ConfigError(
-            f"edge.access_log: cannot open {config.edge.access_log}: "
-            f"{exc.strerror or exc}"
-        ) from exc
+        raise access_log_error(config.edge.access_log, exc) from exc
     if config.edge.workers > 1 and args.worker is None:
         from tlsedge._workers import supervise
 

@@ -4,9 +4,10 @@
 ``tlsedge check --config-only``. This module checks what ``tlsedge run`` would
 meet on this machine, as ``nginx -t`` and ``haproxy -c`` do: every certificate
 and key file opens, parses and matches (with its chain and client CA), every
-backend's TLS files load, and every host name in a bind address or a static
-server list resolves. Servers found by ``discovery`` are not looked up: the
-edge starts without them when DNS fails and keeps trying (docs/discovery.md).
+backend's TLS files load, every host name in a bind address or a static
+server list resolves, and the access-log file opens. Servers found by
+``discovery`` are not looked up: the edge starts without them when DNS fails
+and keeps trying (docs/discovery.md).
 
 The edge runs the same functions as it starts (`Edge.run`), so ``check`` and
 ``run`` fail with the same message: a `ConfigError` that starts with the dotted
@@ -32,7 +33,12 @@ from tlsedge._config import (
 )
 from tlsedge._tls import ServerTLS, build_client_context, build_server_contexts
 
-__all__ = ["check_backend", "check_environment", "load_listener_tls"]
+__all__ = [
+    "access_log_error",
+    "check_backend",
+    "check_environment",
+    "load_listener_tls",
+]
 
 
 def _file_key(files: dict[str, Path | None], path: str, exc: Exception) -> str:
@@ -122,6 +128,22 @@ async def check_backend(backend: BackendConfig, path: str) -> None:
         )
 
 
+def access_log_error(path: str, exc: OSError) -> ConfigError:
+    """The error for an ``edge.access_log`` file at *path* that cannot be opened."""
+    return ConfigError(f"edge.access_log: cannot open {path}: {exc.strerror or exc}")
+
+
+def _check_access_log(path: str) -> None:
+    if path in {"-", "stdout"}:
+        return
+    try:
+        # Append mode, as the edge opens it: an absent file is created empty.
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise access_log_error(path, exc) from exc
+
+
 async def check_environment(config: Config) -> None:
     """Check everything ``tlsedge run`` would meet at start except binding.
 
@@ -137,5 +159,6 @@ async def check_environment(config: Config) -> None:
             load_listener_tls(listener.tls, f"listeners[{index}].tls")
     if config.edge.admin is not None:
         await _resolve(config.edge.admin, "edge.admin", passive=True)
+    _check_access_log(config.edge.access_log)
     for index, backend in enumerate(config.backends):
         await check_backend(backend, f"backends[{index}]")

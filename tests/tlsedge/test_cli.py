@@ -431,6 +431,22 @@ async def test_demo_answers_curl_direct_and_behind_a_proxy(tmp_path: Path) -> No
     assert "TLS (SSL TLV)" not in plain
 
 
+def test_check_opens_the_access_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        GOOD.replace("[edge]\n", '[edge]\naccess_log = "no-such-dir/access.log"\n')
+    )
+    assert main(["check", str(path)]) == 2
+    assert (
+        f"tlsedge: {path}: edge.access_log: cannot open "
+        f"{tmp_path}/no-such-dir/access.log: No such file or directory"
+    ) in capsys.readouterr().err
+    (tmp_path / "no-such-dir").mkdir()
+    assert main(["check", str(path)]) == 0
+
+
 # -- start-up errors: one line, exit 2, with one process or several -----------
 
 START_FAILURES = ["port in use", "missing certificate", "unresolvable host"]
