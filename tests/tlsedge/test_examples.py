@@ -3,21 +3,34 @@
 ``check`` opens the certificate files as ``run`` does, so each example is
 checked next to the files it names: ``tlsedge cert`` makes them (the names in
 examples/edge.toml are the ones it writes), and the Kubernetes example's
-Secret mount is a folder of trustme files.
+Secret mount is a folder of trustme files. The Kubernetes example also serves
+curl through an HTTP/1.1 app, with the ALPN list it ships.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import trio
 import trustme
 import yaml
 
+from tests.peers import require
+from tests.tlsedge.helpers import Backend, address_of, read_proxy, running_edge
 from tlsedge._cli import main
+from tlsedge._config import (
+    Address,
+    CertificateConfig,
+    ServerConfig,
+    config_from_mapping,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -97,3 +110,95 @@ def test_kubernetes_example_passes_config_only_check(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert main(["check", str(path)]) == 2  # without --config-only: no files
+
+
+async def http11_app(stream: trio.SocketStream) -> None:
+    """An HTTP/1.1-only application behind PROXY v2, like the README's."""
+    _, data = await read_proxy(stream)
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return
+        data += chunk
+    await stream.send_all(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\napp"
+    )
+
+
+async def test_kubernetes_example_serves_curl(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """curl offers h2 and http/1.1; the example's ALPN must pick what its app
+    speaks. With "h2" offered, curl spoke HTTP/2 to the HTTP/1.1 app and failed.
+    """
+    curl = require("curl")
+    app = await Backend(http11_app).start(nursery)
+    ca = trustme.CA()
+    leaf = ca.issue_cert("tlsedge.example.com")
+    for name, blob in (
+        ("tls.crt", leaf.cert_chain_pems[0]),
+        ("tls.key", leaf.private_key_pem),
+    ):
+        blob.write_to_path(str(tmp_path / name))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    example = tomllib.loads(kubernetes_config())
+    config = config_from_mapping(example, base_dir=tmp_path)
+    # The example as it ships, on this machine: loopback instead of the pod's
+    # addresses and the VPC, the app instead of DNS discovery, trustme files.
+    (listener,) = config.listeners
+    assert listener.tls is not None
+    assert listener.proxy_protocol is not None
+    (backend,) = config.backends
+    config = dataclasses.replace(
+        config,
+        edge=dataclasses.replace(config.edge, admin=None),
+        listeners=(
+            dataclasses.replace(
+                listener,
+                bind=Address(host="127.0.0.1", port=0),
+                proxy_protocol=dataclasses.replace(
+                    listener.proxy_protocol,
+                    trusted=(ipaddress.ip_network("127.0.0.1/32"),),
+                ),
+                tls=dataclasses.replace(
+                    listener.tls,
+                    certificates=(
+                        CertificateConfig(
+                            cert=tmp_path / "tls.crt", key=tmp_path / "tls.key"
+                        ),
+                    ),
+                ),
+            ),
+        ),
+        backends=(
+            dataclasses.replace(
+                backend,
+                discovery=None,
+                servers=(ServerConfig(address=Address.parse(app.address)),),
+                health=None,
+            ),
+        ),
+    )
+    async with running_edge(config) as edge:
+        host, port = address_of(edge, listener.name)
+        result = await trio.run_process(
+            [
+                curl,
+                "-sS",
+                "--max-time",
+                "10",
+                "--haproxy-protocol",
+                "--cacert",
+                str(tmp_path / "ca.pem"),
+                "--resolve",
+                f"tlsedge.example.com:{port}:{host}",
+                "-w",
+                " %{http_version}",
+                f"https://tlsedge.example.com:{port}/",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    assert result.stdout == b"app 1.1"
