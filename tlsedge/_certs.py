@@ -69,7 +69,16 @@ _HASH_NAMES: Final = {
 
 
 class CertificateError(ValueError):
-    """A certificate or key file is unusable; the message names the file."""
+    """A certificate or key file is unusable; the message names the file.
+
+    Attributes:
+        file: The file at fault, when one is (the message starts with it), so
+            that callers can name the configuration key that gave it.
+    """
+
+    def __init__(self, message: str, *, file: Path | None = None) -> None:
+        super().__init__(message)
+        self.file = file
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,18 +132,22 @@ def _read(path: Path, what: str) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise CertificateError(
-            f"{path}: cannot read the {what}: {exc.strerror or exc}"
+            f"{path}: cannot read the {what}: {exc.strerror or exc}", file=path
         ) from None
 
 
 def _load_chain(path: Path) -> list[x509.Certificate]:
     data = _read(path, "certificate")
     if b"-----BEGIN CERTIFICATE-----" not in data:
-        raise CertificateError(f"{path}: no PEM certificate (BEGIN CERTIFICATE) found")
+        raise CertificateError(
+            f"{path}: no PEM certificate (BEGIN CERTIFICATE) found", file=path
+        )
     try:
         return x509.load_pem_x509_certificates(data)
     except ValueError as exc:
-        raise CertificateError(f"{path}: invalid PEM certificate: {exc}") from None
+        raise CertificateError(
+            f"{path}: invalid PEM certificate: {exc}", file=path
+        ) from None
 
 
 def _load_key(path: Path) -> PrivateKey:
@@ -144,16 +157,20 @@ def _load_key(path: Path) -> PrivateKey:
     except TypeError:  # cryptography: "Password was not given but ... encrypted"
         raise CertificateError(
             f"{path}: the private key is encrypted; tlsedge needs an unencrypted key "
-            "(openssl pkey -in KEY -out KEY.plain)"
+            "(openssl pkey -in KEY -out KEY.plain)",
+            file=path,
         ) from None
     except (ValueError, UnsupportedAlgorithm) as exc:
-        raise CertificateError(f"{path}: invalid PEM private key: {exc}") from None
+        raise CertificateError(
+            f"{path}: invalid PEM private key: {exc}", file=path
+        ) from None
     if not isinstance(
         key, rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
     ):
         raise CertificateError(
             f"{path}: unsupported key type {type(key).__name__}; "
-            "use an RSA, ECDSA or Ed25519 key"
+            "use an RSA, ECDSA or Ed25519 key",
+            file=path,
         )
     return key
 
@@ -221,14 +238,16 @@ def _check_chain(path: Path, certs: list[x509.Certificate]) -> None:
                 f"({cert.subject.rfc4514_string()}) was issued by "
                 f"{cert.issuer.rfc4514_string()}, but certificate {index + 1} is "
                 f"{issuer.subject.rfc4514_string()}; put the leaf first, then each "
-                "certificate's issuer"
+                "certificate's issuer",
+                file=path,
             )
         try:
             cert.verify_directly_issued_by(issuer)
         except InvalidSignature:
             raise CertificateError(
                 f"{path}: certificate {index} ({cert.subject.rfc4514_string()}) "
-                f"is not signed by certificate {index + 1}'s key"
+                f"is not signed by certificate {index + 1}'s key",
+                file=path,
             ) from None
         except (ValueError, TypeError, UnsupportedAlgorithm):
             # An algorithm cryptography cannot verify: names matched, OpenSSL
@@ -269,11 +288,14 @@ def load_certificate(
     try:
         leaf_public = leaf.public_key()
     except (ValueError, UnsupportedAlgorithm) as exc:
-        raise CertificateError(f"{cert_file}: unsupported public key: {exc}") from None
+        raise CertificateError(
+            f"{cert_file}: unsupported public key: {exc}", file=cert_file
+        ) from None
     if _spki(key.public_key()) != _spki(leaf_public):
         raise CertificateError(
             f"{key_file}: the private key does not match the certificate "
-            f"{leaf.subject.rfc4514_string()} in {cert_file}"
+            f"{leaf.subject.rfc4514_string()} in {cert_file}",
+            file=key_file,
         )
     _check_chain(cert_file, certs)
     when = now or datetime.datetime.now(datetime.UTC)
@@ -282,14 +304,16 @@ def load_certificate(
     if when < not_before:
         raise CertificateError(
             f"{cert_file}: certificate {subject} is not valid before "
-            f"{not_before:%Y-%m-%d %H:%M:%S} UTC"
+            f"{not_before:%Y-%m-%d %H:%M:%S} UTC",
+            file=cert_file,
         )
     if when > not_after:
         if not allow_expired:
             raise CertificateError(
                 f"{cert_file}: certificate {subject} expired on "
                 f"{not_after:%Y-%m-%d %H:%M:%S} UTC (allow_expired = true serves it "
-                "anyway)"
+                "anyway)",
+                file=cert_file,
             )
         LOGGER.warning(
             "%s: certificate %s expired on %s UTC; serving it (allow_expired)",

@@ -13,12 +13,14 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import trio
 
-from tlsedge._config import Config, ConfigError, ensure_supported, load_config
+from tlsedge._config import ConfigError, load_config
 from tlsedge._logging import reopen_logs, setup_logging, shutdown_logging
+from tlsedge._preflight import access_log_error, check_environment
 from tlsedge._server import Edge
 from tlsedge._version import __version__
 
@@ -29,12 +31,6 @@ LOGGER = logging.getLogger("tlsedge")
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
-
-
-def _load(path: str) -> Config:
-    config = load_config(path)
-    ensure_supported(config)
-    return config
 
 
 async def _handle_signals(
@@ -55,7 +51,7 @@ async def _handle_signals(
                     LOGGER.info("SIGHUP ignored: no configuration file to reload")
                     continue
                 try:
-                    await edge.reload(_load(config_path))
+                    await edge.reload(load_config(config_path))
                 except ConfigError as exc:
                     LOGGER.error(
                         "reload refused, keeping the running configuration: %s", exc
@@ -74,31 +70,46 @@ async def run_edge(
     edge: Edge,
     config_path: str | None,
     *,
+    on_ready: Callable[[], None] | None = None,
     task_status: trio.TaskStatus[Edge] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run *edge* with signal handling until it has drained.
 
     Without a *config_path*, SIGHUP is not handled (nothing to reload from).
+    *on_ready* is called once every listener is bound.
+
+    Raises:
+        ConfigError: the edge cannot start (raised as it is, not in a group).
     """
-    async with trio.open_nursery() as nursery:
-
-        async def run_then_stop(*, task_status: trio.TaskStatus[Edge]) -> None:
-            await edge.run(task_status=task_status)
-            nursery.cancel_scope.cancel()
-
-        # Handlers first: a signal sent as soon as the port answers must not
-        # meet the default action (SIGHUP and SIGTERM would kill the process).
-        await nursery.start(_handle_signals, edge, config_path)
-        await nursery.start(run_then_stop)
-        task_status.started(edge)
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
     try:
-        config = _load(args.config)
-    except ConfigError as exc:
-        print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        async with trio.open_nursery() as nursery:
+
+            async def run_then_stop(*, task_status: trio.TaskStatus[Edge]) -> None:
+                await edge.run(task_status=task_status)
+                nursery.cancel_scope.cancel()
+
+            # Handlers first: a signal sent as soon as the port answers must
+            # not meet the default action (SIGHUP and SIGTERM would kill the
+            # process).
+            await nursery.start(_handle_signals, edge, config_path)
+            await nursery.start(run_then_stop)
+            if on_ready is not None:
+                on_ready()
+            task_status.started(edge)
+    except* ConfigError as group:
+        # Only a failed start raises one (a failed reload is logged), so
+        # there is exactly one: give it to the caller as nursery.start would.
+        raise group.exceptions[0] from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``tlsedge run``.
+
+    Raises:
+        ConfigError: the edge cannot start; the message starts with the dotted
+            path of the value at fault.
+    """
+    config = load_config(args.config)
     try:
         setup_logging(
             args.log_level,
@@ -106,29 +117,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
             config.edge.access_log,
         )
     except OSError as exc:
-        print(
-            f"tlsedge: {args.config}: edge.access_log: cannot open "
-            f"{config.edge.access_log}: {exc.strerror or exc}",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG
-    if config.edge.workers > 1 and not args.worker:
+        raise access_log_error(config.edge.access_log, exc) from exc
+    if config.edge.workers > 1 and args.worker is None:
         from tlsedge._workers import supervise
 
         return supervise(
             config, args.config, sys.argv[1:] if args.argv is None else args.argv
         )
-    try:
-        trio.run(run_edge, Edge(config), args.config)
-    except ConfigError as exc:
-        LOGGER.error("cannot start: %s", exc)
-        return EXIT_CONFIG
+    on_ready = None
+    if args.worker is not None:
+        from tlsedge._workers import report_ready
+
+        on_ready = partial(report_ready, args.worker)
+    trio.run(partial(run_edge, Edge(config), args.config, on_ready=on_ready))
     return EXIT_OK
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ConfigError as exc:
+        if args.worker is None:
+            print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
+        else:
+            # The supervisor stops the edge and prints the message once, not
+            # once per worker.
+            from tlsedge._workers import report_failure
+
+            report_failure(args.worker, str(exc))
+        return EXIT_CONFIG
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     try:
-        config = _load(args.config)
+        config = load_config(args.config)
+        if not args.config_only:
+            trio.run(check_environment, config)
     except ConfigError as exc:
         print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -192,10 +216,21 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the edge described by CONFIG")
     run.add_argument("config", help="TOML configuration file")
-    run.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    # The supervisor's worker processes: FD is where to report start-up.
+    run.add_argument("--worker", type=int, metavar="FD", help=argparse.SUPPRESS)
     run.set_defaults(func=_cmd_run, argv=None)
-    check = sub.add_parser("check", help="validate CONFIG and exit (2 if invalid)")
+    check = sub.add_parser(
+        "check",
+        help="check CONFIG and what running it would meet: certificate files, "
+        "host names (exit 2 if anything is wrong)",
+    )
     check.add_argument("config", help="TOML configuration file")
+    check.add_argument(
+        "--config-only",
+        action="store_true",
+        help="check the file alone: open no certificate file, resolve no name "
+        "(to check a configuration on another machine)",
+    )
     check.set_defaults(func=_cmd_check)
     demo = sub.add_parser(
         "demo",

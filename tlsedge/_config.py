@@ -18,9 +18,14 @@ place that decides what a duration or a port is.
 
 After the tree is built, `config_from_mapping` runs the checks that span tables:
 unique names, listeners naming existing backends, two sockets not bound to the
-same address.  Nothing here touches the network or the file system beyond reading
-the TOML file itself: host names are resolved and certificate files are opened by
-the layers that use them, so a configuration can be checked on another machine.
+same address, what a listener cannot serve (an HTTP-mode listener in front of a
+TLS backend, ALPN protocols other than HTTP/1.x in HTTP mode, port 0 with several
+workers).  Every check that ``tlsedge run`` relies on is here, so a `Config` built
+through the library API (``tlsedge.serve``) is held to the same rules.  Nothing
+here touches the network or the file system beyond reading the TOML file itself:
+certificate files are opened and host names resolved by `tlsedge._preflight`
+(``tlsedge check`` and the edge's start), so a configuration can also be checked
+alone on another machine (``tlsedge check --config-only``).
 
 Every failure, for any input, is a `ConfigError` (a `ValueError`) whose message
 starts with the dotted path of the offending value, then says what was expected
@@ -62,7 +67,6 @@ __all__ = [
     "ServerConfig",
     "TlsConfig",
     "config_from_mapping",
-    "ensure_supported",
     "load_config",
 ]
 
@@ -109,6 +113,8 @@ BACKEND_PROTOCOLS: Final[tuple[BackendProtocol, ...]] = get_args(BackendProtocol
 HEALTH_KINDS: Final[tuple[HealthKind, ...]] = get_args(HealthKind)
 LOG_FORMATS: Final[tuple[LogFormat, ...]] = get_args(LogFormat)
 DISCOVERY_TYPES: Final[tuple[DiscoveryType, ...]] = get_args(DiscoveryType)
+# What an HTTP-mode listener can serve after the handshake (h11: HTTP/1.0 and 1.1).
+HTTP_MODE_ALPN: Final = ("http/1.1", "http/1.0")
 
 # The PROXY spec: "the receiver ... should wait at least 3 seconds" so that a lost
 # segment carrying the header can be retransmitted before we give up.
@@ -1049,6 +1055,44 @@ def _check_binds(config: Config) -> None:
                 raise _fail(path, f"{address} collides with {other} of {other_path}")
 
 
+def _check_workers_ports(config: Config) -> None:
+    """With several workers, port 0 would give each worker a port of its own."""
+    if config.edge.workers == 1:
+        return
+    for index, lst in enumerate(config.listeners):
+        if lst.bind.port == 0:
+            raise _fail(
+                f"listeners[{index}].bind",
+                f"port 0 with edge.workers = {config.edge.workers}: every worker "
+                "would get a port of its own; give a fixed port",
+            )
+
+
+def _check_http_mode(config: Config, index: int, lst: ListenerConfig) -> None:
+    """Refuse what an HTTP-mode listener cannot serve yet."""
+    if lst.mode != "http":
+        return
+    backend = config.backend(lst.backend)
+    if backend.protocol == "tls":
+        raise _fail(
+            f"listeners[{index}].mode",
+            f'HTTP mode to a TLS backend ({backend.name}: protocol = "tls") is '
+            'not supported yet; use protocol = "tcp" or mode = "tcp"',
+        )
+    if lst.tls is None:
+        return
+    for position, protocol in enumerate(lst.tls.alpn):
+        if protocol not in HTTP_MODE_ALPN:
+            why = (
+                "HTTP/2 is not served yet" if protocol == "h2" else "it is not HTTP/1.x"
+            )
+            raise _fail(
+                f"listeners[{index}].tls.alpn[{position}]",
+                f'{_show(protocol)} cannot be served in mode = "http" ({why}): '
+                f"offer only {_choices(HTTP_MODE_ALPN)}, or nothing",
+            )
+
+
 def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path) -> Config:
     """Validate parsed TOML (or any mapping of the same shape) into a `Config`.
 
@@ -1087,7 +1131,9 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path) -> Config:
             raise _fail(
                 f"listeners[{index}].backend", f"no backend named {lst.backend!r}{hint}"
             )
+        _check_http_mode(config, index, lst)
     _check_binds(config)
+    _check_workers_ports(config)
     return config
 
 
@@ -1112,22 +1158,3 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{file}: invalid TOML: not UTF-8 ({exc.reason})") from None
     return config_from_mapping(data, base_dir=file.absolute().parent)
-
-
-def ensure_supported(config: Config) -> None:
-    """Refuse combinations whose implementation has not landed yet.
-
-    Raises:
-        ConfigError: An HTTP-mode listener uses a backend with
-            ``protocol = "tls"`` (pooled TLS upstream connections are not
-            built yet).
-    """
-    backends = {backend.name: backend for backend in config.backends}
-    for index, lst in enumerate(config.listeners):
-        backend = backends.get(lst.backend)
-        if lst.mode == "http" and backend is not None and backend.protocol == "tls":
-            raise _fail(
-                f"listeners[{index}].mode",
-                f'HTTP mode to a TLS backend ({backend.name}: protocol = "tls") is '
-                'not supported yet; use protocol = "tcp" or mode = "tcp"',
-            )

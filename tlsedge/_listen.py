@@ -19,11 +19,18 @@ async def open_listening_sockets(
 
     Raises:
         OSError: the host does not resolve or an address cannot be bound; no
-            socket is left open then.
+            socket is left open then.  Its ``strerror`` says which, with the
+            host or the address (``cannot bind 127.0.0.1:8443: Address already
+            in use``).
     """
-    infos = await trio.socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )
+    try:
+        infos = await trio.socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise OSError(
+            exc.errno, f"host {host!r} does not resolve: {exc.strerror}"
+        ) from exc
     sockets: list[trio.socket.SocketType] = []
     seen: set[tuple[object, ...]] = set()
     try:
@@ -38,7 +45,14 @@ async def open_listening_sockets(
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            await sock.bind(sockaddr)
+            try:
+                await sock.bind(sockaddr)
+            except OSError as exc:
+                ip = str(sockaddr[0])
+                shown = f"[{ip}]" if family == socket.AF_INET6 else ip
+                raise OSError(
+                    exc.errno, f"cannot bind {shown}:{port}: {exc.strerror}"
+                ) from exc
             sock.listen(backlog)
     except OSError:
         for sock in sockets:

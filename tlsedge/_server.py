@@ -34,7 +34,6 @@ import errno
 import logging
 import os
 import socket
-import ssl
 import time
 from dataclasses import dataclass, field
 
@@ -52,7 +51,6 @@ from proxyproto import (
 from proxyproto.trio import read_proxy_header
 from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admin import AdminServer, bind_admin
-from tlsedge._certs import CertificateError
 from tlsedge._config import Config, ConfigError, ListenerConfig
 from tlsedge._http import (
     HttpConnectionResult,
@@ -63,12 +61,12 @@ from tlsedge._http import (
 )
 from tlsedge._listen import open_listening_sockets
 from tlsedge._metrics import EdgeMetrics
+from tlsedge._preflight import check_backend, load_listener_tls
 from tlsedge._proxy_wrap import ConnectionFacts, build_proxy_header
 from tlsedge._relay import RelayStats, Termination, relay, set_abortive_close
 from tlsedge._tls import (
     ServerTLS,
     SSLFacts,
-    build_server_contexts,
     ssl_facts,
     watch_certificates,
 )
@@ -131,18 +129,19 @@ def _socket_address(address: object) -> tuple[str, int] | None:
     return None
 
 
-def _listener_state(config: ListenerConfig) -> _ListenerState:
+def _listener_state(config: ListenerConfig, path: str) -> _ListenerState:
     """Build what a listener needs per connection (loads its certificates).
+
+    Args:
+        config: The listener.
+        path: Its dotted path in the configuration, ``listeners[0]``.
 
     Raises:
         ConfigError: a certificate or key cannot be used.
     """
     tls = None
     if config.tls is not None:
-        try:
-            tls = build_server_contexts(config.tls)
-        except (CertificateError, ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"listeners.{config.name}.tls: {exc}") from exc
+        tls = load_listener_tls(config.tls, f"{path}.tls")
     return _ListenerState(config=config, trust=_trust_policy(config), tls=tls)
 
 
@@ -240,7 +239,8 @@ class Edge:
             raise ConfigError("edge: cannot reload while draining or stopped")
         pools: dict[str, BackendPool] = {}
         try:
-            for backend in config.backends:
+            for index, backend in enumerate(config.backends):
+                await check_backend(backend, f"backends[{index}]")
                 pool = self._pools.get(backend.name)
                 if pool is None:
                     pool = await BackendPool.create(backend, observer=self._metrics)
@@ -249,7 +249,10 @@ class Edge:
                 pools[backend.name] = pool
         except OSError as exc:
             raise ConfigError(f"backends: {exc}") from exc
-        states = {lconf.name: _listener_state(lconf) for lconf in config.listeners}
+        states = {
+            lconf.name: _listener_state(lconf, f"listeners[{index}]")
+            for index, lconf in enumerate(config.listeners)
+        }
         opened: dict[str, _Listener] = {}
         try:
             for lconf in config.listeners:
@@ -262,7 +265,7 @@ class Edge:
         except OSError as exc:
             for listener in opened.values():
                 self._close_listener(listener)
-            raise ConfigError(f"listeners: {exc}") from exc
+            raise ConfigError(f"listeners: {exc.strerror or exc}") from exc
         # Nothing can fail from here on: swap.
         listeners: dict[str, _Listener] = {}
         for lconf in config.listeners:
@@ -295,28 +298,41 @@ class Edge:
         """Serve until drained (or stopped); reports itself when listening.
 
         Raises:
-            ConfigError: a listener cannot bind or a backend does not resolve.
+            ConfigError: a listener cannot bind, a backend does not resolve, a
+                certificate cannot be used; the message starts with the
+                dotted path of the value at fault.
         """
         try:
-            for backend in self.config.backends:
+            for index, backend in enumerate(self.config.backends):
+                await check_backend(backend, f"backends[{index}]")
                 self._pools[backend.name] = await BackendPool.create(
                     backend, observer=self._metrics
                 )
-        except OSError as exc:
+        except OSError as exc:  # checked just now: a name or a file changed since
             raise ConfigError(f"backends: {exc}") from exc
-        states = [_listener_state(lconf) for lconf in self.config.listeners]
+        states = [
+            _listener_state(lconf, f"listeners[{index}]")
+            for index, lconf in enumerate(self.config.listeners)
+        ]
         try:
-            for state in states:
-                self._listeners[state.config.name] = self._make_listener(
-                    state, await _bind(state.config, reuse_port=self._reuse_port)
-                )
+            for index, state in enumerate(states):
+                try:
+                    sockets = await _bind(state.config, reuse_port=self._reuse_port)
+                except OSError as exc:
+                    raise ConfigError(
+                        f"listeners[{index}].bind: {exc.strerror or exc}"
+                    ) from exc
+                self._listeners[state.config.name] = self._make_listener(state, sockets)
             if (admin := self.config.edge.admin) is not None:
-                sockets = await bind_admin(admin, reuse_port=self._reuse_port)
+                try:
+                    sockets = await bind_admin(admin, reuse_port=self._reuse_port)
+                except OSError as exc:  # its message starts with edge.admin
+                    raise ConfigError(exc.strerror or str(exc)) from exc
                 self.admin = AdminServer(self, sockets)
-        except OSError as exc:
+        except ConfigError:
             for listener in self._listeners.values():
                 self._close_listener(listener)
-            raise ConfigError(f"listeners: cannot bind: {exc}") from exc
+            raise
         try:
             async with trio.open_nursery() as services:
                 self._services = services

@@ -288,11 +288,11 @@ def _load_verify(context: ssl.SSLContext, path: Path, what: str) -> None:
         context.load_verify_locations(cafile=os.fspath(path))
     except FileNotFoundError:
         raise CertificateError(
-            f"{path}: cannot read the {what}: file not found"
+            f"{path}: cannot read the {what}: file not found", file=path
         ) from None
     except OSError as exc:  # ssl.SSLError is an OSError
         reason = getattr(exc, "reason", None) or exc.strerror or str(exc)
-        raise CertificateError(f"{path}: invalid {what}: {reason}") from None
+        raise CertificateError(f"{path}: invalid {what}: {reason}", file=path) from None
 
 
 def _load_chain_into(context: ssl.SSLContext, cert: LoadedCertificate) -> None:

@@ -1,16 +1,25 @@
 """``edge.workers = N``: a supervisor process running N edge workers.
 
-Each worker is ``python -m tlsedge run CONFIG --worker``: a complete edge that
-binds the same ports with ``SO_REUSEPORT``, so the kernel spreads new
+Each worker is ``python -m tlsedge run CONFIG --worker FD``: a complete edge
+that binds the same ports with ``SO_REUSEPORT``, so the kernel spreads new
 connections over the workers. The supervisor forwards SIGTERM (drain), SIGINT
 (stop), SIGHUP (reload) and SIGUSR1 (reopen log files) to every worker,
 restarts a worker that dies on its own (after a pause, so a crash loop does not
 spin), and exits once every worker has exited after a stop signal.
+
+FD is the write end of a pipe from the supervisor: the worker writes
+``ready`` once its listeners are bound, or ``error MESSAGE`` when it cannot
+start (a certificate file, a port in use, a name that does not resolve), then
+closes it. A worker that cannot start stops the whole edge: the supervisor
+stops the other workers and exits with that one message (status 2), instead
+of restarting a worker that would fail again every second. Gunicorn's arbiter
+does the same with a worker that fails to boot.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -18,16 +27,45 @@ from collections.abc import Sequence
 
 import trio
 
-from tlsedge._config import Config
+from tlsedge._config import Config, ConfigError
 from tlsedge._logging import reopen_logs
 from tlsedge._metrics import multiprocess_directory, worker_exited
 
-__all__ = ["supervise"]
+__all__ = ["report_failure", "report_ready", "supervise"]
 
 LOGGER = logging.getLogger("tlsedge.workers")
 
 #: Pause before restarting a worker that died, so a crash loop does not spin.
 RESTART_DELAY = 1.0
+
+_READY = b"ready\n"
+_ERROR = b"error "
+
+
+def _report(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def report_ready(fd: int) -> None:
+    """In a worker: tell the supervisor that every listener is bound."""
+    _report(fd, _READY)
+
+
+def report_failure(fd: int, message: str) -> None:
+    """In a worker: tell the supervisor why the edge cannot start."""
+    _report(fd, _ERROR + " ".join(message.split()).encode() + b"\n")
+
+
+async def _read_report(fd: int) -> bytes:
+    """Everything the worker wrote on its report pipe, until it closed it."""
+    chunks = []
+    async with trio.lowlevel.FdStream(fd) as pipe:
+        while chunk := await pipe.receive_some():
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _Supervisor:
@@ -40,6 +78,7 @@ class _Supervisor:
         self.stopping = False
         self.processes: dict[int, trio.Process] = {}
         self.failed = False
+        self.start_error: str | None = None  # a worker's, when it cannot start
 
     def stop_requested(self) -> bool:
         """``stopping``, read through a call (mypy would narrow the attribute)."""
@@ -52,15 +91,30 @@ class _Supervisor:
                 # live workers only, so a worker started now would run on.
                 LOGGER.info("worker %d not restarted: stopping", index)
                 return
-            process = await trio.lowlevel.open_process(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                env=self.metrics_dir.environment,
-            )
+            report_fd, worker_fd = os.pipe()
+            try:
+                process = await trio.lowlevel.open_process(
+                    [*self.command, str(worker_fd)],
+                    stdin=subprocess.DEVNULL,
+                    env=self.metrics_dir.environment,
+                    pass_fds=(worker_fd,),
+                )
+            except BaseException:
+                os.close(report_fd)
+                raise
+            finally:
+                os.close(worker_fd)
             self.processes[index] = process
             LOGGER.info("worker %d started (pid %d)", index, process.pid)
+            report = await _read_report(report_fd)
+            if report == _READY:
+                LOGGER.info("worker %d ready", index)
             code = await process.wait()
             worker_exited(self.metrics_dir.path, process.pid)
+            if report.startswith(_ERROR):
+                LOGGER.info("worker %d (pid %d) cannot start", index, process.pid)
+                self.stop_all(report.removeprefix(_ERROR).decode().strip())
+                return
             if self.stopping:
                 if code != 0:
                     self.failed = True
@@ -76,6 +130,17 @@ class _Supervisor:
                 RESTART_DELAY,
             )
             await trio.sleep(RESTART_DELAY)
+
+    def stop_all(self, error: str) -> None:
+        """A worker cannot start: stop the others, exit with *error*."""
+        if self.start_error is None:
+            self.start_error = error
+        self.stopping = True
+        for process in self.processes.values():
+            if process.returncode is None:
+                # SIGTERM: a worker still starting exits at once; one that
+                # serves drains its connections.
+                process.send_signal(signal.SIGTERM)
 
     async def forward_signals(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -102,6 +167,8 @@ class _Supervisor:
                 for index in range(self.workers):
                     workers.start_soon(self.run_worker, index)
             nursery.cancel_scope.cancel()
+        if self.start_error is not None:
+            raise ConfigError(self.start_error)
         return 1 if self.failed else 0
 
 
@@ -114,17 +181,12 @@ def supervise(config: Config, config_path: str, argv: Sequence[str]) -> int:
         argv: this process's command-line arguments, passed on to workers.
 
     Returns:
-        The exit code: 0 when every worker drained cleanly, 2 for a config
-        the supervisor cannot run, 1 otherwise.
+        The exit code: 0 when every worker drained cleanly, 1 otherwise.
+
+    Raises:
+        ConfigError: a worker could not start (after the others stopped); the
+            message is the worker's.
     """
-    for listener in config.listeners:
-        if listener.bind.port == 0:
-            LOGGER.error(
-                "listeners: %s binds port 0; with edge.workers > 1 every worker "
-                "would get its own port: give it a fixed port",
-                listener.name,
-            )
-            return 2
     command = [sys.executable, "-m", "tlsedge", *argv, "--worker"]
     LOGGER.info("starting %d workers for %s", config.edge.workers, config_path)
     # The workers' metrics meet in one directory (prometheus-client's

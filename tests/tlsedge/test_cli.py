@@ -88,6 +88,27 @@ def test_check_missing_file_exits_2(
     assert "cannot read" in capsys.readouterr().err
 
 
+def test_check_meets_what_run_would_meet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The cases: test_preflight.py; here, how the CLI reports them.
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        GOOD
+        + '[listeners.tls]\ncertificates = [{ cert = "gone.pem", key = "gone.key" }]\n'
+    )
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"tlsedge: {path}: listeners[0].tls.certificates[0].cert: "
+        f"{tmp_path}/gone.pem: cannot read the certificate: No such file or "
+        "directory\n"
+    )
+    # --config-only: the file alone is fine.
+    assert main(["check", "--config-only", str(path)]) == 0
+    assert "OK (1 listeners, 1 backends)" in capsys.readouterr().out
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
@@ -322,3 +343,88 @@ async def test_demo_answers_curl_direct_and_behind_a_proxy(tmp_path: Path) -> No
     assert "real client:         127.0.0.1:" in proxied
     assert "b'GET /plain HTTP/1.1'" in plain
     assert "TLS (SSL TLV)" not in plain
+
+
+def test_check_opens_the_access_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        GOOD.replace("[edge]\n", '[edge]\naccess_log = "no-such-dir/access.log"\n')
+    )
+    assert main(["check", str(path)]) == 2
+    assert (
+        f"tlsedge: {path}: edge.access_log: cannot open "
+        f"{tmp_path}/no-such-dir/access.log: No such file or directory"
+    ) in capsys.readouterr().err
+    (tmp_path / "no-such-dir").mkdir()
+    assert main(["check", str(path)]) == 0
+
+
+# -- start-up errors: one line, exit 2, with one process or several -----------
+
+START_FAILURES = ["port in use", "missing certificate", "unresolvable host"]
+
+
+def start_failure(case: str, port: int, folder: Path) -> tuple[str, str]:
+    """A configuration that fails at start in *case*, and its message."""
+    listener = f'[[listeners]]\nname = "in"\nbind = "127.0.0.1:{port}"\nbackend = "b"\n'
+    backend = '[[backends]]\nname = "b"\nservers = ["127.0.0.1:9"]\n'
+    if case == "port in use":
+        message = (
+            f"listeners[0].bind: cannot bind 127.0.0.1:{port}: Address already in use"
+        )
+        return listener + backend, message
+    if case == "missing certificate":
+        tls = (
+            "[listeners.tls]\n"
+            'certificates = [{ cert = "gone.pem", key = "gone.key" }]\n'
+        )
+        message = (
+            f"listeners[0].tls.certificates[0].cert: {folder}/gone.pem: cannot read "
+            "the certificate: No such file or directory"
+        )
+        return listener + tls + backend, message
+    assert case == "unresolvable host"
+    backend = backend.replace("127.0.0.1:9", "nonexistent.invalid:80")
+    message = (
+        "backends[0].servers[0]: host 'nonexistent.invalid' of backend 'b' does "
+        "not resolve: "
+    )
+    return listener + backend, message
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("case", START_FAILURES)
+async def test_run_start_failure_is_one_line_and_exit_2(
+    tmp_path: Path, case: str, workers: int
+) -> None:
+    with trio.socket.socket() as taken:
+        await taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1] if case == "port in use" else free_port()
+        text, message = start_failure(case, port, tmp_path)
+        path = tmp_path / "edge.toml"
+        path.write_text(f"[edge]\nworkers = {workers}\n\n{text}")
+        # Not a timing assertion: a supervisor that restarts its failing
+        # workers forever would hang here without it.
+        with trio.fail_after(30):
+            result = await trio.run_process(
+                [sys.executable, "-m", "tlsedge", "run", str(path)],
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    naming = [
+        line
+        for line in stderr.splitlines()
+        if "listeners[" in line or "backends[" in line
+    ]
+    assert len(naming) == 1, stderr
+    assert naming[0].startswith(f"tlsedge: {path}: {message}"), stderr
+    assert "restarting" not in stderr

@@ -30,7 +30,6 @@ from tlsedge._config import (
     ServerConfig,
     TlsConfig,
     config_from_mapping,
-    ensure_supported,
     load_config,
 )
 
@@ -56,7 +55,7 @@ access_log = "logs/access.log"
 name = "public"
 bind = "0.0.0.0:8443"
 mode = "http"
-backend = "app"
+backend = "found"
 idle_timeout = 120.5
 client_fin_timeout = 15.0
 max_connections = 5000
@@ -73,7 +72,7 @@ certificates = [
     { cert = "/abs/other.pem", key = "keys/other.key" },
 ]
 policy = "ELBSecurityPolicy-TLS13-1-2-2021-06"
-alpn = ["h2", "http/1.1"]
+alpn = ["http/1.1", "http/1.0"]
 client_auth = "optional"
 client_ca = "clients-ca.pem"
 handshake_timeout = 7.5
@@ -101,8 +100,8 @@ underscores_in_headers = true
 
 [[listeners]]
 name = "relay"
-bind = "[::]:0"
-backend = "db"
+bind = "[::]:5432"
+backend = "app"
 
 [[backends]]
 name = "app"
@@ -163,7 +162,7 @@ FULL_EXPECTED = Config(
             name="public",
             bind=Address(host="0.0.0.0", port=8443),
             mode="http",
-            backend="app",
+            backend="found",
             idle_timeout=120.5,
             client_fin_timeout=15.0,
             max_connections=5000,
@@ -185,7 +184,7 @@ FULL_EXPECTED = Config(
                     ),
                 ),
                 policy="ELBSecurityPolicy-TLS13-1-2-2021-06",
-                alpn=("h2", "http/1.1"),
+                alpn=("http/1.1", "http/1.0"),
                 client_auth="optional",
                 client_ca=BASE / "clients-ca.pem",
                 handshake_timeout=7.5,
@@ -212,7 +211,7 @@ FULL_EXPECTED = Config(
                 underscores_in_headers=True,
             ),
         ),
-        ListenerConfig(name="relay", bind=Address(host="::", port=0), backend="db"),
+        ListenerConfig(name="relay", bind=Address(host="::", port=5432), backend="app"),
     ),
     backends=(
         BackendConfig(
@@ -1263,34 +1262,76 @@ def test_unreadable_file(tmp_path: Path, name: str) -> None:
     assert str(info.value).startswith(f"{file}: cannot read: ")
 
 
-# --- ensure_supported and the examples ---------------------------------------
+# --- what a listener cannot serve: refused when the Config is built ------------
 
 
-def test_ensure_supported_accepts_http_mode() -> None:
-    ensure_supported(parse(HTTP + B))
+def test_http_mode_to_a_tcp_backend_is_accepted() -> None:
+    parse(HTTP + B)
 
 
-def test_ensure_supported_refuses_http_mode_to_tls_backends() -> None:
-    config = parse(HTTP + backend(protocol='"tls"'))
+def test_http_mode_to_tls_backends_is_refused_by_the_library_api() -> None:
+    # tlsedge.serve(config_from_mapping(...)) must not be able to send the
+    # requests in clear text to a TLS port: the Config cannot be built.
     with pytest.raises(ConfigError) as info:
-        ensure_supported(config)
+        parse(HTTP + backend(protocol='"tls"'))
     assert str(info.value).startswith(
-        'listeners[0].mode: HTTP mode to a TLS backend (b: protocol = "tls")'
+        'listeners[0].mode: HTTP mode to a TLS backend (b: protocol = "tls") is '
+        "not supported yet"
     )
 
 
-def test_ensure_supported_accepts_tls_both_ways() -> None:
-    ensure_supported(parse(L + "[listeners.tls]\n" + CERTS + B))
-    ensure_supported(parse(L + backend(name='"a"') + backend(protocol='"tls"')))
+def test_tls_both_ways_and_tcp_are_accepted() -> None:
+    parse(L + "[listeners.tls]\n" + CERTS + B)
+    parse(L + backend(name='"a"') + backend(protocol='"tls"'))
+    parse(MINIMAL + "[backends.tls]\n")  # unused without "tls"
 
 
-def test_ensure_supported_accepts_tcp() -> None:
-    ensure_supported(parse(MINIMAL + "[backends.tls]\n"))  # unused without "tls"
+@pytest.mark.parametrize("alpn", ['["h2", "http/1.1"]', '["http/1.1", "h2"]'])
+def test_http_mode_refuses_h2_in_alpn(alpn: str) -> None:
+    position = alpn.strip("[]").split(", ").index('"h2"')
+    with pytest.raises(ConfigError) as info:
+        parse(HTTP + f"[listeners.tls]\n{CERTS}alpn = {alpn}\n" + B)
+    assert str(info.value) == (
+        f"listeners[0].tls.alpn[{position}]: 'h2' cannot be served in "
+        "mode = \"http\" (HTTP/2 is not served yet): offer only 'http/1.1', "
+        "'http/1.0', or nothing"
+    )
+
+
+def test_http_mode_refuses_other_protocols_in_alpn() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(HTTP + f'[listeners.tls]\n{CERTS}alpn = ["http/1.1", "acme-tls/1"]\n' + B)
+    assert str(info.value).startswith(
+        "listeners[0].tls.alpn[1]: 'acme-tls/1' cannot be served in "
+        'mode = "http" (it is not HTTP/1.x)'
+    )
+
+
+@pytest.mark.parametrize("alpn", ['["http/1.1"]', '["http/1.1", "http/1.0"]', "[]"])
+def test_http_mode_accepts_http1_alpn(alpn: str) -> None:
+    config = parse(HTTP + f"[listeners.tls]\n{CERTS}alpn = {alpn}\n" + B)
+    assert config.listeners[0].tls is not None
+
+
+def test_tcp_mode_accepts_any_alpn() -> None:
+    # A relay cannot know what its backend speaks: the operator lists it.
+    config = parse(L + f'[listeners.tls]\n{CERTS}alpn = ["h2", "http/1.1"]\n' + B)
+    assert config.listeners[0].tls is not None
+    assert config.listeners[0].tls.alpn == ("h2", "http/1.1")
+
+
+def test_port_0_with_several_workers_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse("[edge]\nworkers = 2\n" + listener(bind='"127.0.0.1:0"') + B)
+    assert str(info.value).startswith(
+        "listeners[0].bind: port 0 with edge.workers = 2: every worker would get "
+        "a port of its own"
+    )
+    parse("[edge]\nworkers = 1\n" + listener(bind='"127.0.0.1:0"') + B)
 
 
 def test_example_tcp_relay() -> None:
     config = load_config(EXAMPLES / "tcp-relay.toml")
-    ensure_supported(config)
     (lst,) = config.listeners
     assert lst.mode == "tcp"
     assert lst.proxy_protocol is not None
@@ -1306,7 +1347,7 @@ def test_example_edge_documents_every_section() -> None:
     assert lst.tls is not None
     assert lst.proxy_protocol is not None
     assert lst.mode == "http"
-    assert lst.tls.certificates[0].cert.parent == EXAMPLES
+    assert lst.tls.certificates[0].cert.parent == EXAMPLES / "certs"
     assert config.edge.admin is not None
     assert any(b.health is not None for b in config.backends)
     assert any(b.tls is not None for b in config.backends)

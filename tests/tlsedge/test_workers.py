@@ -159,12 +159,45 @@ async def test_two_workers_share_the_port_and_a_dead_one_is_replaced(
 
 
 def test_port_zero_with_workers_exits_2(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "edge.toml"
     path.write_text(config_text(0, "127.0.0.1:9"))
     assert main(["run", str(path)]) == 2
-    assert "binds port 0" in caplog.text
+    assert f"{path}: listeners[0].bind: port 0 with edge.workers = 2" in (
+        capsys.readouterr().err
+    )
+    assert main(["check", str(path)]) == 2  # check says what run would say
+
+
+async def test_a_worker_that_cannot_restart_stops_the_edge(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Gunicorn's rule: a worker that fails to boot stops the arbiter, rather
+    # than being restarted every second with the same error.
+    backend = await Backend(tag_handler("hi", hold=True)).start(nursery)
+    port = free_port()
+    path = tmp_path / "edge.toml"
+    path.write_text(config_text(port, backend.address))
+    log = tmp_path / "log"
+    async with supervisor(path, log) as process:
+        await wait_until(lambda: log.read_text().count("listener in on") == 2, 20)
+        workers = children(process.pid)
+        assert await serve_one(port) == b"hi"
+        path.write_text(config_text(port, "nonexistent.invalid:80"))
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        # Not a timing assertion: without the rule this never ends.
+        with trio.fail_after(30):
+            assert await process.wait() == 2
+    # The other worker was stopped, not left behind.
+    assert not workers & {int(pid) for pid in os.listdir("/proc") if pid.isdigit()}
+    text = log.read_text()
+    assert "Traceback" not in text
+    (line,) = [line for line in text.splitlines() if "backends[0]" in line]
+    assert line.startswith(
+        f"tlsedge: {path}: backends[0].servers[0]: host 'nonexistent.invalid'"
+    )
 
 
 async def test_sigterm_during_a_restart_pause_does_not_restart(
