@@ -24,6 +24,8 @@ import math
 import time
 from dataclasses import dataclass, fields
 
+from tlsedge._termination import Termination
+
 __all__ = ["ACCESS_LOGGER", "ConnectionLog", "format_address", "format_time"]
 
 ACCESS_LOGGER = logging.getLogger("tlsedge.access")
@@ -63,7 +65,7 @@ class ConnectionLog:
     bytes_from_client: int = 0
     bytes_from_server: int = 0
     requests: int | None = None  # HTTP mode: requests on this connection
-    termination: str = "unknown"
+    termination: str = Termination.UNKNOWN
     detail: str | None = None
     start: float = 0.0
     duration: float = 0.0

@@ -123,6 +123,7 @@ from tlsedge._forwarded import (
     rewrite_forwarding_headers,
 )
 from tlsedge._relay import RelayStats, relay, set_abortive_close
+from tlsedge._termination import Termination
 from tlsedge._tls import SSLFacts
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
@@ -685,25 +686,6 @@ class KeepAlivePool:
 # -- results and logs -----------------------------------------------------------
 
 
-class Termination:
-    """Why an HTTP connection ended (``HttpConnectionResult.termination``)."""
-
-    CLIENT_CLOSED: Final = "client_closed"  # client closed between requests
-    KEEPALIVE_TIMEOUT: Final = "keepalive_timeout"  # idle between requests
-    REQUEST_TIMEOUT: Final = "request_header_timeout"  # no (complete) head in time
-    CLOSED: Final = "closed"  # a response with Connection: close was sent
-    DRAINED: Final = "drained"  # closed because the edge drains
-    BAD_REQUEST: Final = "bad_request"  # 4xx/5xx for the client's request
-    CLIENT_ERROR: Final = "client_error"  # reset / gone / stalled mid-exchange
-    NO_SERVER: Final = "no_server"  # 503
-    CONNECT_FAILED: Final = "connect_failed"  # 502
-    SERVER_ERROR: Final = "server_error"  # 502, upstream broke before responding
-    RESPONSE_TIMEOUT: Final = "response_timeout"  # 504
-    SERVER_ABORTED: Final = "server_aborted"  # upstream broke mid-response: RST
-    UPGRADED: Final = "upgraded"  # prefix: "upgraded:<relay termination>"
-    INTERNAL_ERROR: Final = "internal_error"  # a bug; logged with a traceback
-
-
 #: Error responses that say the backend failed: logged at WARNING. Every other
 #: error response (4xx, and 501/505 for what the client asked) is the client's
 #: doing, logged at INFO: a client must not be able to raise warnings at will.
@@ -736,7 +718,7 @@ class HttpConnectionResult:
     requests: int = 0
     bytes_from_client: int = 0
     bytes_to_client: int = 0
-    termination: str = "unknown"
+    termination: str = Termination.UNKNOWN
     detail: str | None = None
     server: str | None = None
 
@@ -771,7 +753,7 @@ class RequestLog:
     tls: str | None = None
     sni: str | None = None
     request_id: str | None = None
-    termination: str = "ok"
+    termination: str = Termination.OK
     detail: str | None = None
 
     def emit(self) -> None:
@@ -1034,7 +1016,7 @@ class _HttpConnection:
                     self._end(Termination.DRAINED)
                 else:
                     self._end(
-                        Termination.REQUEST_TIMEOUT
+                        Termination.REQUEST_HEADER_TIMEOUT
                         if first
                         else Termination.KEEPALIVE_TIMEOUT
                     )
@@ -1102,7 +1084,7 @@ class _HttpConnection:
             status=exc.status,
             backend=self.backend.name,
             termination=(
-                Termination.REQUEST_TIMEOUT
+                Termination.REQUEST_HEADER_TIMEOUT
                 if exc.status == 408
                 else Termination.BAD_REQUEST
             ),
@@ -1354,7 +1336,7 @@ class _HttpConnection:
             return await self._relay_upgraded(ex)
         if failure is not None:
             return await self._after_failure(ex, failure)
-        log.termination = "ok"
+        log.termination = Termination.OK
         if (
             cconn.our_state is h11.DONE
             and cconn.their_state is h11.DONE
@@ -1912,7 +1894,7 @@ class _HttpConnection:
             self.result.bytes_to_client += stats.bytes_from_server
             ex.log.bytes_in += stats.bytes_from_client
             ex.log.bytes_out += stats.bytes_from_server
-            cause = stats.termination.value if stats.termination else "unknown"
+            cause = stats.termination or Termination.UNKNOWN
             ex.log.termination = f"{Termination.UPGRADED}:{cause}"
             self._end(ex.log.termination)
             with trio.CancelScope(shield=True):
@@ -1995,7 +1977,7 @@ async def serve_http(
         result.detail = repr(exc)
         set_abortive_close(client)
     finally:
-        if result.termination == "unknown":  # cancelled: the drain deadline
+        if result.termination == Termination.UNKNOWN:  # cancelled: drain deadline
             result.termination = Termination.DRAINED
         with trio.CancelScope(shield=True):
             await connection.close_upstreams()

@@ -10,10 +10,15 @@ socket endpoints stand in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from proxyproto import TLV, ProxyHeader, SSLInfo, encode_v1, encode_v2
+from proxyproto import TLV, ProxyHeader, SSLClient, SSLInfo, encode_v1, encode_v2
 
-__all__ = ["ConnectionFacts", "build_proxy_header"]
+if TYPE_CHECKING:
+    from tlsedge._downstream import Downstream
+    from tlsedge._tls import SSLFacts
+
+__all__ = ["ConnectionFacts", "build_proxy_header", "proxy_header_for"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,3 +59,56 @@ def build_proxy_header(
         facts.client, facts.destination, version=2, tlvs=tuple(tlvs)
     )
     return encode_v2(header, crc32c="crc32c" in tlv_names)
+
+
+def proxy_header_for(
+    downstream: Downstream, send_proxy: str, tlv_names: tuple[str, ...]
+) -> bytes | None:
+    """The header to send upstream for *downstream*, or None (``send_proxy =
+    "none"``, or the client's or destination's address is unknown)."""
+    if send_proxy == "none" or downstream.client is None:
+        return None
+    if downstream.destination is None:
+        return None
+    facts = _facts(downstream.client, downstream.destination, downstream, tlv_names)
+    return build_proxy_header(send_proxy, tlv_names, facts)
+
+
+def _facts(
+    client: tuple[str, int],
+    destination: tuple[str, int],
+    downstream: Downstream,
+    tlv_names: tuple[str, ...],
+) -> ConnectionFacts:
+    unique_id = downstream.id.encode()
+    tls = downstream.tls
+    if tls is None:
+        return ConnectionFacts(
+            client=client, destination=destination, unique_id=unique_id
+        )
+    return ConnectionFacts(
+        client=client,
+        destination=destination,
+        unique_id=unique_id,
+        authority=tls.server_name,
+        alpn=tls.alpn.encode() if tls.alpn else None,
+        ssl=_ssl_info(tls, tlv_names),
+    )
+
+
+def _ssl_info(tls: SSLFacts, tlv_names: tuple[str, ...]) -> SSLInfo:
+    flags = SSLClient.SSL
+    if tls.client_cert_der is not None:
+        flags |= SSLClient.CERT_CONN | SSLClient.CERT_SESS
+    return SSLInfo(
+        client=flags,
+        verify=0 if tls.verified else 1,
+        version=tls.version,
+        cn=tls.client_cn,
+        cipher=tls.cipher,
+        sig_alg=tls.sig_alg,
+        key_alg=tls.key_alg,
+        group=tls.group,
+        sig_scheme=tls.sig_scheme,
+        client_cert=tls.client_cert_der if "ssl-client-cert" in tlv_names else None,
+    )

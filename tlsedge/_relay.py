@@ -74,7 +74,7 @@ A timeout returns normally with the cause in ``stats.termination``, with both
 streams set to close with an RST, as after an error: a timeout can cut a transfer
 in the middle (a backend that stalls mid-response), and a FIN would let a client
 of a close-delimited protocol take the truncated stream for a complete one.
-Cancellation from outside (e.g. the drain deadline) records ``CANCELLED``
+Cancellation from outside (e.g. the drain deadline) records ``DRAINED``
 (unless a cause was already recorded) and re-raises.
 
 Fast path
@@ -146,7 +146,9 @@ from dataclasses import dataclass
 
 import trio
 
-__all__ = ["RelayStats", "Termination", "relay", "set_abortive_close"]
+from tlsedge._termination import Termination
+
+__all__ = ["RelayStats", "relay", "set_abortive_close"]
 
 # A pump that never has to wait (both peers fast) would otherwise never yield;
 # checkpoint after this many consecutive chunks handled without yielding. At 64 KiB
@@ -170,27 +172,6 @@ _LINGER_ABORT = struct.pack("ii", 1, 0)
 
 # What a peer can make a stream raise. ssl.SSLError is an OSError.
 _PEER_ERRORS = (trio.BrokenResourceError, OSError)
-
-
-class Termination(enum.Enum):
-    """Why a relayed connection ended; goes into the access log."""
-
-    CLIENT_CLOSED = "client_closed"
-    """The client's EOF came first, then the server finished."""
-    SERVER_CLOSED = "server_closed"
-    """The server's EOF came first, then the client finished."""
-    IDLE_TIMEOUT = "idle_timeout"
-    """No byte from either side for ``idle_timeout`` seconds."""
-    CLIENT_FIN_TIMEOUT = "client_fin_timeout"
-    """The server finished; the client did not finish within ``client_fin_timeout``."""
-    SERVER_FIN_TIMEOUT = "server_fin_timeout"
-    """The client finished; the server did not finish within ``server_fin_timeout``."""
-    CLIENT_ERROR = "client_error"
-    """RST, read or write error on the client side; both sides aborted."""
-    SERVER_ERROR = "server_error"
-    """RST, read or write error on the server side; both sides aborted."""
-    CANCELLED = "cancelled"
-    """Cancelled from outside, e.g. the drain deadline passed."""
 
 
 @dataclass(slots=True)
@@ -559,7 +540,7 @@ async def relay(
     Raises:
         ValueError: A timeout is negative or NaN, or ``buffer_size`` < 1.
         trio.Cancelled: Cancelled from outside; ``stats.termination`` is then
-            ``CANCELLED`` unless a cause had already been recorded.
+            ``DRAINED`` unless a cause had already been recorded.
     """
     for name, value in (
         ("idle_timeout", idle_timeout),
@@ -619,7 +600,7 @@ async def relay(
         # Only a cancellation from outside gets here (all of ours are caught by the
         # nursery's scope); the nursery delivers it inside an exception group.
         if stats.termination is None:
-            stats.termination = Termination.CANCELLED
+            stats.termination = Termination.DRAINED
         raise
     finally:
         # detach(), never close(): the descriptors belong to the caller's streams.

@@ -17,12 +17,22 @@ accepting, and the kernel's backlog holds new clients (HAProxy's behaviour)
 instead of resetting them. (Taking the slots before a client is there would let
 idle accept loops hold slots that connections on other listeners need.)
 
-One connection goes through the pipeline of DESIGN.md section 2:
+One connection goes through the stages of DESIGN.md section 2, one module
+each, data flowing forward only:
 
-  accept -> PROXY unwrap (policy from the peer address, header within
-  ``proxy_protocol.timeout``) -> pick and connect a backend server (retries)
-  -> send our PROXY header, if configured -> relay with half-close rules
-  -> one access-log line with the termination cause.
+  accept (here) -> PROXY unwrap (`tlsedge._unwrap`: policy from the peer
+  address, header within ``proxy_protocol.timeout``) -> TLS
+  (`tlsedge._tls_accept`) -> the mode: tcp (`tlsedge._tcp_mode`: connect a
+  server, send our PROXY header, relay with the half-close rules) or http
+  (`tlsedge._http`) -> close: one access-log line with the termination cause.
+
+Bytes a stage read past its own data (what followed a PROXY header) go to the
+next stage as its ``initial_data``, whatever that stage is. A stage that
+refuses the connection raises `Refused` with a `Termination`; the owner
+(`Edge._handle_connection`) logs it. The owner's exit stack closes the client's
+socket and whatever the stages registered (an upstream, a server's lease) and
+writes the access-log line, however the connection ends. What the stages learnt
+about the client is one frozen `Downstream` record.
 
 Reload swaps the configuration object the accept loops read at each accept, so
 existing connections keep the settings they started with.
@@ -30,6 +40,7 @@ existing connections keep the settings they started with.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -39,39 +50,27 @@ from dataclasses import dataclass, field
 
 import trio
 
-from proxyproto import (
-    Command,
-    Family,
-    Policy,
-    RemoteProtocolError,
-    SSLClient,
-    SSLInfo,
-    TrustPolicy,
-)
-from proxyproto.trio import read_proxy_header
+from proxyproto import Policy, TrustPolicy
 from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admin import AdminServer, bind_admin
 from tlsedge._config import Config, ConfigError, ListenerConfig
+from tlsedge._downstream import Downstream
 from tlsedge._http import (
     HttpConnectionResult,
     KeepAlivePool,
     RequestLog,
-    Termination as HttpTermination,
     serve_http,
 )
 from tlsedge._listen import open_listening_sockets
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._preflight import check_backend, load_listener_tls
-from tlsedge._proxy_wrap import ConnectionFacts, build_proxy_header
-from tlsedge._relay import RelayStats, Termination, relay, set_abortive_close
-from tlsedge._tls import (
-    ServerTLS,
-    SSLFacts,
-    ssl_facts,
-    watch_certificates,
-)
-from tlsedge._tls_stream import TLSStream
-from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
+from tlsedge._proxy_wrap import proxy_header_for
+from tlsedge._tcp_mode import serve_tcp
+from tlsedge._termination import Refused, Termination
+from tlsedge._tls import ServerTLS, SSLFacts, watch_certificates
+from tlsedge._tls_accept import accept_tls
+from tlsedge._unwrap import Unwrapped, unwrap_proxy_header
+from tlsedge._upstream import BackendPool
 
 __all__ = ["Edge", "serve"]
 
@@ -86,11 +85,18 @@ _ACCEPT_RETRY_DELAY = 0.1
 _ACCEPT_BATCH = 64
 # Ask for the largest accept queue; the kernel caps it at net.core.somaxconn.
 _LISTEN_BACKLOG = 65535
-# How a relay ends when the client side finishes first; see ``health_check``.
+# How an HTTP connection ends when the client goes first; see ``health_check``.
 _CLIENT_ENDED = frozenset({Termination.CLIENT_CLOSED, Termination.CLIENT_ERROR})
-_HTTP_CLIENT_ENDED = frozenset(
-    {HttpTermination.CLIENT_CLOSED, HttpTermination.CLIENT_ERROR}
-)
+
+# Refusals logged above INFO (the backend's trouble) or not at all (0): a load
+# balancer's check, a client that went away while sending its PROXY header.
+_REFUSAL_LOG_LEVELS = {
+    Termination.NO_SERVER: logging.WARNING,
+    Termination.CONNECT_FAILED: logging.WARNING,
+    Termination.SERVER_TLS_ERROR: logging.WARNING,
+    Termination.HEALTH_CHECK: 0,
+    Termination.CLIENT_ERROR: 0,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,6 +503,13 @@ class Edge:
         stream: trio.SocketStream,
         peer_address: object,
     ) -> None:
+        """Own one connection: run its stages, then close and log it.
+
+        Everything the stages open or take (the client's socket, an upstream's
+        socket, a server's lease, the connection slots) is given back by one
+        exit stack, whichever way the connection ends. A stage that refuses the
+        connection raises `Refused`.
+        """
         config = state.config
         # accept() told us who the peer is: no getpeername() (which also fails
         # once the peer reset the connection, as HAProxy's health checks do).
@@ -511,221 +524,123 @@ class Edge:
             peer=format_address(peer),
             start=time.time(),
         )
-        started = trio.current_time()
         self.active_connections += 1
         self._metrics.connection_opened(config.name)
-        upstream: trio.abc.Stream | None = None
-        client: trio.abc.Stream = stream
-        try:
-            upstream, client = await self._serve(
-                state, pool, stream, peer=peer, local=local, log=log
+        async with contextlib.AsyncExitStack() as exits:
+            exits.callback(
+                self._connection_ended, log, trio.current_time(), limiter, token
             )
-        except trio.Cancelled:
-            if log.termination == "unknown":
-                log.termination = "drained"
-            raise
-        except Exception as exc:
-            # A bug on one connection's path must not take the edge (and every
-            # other connection) down with it: log it, close this one.
-            log.termination = "internal_error"
-            log.detail = f"{type(exc).__name__}: {exc}"
-            LOGGER.exception(
-                "listener %s: internal error on connection %s", config.name, log.id
-            )
-        finally:
-            self.active_connections -= 1
-            limiter.release_on_behalf_of(token)
-            self._edge_limiter.release_on_behalf_of(token)
-            if type(client) is trio.SocketStream and (
-                upstream is None or type(upstream) is trio.SocketStream
-            ):
-                # Plain sockets: what aclose() does, minus a shielded cancel
-                # scope and a checkpoint each (this task ends right after).
-                client.socket.close()
-                if upstream is not None:
-                    upstream.socket.close()
-            else:
-                with trio.CancelScope(shield=True):
-                    await trio.aclose_forcefully(client)
-                    if upstream is not None:
-                        await trio.aclose_forcefully(upstream)
-            log.duration = trio.current_time() - started
-            self._metrics.record(log)
-            log.emit()
+            # The client's socket, whatever stages wrap it (closing the wrappers
+            # could send nothing more: the connection is over).
+            exits.callback(stream.socket.close)
+            try:
+                await self._serve(state, pool, stream, exits, peer, local, log)
+            except Refused as refused:
+                self._refused(log, refused)
+            except trio.Cancelled:
+                if log.termination == Termination.UNKNOWN:
+                    log.termination = Termination.DRAINED
+                raise
+            except Exception as exc:
+                # A bug on one connection's path must not take the edge (and
+                # every other connection) down with it: log it, close this one.
+                log.termination = Termination.INTERNAL_ERROR
+                log.detail = f"{type(exc).__name__}: {exc}"
+                LOGGER.exception(
+                    "listener %s: internal error on connection %s", config.name, log.id
+                )
 
-    async def _serve(
+    def _connection_ended(
+        self,
+        log: ConnectionLog,
+        started: float,
+        limiter: trio.CapacityLimiter,
+        token: object,
+    ) -> None:
+        self.active_connections -= 1
+        limiter.release_on_behalf_of(token)
+        self._edge_limiter.release_on_behalf_of(token)
+        log.duration = trio.current_time() - started
+        self._metrics.record(log)
+        log.emit()
+
+    def _refused(self, log: ConnectionLog, refused: Refused) -> None:
+        """Log a connection a stage refused (the access log follows)."""
+        log.termination, log.detail = refused.termination, refused.detail
+        if refused.reason is not None:
+            self._metrics.proxy_header_error(log.listener, refused.reason)
+        level = _REFUSAL_LOG_LEVELS.get(refused.termination, logging.INFO)
+        if level:
+            LOGGER.log(
+                level,
+                "listener %s: closing %s: %s: %s",
+                log.listener,
+                log.client or log.peer,
+                refused.termination,
+                refused.detail,
+            )
+
+    async def _serve(  # noqa: PLR0917
         self,
         state: _ListenerState,
         pool: BackendPool,
         stream: trio.SocketStream,
-        *,
+        exits: contextlib.AsyncExitStack,
         peer: tuple[str, int] | None,
         local: tuple[str, int] | None,
         log: ConnectionLog,
-    ) -> tuple[trio.abc.Stream | None, trio.abc.Stream]:
-        """Run one connection; returns (upstream, client) for the caller to close."""
+    ) -> None:
+        """The stages: PROXY unwrap, TLS, then the mode (tcp relay or http)."""
         config = state.config
+        unwrapped = Unwrapped(
+            client=peer, destination=local, health_check=False, leftover=b""
+        )
+        if config.proxy_protocol is not None and state.trust is not None:
+            unwrapped = await unwrap_proxy_header(
+                stream,
+                trust=state.trust,
+                settings=config.proxy_protocol,
+                peer=peer,
+                local=local,
+            )
+        log.client = format_address(unwrapped.client)
+        log.destination = format_address(unwrapped.destination)
         client: trio.abc.Stream = stream
-        client_address, destination = peer, local
-        leftover = b""
-        # A LOCAL (or v1 UNKNOWN / v2 UNSPEC) header describes no client: the
-        # load balancer's own connection, usually a health check.
-        health_check = False
-        pp = config.proxy_protocol
-        if pp is not None and state.trust is not None:
-            policy = state.trust.decide(peer, local)
-            try:
-                proxy_stream = await read_proxy_header(
-                    stream,
-                    policy=policy,
-                    header_timeout=pp.timeout,
-                    versions=pp.versions,
-                )
-            except RemoteProtocolError as exc:
-                log.termination = {
-                    "rejected": "rejected",
-                    "timeout": "header_timeout",
-                }.get(exc.reason, "header_error")
-                log.detail = str(exc)
-                self._metrics.proxy_header_error(config.name, exc.reason)
-                LOGGER.info("listener %s: closing %s: %s", config.name, log.peer, exc)
-                return None, stream
-            except trio.BrokenResourceError as exc:
-                log.termination, log.detail = "client_error", str(exc)
-                return None, stream
-            client_address = proxy_stream.client_address or peer
-            destination = proxy_stream.server_address or local
-            received = proxy_stream.header
-            health_check = received is not None and (
-                received.command is Command.LOCAL or received.family is Family.UNSPEC
-            )
-            _, leftover = proxy_stream.detach()
-        log.client = format_address(client_address)
-        log.destination = format_address(destination)
-        ssl_info: SSLFacts | None = None
+        leftover = unwrapped.leftover
+        tls: SSLFacts | None = None
         if state.tls is not None and config.tls is not None:
-            tls_stream = TLSStream(
-                stream, state.tls.context, server_side=True, initial_data=leftover
+            client, tls = await accept_tls(
+                stream,
+                state.tls,
+                initial_data=leftover,
+                handshake_timeout=config.tls.handshake_timeout,
+                health_check=unwrapped.health_check,
             )
-            client, leftover = tls_stream, b""
-            with trio.move_on_after(config.tls.handshake_timeout) as handshake_timeout:
-                try:
-                    await tls_stream.do_handshake()
-                except trio.BrokenResourceError as exc:
-                    log.detail = str(exc.__cause__ or exc)
-                    if health_check and tls_stream.transport_bytes_received == 0:
-                        # The load balancer's check: connect, header, close.
-                        log.termination = "health_check"
-                        return None, client
-                    log.termination = "tls_error"
-                    LOGGER.info(
-                        "listener %s: TLS handshake with %s failed: %s",
-                        config.name,
-                        log.client,
-                        log.detail,
-                    )
-                    return None, client
-            if handshake_timeout.cancelled_caught:
-                log.termination = "tls_handshake_timeout"
-                log.detail = (
-                    f"no TLS handshake within {config.tls.handshake_timeout:g} s"
-                )
-                return None, client
-            ssl_info = ssl_facts(tls_stream.ssl_object, state.tls)
-            log.tls = f"{ssl_info.version} {ssl_info.cipher}"
-            log.sni = ssl_info.server_name
+            leftover = b""
+            log.tls = f"{tls.version} {tls.cipher}"
+            log.sni = tls.server_name
+        downstream = Downstream(
+            id=log.id,
+            listener=config.name,
+            peer=peer,
+            client=unwrapped.client,
+            destination=unwrapped.destination,
+            health_check=unwrapped.health_check,
+            tls=tls,
+        )
         log.backend = config.backend
         if config.mode == "http":
-            await self._serve_http(
-                state,
-                pool,
+            await self._serve_http(state, pool, client, downstream, leftover, log)
+        else:
+            await serve_tcp(
                 client,
-                client_address=client_address,
-                destination=destination,
-                ssl_info=ssl_info,
-                log=log,
+                downstream,
+                pool=pool,
+                listener=config,
                 initial_data=leftover,
+                log=log,
+                exits=exits,
             )
-            if (
-                health_check
-                and log.requests == 0
-                and log.bytes_from_client == 0
-                and log.termination in _HTTP_CLIENT_ENDED
-            ):
-                log.termination = "health_check"
-            return None, client
-        try:
-            connected = await pool.connect(
-                client_address[0] if client_address else None
-            )
-        except NoServerError as exc:
-            log.termination, log.detail = "no_server", str(exc)
-            LOGGER.warning("listener %s: %s", config.name, exc)
-            return None, client
-        except ConnectFailedError as exc:
-            log.termination, log.detail = "connect_failed", str(exc)
-            LOGGER.warning("listener %s: %s", config.name, exc)
-            return None, client
-        upstream: trio.abc.Stream = connected.stream
-        log.server = format_address(connected.server.address)
-        # Client bytes that came with the PROXY header or the TLS handshake.
-        stats = RelayStats(bytes_from_client=len(leftover))
-        try:
-            backend = pool.config
-            if backend.send_proxy != "none" and client_address and destination:
-                facts = _connection_facts(
-                    client_address, destination, log.id, ssl_info, backend.proxy_tlvs
-                )
-                header = build_proxy_header(
-                    backend.send_proxy, backend.proxy_tlvs, facts
-                )
-                if pool.tls_context is None:
-                    leftover = header + leftover
-                else:
-                    await upstream.send_all(header)
-            if pool.tls_context is not None:
-                upstream = await self._encrypt_upstream(pool, connected.stream, log)
-                if upstream is connected.stream:
-                    return upstream, client
-            if leftover:
-                await upstream.send_all(leftover)
-            await relay(
-                client,
-                upstream,
-                stats=stats,
-                idle_timeout=config.idle_timeout,
-                client_fin_timeout=config.client_fin_timeout,
-                server_fin_timeout=backend.server_fin_timeout,
-            )
-        except (trio.BrokenResourceError, OSError) as exc:
-            # Sending the PROXY header or the first bytes failed.
-            log.termination, log.detail = "server_error", str(exc)
-            set_abortive_close(client)
-        except BaseException:
-            # Cancelled (drain deadline, stop()): the caller never gets the
-            # upstream stream back to close, so close it here, not leak it.
-            with trio.CancelScope(shield=True):
-                await trio.aclose_forcefully(upstream)
-            raise
-        finally:
-            connected.lease.release()
-            log.bytes_from_client = stats.bytes_from_client
-            log.bytes_from_server = stats.bytes_from_server
-            if stats.termination is not None:
-                log.termination = (
-                    "drained"
-                    if stats.termination is Termination.CANCELLED
-                    else stats.termination.value
-                )
-            if (
-                health_check
-                and stats.bytes_from_client == 0
-                and stats.termination in _CLIENT_ENDED
-            ):
-                # Checks close at once, often with an RST (HAProxy's do):
-                # not a client error to count or alert on.
-                log.termination = "health_check"
-        return upstream, client
 
     def _keepalive_pool(self, backend: str) -> KeepAlivePool:
         """The idle upstream HTTP connections of *backend* (made on first use)."""
@@ -736,28 +651,17 @@ class Edge:
                 self._services.start_soon(keepalive.run)
         return keepalive
 
-    async def _serve_http(
+    async def _serve_http(  # noqa: PLR0917
         self,
         state: _ListenerState,
         pool: BackendPool,
         client: trio.abc.Stream,
-        *,
-        client_address: tuple[str, int] | None,
-        destination: tuple[str, int] | None,
-        ssl_info: SSLFacts | None,
-        log: ConnectionLog,
+        downstream: Downstream,
         initial_data: bytes,
+        log: ConnectionLog,
     ) -> None:
         """HTTP mode: h11 on both sides (see ``_http.py``)."""
         backend = pool.config
-        proxy_header = None
-        if backend.send_proxy != "none" and client_address and destination:
-            facts = _connection_facts(
-                client_address, destination, log.id, ssl_info, backend.proxy_tlvs
-            )
-            proxy_header = build_proxy_header(
-                backend.send_proxy, backend.proxy_tlvs, facts
-            )
         result = HttpConnectionResult()
         try:
             await serve_http(
@@ -765,16 +669,18 @@ class Edge:
                 listener=state.config,
                 backend=pool,
                 keepalive=self._keepalive_pool(pool.name),
-                client_address=client_address,
-                destination=destination,
-                tls=state.tls is not None,
-                proxy_header=proxy_header,
+                client_address=downstream.client,
+                destination=downstream.destination,
+                tls=downstream.tls is not None,
+                proxy_header=proxy_header_for(
+                    downstream, backend.send_proxy, backend.proxy_tlvs
+                ),
                 drain=self._drain_event,
-                connection_id=log.id,
+                connection_id=downstream.id,
                 result=result,
                 on_request=self._record_http_request,
                 initial_data=initial_data,
-                ssl_info=ssl_info,
+                ssl_info=downstream.tls,
             )
         finally:
             log.bytes_from_client = result.bytes_from_client
@@ -783,6 +689,13 @@ class Edge:
             log.requests = result.requests
             log.termination = result.termination
             log.detail = result.detail
+        if (
+            downstream.health_check
+            and result.requests == 0
+            and result.bytes_from_client == 0
+            and result.termination in _CLIENT_ENDED
+        ):
+            log.termination = Termination.HEALTH_CHECK
 
     def _record_http_request(self, log: RequestLog) -> None:
         """Metrics for one HTTP request (a request never answered has no status)."""
@@ -790,76 +703,6 @@ class Edge:
             self._metrics.record_http_request(
                 log.listener, log.backend or "", log.status, log.total
             )
-
-    @staticmethod
-    async def _encrypt_upstream(
-        pool: BackendPool, stream: trio.SocketStream, log: ConnectionLog
-    ) -> trio.abc.Stream:
-        """TLS to the backend server (``protocol = "tls"``), within
-        ``connect_timeout``. Returns *stream* itself if the handshake failed
-        (the failure is in *log*)."""
-        assert pool.tls_context is not None
-        tls = TLSStream(
-            stream,
-            pool.tls_context,
-            server_side=False,
-            server_hostname=pool.server_hostname(stream),
-        )
-        with trio.move_on_after(pool.config.connect_timeout) as connect_timeout:
-            try:
-                await tls.do_handshake()
-            except trio.BrokenResourceError as exc:
-                log.termination = "server_tls_error"
-                log.detail = str(exc.__cause__ or exc)
-                LOGGER.warning(
-                    "backend %s: TLS to %s failed: %s",
-                    pool.name,
-                    log.server,
-                    log.detail,
-                )
-                return stream
-        if connect_timeout.cancelled_caught:
-            log.termination = "server_tls_error"
-            log.detail = f"no TLS handshake within {pool.config.connect_timeout:g} s"
-            return stream
-        return tls
-
-
-def _connection_facts(
-    client: tuple[str, int],
-    destination: tuple[str, int],
-    connection_id: str,
-    tls: SSLFacts | None,
-    tlv_names: tuple[str, ...],
-) -> ConnectionFacts:
-    """What the PROXY header to the backend says about this connection."""
-    if tls is None:
-        return ConnectionFacts(
-            client=client, destination=destination, unique_id=connection_id.encode()
-        )
-    flags = SSLClient.SSL
-    if tls.client_cert_der is not None:
-        flags |= SSLClient.CERT_CONN | SSLClient.CERT_SESS
-    ssl_info = SSLInfo(
-        client=flags,
-        verify=0 if tls.verified else 1,
-        version=tls.version,
-        cn=tls.client_cn,
-        cipher=tls.cipher,
-        sig_alg=tls.sig_alg,
-        key_alg=tls.key_alg,
-        group=tls.group,
-        sig_scheme=tls.sig_scheme,
-        client_cert=tls.client_cert_der if "ssl-client-cert" in tlv_names else None,
-    )
-    return ConnectionFacts(
-        client=client,
-        destination=destination,
-        unique_id=connection_id.encode(),
-        authority=tls.server_name,
-        alpn=tls.alpn.encode() if tls.alpn else None,
-        ssl=ssl_info,
-    )
 
 
 async def serve(

@@ -64,7 +64,8 @@ from hypothesis.stateful import (
 )
 
 from tests.tlsedge.test_relay import NoHalfClose, Passthrough
-from tlsedge._relay import RelayStats, Termination, relay
+from tlsedge._relay import RelayStats, relay
+from tlsedge._termination import Termination
 
 # Longest a settle or a blocking read may take before the test calls it a hang.
 # Loopback delivery takes microseconds; this only matters when something is wrong.

@@ -18,7 +18,7 @@ import trio
 import trio.testing
 import trustme
 
-import tlsedge._server
+import tlsedge._tcp_mode
 from proxyproto import ProxyHeader, encode, encode_v2, parse
 from tests.peers import free_port
 from tests.tlsedge.helpers import (
@@ -38,7 +38,7 @@ from tests.tlsedge.helpers import (
 )
 from tests.tlsedge.test_tls_edge import PrefixFirstSend
 from tlsedge._config import Config
-from tlsedge._proxy_wrap import build_proxy_header
+from tlsedge._proxy_wrap import proxy_header_for
 from tlsedge._relay import set_abortive_close
 from tlsedge._server import Edge
 from tlsedge._tls_stream import TLSStream
@@ -824,13 +824,13 @@ async def test_a_bug_on_one_connection_does_not_stop_the_edge(
     config = unwrap_config(backend)
     calls = []
 
-    def broken_once(*args: Any, **kwargs: Any) -> bytes:
+    def broken_once(*args: Any, **kwargs: Any) -> bytes | None:
         calls.append(args)
         if len(calls) == 1:
             raise RuntimeError("simulated bug")
-        return build_proxy_header(*args, **kwargs)
+        return proxy_header_for(*args, **kwargs)
 
-    monkeypatch.setattr(tlsedge._server, "build_proxy_header", broken_once)
+    monkeypatch.setattr(tlsedge._tcp_mode, "proxy_header_for", broken_once)
     async with running_edge(config) as edge:
         address = address_of(edge, "in")
         async with await connect(address) as client:
