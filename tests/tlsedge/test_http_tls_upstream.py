@@ -509,6 +509,43 @@ async def test_a_certificate_that_does_not_verify_is_a_failed_connect(
             await trio.sleep(0.01)
 
 
+async def test_a_tls_handshake_that_does_not_come_is_a_connect_timeout(
+    certs: Certs, nursery: trio.Nursery
+) -> None:
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()  # accepts, never answers the ClientHello
+
+    backend = await Backend(silent).start(nursery)
+    async with running_proxy(
+        [backend.address], backend={"connect_timeout": 0.2, **_tls_backend(certs)}
+    ) as proxy:
+        client = await Client.open(proxy.address)
+        response = await client.request("GET", "/")
+        await client.aclose()
+        backend.stop()
+    assert response.status == 502
+    assert response.body.decode() == (
+        "502 Bad Gateway: backend app: 1 connect attempts failed "
+        f"(127.0.0.1:{backend.port}: no TLS handshake within 0.2 s)\n"
+    )
+    (health,) = proxy.pool.servers
+    assert health.state.failures == 1
+
+
+async def test_kept_connections_are_not_reused_after_the_tls_settings_changed(
+    certs: Certs, nursery: trio.Nursery
+) -> None:
+    backend = await HttpsBackend(certs).start(nursery)
+    async with running_proxy([backend.address], backend=_tls_backend(certs)) as proxy:
+        client = await Client.open(proxy.address)
+        first = await client.request("GET", "/one")
+        second = await client.request("GET", "/two")  # from the pool
+        await proxy.pool.update(proxy.config.backends[0])  # a reload: new context
+        third = await client.request("GET", "/three")
+        await client.aclose()
+    assert [r.json()["connection"] for r in (first, second, third)] == [1, 1, 2]
+
+
 async def test_a_tls_backend_that_closes_is_not_reused(
     certs: Certs, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
