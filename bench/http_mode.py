@@ -6,7 +6,8 @@ Run: ``python bench/http_mode.py [--quick] [--duration 10] [--reps 3] [--no-pin]
 Both proxies parse every request, add ``X-Forwarded-For`` (and nothing else)
 and forward it over pooled keep-alive connections to the same nginx (started
 as in ``edge.py``: one worker, ``return 200 "hello\\n"``, access log off). One
-process / thread each, two listeners each (HTTPS and plain HTTP):
+process / thread each, three listeners each (HTTPS and plain HTTP to nginx,
+and HTTPS to a second nginx that speaks TLS):
 
 * ``tlsedge``: ``python -m tlsedge run``, ``mode = "http"``, one worker,
   ``[listeners.tls]`` with the ECDSA P-256 certificate of ``tls.py``,
@@ -22,7 +23,13 @@ Scenarios (wrk ``-t1 -c50``, 50 persistent client connections, requests/s):
 
 * ``https-keep-alive``: ``https://`` (TLS 1.3; wrk's handshakes happen once
   per connection at the start, so this is request handling over TLS);
-* ``http-keep-alive``: the same over plain HTTP.
+* ``http-keep-alive``: the same over plain HTTP;
+* ``https-to-tls-backend``: HTTPS keep-alive to a backend that speaks TLS too
+  (AWS ``backend-protocol: https``): a second nginx with ``listen ... ssl``
+  and the same certificate (TLS 1.3), verified against the dev CA: tlsedge
+  with ``protocol = "tls"``, HAProxy with ``server ... ssl verify required
+  ca-file``. Both keep pooled TLS connections to it, so this measures request
+  handling with a TLS record layer on both sides, not handshakes.
 
 The proxies run interleaved (the order rotates each repetition), the tables
 show medians, ratios are against HAProxy. Pinning and the per-CPU-second view
@@ -59,46 +66,85 @@ from tls import make_certificates
 
 PROXY_CPU = "1"
 LOAD_CPU = "0"
-SCENARIOS = ("https-keep-alive", "http-keep-alive")
+SCENARIOS = ("https-keep-alive", "http-keep-alive", "https-to-tls-backend")
 ALL_PROXIES = ("tlsedge", "tlsedge-nolog", "haproxy")
 GOALS = {"https-keep-alive": 0.5, "http-keep-alive": 0.5}
 
 
 class Proxy:
-    """A proxy under test: an HTTPS and a plain HTTP port."""
+    """A proxy under test: an HTTPS, a plain HTTP and an HTTPS-to-TLS port."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.https_port = free_port()
         self.http_port = free_port()
+        self.tls_backend_port = free_port()
         self.pid = 0
 
     def url(self, scenario: str) -> str:
+        if scenario == "https-to-tls-backend":
+            return f"https://127.0.0.1:{self.tls_backend_port}/"
         if scenario.startswith("https"):
             return f"https://127.0.0.1:{self.https_port}/"
         return f"http://127.0.0.1:{self.http_port}/"
 
 
+def start_tls_nginx(procs: Procs, port: int, certs: tuple[Path, Path, Path]) -> None:
+    """A second nginx, the same answer over TLS (``listen ... ssl``)."""
+    cert, key, _ = certs
+    wd = procs.workdir
+    tmp = wd / "nginx-tls-tmp"
+    tmp.mkdir(exist_ok=True)
+    conf = wd / "nginx-tls.conf"
+    temp_paths = "".join(
+        f"{kind}_temp_path {tmp}/{kind}; "
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    conf.write_text(
+        f"daemon off; worker_processes 1; pid {wd}/nginx-tls.pid;\n"
+        f"error_log {wd}/nginx-tls-error.log warn;\n"
+        "events { worker_connections 8192; }\n"
+        f"http {{ access_log off; {temp_paths}\n"
+        "keepalive_requests 100000000; keepalive_timeout 300s;\n"
+        f"ssl_certificate {cert}; ssl_certificate_key {key};\n"
+        f"server {{ listen 127.0.0.1:{port} ssl backlog=4096;\n"
+        'location / { default_type text/plain; return 200 "hello\\n"; } } }\n'
+    )
+    proc = procs.start(
+        "nginx-tls",
+        ["nginx", "-c", str(conf), "-p", str(wd)],
+        cpu=LOAD_CPU,
+        log="nginx-tls.out",
+    )
+    wait_port(port, proc, "nginx-tls")
+
+
 def start_proxy(
-    procs: Procs, proxy: Proxy, nginx_port: int, certs: tuple[Path, Path, Path]
+    procs: Procs,
+    proxy: Proxy,
+    nginx_ports: tuple[int, int],
+    certs: tuple[Path, Path, Path],
 ) -> None:
     cert, key, combined = certs
+    ca = cert.parent / "ca.pem"  # make_dev_certificates' CA
+    nginx_port, tls_nginx_port = nginx_ports
     wd = procs.workdir
     argv: list[str]
     if proxy.name.startswith("tlsedge"):
         toml = wd / f"{proxy.name}.toml"
         listeners = []
-        for name, port, tls in (
-            ("https", proxy.https_port, True),
-            ("http", proxy.http_port, False),
+        for name, port, backend in (
+            ("https", proxy.https_port, "nginx"),
+            ("http", proxy.http_port, "nginx"),
+            ("https-tls", proxy.tls_backend_port, "nginx-tls"),
         ):
             text = (
                 f'[[listeners]]\nname = "{name}"\nbind = "127.0.0.1:{port}"\n'
-                'mode = "http"\nbackend = "nginx"\nmax_connections = 20000\n'
+                f'mode = "http"\nbackend = "{backend}"\nmax_connections = 20000\n'
                 "[listeners.forwarded]\nx_forwarded_for = true\n"
                 "x_forwarded_proto = false\nx_forwarded_port = false\n"
             )
-            if tls:
+            if name.startswith("https"):
                 text += (
                     "[listeners.tls]\n"
                     f'certificates = [{{ cert = "{cert}", key = "{key}" }}]\n'
@@ -108,6 +154,9 @@ def start_proxy(
             "[edge]\nworkers = 1\ndrain_timeout = 1.0\nmax_connections = 20000\n"
             + "".join(listeners)
             + f'[[backends]]\nname = "nginx"\nservers = ["127.0.0.1:{nginx_port}"]\n'
+            + f'[[backends]]\nname = "nginx-tls"\nprotocol = "tls"\n'
+            f'servers = ["127.0.0.1:{tls_nginx_port}"]\n'
+            f'[backends.tls]\nca = "{ca}"\n'
         )
         level = "warning" if proxy.name == "tlsedge-nolog" else "info"
         argv = [sys.executable, "-m", "tlsedge", "--log-level", level, "run", str(toml)]
@@ -122,15 +171,21 @@ def start_proxy(
             f"    bind 127.0.0.1:{proxy.https_port} ssl crt {combined}\n"
             f"    bind 127.0.0.1:{proxy.http_port}\n"
             "    default_backend nginx\n"
+            "frontend fe-tls\n"
+            f"    bind 127.0.0.1:{proxy.tls_backend_port} ssl crt {combined}\n"
+            "    default_backend nginx-tls\n"
             f"backend nginx\n    server s1 127.0.0.1:{nginx_port}\n"
+            "backend nginx-tls\n"
+            f"    server s1 127.0.0.1:{tls_nginx_port} ssl verify required"
+            f" ca-file {ca}\n"
         )
         argv = ["haproxy", "-db", "-f", str(cfg)]
     else:
         raise BenchError(f"unknown proxy {proxy.name}")
     proc = procs.start(proxy.name, argv, cpu=PROXY_CPU, log=f"{proxy.name}.log")
     proxy.pid = proc.pid
-    wait_port(proxy.https_port, proc, proxy.name)
-    wait_port(proxy.http_port, proc, proxy.name)
+    for port in (proxy.https_port, proxy.http_port, proxy.tls_backend_port):
+        wait_port(port, proc, proxy.name)
 
 
 def check_forwarding(procs: Procs, proxy: Proxy) -> None:
@@ -159,7 +214,7 @@ def profile_tlsedge(
     procs: Procs,
     args: argparse.Namespace,
     out_dir: Path,
-    nginx_port: int,
+    nginx_ports: tuple[int, int],
     certs: tuple[Path, Path, Path],
 ) -> None:
     """py-spy record tlsedge under HTTPS keep-alive load (raw + svg)."""
@@ -168,7 +223,7 @@ def profile_tlsedge(
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     proxy = Proxy("tlsedge")
-    start_proxy(procs, proxy, nginx_port, certs)
+    start_proxy(procs, proxy, nginx_ports, certs)
     for scenario in args.scenarios:
         raw = out_dir / f"http-{scenario}.txt"
         for fmt, target in (("raw", raw), ("flamegraph", raw.with_suffix(".svg"))):
@@ -203,12 +258,12 @@ def profile_tlsedge(
 def run_benchmark(
     procs: Procs,
     args: argparse.Namespace,
-    nginx_port: int,
+    nginx_ports: tuple[int, int],
     certs: tuple[Path, Path, Path],
 ) -> None:
     proxies = [Proxy(name) for name in args.proxies]
     for proxy in proxies:
-        start_proxy(procs, proxy, nginx_port, certs)
+        start_proxy(procs, proxy, nginx_ports, certs)
         check_forwarding(procs, proxy)
     for proxy in proxies:  # warm-up
         for scenario in args.scenarios:
@@ -259,9 +314,11 @@ def print_tables(
         if has_ha:
             ha = med("haproxy", scenario)
             row += [fmt_ratio(med(n, scenario) / ha) for n in ratio_names]
-            if goal:
+            if goal and scenario in GOALS:
                 ok = med("tlsedge", scenario) / ha >= GOALS[scenario]
                 row += [f">= {GOALS[scenario]:.1f}x", "yes" if ok else "NO"]
+            elif goal:
+                row += ["-", "-"]
         rows.append(row)
     print(f"\nThroughput (median of {args.reps} runs of {args.duration:g} s each):")
     print(render_table([*headers, *(["goal", "met?"] if goal else [])], rows))
@@ -333,12 +390,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with terminate_on_sigterm():
             certs = make_certificates(workdir)
-            nginx_port = free_port()
-            start_nginx(procs, nginx_port)
+            nginx_ports = (free_port(), free_port())
+            start_nginx(procs, nginx_ports[0])
+            start_tls_nginx(procs, nginx_ports[1], certs)
             if args.profile:
-                profile_tlsedge(procs, args, Path(args.profile), nginx_port, certs)
+                profile_tlsedge(procs, args, Path(args.profile), nginx_ports, certs)
             else:
-                run_benchmark(procs, args, nginx_port, certs)
+                run_benchmark(procs, args, nginx_ports, certs)
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
         return 130

@@ -18,8 +18,8 @@ place that decides what a duration or a port is.
 
 After the tree is built, `config_from_mapping` runs the checks that span tables:
 unique names, listeners naming existing backends, two sockets not bound to the
-same address, what a listener cannot serve (an HTTP-mode listener in front of a
-TLS backend, ALPN protocols other than HTTP/1.x in HTTP mode, port 0 with several
+same address, what a listener cannot serve (ALPN protocols other than HTTP/1.x
+in HTTP mode, offered to clients or to TLS backends; port 0 with several
 workers).  Every check that ``tlsedge run`` relies on is here, so a `Config` built
 through the library API (``tlsedge.serve``) is held to the same rules.  Nothing
 here touches the network or the file system beyond reading the TOML file itself:
@@ -1069,16 +1069,23 @@ def _check_workers_ports(config: Config) -> None:
 
 
 def _check_http_mode(config: Config, index: int, lst: ListenerConfig) -> None:
-    """Refuse what an HTTP-mode listener cannot serve yet."""
+    """Refuse what an HTTP-mode listener cannot serve: protocols other than
+    HTTP/1.x in its ALPN, or in the ALPN of its TLS backend (the edge speaks
+    HTTP/1.1 to the servers)."""
     if lst.mode != "http":
         return
     backend = config.backend(lst.backend)
-    if backend.protocol == "tls":
-        raise _fail(
-            f"listeners[{index}].mode",
-            f'HTTP mode to a TLS backend ({backend.name}: protocol = "tls") is '
-            'not supported yet; use protocol = "tcp" or mode = "tcp"',
-        )
+    if backend.protocol == "tls" and backend.tls is not None:
+        for position, protocol in enumerate(backend.tls.alpn):
+            if protocol not in HTTP_MODE_ALPN:
+                number = next(i for i, b in enumerate(config.backends) if b is backend)
+                raise _fail(
+                    f"backends[{number}].tls.alpn[{position}]",
+                    f"{_show(protocol)} cannot be spoken to the servers of a "
+                    f'backend behind a mode = "http" listener ({lst.name}), which '
+                    f"speaks HTTP/1.1 to them: offer only "
+                    f"{_choices(HTTP_MODE_ALPN)}, or nothing",
+                )
     if lst.tls is None:
         return
     for position, protocol in enumerate(lst.tls.alpn):

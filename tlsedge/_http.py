@@ -44,7 +44,12 @@ The upstream connection comes from the `KeepAlivePool` (idle connections per
 backend server, LIFO, checked for EOF/readability before reuse) or is opened to
 the server the balancer picked. With ``send_proxy`` the connection is instead
 *dedicated* to this client connection: opened with the PROXY header first, kept
-across its requests, never pooled (a PROXY header describes one client).
+across its requests, never pooled (a PROXY header describes one client). To a
+``protocol = "tls"`` backend the connection is a `TLSStream` whose handshake is
+part of `BackendPool.connect` (a failed handshake is a failed, retried connect);
+the PROXY header then goes raw before the handshake. Idle TLS connections are
+checked through the TLS layer (`_is_idle_and_open`): session tickets are not
+data, a close_notify is an EOF.
 
 The target goes upstream in origin-form: an absolute-form target
 (``http://host/x``) becomes ``/x`` and its authority the ``Host`` (`origin_form`,
@@ -125,6 +130,7 @@ from tlsedge._forwarded import (
 from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Termination
 from tlsedge._tls import SSLFacts
+from tlsedge._tls_stream import TLSStream
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
 __all__ = [
@@ -572,22 +578,54 @@ def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
     return None
 
 
-def _is_idle_and_open(stream: trio.abc.Stream) -> bool:
+def _readable(sock: trio.socket.SocketType) -> bool:
+    """Whether a read would not block (data, FIN, RST; or the socket is closed).
+
+    ``poll`` (not ``select``) so that descriptors above 1023 work.
+    """
+    fd = sock.fileno()
+    if fd < 0:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+async def _is_idle_and_open(stream: trio.abc.Stream) -> bool:
     """False when the peer closed, reset or (unexpectedly) sent something.
 
     An idle HTTP/1.1 connection must have nothing to read: readability means a
-    FIN, an RST or stray bytes, and each makes it unusable. ``poll`` (not
-    ``select``) so that descriptors above 1023 work.
+    FIN, an RST or stray bytes, and each makes it unusable. Over TLS, the
+    socket may also hold records without application data (a TLS 1.3 server
+    sends its session tickets after the handshake): what the socket holds is
+    read without blocking and decrypted, and only application data, a
+    close_notify, an EOF or a TLS error make the connection unusable. Never
+    blocks; checkpoints only over TLS with something to read.
     """
     sock = _socket_of(stream)
     if sock is None:
         return True
-    fd = sock.fileno()
-    if fd < 0:
-        return False
-    poller = select.poll()
-    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
-    return not poller.poll(0)
+    if not isinstance(stream, TLSStream):
+        return not _readable(sock)
+    transport_data: bytes | None = None
+    while True:
+        try:
+            stream.receive_nowait(transport_data)
+        except trio.WouldBlock:
+            pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        else:
+            return False  # application data, close_notify or EOF
+        if not _readable(sock):
+            return True
+        try:
+            # Readable: returns at once (data, b"" for a FIN, or the RST).
+            transport_data = bytes(
+                await stream.transport_stream.receive_some(READ_SIZE)
+            )
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return False
 
 
 class KeepAlivePool:
@@ -595,7 +633,8 @@ class KeepAlivePool:
 
     ``acquire(server)`` returns the most recently released idle connection to
     that server that is still usable (not expired after ``idle_timeout``, no
-    EOF/RST/stray bytes pending), or None. ``release(server, stream)`` parks a
+    EOF/RST/stray bytes pending; over TLS, no close_notify or application data
+    either), or None. ``release(server, stream)`` parks a
     connection whose last exchange ended cleanly; beyond ``max_idle_per_server``
     the oldest one is closed. Expired connections are closed lazily on
     ``acquire``/``release``, and every ``POOL_SWEEP_INTERVAL`` by `run` when the
@@ -631,12 +670,12 @@ class KeepAlivePool:
         now = trio.current_time()
         while entries:
             released, stream = entries.pop()
-            if now - released < self.idle_timeout and _is_idle_and_open(stream):
-                if not entries:
-                    del self._idle[server]
+            if not entries:
+                del self._idle[server]
+            if now - released < self.idle_timeout and await _usable(stream):
                 return stream
             await trio.aclose_forcefully(stream)
-        self._idle.pop(server, None)
+            entries = self._idle.get(server)
         return None
 
     async def release(self, server: Server, stream: trio.abc.Stream) -> None:
@@ -654,19 +693,26 @@ class KeepAlivePool:
         """Close every idle connection that expired or that the server closed."""
         now = trio.current_time()
         for server in list(self._idle):
-            entries = self._idle[server]
-            keep = collections.deque(
-                (released, stream)
-                for released, stream in entries
-                if now - released < self.idle_timeout and _is_idle_and_open(stream)
-            )
-            doomed = [s for _, s in entries if all(s is not k for _, k in keep)]
+            # Taken out while checked (a TLS check checkpoints): concurrent
+            # acquires and releases use a fresh deque meanwhile.
+            entries = self._idle.pop(server, None) or collections.deque()
+            keep: collections.deque[tuple[float, trio.abc.Stream]]
+            keep = collections.deque()
+            for released, stream in entries:
+                if now - released < self.idle_timeout and await _usable(stream):
+                    keep.append((released, stream))
+                else:
+                    await trio.aclose_forcefully(stream)
+            keep.extend(self._idle.pop(server, ()))  # released meanwhile: newer
+            if self._closed:
+                for _, stream in keep:
+                    await trio.aclose_forcefully(stream)
+                continue
+            while len(keep) > self.max_idle_per_server:
+                _, oldest = keep.popleft()
+                await trio.aclose_forcefully(oldest)
             if keep:
                 self._idle[server] = keep
-            else:
-                del self._idle[server]
-            for stream in doomed:
-                await trio.aclose_forcefully(stream)
 
     async def run(self, *, interval: float = POOL_SWEEP_INTERVAL) -> None:
         """Sweep with `purge` every *interval* seconds until cancelled (optional)."""
@@ -681,6 +727,14 @@ class KeepAlivePool:
         for entries in idle.values():
             for _, stream in entries:
                 await trio.aclose_forcefully(stream)
+
+
+async def _usable(stream: trio.abc.Stream) -> bool:
+    """`_is_idle_and_open`, shielded: it never blocks, and a connection taken
+    out of the pool for the check must not be lost to a cancellation."""
+    with trio.CancelScope(shield=True):
+        usable = await _is_idle_and_open(stream)
+    return usable
 
 
 # -- results and logs -----------------------------------------------------------
@@ -1428,9 +1482,11 @@ class _HttpConnection:
         if self.proxy_header is not None:
             if self.dedicated is not None:
                 upstream, self.dedicated = self.dedicated, None
-                upstream.lease = self.backend.lease(upstream.server)
-                upstream.reused = True
-                return upstream
+                if self._current(upstream.stream):
+                    upstream.lease = self.backend.lease(upstream.server)
+                    upstream.reused = True
+                    return upstream
+                await trio.aclose_forcefully(upstream.stream)
             return await self._connect(None, proxy_header=self.proxy_header)
         server = self.backend.balancer.pick(
             self.client_ip, exclude=(exclude,) if exclude is not None else ()
@@ -1441,10 +1497,21 @@ class _HttpConnection:
             return await self._connect(None)
         stream = None if fresh else await self.keepalive.acquire(server)
         if stream is not None:
-            return _Upstream(
-                stream, self.backend.lease(server), reused=True, connect_time=0.0
-            )
+            if self._current(stream):
+                return _Upstream(
+                    stream, self.backend.lease(server), reused=True, connect_time=0.0
+                )
+            await trio.aclose_forcefully(stream)
         return await self._connect(server)
+
+    def _current(self, stream: trio.abc.Stream) -> bool:
+        """Whether a kept connection was made with the backend's current TLS
+        settings (none, or its client context): a reload that changed them
+        must not leave requests on connections made with the old ones."""
+        context = self.backend.tls_context
+        if isinstance(stream, TLSStream):
+            return stream.ssl_object.context is context
+        return context is None
 
     async def _connect(
         self, server: Server | None, *, proxy_header: bytes | None = None
@@ -1452,16 +1519,28 @@ class _HttpConnection:
         """Open a new upstream connection (to *server* first, if given).
 
         The first attempt goes to the server the balancer picked for the pool
-        lookup; `BackendPool.connect` retries as configured from there.
+        lookup; `BackendPool.connect` retries as configured from there. To a
+        TLS backend each attempt includes the handshake, and the PROXY header
+        goes raw before it; without TLS the header goes with the first request
+        head (one write).
         """
         started = trio.current_time()
-        connected = await self.backend.connect(self.client_ip, first=server)
+        if self.backend.tls_context is None:
+            connected = await self.backend.connect(self.client_ip, first=server)
+            stream: trio.abc.Stream = connected.stream
+            prefix = proxy_header or b""
+        else:
+            connected = await self.backend.connect(
+                self.client_ip, first=server, tls=True, proxy_header=proxy_header or b""
+            )
+            assert connected.tls is not None
+            stream, prefix = connected.tls, b""
         return _Upstream(
-            connected.stream,
+            stream,
             connected.lease,
             reused=False,
             connect_time=trio.current_time() - started,
-            prefix=proxy_header or b"",
+            prefix=prefix,
         )
 
     async def _finish_upstream(self, ex: _Exchange, *, reusable: bool) -> None:

@@ -291,6 +291,59 @@ class TLSStream(trio.abc.HalfCloseableStream):
                 self._eof_received = True
                 return b""
 
+    def receive_nowait(self, transport_data: bytes | None = None) -> bytes:
+        """Receive without waiting, from what the transport has delivered so far.
+
+        For a caller that reads the transport itself when it knows a read will
+        not block (the HTTP keep-alive pool checks idle connections this way).
+        Records that carry no application data (TLS 1.3 session tickets, key
+        updates) are consumed; anything the engine has to answer is sent with
+        the next ``send_all``.
+
+        Args:
+            transport_data: Bytes just read from the transport, given to the
+                engine first; ``b""`` for the transport's EOF; None for none.
+
+        Returns:
+            Plaintext, or ``b""`` once the peer closed (close_notify or EOF).
+
+        Raises:
+            trio.WouldBlock: no application data yet: nothing received, part
+                of a record, only post-handshake messages, or the handshake is
+                not done.
+            trio.BrokenResourceError: a TLS error (a fatal alert, a bad record).
+            trio.ClosedResourceError: the stream was closed.
+        """
+        with self._receive_conflict:
+            self._check_status()
+            if transport_data is not None:
+                if transport_data:
+                    self.transport_bytes_received += len(transport_data)
+                    self._incoming.write(transport_data)
+                else:
+                    self._incoming.write_eof()
+            if not self._handshake_done:
+                raise trio.WouldBlock
+            if self._parked:
+                data, self._parked = self._parked, b""
+                return data
+            if self._eof_received:
+                return b""
+            try:
+                data = self.ssl_object.read(DEFAULT_RECEIVE_SIZE)
+            except ssl.SSLWantReadError:
+                raise trio.WouldBlock from None
+            except ssl.SSLZeroReturnError:
+                data = b""
+            except ssl.SSLEOFError:
+                self.ragged_eof = True
+                data = b""
+            except ssl.SSLError as exc:
+                raise self._fail(exc) from exc
+            if not data:
+                self._eof_received = True
+            return data
+
     # -- sending --------------------------------------------------------------
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:

@@ -5,7 +5,10 @@ are resolved once when the pool is built (and again on reload), never per
 connection: ``connect()`` only picks a server and opens a socket to a numeric
 address. Connect failures count against the server's health (passive
 checking); retries follow HAProxy: the same server again after a short pause,
-the last try on another server ("redispatch").
+the last try on another server ("redispatch"). HTTP mode's connects to a
+``protocol = "tls"`` backend include the TLS handshake (``connect(tls=True)``):
+a handshake that fails or does not finish within ``connect_timeout`` is a
+failed attempt like a refused connect (counted, retried).
 
 A backend with a ``discovery`` table gets its servers from DNS instead
 (`tlsedge._discovery`): looked up when the pool is built or updated, then
@@ -33,6 +36,7 @@ from tlsedge._config import BackendConfig, HealthConfig
 from tlsedge._discovery import DnsDiscovery, Found
 from tlsedge._health import HealthState, ServerHealth, run_health_checks
 from tlsedge._tls import backend_server_hostname, build_client_context
+from tlsedge._tls_stream import TLSStream
 
 __all__ = [
     "BackendPool",
@@ -58,16 +62,23 @@ class ConnectFailedError(Exception):
     """Every connect attempt failed; the message lists them."""
 
 
+class _TLSSetupError(Exception):
+    """The PROXY header or the TLS handshake to a server failed (the message
+    says which and why)."""
+
+
 @dataclass(slots=True)
 class Connected:
     """A connected upstream socket and the lease on the server it goes to.
 
     The caller owns both: it closes the stream and releases the lease.
+    ``tls`` is the TLS stream over ``stream`` after ``connect(tls=True)``.
     """
 
     stream: trio.SocketStream
     lease: ServerLease
     attempts: int
+    tls: TLSStream | None = None
 
     @property
     def server(self) -> Server:
@@ -347,7 +358,12 @@ class BackendPool:
         return ServerLease(server, lambda _: observer.server_released(backend, label))
 
     async def connect(
-        self, client_ip: str | None, *, first: Server | None = None
+        self,
+        client_ip: str | None,
+        *,
+        first: Server | None = None,
+        tls: bool = False,
+        proxy_header: bytes = b"",
     ) -> Connected:
         """Pick a server and connect to it, retrying as configured.
 
@@ -359,6 +375,11 @@ class BackendPool:
             client_ip: The client's address, for "source-ip" affinity.
             first: The server for the first attempt, when the caller picked
                 one already (http mode looks in its keep-alive pool first).
+            tls: With a TLS backend (``tls_context``), each attempt also runs
+                the TLS handshake (SNI and name from `server_hostname`),
+                within another ``connect_timeout``; its failure is a failed
+                attempt. The result's ``tls`` is the stream to use.
+            proxy_header: With *tls*: sent raw before the handshake.
 
         Raises:
             NoServerError: no healthy server.
@@ -377,13 +398,19 @@ class BackendPool:
             lease = self.lease(server)
             try:
                 stream = await self._open(server, config.connect_timeout)
-            except (OSError, trio.TooSlowError) as exc:
-                lease.release()
-                detail = (
-                    f"timeout after {config.connect_timeout:g} s"
-                    if isinstance(exc, trio.TooSlowError)
-                    else _describe(exc)
+                encrypted = (
+                    await self._start_tls(stream, proxy_header)
+                    if tls and self.tls_context is not None
+                    else None
                 )
+            except (OSError, trio.TooSlowError, _TLSSetupError) as exc:
+                lease.release()
+                if isinstance(exc, trio.TooSlowError):
+                    detail = f"timeout after {config.connect_timeout:g} s"
+                elif isinstance(exc, _TLSSetupError):
+                    detail = str(exc)
+                else:
+                    detail = _describe(exc)
                 failures.append(f"{server}: {detail}")
                 # Out of fds/ports/buffers here is not the server's fault:
                 # marking it down would turn a local overload into no_server.
@@ -400,7 +427,7 @@ class BackendPool:
                     self.observer.server_connection_opened(
                         self.name, str(server), attempt
                     )
-                return Connected(stream, lease, attempt)
+                return Connected(stream, lease, attempt, encrypted)
             if attempt == attempts:
                 break
             await trio.sleep(RETRY_DELAY)
@@ -418,6 +445,45 @@ class BackendPool:
             + "; ".join(failures)
             + ")"
         )
+
+    async def _start_tls(self, stream: trio.SocketStream, prefix: bytes) -> TLSStream:
+        """Send *prefix* raw, then the TLS handshake within ``connect_timeout``.
+
+        *stream* is closed when this fails.
+
+        Raises:
+            _TLSSetupError: saying what failed (the TLS error, or the timeout).
+        """
+        assert self.tls_context is not None
+        timeout = self.config.connect_timeout
+        try:
+            tls = TLSStream(
+                stream,
+                self.tls_context,
+                server_side=False,
+                server_hostname=self.server_hostname(stream),
+            )
+            with trio.fail_after(timeout):
+                if prefix:
+                    try:
+                        await stream.send_all(prefix)
+                    except (trio.BrokenResourceError, OSError) as exc:
+                        raise _TLSSetupError(
+                            f"sending the PROXY header failed: {exc}"
+                        ) from exc
+                try:
+                    await tls.do_handshake()
+                except trio.BrokenResourceError as exc:
+                    raise _TLSSetupError(
+                        f"TLS handshake failed: {exc.__cause__ or exc}"
+                    ) from exc
+        except trio.TooSlowError:
+            await trio.aclose_forcefully(stream)
+            raise _TLSSetupError(f"no TLS handshake within {timeout:g} s") from None
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        return tls
 
     @staticmethod
     async def _open(server: Server, connect_timeout: float) -> trio.SocketStream:

@@ -1269,15 +1269,36 @@ def test_http_mode_to_a_tcp_backend_is_accepted() -> None:
     parse(HTTP + B)
 
 
-def test_http_mode_to_tls_backends_is_refused_by_the_library_api() -> None:
-    # tlsedge.serve(config_from_mapping(...)) must not be able to send the
-    # requests in clear text to a TLS port: the Config cannot be built.
-    with pytest.raises(ConfigError) as info:
-        parse(HTTP + backend(protocol='"tls"'))
-    assert str(info.value).startswith(
-        'listeners[0].mode: HTTP mode to a TLS backend (b: protocol = "tls") is '
-        "not supported yet"
+def test_http_mode_to_tls_backends_is_accepted() -> None:
+    # AWS backend-protocol: https / Kubernetes appProtocol: https.
+    config = parse(
+        HTTP
+        + backend(protocol='"tls"', send_proxy='"v2"')
+        + '[backends.tls]\nsni = "api.internal"\nalpn = ["http/1.1"]\n'
     )
+    assert config.listeners[0].mode == "http"
+    assert config.backends[0].protocol == "tls"
+    assert config.backends[0].tls is not None
+    assert config.backends[0].tls.sni == "api.internal"
+    parse(HTTP + backend(protocol='"tls"'))  # no [backends.tls]: the defaults
+
+
+def test_http_mode_refuses_h2_in_the_alpn_of_its_tls_backend() -> None:
+    # The edge speaks HTTP/1.1 to the servers: a server must not pick h2.
+    with pytest.raises(ConfigError) as info:
+        parse(
+            HTTP
+            + backend(name='"a"')
+            + backend(protocol='"tls"')
+            + '[backends.tls]\nalpn = ["http/1.1", "h2"]\n'
+        )
+    assert str(info.value) == (
+        "backends[1].tls.alpn[1]: 'h2' cannot be spoken to the servers of a "
+        'backend behind a mode = "http" listener (l), which speaks HTTP/1.1 to '
+        "them: offer only 'http/1.1', 'http/1.0', or nothing"
+    )
+    # The same backend behind a tcp listener may offer h2.
+    parse(L + backend(protocol='"tls"') + '[backends.tls]\nalpn = ["h2"]\n')
 
 
 def test_tls_both_ways_and_tcp_are_accepted() -> None:
