@@ -6,6 +6,9 @@ All of them are frozen, slotted dataclasses. Constructing one yourself validates
 it (an invalid header cannot exist, so it cannot be encoded); the parser builds
 them through a private path that skips validation it has already done on the
 wire bytes. Don't subclass these.
+
+The TLV type numbers and limits come from `proxyproto._spec`, the checks of TLV
+values from `proxyproto._tlv` (which imports nothing from here).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from ipaddress import IPv4Address, IPv6Address
 from typing import Literal
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
+from proxyproto._spec import MAX_TLV_VALUE_LENGTH, SSLClient, TLVType
+from proxyproto._tlv import SSL_TEXT_FIELDS, validate_tlv, walk_ssl
 
 __all__ = [
     "NEED_DATA",
@@ -77,47 +82,7 @@ class Transport(enum.IntEnum):
     DGRAM = 0x2
 
 
-class TLVType(enum.IntEnum):
-    """Registered v2 TLV types, plus the cloud vendors' custom ones."""
-
-    ALPN = 0x01
-    AUTHORITY = 0x02
-    CRC32C = 0x03
-    NOOP = 0x04
-    UNIQUE_ID = 0x05
-    SSL = 0x20
-    SSL_VERSION = 0x21
-    SSL_CN = 0x22
-    SSL_CIPHER = 0x23
-    SSL_SIG_ALG = 0x24
-    SSL_KEY_ALG = 0x25
-    SSL_GROUP = 0x26
-    SSL_SIG_SCHEME = 0x27
-    SSL_CLIENT_CERT = 0x28
-    NETNS = 0x30
-    #: Google Cloud Private Service Connect: 8-byte big-endian connection id.
-    GCP = 0xE0
-    #: AWS (NLB / PrivateLink): subtype byte, 0x01 = VPC endpoint id.
-    AWS = 0xEA
-    #: Azure Private Link: subtype 0x01 + 4-byte little-endian link id.
-    AZURE = 0xEE
-
-
-class SSLClient(enum.IntFlag):
-    """Bits of the SSL TLV's ``client`` field."""
-
-    #: The client connected over TLS.
-    SSL = 0x01
-    #: The client presented a certificate on this connection.
-    CERT_CONN = 0x02
-    #: The client presented a certificate at least once in this TLS session.
-    CERT_SESS = 0x04
-
-
-# Limits from the spec and from HAProxy's receiver.
-MAX_UNIQUE_ID_LENGTH = 128  # spec: "maximum length of 128 bytes"
-MAX_AUTHORITY_LENGTH = 255  # a DNS name; HAProxy refuses longer
-MAX_TLV_VALUE_LENGTH = 0xFFFF  # u16 length field
+# The v2 address block's UNIX path size, and the cloud vendors' TLV subtypes.
 UNIX_PATH_LENGTH = 108  # sun_path, NUL padded in the v2 address block
 AWS_SUBTYPE_VPCE_ID = 0x01
 AZURE_SUBTYPE_PRIVATE_ENDPOINT_LINK_ID = 0x01
@@ -298,7 +263,7 @@ def _encode_text(text: str, encoding: str) -> bytes:
 
 
 def _checked(tlv: TLV) -> TLV:
-    _tlv.validate_tlv(tlv.type, tlv.value, LocalProtocolError)
+    validate_tlv(tlv.type, tlv.value, LocalProtocolError)
     _SET_TLV_VALID(tlv, True)
     return tlv
 
@@ -503,7 +468,7 @@ class ProxyHeader:
     def ssl(self) -> SSLInfo | None:
         """The SSL TLV (0x20), decoded."""
         value = self.tlv(TLVType.SSL)
-        return None if value is None else _tlv.decode_ssl(value, RemoteProtocolError)
+        return None if value is None else _decode_ssl(value)
 
     @property
     def aws_vpce_id(self) -> str | None:
@@ -670,7 +635,63 @@ def _validate_header(h: ProxyHeader) -> None:
             )
 
 
-_SET_TLV_VALID = TLV.__dict__["_valid"].__set__
+_SET_TLV_TYPE, _SET_TLV_VALUE, _SET_TLV_VALID = slot_setters(
+    TLV, "type", "value", "_valid"
+)
 
-# Last: _tlv imports the classes above (an import at the top would be circular).
-from proxyproto import _tlv  # noqa: E402
+
+def _decode_ssl(value: bytes) -> SSLInfo:
+    """Decode a received SSL TLV's value (`walk_ssl` checks it).
+
+    Raises:
+        RemoteProtocolError: the value is invalid.
+    """
+    # Built like the parser builds headers (no constructors: every value is
+    # checked by walk_ssl); the first sub-TLV of each type fills its field.
+    fields: dict[str, object] = dict.fromkeys(_SSL_INFO_OPTIONAL)
+    tlvs = []
+    for sub_type, sub_value, text in walk_ssl(value, RemoteProtocolError):
+        tlv = _new(TLV)
+        _SET_TLV_TYPE(tlv, sub_type)
+        _SET_TLV_VALUE(tlv, sub_value)
+        _SET_TLV_VALID(tlv, False)  # sub-TLVs are not top-level TLVs
+        tlvs.append(tlv)
+        if text is not None:
+            name = SSL_TEXT_FIELDS.get(sub_type, "cn")
+            if fields[name] is None:
+                fields[name] = text
+        elif sub_type == _SSL_CLIENT_CERT and fields["client_cert"] is None:
+            fields["client_cert"] = sub_value
+    client = _CLIENT_FLAGS.get(value[0])
+    if client is None:
+        client = _CLIENT_FLAGS[value[0]] = SSLClient(value[0])
+    fields["client"] = client
+    fields["verify"] = int.from_bytes(value[1:5], "big")
+    fields["tlvs"] = tuple(tlvs)
+    info = _new(SSLInfo)
+    for name, field_value in fields.items():
+        _SSL_INFO_SETTERS[name](info, field_value)
+    return info
+
+
+_new = object.__new__
+_SSL_CLIENT_CERT = int(TLVType.SSL_CLIENT_CERT)
+_SSL_INFO_OPTIONAL = (
+    "version",
+    "cn",
+    "cipher",
+    "sig_alg",
+    "key_alg",
+    "group",
+    "sig_scheme",
+    "client_cert",
+)
+_SSL_INFO_SETTERS = dict(
+    zip(
+        (*_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
+        slot_setters(SSLInfo, *_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
+        strict=True,
+    )
+)
+# SSLClient(byte) goes through the Enum machinery (~1 us): 256 values at most.
+_CLIENT_FLAGS: dict[int, SSLClient] = {}

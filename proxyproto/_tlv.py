@@ -6,6 +6,10 @@ contains control characters, is refused (Envoy's CVE-2024-23324 is what happens
 otherwise). Custom (0xE0-0xEF), experimental and future types are opaque: they
 are kept raw, in wire order, duplicates included; the cloud vendors' custom
 types are checked by their accessors on ``ProxyHeader``.
+
+The dependency goes one way: this module works on bytes and the numbers of
+`proxyproto._spec`; `proxyproto._events` (the TLV and header records) calls
+`validate_tlv` from its builders and decodes the SSL TLV from `walk_ssl`.
 """
 
 from __future__ import annotations
@@ -13,19 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
-from proxyproto._events import (
+from proxyproto._spec import (
     MAX_AUTHORITY_LENGTH,
     MAX_UNIQUE_ID_LENGTH,
-    TLV,
     SSLClient,
-    SSLInfo,
     TLVType,
-    slot_setters,
 )
 
 ErrorType = type[LocalProtocolError] | type[RemoteProtocolError]
 
-_SSL_TEXT_FIELDS: dict[int, str] = {
+#: The SSL sub-TLVs that carry ASCII text, and the `SSLInfo` field of each.
+SSL_TEXT_FIELDS: dict[int, str] = {
     TLVType.SSL_VERSION: "version",
     TLVType.SSL_CIPHER: "cipher",
     TLVType.SSL_SIG_ALG: "sig_alg",
@@ -36,7 +38,6 @@ _SSL_TEXT_FIELDS: dict[int, str] = {
 _SSL_FIXED_LENGTH = 5  # u8 client + u32 verify, packed
 _SSL_VERSION = int(TLVType.SSL_VERSION)
 _SSL_CN = int(TLVType.SSL_CN)
-_SSL_CLIENT_CERT = int(TLVType.SSL_CLIENT_CERT)
 _CLIENT_SSL = int(SSLClient.SSL)
 # Printable ASCII: what str.isprintable() accepts among the ASCII characters.
 _PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
@@ -135,12 +136,12 @@ def _check_netns(value: bytes, error: ErrorType) -> None:
 
 
 def _check_ssl(value: bytes, error: ErrorType) -> None:
-    # What _walk_ssl checks, without building what it returns; on any doubt,
-    # _walk_ssl runs and raises the precise error.
+    # What walk_ssl checks, without building what it returns; on any doubt,
+    # walk_ssl runs and raises the precise error.
     end = len(value)
     pos = _SSL_FIXED_LENGTH
     has_version = False
-    text_types = _SSL_TEXT_FIELDS
+    text_types = SSL_TEXT_FIELDS
     printable = _PRINTABLE_ASCII
     while pos < end:
         if end - pos < 3:
@@ -161,7 +162,7 @@ def _check_ssl(value: bytes, error: ErrorType) -> None:
     else:
         if end >= _SSL_FIXED_LENGTH and (has_version or not value[0] & _CLIENT_SSL):
             return
-    _walk_ssl(value, error)
+    walk_ssl(value, error)
 
 
 # The TLV types whose values are checked, by type. Others are opaque.
@@ -186,7 +187,7 @@ def validate_tlv(tlv_type: int, value: bytes, error: ErrorType) -> None:
         check(value, error)
 
 
-def _walk_ssl(value: bytes, error: ErrorType) -> list[tuple[int, bytes, str | None]]:
+def walk_ssl(value: bytes, error: ErrorType) -> list[tuple[int, bytes, str | None]]:
     """Walk and check the SSL TLV: ``(sub-type, value, text or None)`` each."""
     if len(value) < _SSL_FIXED_LENGTH:
         raise error(
@@ -213,7 +214,7 @@ def _walk_ssl(value: bytes, error: ErrorType) -> list[tuple[int, bytes, str | No
             )
         sub_value = value[pos + 3 : stop]
         text = None
-        name = _SSL_TEXT_FIELDS.get(sub_type)
+        name = SSL_TEXT_FIELDS.get(sub_type)
         if name is not None:
             if check_ascii(sub_value):
                 text = sub_value.decode("ascii")
@@ -230,62 +231,3 @@ def _walk_ssl(value: bytes, error: ErrorType) -> list[tuple[int, bytes, str | No
             reason="bad_tlv",
         )
     return subs
-
-
-def decode_ssl(value: bytes, error: ErrorType) -> SSLInfo:
-    """Decode and validate the SSL TLV's value.
-
-    Raises:
-        LocalProtocolError | RemoteProtocolError: (*error*) the value is invalid.
-    """
-    # Built like the parser builds headers (no constructors: every value is
-    # checked by _walk_ssl); the first sub-TLV of each type fills its field.
-    fields: dict[str, object] = dict.fromkeys(_SSL_INFO_OPTIONAL)
-    tlvs = []
-    for sub_type, sub_value, text in _walk_ssl(value, error):
-        tlv = _new(TLV)
-        _SET_TLV_TYPE(tlv, sub_type)
-        _SET_TLV_VALUE(tlv, sub_value)
-        _SET_TLV_VALID(tlv, False)  # sub-TLVs are not top-level TLVs
-        tlvs.append(tlv)
-        if text is not None:
-            name = _SSL_TEXT_FIELDS.get(sub_type, "cn")
-            if fields[name] is None:
-                fields[name] = text
-        elif sub_type == _SSL_CLIENT_CERT and fields["client_cert"] is None:
-            fields["client_cert"] = sub_value
-    client = _CLIENT_FLAGS.get(value[0])
-    if client is None:
-        client = _CLIENT_FLAGS[value[0]] = SSLClient(value[0])
-    fields["client"] = client
-    fields["verify"] = int.from_bytes(value[1:5], "big")
-    fields["tlvs"] = tuple(tlvs)
-    info = _new(SSLInfo)
-    for name, field_value in fields.items():
-        _SSL_INFO_SETTERS[name](info, field_value)
-    return info
-
-
-_new = object.__new__
-_SET_TLV_TYPE, _SET_TLV_VALUE, _SET_TLV_VALID = slot_setters(
-    TLV, "type", "value", "_valid"
-)
-_SSL_INFO_OPTIONAL = (
-    "version",
-    "cn",
-    "cipher",
-    "sig_alg",
-    "key_alg",
-    "group",
-    "sig_scheme",
-    "client_cert",
-)
-_SSL_INFO_SETTERS = dict(
-    zip(
-        (*_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
-        slot_setters(SSLInfo, *_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
-        strict=True,
-    )
-)
-# SSLClient(byte) goes through the Enum machinery (~1 us): 256 values at most.
-_CLIENT_FLAGS: dict[int, SSLClient] = {}

@@ -17,6 +17,10 @@ response closes the connection. The request head must arrive within
 `REQUEST_TIMEOUT` and fit in `MAX_HEADER_SIZE` bytes; at most
 `MAX_CONNECTIONS` admin connections are served at once.
 
+The server never sees the `Edge`: it is given `Edge.snapshot` (called once per
+``/readyz`` and ``/status`` request; `tlsedge._snapshot` has the records) and
+the edge's `EdgeMetrics` (``/metrics`` and the status page's counts).
+
 With ``edge.workers > 1`` every worker binds the admin address with
 ``SO_REUSEPORT`` (like the listeners), so whichever worker the kernel picks
 answers; `tlsedge._metrics` explains why its numbers are still the totals.
@@ -29,18 +33,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import h11
 import trio
 
 from tlsedge._config import Address
 from tlsedge._listen import open_listening_sockets
+from tlsedge._metrics import EdgeMetrics
+from tlsedge._snapshot import Snapshot, format_host_port
 from tlsedge._status_page import render_status_page
 from tlsedge._version import __version__
-
-if TYPE_CHECKING:
-    from tlsedge._server import Edge
 
 __all__ = [
     "MAX_CONNECTIONS",
@@ -157,7 +160,9 @@ class AdminServer:
     """The admin endpoint of one edge, on sockets from `bind_admin`.
 
     Args:
-        edge: The edge to report on.
+        snapshot: Gives the edge's state, called once per ``/readyz`` and
+            ``/status`` request (`Edge.snapshot`).
+        metrics: The edge's metrics (``/metrics``, the status page's counts).
         sockets: Listening sockets (closed when `serve` ends).
 
     Attributes:
@@ -165,8 +170,14 @@ class AdminServer:
         rates: Samples for the status page's rates.
     """
 
-    def __init__(self, edge: Edge, sockets: list[trio.socket.SocketType]) -> None:
-        self.edge = edge
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot],
+        metrics: EdgeMetrics,
+        sockets: list[trio.socket.SocketType],
+    ) -> None:
+        self.snapshot = snapshot
+        self.metrics = metrics
         self.sockets = sockets
         self.addresses = [
             (str(s.getsockname()[0]), int(s.getsockname()[1])) for s in sockets
@@ -188,7 +199,7 @@ class AdminServer:
         listeners = [trio.SocketListener(sock) for sock in self.sockets]
         LOGGER.info(
             "admin endpoint on %s",
-            ", ".join(f"http://{_host_port(a)}/" for a in self.addresses),
+            ", ".join(f"http://{format_host_port(a)}/" for a in self.addresses),
         )
         try:
             async with trio.open_nursery() as nursery:
@@ -206,7 +217,7 @@ class AdminServer:
             await trio.sleep(RATE_INTERVAL)
 
     def _take_sample(self) -> dict[str, float]:
-        totals = rate_totals(list(self.edge._metrics.samples()))
+        totals = rate_totals(list(self.metrics.samples()))
         self.rates.add(time.monotonic(), totals)
         return totals
 
@@ -295,7 +306,7 @@ class AdminServer:
 
     def _metrics(self, request: h11.Request) -> Response:
         accept = _header(request, b"accept")
-        body, content_type = self.edge._metrics.exposition(accept)
+        body, content_type = self.metrics.exposition(accept)
         return Response(200, body, content_type.encode("ascii"))
 
     @staticmethod
@@ -303,18 +314,18 @@ class AdminServer:
         return Response(200, b"ok\n")
 
     def _readyz(self, request: h11.Request) -> Response:
-        edge = self.edge
-        if edge.draining:
+        snapshot = self.snapshot()
+        if snapshot.draining:
             return Response(503, b"draining\n")
-        if not edge.ready:
+        if not snapshot.ready:
             return Response(503, b"not ready\n")
         return Response(200, b"ready\n")
 
     def _status(self, request: h11.Request) -> Response:
-        samples = list(self.edge._metrics.samples())
+        samples = list(self.metrics.samples())
         now = time.monotonic()
         rates = self.rates.rates(now, rate_totals(samples))
-        page = render_status_page(self.edge, samples, rates)
+        page = render_status_page(self.snapshot(), samples, rates)
         return Response(200, page.encode("utf-8"), _HTML)
 
 
@@ -382,8 +393,3 @@ async def _send(
         data += conn.send(h11.Data(data=response.body)) or b""
     data += conn.send(h11.EndOfMessage()) or b""
     await stream.send_all(data)
-
-
-def _host_port(address: tuple[str, int]) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -28,8 +28,8 @@ from proxyproto import ProxyHeader, RemoteProtocolError, TLVType
 from proxyproto.trio import ProxyStream, read_proxy_header
 from tlsedge._accesslog import format_address
 from tlsedge._certs import DevCertificates, make_dev_certificates
-from tlsedge._cli import run_edge
 from tlsedge._config import config_from_mapping
+from tlsedge._run import run_edge
 from tlsedge._server import Edge
 
 __all__ = ["describe_header", "run_demo"]

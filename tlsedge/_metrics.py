@@ -16,10 +16,11 @@ kinds of metrics:
   derives everything else from the finished `ConnectionLog`: termination
   cause, TLS outcome, bytes, duration). HTTP mode calls
   `EdgeMetrics.record_http_request` per request.
-- *Live metrics*, read from the edge's own state at scrape time by
-  `LiveStateCollector` rather than mirrored: server health (UP/DOWN, weight,
-  consecutive results, the last check), listener settings and limits,
-  readiness and drain state.
+- *Live metrics*, read at scrape time by `LiveStateCollector` from a
+  `Snapshot` of the edge (`Edge.snapshot`, passed in as a callable: this
+  module never sees the `Edge`) rather than mirrored: server health
+  (UP/DOWN, weight, consecutive results, the last check), listener settings
+  and limits, readiness and drain state.
 
 Several workers (``edge.workers > 1``)
 --------------------------------------
@@ -46,10 +47,9 @@ import os
 import re
 import shutil
 import tempfile
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -64,10 +64,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tlsedge._accesslog import ConnectionLog
-from tlsedge._version import __version__
-
-if TYPE_CHECKING:
-    from tlsedge._server import Edge
+from tlsedge._snapshot import Snapshot
 
 __all__ = [
     "MULTIPROC_ENV",
@@ -396,21 +393,19 @@ class EdgeMetrics:
     """The metrics of one edge: event counters plus the live-state collector.
 
     Args:
-        edge: The edge whose live state is read at scrape time (None: event
-            metrics only, for tests of this module).
+        snapshot: Gives the edge's live state at scrape time (`Edge.snapshot`;
+            None: event metrics only, for tests of this module).
 
     Attributes:
         registry: What ``/metrics`` serves. In multiprocess mode it holds only
             the `MultiProcessCollector` and the live collector; the event
             metrics write to the shared directory instead.
         multiprocess_dir: The shared directory, or None in single-process mode.
-        started: Wall-clock start time (seconds since the epoch).
     """
 
-    def __init__(self, edge: Edge | None = None) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.multiprocess_dir = _multiprocess_path()
-        self.started = time.time()
         if self.multiprocess_dir is not None:
             multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
                 self.registry, path=self.multiprocess_dir
@@ -418,8 +413,8 @@ class EdgeMetrics:
             self._m = _make_counters(None)
         else:
             self._m = _make_counters(self.registry)
-        if edge is not None:
-            self.registry.register(LiveStateCollector(edge, self))
+        if snapshot is not None:
+            self.registry.register(LiveStateCollector(snapshot))
 
     # -- connection path --------------------------------------------------
 
@@ -508,49 +503,45 @@ class EdgeMetrics:
 
 
 class LiveStateCollector(Collector):
-    """Reads the edge's state at scrape time (see the module docstring).
+    """Reports the edge's state at scrape time (see the module docstring).
 
     Args:
-        edge: The edge to read.
-        metrics: Its metrics (for the start time).
+        snapshot: Called once per scrape; the edge's `Edge.snapshot`.
     """
 
-    def __init__(self, edge: Edge, metrics: EdgeMetrics) -> None:
-        self._edge = edge
-        self._metrics = metrics
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
 
     def collect(self) -> Iterable[Metric]:
         """The live metrics, built afresh for each scrape."""
-        edge = self._edge
+        snapshot = self._snapshot()
         info = GaugeMetricFamily(
             "tlsedge_worker_info",
             "The worker (process) that answered this scrape; value 1.",
             labels=("version", "pid", "workers"),
         )
-        info.add_metric(
-            (__version__, str(os.getpid()), str(edge.config.edge.workers)), 1
-        )
+        info.add_metric((snapshot.version, str(snapshot.pid), str(snapshot.workers)), 1)
         yield info
         yield GaugeMetricFamily(
             "tlsedge_start_time_seconds",
             "When this worker started (seconds since the epoch).",
-            value=self._metrics.started,
+            value=snapshot.started,
         )
         yield GaugeMetricFamily(
             "tlsedge_ready",
             "1 while listeners are up and the edge is not draining (/readyz).",
-            value=1 if edge.ready and not edge.draining else 0,
+            value=1 if snapshot.ready and not snapshot.draining else 0,
         )
         yield GaugeMetricFamily(
             "tlsedge_draining",
             "1 once draining started (SIGTERM): no new connections are accepted.",
-            value=1 if edge.draining else 0,
+            value=1 if snapshot.draining else 0,
         )
-        yield from self._listeners(edge)
-        yield from self._servers(edge)
+        yield from self._listeners(snapshot)
+        yield from self._servers(snapshot)
 
     @staticmethod
-    def _listeners(edge: Edge) -> Iterator[Metric]:
+    def _listeners(snapshot: Snapshot) -> Iterator[Metric]:
         listener_info = GaugeMetricFamily(
             "tlsedge_listener_info",
             "A configured listener and its settings; value 1.",
@@ -561,28 +552,27 @@ class LiveStateCollector(Collector):
             "The listener's max_connections.",
             labels=("listener",),
         )
-        for name, listener in edge._listeners.items():
-            config = listener.state.config
-            pp = config.proxy_protocol
+        for listener in snapshot.listeners:
+            pp = listener.proxy_protocol
             listener_info.add_metric(
                 (
-                    name,
-                    str(config.bind),
-                    config.mode,
-                    config.tls.policy if config.tls is not None else "off",
+                    listener.name,
+                    listener.bind,
+                    listener.mode,
+                    listener.tls.policy if listener.tls is not None else "off",
                     "off"
                     if pp is None
-                    else "v" + "+v".join(str(v) for v in sorted(pp.versions)),
-                    config.backend,
+                    else "v" + "+v".join(str(v) for v in pp.versions),
+                    listener.backend,
                 ),
                 1,
             )
-            limit.add_metric((name,), config.max_connections)
+            limit.add_metric((listener.name,), listener.max_connections)
         yield listener_info
         yield limit
 
     @staticmethod
-    def _servers(edge: Edge) -> Iterator[Metric]:
+    def _servers(snapshot: Snapshot) -> Iterator[Metric]:
         labels = ("backend", "server")
         up = GaugeMetricFamily(
             "tlsedge_server_up",
@@ -612,18 +602,17 @@ class LiveStateCollector(Collector):
             "Seconds since the last active health check finished.",
             labels=labels,
         )
-        now = time.monotonic()
-        for backend, pool in edge._pools.items():
-            for entry in pool.servers:
-                key = (backend, str(entry.server))
-                up.add_metric(key, 1 if entry.server.healthy else 0)
-                weight.add_metric(key, entry.server.weight)
-                failures.add_metric(key, entry.state.failures)
-                successes.add_metric(key, entry.state.successes)
-                checks = [r for r in entry.state.history if r.source == "check"]
-                if checks:
-                    last_ok.add_metric(key, 1 if checks[-1].ok else 0)
-                    last_age.add_metric(key, max(0.0, now - checks[-1].time))
+        for backend in snapshot.backends:
+            for server in backend.servers:
+                key = (backend.name, server.name)
+                up.add_metric(key, 1 if server.healthy else 0)
+                weight.add_metric(key, server.weight)
+                failures.add_metric(key, server.failures)
+                successes.add_metric(key, server.successes)
+                last = server.last_check
+                if last is not None:
+                    last_ok.add_metric(key, 1 if last.ok else 0)
+                    last_age.add_metric(key, last.age)
         yield from (up, weight, failures, successes, last_ok, last_age)
 
 

@@ -36,6 +36,12 @@ about the client is one frozen `Downstream` record.
 
 Reload swaps the configuration object the accept loops read at each accept, so
 existing connections keep the settings they started with.
+
+Whatever reports on the edge reads ``Edge.snapshot()``: frozen records
+(`tlsedge._snapshot`) copied from the listeners, pools and health state at one
+instant. The admin endpoint and the metrics' live collector are given the
+``snapshot`` method, never the edge, so they cannot reach into it (and they
+import nothing from this module).
 """
 
 from __future__ import annotations
@@ -65,12 +71,23 @@ from tlsedge._listen import open_listening_sockets
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._preflight import check_backend, load_listener_tls
 from tlsedge._proxy_wrap import proxy_header_for
+from tlsedge._snapshot import (
+    BackendSnapshot,
+    CheckRecord,
+    HealthCheckSettings,
+    ListenerSnapshot,
+    ListenerTls,
+    ProxyProtocolSettings,
+    ServerSnapshot,
+    Snapshot,
+)
 from tlsedge._tcp_mode import serve_tcp
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, watch_certificates
 from tlsedge._tls_accept import accept_tls
 from tlsedge._unwrap import Unwrapped, unwrap_proxy_header
 from tlsedge._upstream import BackendPool
+from tlsedge._version import __version__
 
 __all__ = ["Edge", "serve"]
 
@@ -116,17 +133,84 @@ class _Listener:
     state: _ListenerState
     sockets: list[trio.socket.SocketType]
     limiter: trio.CapacityLimiter
+    #: The bound ``(host, port)`` of each socket, read once when bound (a
+    #: closed socket, after a drain, has no address to ask for).
+    addresses: list[tuple[str, int]]
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
     @property
     def config(self) -> ListenerConfig:
         return self.state.config
 
-    @property
-    def addresses(self) -> list[tuple[str, int]]:
-        return [
-            (str(s.getsockname()[0]), int(s.getsockname()[1])) for s in self.sockets
-        ]
+    def snapshot(self) -> ListenerSnapshot:
+        """What the status page and metrics show of this listener."""
+        config = self.config
+        pp = config.proxy_protocol
+        return ListenerSnapshot(
+            name=config.name,
+            mode=config.mode,
+            backend=config.backend,
+            bind=str(config.bind),
+            addresses=tuple(self.addresses),
+            max_connections=config.max_connections,
+            connections=self.limiter.borrowed_tokens,
+            tls=None
+            if config.tls is None
+            else ListenerTls(
+                policy=config.tls.policy, client_auth=config.tls.client_auth
+            ),
+            proxy_protocol=None
+            if pp is None
+            else ProxyProtocolSettings(
+                versions=tuple(sorted(pp.versions)), untrusted=pp.untrusted
+            ),
+        )
+
+
+def _backend_snapshot(pool: BackendPool, now: float) -> BackendSnapshot:
+    """What the status page and metrics show of a backend, at *now* (the
+    health clock, `time.monotonic`)."""
+    config = pool.config
+    health = config.health
+    servers = []
+    for entry in pool.servers:
+        server, state = entry.server, entry.state
+        servers.append(
+            ServerSnapshot(
+                address=server.address,
+                weight=server.weight,
+                healthy=server.healthy,
+                active=server.active,
+                failures=state.failures,
+                successes=state.successes,
+                trial_in=None
+                if server.down_until is None
+                else max(0.0, server.down_until - now),
+                history=tuple(
+                    CheckRecord(
+                        age=max(0.0, now - result.time),
+                        ok=result.ok,
+                        detail=result.detail,
+                        source=result.source,
+                    )
+                    for result in state.history
+                ),
+            )
+        )
+    return BackendSnapshot(
+        name=pool.name,
+        balance=config.balance,
+        retries=config.retries,
+        health=None
+        if health is None
+        else HealthCheckSettings(
+            kind=health.kind,
+            interval=health.interval,
+            healthy_threshold=health.healthy_threshold,
+            unhealthy_threshold=health.unhealthy_threshold,
+        ),
+        servers=tuple(servers),
+    )
 
 
 def _socket_address(address: object) -> tuple[str, int] | None:
@@ -185,6 +269,7 @@ class Edge:
         self.draining = False
         self.ready = False
         self.active_connections = 0
+        self._started = time.time()
         self._reuse_port = config.edge.workers > 1 if reuse_port is None else reuse_port
         self._listeners: dict[str, _Listener] = {}
         self._pools: dict[str, BackendPool] = {}
@@ -194,7 +279,7 @@ class Edge:
         self._background_scope = trio.CancelScope()
         self._services: trio.Nursery | None = None
         self._connections: trio.Nursery | None = None
-        self._metrics = EdgeMetrics(self)
+        self._metrics = EdgeMetrics(self.snapshot)
         self.admin: AdminServer | None = None  # the edge.admin endpoint, once bound
 
     # -- public API -------------------------------------------------------
@@ -202,7 +287,27 @@ class Edge:
     @property
     def listen_addresses(self) -> dict[str, list[tuple[str, int]]]:
         """The bound ``(host, port)`` of each listener, by name."""
-        return {name: lst.addresses for name, lst in self._listeners.items()}
+        return {name: list(lst.addresses) for name, lst in self._listeners.items()}
+
+    def snapshot(self) -> Snapshot:
+        """A read-only view of the edge's state now (see `tlsedge._snapshot`):
+        what the admin endpoint and the metrics report."""
+        now = time.monotonic()
+        return Snapshot(
+            version=__version__,
+            pid=os.getpid(),
+            workers=self.config.edge.workers,
+            started=self._started,
+            taken=time.time(),
+            ready=self.ready,
+            draining=self.draining,
+            active_connections=self.active_connections,
+            max_connections=self.config.edge.max_connections,
+            listeners=tuple(lst.snapshot() for lst in self._listeners.values()),
+            backends=tuple(
+                _backend_snapshot(pool, now) for pool in self._pools.values()
+            ),
+        )
 
     def drain(self) -> None:
         """Stop accepting now; let connections finish until ``drain_timeout``."""
@@ -334,7 +439,7 @@ class Edge:
                     sockets = await bind_admin(admin, reuse_port=self._reuse_port)
                 except OSError as exc:  # its message starts with edge.admin
                     raise ConfigError(exc.strerror or str(exc)) from exc
-                self.admin = AdminServer(self, sockets)
+                self.admin = AdminServer(self.snapshot, self._metrics, sockets)
         except ConfigError:
             for listener in self._listeners.values():
                 self._close_listener(listener)
@@ -376,6 +481,9 @@ class Edge:
             state=state,
             sockets=sockets,
             limiter=trio.CapacityLimiter(state.config.max_connections),
+            addresses=[
+                (str(s.getsockname()[0]), int(s.getsockname()[1])) for s in sockets
+            ],
         )
 
     def _start_listener(self, listener: _Listener) -> None:

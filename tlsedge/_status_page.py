@@ -6,6 +6,11 @@ history, connections (open, total, per second), bytes and errors. Counts come
 from the metrics registry, so with several workers they are the totals of all
 of them; health, settings and state are those of the worker that answered.
 
+`render_status_page` is a pure function of a `Snapshot` of the edge
+(`Edge.snapshot`), the metric samples and the rates: no I/O, no clock (the
+times shown are the snapshot's), so a page can be rendered from a snapshot
+built by hand.
+
 The page refreshes itself every `REFRESH_SECONDS` (``<meta http-equiv=refresh>``)
 and turns its tables into cards on narrow screens. Every value that reaches
 the page goes through :func:`html.escape`.
@@ -15,16 +20,17 @@ from __future__ import annotations
 
 import collections
 import html
-import os
 import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-from tlsedge._health import CheckResult
-from tlsedge._version import __version__
-
-if TYPE_CHECKING:
-    from tlsedge._server import Edge
+from tlsedge._snapshot import (
+    BackendSnapshot,
+    CheckRecord,
+    ListenerSnapshot,
+    Snapshot,
+    format_host_port,
+)
 
 __all__ = ["REFRESH_SECONDS", "render_status_page"]
 
@@ -160,10 +166,10 @@ def _table(headers: list[str], rows: list[str], empty: str) -> str:
     )
 
 
-def _history(results: Iterable[CheckResult], now: float) -> str:
+def _history(results: Iterable[CheckRecord]) -> str:
     marks = []
     for result in results:
-        title = f"{result.source}: {result.detail} ({_duration(now - result.time)} ago)"
+        title = f"{result.source}: {result.detail} ({_duration(result.age)} ago)"
         mark, css = ("\u2713", "ok") if result.ok else ("\u2717", "fail")
         marks.append(
             f'<span class="{css}" title="{_e(title)}" aria-label="{_e(title)}">'
@@ -174,25 +180,27 @@ def _history(results: Iterable[CheckResult], now: float) -> str:
     return '<span class="hist">' + "".join(marks) + "</span>"
 
 
-def _listeners(edge: Edge, totals: _Totals, rates: Mapping[str, float]) -> str:
+def _listeners(
+    listeners: Iterable[ListenerSnapshot], totals: _Totals, rates: Mapping[str, float]
+) -> str:
     rows = []
-    for name, listener in edge._listeners.items():
-        config = listener.state.config
-        binds = ", ".join(
-            f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in listener.addresses
-        ) or str(config.bind)
+    for listener in listeners:
+        name = listener.name
+        binds = (
+            ", ".join(format_host_port(a) for a in listener.addresses) or listener.bind
+        )
         tls = (
-            f"{config.tls.policy}, client auth {config.tls.client_auth}"
-            if config.tls is not None
+            f"{listener.tls.policy}, client auth {listener.tls.client_auth}"
+            if listener.tls is not None
             else "off"
         )
-        pp = config.proxy_protocol
+        pp = listener.proxy_protocol
         proxy = (
             "off"
             if pp is None
             else (
                 "v"
-                + "/v".join(str(v) for v in sorted(pp.versions))
+                + "/v".join(str(v) for v in pp.versions)
                 + f", untrusted: {pp.untrusted}"
             )
         )
@@ -202,13 +210,13 @@ def _listeners(edge: Edge, totals: _Totals, rates: Mapping[str, float]) -> str:
             "<tr>"
             + _td("Listener", _e(name))
             + _td("Bind", _e(binds))
-            + _td("Mode", _e(config.mode))
+            + _td("Mode", _e(listener.mode))
             + _td("TLS", _e(tls))
             + _td("PROXY", _e(proxy))
-            + _td("Backend", _e(config.backend))
+            + _td("Backend", _e(listener.backend))
             + _td(
                 "Open / max",
-                f"{_count(active)} / {_count(config.max_connections)}",
+                f"{_count(active)} / {_count(listener.max_connections)}",
                 "num",
             )
             + _td(
@@ -252,13 +260,12 @@ def _listeners(edge: Edge, totals: _Totals, rates: Mapping[str, float]) -> str:
     )
 
 
-def _backends(edge: Edge, totals: _Totals) -> str:
+def _backends(backends: Iterable[BackendSnapshot], totals: _Totals) -> str:
     parts = []
     prefix = "tlsedge_backend"
-    now = time.monotonic()
-    for name, pool in edge._pools.items():
-        config = pool.config
-        health = config.health
+    for backend in backends:
+        name = backend.name
+        health = backend.health
         checks = (
             f"{health.kind} check every {health.interval:g} s "
             f"(up after {health.healthy_threshold}, "
@@ -266,14 +273,15 @@ def _backends(edge: Edge, totals: _Totals) -> str:
             if health is not None
             else "no active checks (passive only)"
         )
-        servers = pool.servers
-        up = sum(1 for s in servers if s.server.healthy)
-        badge = "ok" if up == len(servers) else ("warn" if up else "bad")
+        servers = backend.servers
+        up = sum(1 for s in servers if s.healthy)
+        # A backend with no server (a DNS name with no records) is not healthy.
+        badge = "ok" if servers and up == len(servers) else ("warn" if up else "bad")
         parts.append(
             f'<h2 id="backend-{_e(name)}">Backend {_e(name)} '
             f'<span class="badge {badge}">{up}/{len(servers)} UP</span></h2>'
-            f'<p class="meta">{_e(config.balance)}, {_e(checks)}, '
-            f"retries {config.retries}; "
+            f'<p class="meta">{_e(backend.balance)}, {_e(checks)}, '
+            f"retries {backend.retries}; "
             f"{_count(totals.sum(f'{prefix}_connect_failures_total', backend=name))}"
             " connections failed to connect, "
             f"{_count(totals.sum(f'{prefix}_no_server_total', backend=name))}"
@@ -282,18 +290,17 @@ def _backends(edge: Edge, totals: _Totals) -> str:
             " retries</p>"
         )
         rows = []
-        for entry in servers:
-            server = entry.server
-            key = str(server)
+        for server in servers:
+            key = server.name
             if server.healthy:
                 state = '<span class="state up">UP</span>'
             else:
                 state = '<span class="state down">DOWN</span>'
-                if server.down_until is not None:
+                if server.trial_in is not None:
                     state += ' <span class="detail">(trial traffic soon)</span>'
-            last = entry.state.history[-1] if entry.state.history else None
+            last = server.history[-1] if server.history else None
             last_text = (
-                f"{last.detail} ({_duration(now - last.time)} ago)"
+                f"{last.detail} ({_duration(last.age)} ago)"
                 if last is not None
                 else "-"
             )
@@ -323,13 +330,9 @@ def _backends(edge: Edge, totals: _Totals) -> str:
                     _bytes(totals.sum("tlsedge_server_bytes_received_total", **labels)),
                     "num",
                 )
-                + _td(
-                    "Fails in a row",
-                    _e(entry.state.failures),
-                    "num",
-                )
+                + _td("Fails in a row", _e(server.failures), "num")
                 + _td("Last result", f'<span class="detail">{_e(last_text)}</span>')
-                + _td("History", _history(entry.state.history, now))
+                + _td("History", _history(server.history))
                 + "</tr>"
             )
         parts.append(
@@ -400,12 +403,13 @@ def _terminations(totals: _Totals) -> str:
 
 
 def render_status_page(
-    edge: Edge, samples: Iterable[Sample], rates: Mapping[str, float]
+    snapshot: Snapshot, samples: Iterable[Sample], rates: Mapping[str, float]
 ) -> str:
-    """The ``/status`` page of *edge*.
+    """The ``/status`` page of the edge that *snapshot* shows.
 
     Args:
-        edge: The edge (live state: listeners, pools, readiness).
+        snapshot: The edge's state (`Edge.snapshot`): listeners, backends,
+            readiness, and the times the page shows.
         samples: Its metric samples (`EdgeMetrics.samples`), totals of every
             worker in multiprocess mode.
         rates: Per-second rates by ``"conn:<listener>"`` (`RateTracker`).
@@ -414,21 +418,20 @@ def render_status_page(
         A complete HTML document.
     """
     totals = _Totals(samples)
-    metrics = edge._metrics
-    if edge.draining:
+    if snapshot.draining:
         state = '<span class="badge warn">DRAINING</span>'
-    elif edge.ready:
+    elif snapshot.ready:
         state = '<span class="badge ok">READY</span>'
     else:
         state = '<span class="badge bad">STARTING</span>'
-    workers = edge.config.edge.workers
+    workers = snapshot.workers
     scope = (
         f"Counts are totals over {workers} workers; health and state are those "
-        f"of worker pid {os.getpid()}."
+        f"of worker pid {snapshot.pid}."
         if workers > 1
-        else f"pid {os.getpid()}."
+        else f"pid {snapshot.pid}."
     )
-    generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snapshot.taken))
     cards = [
         (
             _count(totals.sum("tlsedge_connections_active")),
@@ -457,12 +460,12 @@ def render_status_page(
         "<title>tlsedge status</title>"
         f"<style>{_CSS}</style></head><body>"
         f"<h1>tlsedge status {state}</h1>"
-        f'<p class="meta">tlsedge {_e(__version__)}, up '
-        f"{_e(_duration(time.time() - metrics.started))}, {_e(scope)} "
+        f'<p class="meta">tlsedge {_e(snapshot.version)}, up '
+        f"{_e(_duration(snapshot.taken - snapshot.started))}, {_e(scope)} "
         f"Generated {_e(generated)}; refreshes every {REFRESH_SECONDS} s.</p>"
         f'<div class="cards">{cards_html}</div>'
-        f"<h2>Listeners</h2>{_listeners(edge, totals, rates)}"
-        f"{_backends(edge, totals)}"
+        f"<h2>Listeners</h2>{_listeners(snapshot.listeners, totals, rates)}"
+        f"{_backends(snapshot.backends, totals)}"
         f"<h2>Errors</h2>{_errors(totals)}"
         f"<h2>Connections by termination</h2>{_terminations(totals)}"
         '<p class="meta"><a href="/metrics">/metrics</a> · '

@@ -31,9 +31,9 @@ from proxyproto._tlv import (
     _check_authority,
     _check_ssl,
     _utf8_text,
-    _walk_ssl,
     check_ascii,
     check_utf8,
+    walk_ssl,
 )
 from proxyproto._v1 import _host_text, _ipv4_int, _ipv6, _ipv6_int, _ipv6_text
 
@@ -223,7 +223,7 @@ def ssl_values(draw: st.DrawFn) -> bytes:
 
 @given(st.one_of(ssl_values(), st.binary(max_size=24)))
 def test_ssl_check_matches_walk(value: bytes) -> None:
-    assert _outcome(_check_ssl, value) == _outcome(_walk_ssl, value)
+    assert _outcome(_check_ssl, value) == _outcome(walk_ssl, value)
 
 
 @given(st.one_of(texts, st.binary(min_size=250, max_size=260)))
@@ -246,7 +246,7 @@ def test_encode_checks_what_the_builders_did_not(value: bytes) -> None:
     header = ProxyHeader.from_addresses(
         ("192.0.2.1", 1), ("192.0.2.2", 2), tlvs=(TLV(TLVType.SSL, value),)
     )
-    walk = _outcome(_walk_ssl, value)
+    walk = _outcome(walk_ssl, value)
     if walk is not None:
         with pytest.raises(LocalProtocolError, match=re.escape(walk)):
             encode_v2(header)

@@ -24,13 +24,21 @@ from tests.tlsedge.helpers import (
     running_edge,
     wait_until,
 )
-from tests.tlsedge.test_admin import admin_address, http_get, total
+from tests.tlsedge.test_admin import admin_address, http_get, metric_values, total
+from tests.tlsedge.test_status_page import (
+    STARTED,
+    backend,
+    listener,
+    server,
+    snapshot,
+)
 from tlsedge._accesslog import ConnectionLog
 from tlsedge._metrics import (
     REFUSED_TERMINATIONS,
     EdgeMetrics,
     tls_failure_reason,
 )
+from tlsedge._snapshot import CheckRecord, Snapshot
 
 
 @pytest.fixture(autouse=True)
@@ -350,3 +358,81 @@ async def test_tls_failure_reason(
     termination: str, detail: str | None, reason: str
 ) -> None:
     assert tls_failure_reason(termination, detail) == reason
+
+
+async def test_live_metrics_come_from_the_snapshot() -> None:
+    down = server(
+        ("10.0.0.2", 8080),
+        healthy=False,
+        weight=3,
+        failures=6,
+        successes=0,
+        history=(
+            CheckRecord(
+                age=12.0, ok=False, detail="connection refused", source="check"
+            ),
+            CheckRecord(age=2.0, ok=False, detail="timeout", source="traffic"),
+        ),
+    )
+    taken: list[Snapshot] = []
+
+    def take() -> Snapshot:
+        taken.append(
+            snapshot(
+                draining=True,
+                workers=2,
+                listeners=(
+                    listener(),
+                    listener("plain", tls=None, proxy_protocol=None),
+                ),
+                backends=(backend(server(history=()), down),),
+            )
+        )
+        return taken[-1]
+
+    text = EdgeMetrics(take).exposition()[0].decode()
+    assert len(taken) == 1  # one snapshot per scrape
+    values = metric_values(text)
+    assert (
+        values[
+            (
+                "tlsedge_worker_info",
+                (("pid", "4242"), ("version", "9.8.7"), ("workers", "2")),
+            )
+        ]
+        == 1
+    )
+    assert total(text, "tlsedge_start_time_seconds") == STARTED
+    assert (total(text, "tlsedge_ready"), total(text, "tlsedge_draining")) == (0, 1)
+    info = {
+        labels["listener"]: labels
+        for family in text_string_to_metric_families(text)
+        if family.name == "tlsedge_listener_info"
+        for labels in (sample.labels for sample in family.samples)
+    }
+    assert info["web"] == {
+        "listener": "web",
+        "bind": "0.0.0.0:8443",
+        "mode": "tcp",
+        "tls": "intermediate",
+        "proxy_protocol": "v1+v2",
+        "backend": "app",
+    }
+    assert (info["plain"]["tls"], info["plain"]["proxy_protocol"]) == ("off", "off")
+    assert total(text, "tlsedge_listener_max_connections", listener="web") == 500
+    up = "10.0.0.1:8080"
+    assert total(text, "tlsedge_server_up", server=up) == 1
+    assert total(text, "tlsedge_server_up", server="10.0.0.2:8080") == 0
+    assert total(text, "tlsedge_server_weight", server="10.0.0.2:8080") == 3
+    assert total(text, "tlsedge_server_check_consecutive_failures", backend="app") == 6
+    # The last *check*, not the later traffic failure; none for a server
+    # without checks.
+    down_key = (("backend", "app"), ("server", "10.0.0.2:8080"))
+    assert values[("tlsedge_server_last_check_age_seconds", down_key)] == 12.0
+    assert values[("tlsedge_server_last_check_success", down_key)] == 0
+    checked = {
+        dict(labels)["server"]
+        for name, labels in values
+        if name.startswith("tlsedge_server_last_check_")
+    }
+    assert checked == {"10.0.0.2:8080"}

@@ -122,12 +122,13 @@ async def test_status_page_in_a_browser(nursery: trio.Nursery, tmp_path: Path) -
         assert "2/2 UP" in dom
 
         spare.stop()
-        server = next(
-            s.server
-            for s in edge._pools["app"].servers
-            if str(s.server) == spare.address
-        )
-        await wait_until(lambda: not server.healthy, 10, 0.05)
+
+        def spare_is_down() -> bool:
+            (app_backend,) = edge.snapshot().backends
+            (server,) = (s for s in app_backend.servers if s.name == spare.address)
+            return not server.healthy
+
+        await wait_until(spare_is_down, 10, 0.05)
         dom = await dump_dom(binary, profile, url)
         assert _state_of(dom, spare.address) == "DOWN"
         assert _state_of(dom, app.address) == "UP"
