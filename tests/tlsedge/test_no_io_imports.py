@@ -22,6 +22,9 @@ PURE = (
     "tlsedge._config",
     "tlsedge._forwarded",
     "tlsedge._accesslog",
+    "tlsedge._termination",
+    "tlsedge._downstream",
+    "tlsedge._proxy_wrap",
 )
 
 _SCRIPT = textwrap.dedent(
