@@ -65,6 +65,7 @@ from prometheus_client.registry import Collector
 
 from tlsedge._accesslog import ConnectionLog
 from tlsedge._snapshot import Snapshot
+from tlsedge._termination import Termination
 
 __all__ = [
     "MULTIPROC_ENV",
@@ -82,19 +83,21 @@ MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 #: Termination causes of connections refused before any byte was relayed.
 REFUSED_TERMINATIONS: Final = frozenset(
     {
-        "rejected",
-        "header_error",
-        "header_timeout",
-        "tls_error",
-        "tls_handshake_timeout",
-        "no_server",
-        "connect_failed",
-        "server_tls_error",
+        Termination.REJECTED,
+        Termination.HEADER_ERROR,
+        Termination.HEADER_TIMEOUT,
+        Termination.TLS_ERROR,
+        Termination.TLS_HANDSHAKE_TIMEOUT,
+        Termination.NO_SERVER,
+        Termination.CONNECT_FAILED,
+        Termination.SERVER_TLS_ERROR,
     }
 )
 
 #: Causes that mean a TLS handshake with the client was attempted and failed.
-_TLS_FAILURES: Final = frozenset({"tls_error", "tls_handshake_timeout"})
+_TLS_FAILURES: Final = frozenset(
+    {Termination.TLS_ERROR, Termination.TLS_HANDSHAKE_TIMEOUT}
+)
 
 #: Connection durations: from a refused client (ms) to long-lived streams (h).
 CONNECTION_BUCKETS: Final = (
@@ -138,7 +141,7 @@ def tls_failure_reason(termination: str, detail: str | None) -> str:
     ``tls_handshake_timeout``, ``"eof"`` when the client went away, else
     ``"other"``.
     """
-    if termination == "tls_handshake_timeout":
+    if termination == Termination.TLS_HANDSHAKE_TIMEOUT:
         return "timeout"
     text = detail or ""
     match = _SSL_REASON.search(text)
@@ -468,9 +471,9 @@ class EdgeMetrics:
                 m.server_bytes_sent(backend, server).inc(log.bytes_from_client)
             if log.bytes_from_server:
                 m.server_bytes_received(backend, server).inc(log.bytes_from_server)
-        elif log.termination == "connect_failed":
+        elif log.termination == Termination.CONNECT_FAILED:
             m.connect_failures(backend).inc()
-        elif log.termination == "no_server":
+        elif log.termination == Termination.NO_SERVER:
             m.no_server(backend).inc()
 
     def record_http_request(
