@@ -360,6 +360,14 @@ async def test_two_workers_report_totals(nursery: trio.Nursery, tmp_path: Path) 
         await wait_until(
             lambda: len(list(metrics_dir.glob("counter_*.db"))) == 2, 10, 0.05
         )
+        # A client has its EOF a moment before the worker records the
+        # connection: wait until the last one is counted, then scrape.
+        with trio.fail_after(10):
+            while True:
+                text = await scrape(admin)
+                if total(text, "tlsedge_connections_closed_total") == count:
+                    break
+                await trio.sleep(0.05)
         pids = set()
         for _ in range(6):
             text = await scrape(admin)
