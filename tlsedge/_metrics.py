@@ -90,7 +90,6 @@ REFUSED_TERMINATIONS: Final = frozenset(
         Termination.TLS_HANDSHAKE_TIMEOUT,
         Termination.NO_SERVER,
         Termination.CONNECT_FAILED,
-        Termination.SERVER_TLS_ERROR,
     }
 )
 

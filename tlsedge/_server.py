@@ -110,7 +110,6 @@ _CLIENT_ENDED = frozenset({Termination.CLIENT_CLOSED, Termination.CLIENT_ERROR})
 _REFUSAL_LOG_LEVELS = {
     Termination.NO_SERVER: logging.WARNING,
     Termination.CONNECT_FAILED: logging.WARNING,
-    Termination.SERVER_TLS_ERROR: logging.WARNING,
     Termination.HEALTH_CHECK: 0,
     Termination.CLIENT_ERROR: 0,
 }

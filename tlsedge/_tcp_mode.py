@@ -1,11 +1,11 @@
 """Stage: tcp mode: a backend server, our PROXY header, TLS to it, the relay.
 
 The last stage of a ``mode = "tcp"`` connection. It connects a server of the
-backend (balancing, retries: `BackendPool.connect`), registers the upstream's
-socket and the server's lease with the connection's exit stack (so the owner's
-cleanup closes and gives back everything, also when cancelled), sends the
-PROXY header (``send_proxy``) and the client's first bytes, re-encrypts if the
-backend says ``protocol = "tls"``, and relays with the half-close rules of
+backend (balancing, retries, and for ``protocol = "tls"`` the handshake, all in
+`BackendPool.connect`), registers the upstream's socket and the server's lease
+with the connection's exit stack (so the owner's cleanup closes and gives back
+everything, also when cancelled), sends the PROXY header (``send_proxy``) and
+the client's first bytes, and relays with the half-close rules of
 `tlsedge._relay`. What happened goes into the connection's access-log record.
 """
 
@@ -16,13 +16,11 @@ import contextlib
 import trio
 
 from tlsedge._accesslog import ConnectionLog
-from tlsedge._balancer import Server
 from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._proxy_wrap import proxy_header_for
 from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Refused, Termination
-from tlsedge._tls_stream import TLSStream
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
 __all__ = ["serve_tcp"]
@@ -54,10 +52,18 @@ async def serve_tcp(
             server's lease released by it.
 
     Raises:
-        Refused: ``no_server``, ``connect_failed`` or ``server_tls_error``.
+        Refused: ``no_server`` or ``connect_failed`` (a failed TLS handshake
+            with the server is a failed connect attempt).
     """
+    backend = pool.config
+    header = proxy_header_for(downstream, backend.send_proxy, backend.proxy_tlvs)
+    tls = pool.tls_context is not None
     try:
-        connected = await pool.connect(downstream.client_ip)
+        # To a TLS backend the header goes raw before the handshake, which is
+        # part of each connect attempt (retries and health count it).
+        connected = await pool.connect(
+            downstream.client_ip, tls=tls, proxy_header=(header or b"") if tls else b""
+        )
     except NoServerError as exc:
         raise Refused(Termination.NO_SERVER, str(exc)) from exc
     except ConnectFailedError as exc:
@@ -65,19 +71,13 @@ async def serve_tcp(
     exits.callback(connected.stream.socket.close)
     exits.callback(connected.lease.release)
     log.server = str(connected.server)
-    backend = pool.config
+    upstream: trio.abc.Stream = connected.tls or connected.stream
     # Client bytes that came with the PROXY header or the TLS handshake.
     stats = RelayStats(bytes_from_client=len(initial_data))
-    data = initial_data
-    upstream: trio.abc.Stream = connected.stream
+    # A plain backend gets our header and the first bytes in one segment, as
+    # HAProxy sends them.
+    data = initial_data if tls or header is None else header + initial_data
     try:
-        header = proxy_header_for(downstream, backend.send_proxy, backend.proxy_tlvs)
-        if header is not None and pool.tls_context is None:
-            data = header + data  # one segment, as HAProxy sends it
-        elif header is not None:
-            await upstream.send_all(header)  # before the TLS handshake
-        if pool.tls_context is not None:
-            upstream = await _encrypt_upstream(pool, connected.stream, connected.server)
         if data:
             await upstream.send_all(data)
         await relay(
@@ -105,35 +105,3 @@ async def serve_tcp(
             # Checks close at once, often with an RST (HAProxy's do):
             # not a client error to count or alert on.
             log.termination = Termination.HEALTH_CHECK
-
-
-async def _encrypt_upstream(
-    pool: BackendPool, stream: trio.SocketStream, server: Server
-) -> TLSStream:
-    """TLS to the backend server (``protocol = "tls"``) within ``connect_timeout``.
-
-    Raises:
-        Refused: ``server_tls_error``.
-    """
-    assert pool.tls_context is not None
-    tls = TLSStream(
-        stream,
-        pool.tls_context,
-        server_side=False,
-        server_hostname=pool.server_hostname(stream),
-    )
-    timeout = pool.config.connect_timeout
-    failed = f"backend {pool.name}: TLS to {server} failed"
-    with trio.move_on_after(timeout) as connect_timeout_scope:
-        try:
-            await tls.do_handshake()
-        except trio.BrokenResourceError as exc:
-            raise Refused(
-                Termination.SERVER_TLS_ERROR, f"{failed}: {exc.__cause__ or exc}"
-            ) from exc
-    if connect_timeout_scope.cancelled_caught:
-        raise Refused(
-            Termination.SERVER_TLS_ERROR,
-            f"{failed}: no TLS handshake within {timeout:g} s",
-        )
-    return tls

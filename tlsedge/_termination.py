@@ -36,9 +36,8 @@ class Termination(enum.StrEnum):
     NO_SERVER = "no_server"
     """No healthy server in the backend."""
     CONNECT_FAILED = "connect_failed"
-    """Every connect attempt to the backend failed."""
-    SERVER_TLS_ERROR = "server_tls_error"
-    """The TLS handshake with the backend server failed (``protocol = "tls"``)."""
+    """Every connect attempt to the backend failed (with ``protocol = "tls"``,
+    a failed TLS handshake is a failed attempt)."""
     HEALTH_CHECK = "health_check"
     """A load balancer's check: a PROXY header describing no client (LOCAL, v1
     UNKNOWN), then a close without a byte."""
