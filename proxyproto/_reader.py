@@ -108,6 +108,8 @@ class ReaderOptions(TypedDict, total=False):
 
 
 _ALL_VERSIONS = (1, 2)
+_MAX_CACHED_OPTIONS = 64
+_OPTIONS_CACHE: dict[tuple[frozenset[int], int, bool, bool, bool], Options] = {}
 
 
 def _make_options(
@@ -125,14 +127,30 @@ def _make_options(
         and accept_ipv4_in_tcp6 is False
     ):
         return DEFAULT_OPTIONS  # what the code below returns, without building it
-    options = Options(
-        versions=frozenset(versions),
-        max_v2_length=max_v2_length,
-        verify_crc32c=verify_crc32c,
-        accept_unspec_proxy=accept_unspec_proxy,
-        accept_ipv4_in_tcp6=accept_ipv4_in_tcp6,
+    # A server builds a reader per connection with the same arguments: build
+    # (and check) each set of options once. The cache is bounded; invalid
+    # options raise and are never cached.
+    key = (
+        frozenset(versions),
+        max_v2_length,
+        verify_crc32c,
+        accept_unspec_proxy,
+        accept_ipv4_in_tcp6,
     )
-    return DEFAULT_OPTIONS if options == DEFAULT_OPTIONS else options
+    options = _OPTIONS_CACHE.get(key)
+    if options is None:
+        options = Options(
+            versions=key[0],
+            max_v2_length=max_v2_length,
+            verify_crc32c=verify_crc32c,
+            accept_unspec_proxy=accept_unspec_proxy,
+            accept_ipv4_in_tcp6=accept_ipv4_in_tcp6,
+        )
+        if options == DEFAULT_OPTIONS:
+            options = DEFAULT_OPTIONS
+        if len(_OPTIONS_CACHE) < _MAX_CACHED_OPTIONS:
+            _OPTIONS_CACHE[key] = options
+    return options
 
 
 class HeaderReader:

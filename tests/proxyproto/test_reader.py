@@ -577,3 +577,14 @@ def test_aws_nlb_accessor_error_is_bounded() -> None:
     with pytest.raises(RemoteProtocolError) as exc_info:
         _ = header.aws_vpce_id
     assert len(str(exc_info.value)) <= 300
+
+
+def test_options_are_built_once_per_set_of_arguments() -> None:
+    # A server builds a reader per connection: the options are checked once.
+    first = HeaderReader(versions={2}, max_v2_length=1024)
+    second = HeaderReader(versions=[2], max_v2_length=1024)
+    assert first._options is second._options
+    assert HeaderReader(versions={1, 2})._options is HeaderReader()._options
+    for _ in range(2):  # an invalid set is refused every time, never cached
+        with pytest.raises(LocalProtocolError):
+            HeaderReader(versions={3})
