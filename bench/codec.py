@@ -511,8 +511,12 @@ def run_case(case: Case, reps: int, pool_size: int) -> None:
 def describe_crc() -> str:
     from importlib.metadata import version
 
-    import crc32c as icrar
-    import google_crc32c
+    try:
+        import crc32c as icrar
+        import google_crc32c
+    except ImportError as exc:
+        # Without ICRAR's crc32c, theirs skips CRC checks: no fair comparison.
+        sys.exit(f"bench/codec.py needs {exc.name}: pip install crc32c google-crc32c")
 
     theirs = vars(their_tlv)["crc32c_checksum"]
     return (
