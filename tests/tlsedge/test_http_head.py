@@ -1,0 +1,312 @@
+"""The strict head parser: unit rules, and h11 as the oracle (differential test).
+
+Every head, valid or mutated, goes to `parse_request_head` and to a fresh
+``h11.Connection(h11.SERVER)`` (responses: `parse_response_head` and
+``h11.Connection(h11.CLIENT)`` after a GET). Both must give the same verdict,
+and when both accept, the same start line, fields and framing. Where we refuse
+what h11 accepts, the reason must be one of the deliberate rules listed in
+`STRICTER_THAN_H11` (the smuggling defences h11 does not have).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import h11
+import pytest
+from hypothesis import example, given, strategies as st
+
+from tests.tlsedge.test_http import SMUGGLING_VECTORS
+from tlsedge._http import find_head_end
+from tlsedge._http_head import (
+    RequestHead,
+    RequestRejectedError,
+    ResponseHead,
+    ResponseRejectedError,
+    parse_request_head,
+    parse_response_head,
+)
+
+MAX_HEADERS = 100
+
+#: Rules of ours that h11 does not have: h11 accepts these heads, we refuse them.
+STRICTER_THAN_H11: frozenset[str] = frozenset(
+    {
+        # h11 ends lines at a bare LF and keeps a bare CR inside values.
+        "bare CR or LF in the request head",
+        # h11 allows \x01-\x08, \x0e-\x1f and \x7f in field values.
+        "control character in the request head",
+        # h11 unfolds obs-fold.
+        "obs-fold (header line starts with SP)",
+        # h11 takes any HTTP/x.y.
+        "only HTTP/1.0 and HTTP/1.1 are served",
+        # h11 merges equal repeats and lists ("5, 5"), takes any number of digits.
+        "more than one Content-Length",
+        "malformed Content-Length",
+        # h11 lets Transfer-Encoding win and drops Content-Length.
+        "both Content-Length and Transfer-Encoding",
+        "Transfer-Encoding in an HTTP/1.0 request",
+        # h11 does not look at the Host value.
+        "malformed Host",
+    }
+)
+STRICTER_THAN_H11_RESPONSE: frozenset[str] = frozenset(
+    {
+        "bare CR or LF in the response head",
+        "control character in the response head",
+        "obs-fold in the response head",
+        "more than one Content-Length in the response",
+        "malformed Content-Length in the response",
+        "both Content-Length and Transfer-Encoding in the response",
+    }
+)
+
+
+def _h11_request(head: bytes) -> h11.Request | Exception:
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=1 << 20)
+    conn.receive_data(head)
+    try:
+        event = conn.next_event()
+    except h11.RemoteProtocolError as exc:
+        return exc
+    assert isinstance(event, h11.Request), event
+    return event
+
+
+def _h11_response(head: bytes) -> h11.Response | h11.InformationalResponse | Exception:
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=1 << 20)
+    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "h")]))
+    conn.send(h11.EndOfMessage())
+    conn.receive_data(head)
+    try:
+        event = conn.next_event()
+    except h11.RemoteProtocolError as exc:
+        return exc
+    assert isinstance(event, h11.Response | h11.InformationalResponse), event
+    return event
+
+
+def _framing_of(headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
+    """(Content-Length, chunked) as h11's normalised fields declare them."""
+    values = dict(headers)
+    length = values.get(b"content-length")
+    return (None if length is None else int(length)), b"transfer-encoding" in values
+
+
+def _same_fields(ours: RequestHead | ResponseHead, event: Any) -> None:
+    lowered = [
+        (name.lower(), value.lower() if name.lower() == b"transfer-encoding" else value)
+        for name, value in ours.headers
+    ]
+    assert lowered == list(event.headers)
+    assert ours.version == event.http_version
+    assert (ours.content_length, ours.chunked) == _framing_of(list(event.headers))
+
+
+def _ours_request(head: bytes) -> RequestHead | RequestRejectedError:
+    try:
+        return parse_request_head(head, max_headers=MAX_HEADERS)
+    except RequestRejectedError as exc:
+        return exc
+
+
+def _ours_response(head: bytes) -> ResponseHead | ResponseRejectedError:
+    try:
+        return parse_response_head(head, max_headers=MAX_HEADERS)
+    except ResponseRejectedError as exc:
+        return exc
+
+
+def check_request(head: bytes) -> None:
+    """Our verdict and parse agree with h11's, but for the listed stricter rules."""
+    theirs, ours = _h11_request(head), _ours_request(head)
+    if isinstance(ours, RequestRejectedError):
+        if not isinstance(theirs, Exception):
+            assert ours.reason in STRICTER_THAN_H11, (ours.reason, head)
+        return
+    assert not isinstance(theirs, Exception), (theirs, head)
+    assert (ours.method, ours.target) == (theirs.method, theirs.target)
+    _same_fields(ours, theirs)
+    assert ours.host == dict(theirs.headers).get(b"host")
+
+
+def check_response(head: bytes) -> None:
+    """The same for a response head (h11 as a client that sent a GET)."""
+    theirs, ours = _h11_response(head), _ours_response(head)
+    if isinstance(ours, ResponseRejectedError):
+        assert ours.status == 502
+        if not isinstance(theirs, Exception):
+            assert ours.reason in STRICTER_THAN_H11_RESPONSE, (ours.reason, head)
+        return
+    assert not isinstance(theirs, Exception), (theirs, head)
+    assert (ours.status, ours.reason) == (theirs.status_code, theirs.reason)
+    _same_fields(ours, theirs)
+
+
+# -- generators -------------------------------------------------------------------
+
+_TOKEN_CHARS = (
+    "!#$%&'*+.^_`|~-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)
+tokens = st.text(_TOKEN_CHARS, min_size=1, max_size=12).map(str.encode)
+# Field-value bytes: visible ASCII, SP, HTAB, obs-text.
+values = st.binary(max_size=24).map(
+    lambda b: bytes(c if c >= 0x20 and c != 0x7F else 0x41 for c in b)
+) | st.sampled_from([b"", b" a ", b"\ta\t", b"a b", b"\xe9t\xe9"])
+# Each: well-formed values or (as often) the malformed ones of the smuggling tests.
+hosts = st.sampled_from(
+    [b"example.com", b"h:8080", b"[::1]:443", b"127.0.0.1", b""]
+) | (st.sampled_from([b"a b", b"u@h", b"a/b", b"h:123456"]))
+lengths = st.sampled_from([b"0", b"5", b"007", b" 12 ", b"123456789012345678"]) | (
+    st.sampled_from([b"5, 5", b"+5", b"-5", b"0x5", b"1 0", b"9" * 19, b""])
+)
+codings = st.sampled_from([b"chunked", b"Chunked", b"CHUNKED"]) | (
+    st.sampled_from([b"gzip", b"gzip, chunked", b'"chunked"', b""])
+)
+special = st.one_of(
+    st.tuples(st.sampled_from([b"Host", b"host", b"HOST"]), hosts),
+    st.tuples(st.sampled_from([b"Content-Length", b"content-length"]), lengths),
+    st.tuples(st.sampled_from([b"Transfer-Encoding", b"transfer-encoding"]), codings),
+    st.tuples(
+        st.sampled_from([b"Connection", b"Upgrade"]),
+        st.sampled_from([b"close", b"keep-alive", b"Upgrade, close", b"websocket"]),
+    ),
+)
+# Ordinary fields, and a few framing/routing ones (two may clash), in any order.
+fields = st.tuples(
+    st.lists(st.tuples(tokens, values), max_size=6), st.lists(special, max_size=2)
+).flatmap(lambda parts: st.permutations(parts[0] + parts[1]))
+targets = st.one_of(
+    st.text("abcxyz019/?=&%.-_~", max_size=20).map(lambda t: b"/" + t.encode()),
+    st.sampled_from([b"*", b"http://h/p?q", b"https://[::1]:8/", b"h:443"]),
+)
+methods = (
+    st.sampled_from([b"GET", b"POST", b"HEAD", b"PUT", b"OPTIONS", b"PATCH"]) | tokens
+)
+versions = st.sampled_from([b"1.1", b"1.0"]) | st.sampled_from([b"2.0", b"0.9", b"1.2"])
+
+
+def _head(start: bytes, field_list: list[tuple[bytes, bytes]]) -> bytes:
+    return (
+        start
+        + b"\r\n"
+        + b"".join(n + b": " + v + b"\r\n" for n, v in field_list)
+        + b"\r\n"
+    )
+
+
+@st.composite
+def request_heads(draw: st.DrawFn) -> bytes:
+    method, target, version = draw(methods), draw(targets), draw(versions)
+    field_list = list(draw(fields))
+    if version == b"1.1" and draw(st.integers(0, 4)) > 0:
+        field_list.insert(draw(st.integers(0, len(field_list))), (b"Host", b"h"))
+    return _head(method + b" " + target + b" HTTP/" + version, field_list)
+
+
+@st.composite
+def response_heads(draw: st.DrawFn) -> bytes:
+    status = draw(st.sampled_from([100, 200, 204, 301, 304, 404, 500, 599]))
+    reason = draw(st.sampled_from([b" OK", b" Not Found", b" ", b"", b" a\tb \xe9"]))
+    version = draw(st.sampled_from([b"1.1", b"1.0"]))
+    field_list = [f for f in draw(fields) if f[0].lower() != b"upgrade"]
+    return _head(b"HTTP/" + version + b" %d" % status + reason, field_list)
+
+
+@st.composite
+def mutated(draw: st.DrawFn, heads: st.SearchStrategy[bytes]) -> bytes:
+    """A head with a few bytes inserted or replaced, cut at its first CRLFCRLF."""
+    data = bytearray(draw(heads))
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(data) - 1))
+        byte = draw(
+            st.sampled_from([b"\r", b"\n", b" ", b"\t", b"\x00", b":", b"\x7f"])
+        )
+        if draw(st.booleans()):
+            data[at:at] = byte
+        else:
+            data[at : at + 1] = byte
+    end = find_head_end(data)
+    return bytes(data[:end]) if end >= 0 else bytes(data) + b"\r\n\r\n"
+
+
+# -- differential tests -----------------------------------------------------------
+
+
+@given(request_heads())
+def test_request_heads_agree_with_h11(head: bytes) -> None:
+    check_request(head)
+
+
+@given(mutated(request_heads()))
+@example(b"GET / HTTP/1.1\r\nHost: h\r\nX: a\x01b\r\n\r\n")
+def test_mutated_request_heads_agree_with_h11(head: bytes) -> None:
+    check_request(head)
+
+
+@given(response_heads())
+def test_response_heads_agree_with_h11(head: bytes) -> None:
+    check_response(head)
+
+
+@given(mutated(response_heads()))
+def test_mutated_response_heads_agree_with_h11(head: bytes) -> None:
+    check_response(head)
+
+
+#: Campaign vectors whose head is fine: the chunk scanner refuses their body.
+_REFUSED_IN_THE_BODY = frozenset(
+    {
+        "chunk-0x",
+        "chunk-negative",
+        "chunk-overflow",
+        "chunk-0x-later",
+        "chunk-overflow-later",
+        "bare-lf-chunk",
+        "glued-after-chunk",
+        "glued-in-trailer",
+    }
+)
+
+
+def _campaign_heads() -> list[Any]:
+    """The heads of campaigns/http_clients.py's VECTORS (up to the first CRLFCRLF)."""
+    directory = Path(__file__).parents[2] / "campaigns"
+    spec = importlib.util.spec_from_file_location(
+        "http_clients", directory / "http_clients.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(directory))
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(directory))
+        del sys.modules[spec.name]
+    heads = []
+    for vector in module.VECTORS:
+        end = find_head_end(vector.data)
+        head = vector.data[:end] if end >= 0 else vector.data + b"\r\n\r\n"
+        refused = vector.refused and vector.name not in _REFUSED_IN_THE_BODY
+        heads.append(pytest.param(head, refused, id=vector.name))
+    return heads
+
+
+@pytest.mark.parametrize(("head", "refused"), _campaign_heads())
+def test_campaign_vectors_agree_with_h11(head: bytes, refused: bool) -> None:
+    check_request(head)
+    if refused:
+        with pytest.raises(RequestRejectedError):
+            parse_request_head(head, max_headers=MAX_HEADERS)
+
+
+@pytest.mark.parametrize(
+    "head", [pytest.param(head, id=name) for name, head, _ in SMUGGLING_VECTORS]
+)
+def test_smuggling_vectors_agree_with_h11(head: bytes) -> None:
+    check_request(head)
