@@ -61,6 +61,10 @@ STRICTER_THAN_H11_RESPONSE: frozenset[str] = frozenset(
         "more than one Content-Length in the response",
         "malformed Content-Length in the response",
         "both Content-Length and Transfer-Encoding in the response",
+        # h11 takes any HTTP/x.y and statuses up to 999.
+        "response version HTTP/2.0",
+        "response status 600 (expected 100-599)",
+        "response status 999 (expected 100-599)",
     }
 )
 
@@ -209,11 +213,13 @@ def request_heads(draw: st.DrawFn) -> bytes:
 
 @st.composite
 def response_heads(draw: st.DrawFn) -> bytes:
-    status = draw(st.sampled_from([100, 200, 204, 301, 304, 404, 500, 599]))
+    status = draw(
+        st.sampled_from([100, 200, 204, 301, 304, 404, 500, 599, 600, 999, 99])
+    )
     reason = draw(st.sampled_from([b" OK", b" Not Found", b" ", b"", b" a\tb \xe9"]))
-    version = draw(st.sampled_from([b"1.1", b"1.0"]))
+    version = draw(st.sampled_from([b"1.1", b"1.0", b"2.0"]))
     field_list = [f for f in draw(fields) if f[0].lower() != b"upgrade"]
-    return _head(b"HTTP/" + version + b" %d" % status + reason, field_list)
+    return _head(b"HTTP/" + version + b" %03d" % status + reason, field_list)
 
 
 @st.composite
@@ -310,3 +316,199 @@ def test_campaign_vectors_agree_with_h11(head: bytes, refused: bool) -> None:
 )
 def test_smuggling_vectors_agree_with_h11(head: bytes) -> None:
     check_request(head)
+
+
+# -- unit rules -------------------------------------------------------------------
+
+
+def test_request_head_is_parsed_once_for_the_proxy() -> None:
+    head = parse_request_head(
+        b"POST /up?x=1 HTTP/1.1\r\nhost: Example.com:8443\r\n"
+        b"Content-Length:  12 \r\nConnection: keep-alive, Upgrade\r\n"
+        b"Upgrade: websocket\r\nX-Empty:\r\nX-Text: \xe9t\xe9\t\r\n\r\n",
+        max_headers=MAX_HEADERS,
+    )
+    assert (head.method, head.target, head.version) == (b"POST", b"/up?x=1", b"1.1")
+    assert head.headers == [
+        (b"host", b"Example.com:8443"),
+        (b"Content-Length", b"12"),
+        (b"Connection", b"keep-alive, Upgrade"),
+        (b"Upgrade", b"websocket"),
+        (b"X-Empty", b""),
+        (b"X-Text", b"\xe9t\xe9"),
+    ]
+    assert (head.content_length, head.chunked) == (12, False)
+    assert head.host == b"Example.com:8443"
+    assert head.connection == {b"keep-alive", b"upgrade"}
+    assert head.upgrade
+
+
+def test_request_framing_and_defaults() -> None:
+    chunked = parse_request_head(
+        b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: Chunked\r\n\r\n",
+        max_headers=MAX_HEADERS,
+    )
+    assert (chunked.content_length, chunked.chunked) == (None, True)
+    plain = parse_request_head(b"GET * HTTP/1.0\r\n\r\n", max_headers=MAX_HEADERS)
+    assert (plain.content_length, plain.chunked, plain.host) == (None, False, None)
+    assert (plain.headers, plain.connection, plain.upgrade) == ([], frozenset(), False)
+    assert plain.version == b"1.0"
+
+
+_H = b"Host: h\r\n"
+REQUEST_RULES: list[tuple[bytes, int, str]] = [
+    (
+        b"GET / HTTP/1.1\r\n" + _H + b"X: a\rb\r\n\r\n",
+        400,
+        "bare CR or LF in the request head",
+    ),
+    (b"GET / HTTP/1.1\n" + _H + b"\r\n", 400, "bare CR or LF in the request head"),
+    (
+        b"GET / HTTP/1.1\r\n" + _H + b"X: \x7f\r\n\r\n",
+        400,
+        "control character in the request head",
+    ),
+    (
+        b"GET /\x01 HTTP/1.1\r\n" + _H + b"\r\n",
+        400,
+        "control character in the request head",
+    ),
+    (b"GET / HTTP/1.1 \r\n" + _H + b"\r\n", 400, "malformed request line"),
+    (b"GET /\xe9 HTTP/1.1\r\n" + _H + b"\r\n", 400, "malformed request line"),
+    (b"get / http/1.1\r\n" + _H + b"\r\n", 400, "malformed request line"),
+    (
+        b"GET / HTTP/1.2\r\n" + _H + b"\r\n",
+        505,
+        "only HTTP/1.0 and HTTP/1.1 are served",
+    ),
+    (
+        b"GET / HTTP/0.9\r\n" + _H + b"X\r\n\r\n",
+        505,
+        "only HTTP/1.0 and HTTP/1.1 are served",
+    ),
+    (b"GET / HTTP/1.1\r\n" + _H * 3 + b"X\r\n\r\n", 431, "more than 3 header fields"),
+    (
+        b"GET / HTTP/1.1\r\n" + _H + b"X: a\r\n\tb\r\n\r\n",
+        400,
+        "obs-fold (header line starts with SP)",
+    ),
+    (b"GET / HTTP/1.1\r\n" + _H + b"X a\r\n\r\n", 400, "malformed header field"),
+    (b"GET / HTTP/1.1\r\n" + _H + b"X\t: a\r\n\r\n", 400, "malformed header field"),
+    (b"GET / HTTP/1.1\r\n" + _H + b": a\r\n\r\n", 400, "malformed header field"),
+    # The first line that breaks a rule names it (as check_request_head did).
+    (b"GET / HTTP/1.1\r\n" + _H + b"X a\r\n b\r\n\r\n", 400, "malformed header field"),
+    (
+        b"POST / HTTP/1.1\r\n" + _H + b"Content-Length: 1\r\ncontent-length: 1\r\n\r\n",
+        400,
+        "more than one Content-Length",
+    ),
+    (
+        b"POST / HTTP/1.1\r\n" + _H + b"Content-Length: \r\n\r\n",
+        400,
+        "malformed Content-Length",
+    ),
+    (
+        b"POST / HTTP/1.1\r\n" + _H + b"Content-Length: 1234567890123456789\r\n\r\n",
+        400,
+        "malformed Content-Length",
+    ),
+    (
+        b"POST / HTTP/1.1\r\n"
+        + _H
+        + b"Transfer-Encoding: chunked\r\nContent-Length: 0\r\n\r\n",
+        400,
+        "both Content-Length and Transfer-Encoding",
+    ),
+    (
+        b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n",
+        400,
+        "Transfer-Encoding in an HTTP/1.0 request",
+    ),
+    (
+        b"POST / HTTP/1.1\r\n"
+        + _H
+        + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+        400,
+        "more than one Transfer-Encoding",
+    ),
+    (
+        b"POST / HTTP/1.1\r\n" + _H + b"Transfer-Encoding: chunked, gzip\r\n\r\n",
+        501,
+        "transfer coding other than chunked",
+    ),
+    (
+        b"POST / HTTP/1.1\r\n" + _H + b"Transfer-Encoding: chunked;q=1\r\n\r\n",
+        400,
+        "malformed Transfer-Encoding",
+    ),
+    (b"GET / HTTP/1.1\r\n" + _H + b"host: h\r\n\r\n", 400, "more than one Host"),
+    (b"GET / HTTP/1.1\r\n\r\n", 400, "HTTP/1.1 request without Host"),
+    (b"GET / HTTP/1.0\r\nHost: h:123456\r\n\r\n", 400, "malformed Host"),
+]
+
+
+@pytest.mark.parametrize(("head", "status", "reason"), REQUEST_RULES)
+def test_request_rule(head: bytes, status: int, reason: str) -> None:
+    with pytest.raises(RequestRejectedError) as info:
+        parse_request_head(head, max_headers=3)
+    assert (info.value.status, info.value.reason) == (status, reason)
+    check_request(head)
+
+
+def test_response_head_is_parsed() -> None:
+    head = parse_response_head(
+        b"HTTP/1.0 404 Not  Found\r\nContent-Length: 9\r\nConnection: close\r\n\r\n",
+        max_headers=MAX_HEADERS,
+    )
+    assert (head.version, head.status, head.reason) == (b"1.0", 404, b"Not  Found")
+    assert head.headers == [(b"Content-Length", b"9"), (b"Connection", b"close")]
+    assert (head.content_length, head.chunked, head.connection) == (
+        9,
+        False,
+        frozenset({b"close"}),
+    )
+    chunked = parse_response_head(
+        b"HTTP/1.1 200\r\nTransfer-Encoding: chunked\r\n\r\n", max_headers=MAX_HEADERS
+    )
+    assert (chunked.status, chunked.reason, chunked.chunked) == (200, b"", True)
+    early = parse_response_head(b"HTTP/1.1 103 Early Hints\r\n\r\n", max_headers=1)
+    assert (early.status, early.content_length, early.chunked) == (103, None, False)
+
+
+RESPONSE_RULES: list[tuple[bytes, str]] = [
+    (b"HTTP/1.1 200 OK\n\n", "bare CR or LF in the response head"),
+    (b"HTTP/1.1 200 OK\r\nX: \x00\r\n\r\n", "control character in the response head"),
+    (b"HTTP/1.1 200 OK\r\nX: a\r\n b\r\n\r\n", "obs-fold in the response head"),
+    (b"HTTP/1.1 2000 OK\r\n\r\n", "malformed status line"),
+    (b"HTTP/1.1 200 OK\r\nX a\r\n\r\n", "malformed response header field"),
+    (
+        b"HTTP/1.1 200 OK\r\nX: 1\r\nY: 2\r\nZ: 3\r\n\r\n",
+        "more than 2 response header fields",
+    ),
+    (b"HTTP/2.0 200 OK\r\n\r\n", "response version HTTP/2.0"),
+    (b"HTTP/1.1 099 Odd\r\n\r\n", "response status 99 (expected 100-599)"),
+    (b"HTTP/1.1 600 Odd\r\n\r\n", "response status 600 (expected 100-599)"),
+    (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\n",
+        "more than one Content-Length in the response",
+    ),
+    (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1,1\r\n\r\n",
+        "malformed Content-Length in the response",
+    ),
+    (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+        "both Content-Length and Transfer-Encoding in the response",
+    ),
+    (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+        "response Transfer-Encoding other than a single 'chunked'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("head", "reason"), RESPONSE_RULES)
+def test_response_rule(head: bytes, reason: str) -> None:
+    with pytest.raises(ResponseRejectedError) as info:
+        parse_response_head(head, max_headers=2)
+    assert (info.value.status, info.value.reason) == (502, reason)
