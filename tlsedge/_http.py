@@ -11,9 +11,9 @@ Reading a request head (sans-IO checks first)
 ---------------------------------------------
 The connection keeps its own byte buffer of client data not yet given to h11.
 For every request we read until the buffer holds a complete head (the first
-CRLFCRLF), and `check_request_head` validates those exact bytes *before* h11
-sees them: size and field-count limits (431), bare LF / bare CR / control
-characters, obs-fold, duplicate or malformed ``Content-Length``, both
+CRLFCRLF), and `tlsedge._http_head.parse_request_head` validates those exact
+bytes *before* h11 sees them: size and field-count limits (431), bare LF / bare
+CR / control characters, obs-fold, duplicate or malformed ``Content-Length``, both
 ``Content-Length`` and ``Transfer-Encoding``, any coding but ``chunked``, a
 missing, repeated or malformed ``Host`` (400). h11 alone would let
 ``Transfer-Encoding`` win over ``Content-Length``, merge ``Content-Length: 5, 5``
@@ -127,6 +127,16 @@ from tlsedge._forwarded import (
     is_trusted_peer,
     rewrite_forwarding_headers,
 )
+from tlsedge._http_head import (
+    BARE_CR_OR_LF_RE as _BARE_CR_OR_LF_RE,
+    CONTROL_RE as _CONTROL_RE,
+    HOST_RE as _HOST_RE,
+    REQUEST_LINE_RE as _REQUEST_LINE_RE,
+    TOKEN as _TOKEN,
+    TOKEN_RE as _TOKEN_RE,
+    RequestRejectedError,
+    parse_request_head,
+)
 from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Termination
 from tlsedge._tls import SSLFacts
@@ -141,7 +151,6 @@ __all__ = [
     "KeepAlivePool",
     "RequestLog",
     "RequestRejectedError",
-    "check_request_head",
     "origin_form",
     "serve_http",
 ]
@@ -217,21 +226,6 @@ _REASONS: Final = {
 
 # -- sans-IO request checks -----------------------------------------------------
 
-_TOKEN: Final = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
-_TOKEN_RE: Final = re.compile(_TOKEN)
-_REQUEST_LINE_RE: Final = re.compile(
-    rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])"
-)
-# CR not before LF, or LF not after CR.
-_BARE_CR_OR_LF_RE: Final = re.compile(rb"\r(?!\n)|(?<!\r)\n")
-# Control characters other than HTAB, CR, LF (those are checked separately).
-_CONTROL_RE: Final = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-_CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
-_CODINGS_RE: Final = re.compile(_TOKEN + rb"(?:[ \t]*,[ \t]*" + _TOKEN + rb")*")
-# RFC 3986 uri-host [":" port]: IP-literal or reg-name / IPv4 (empty allowed).
-_HOST_RE: Final = re.compile(
-    rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~!$&'()*+,;=%-]*)(?::[0-9]{0,5})?"
-)
 # RFC 3986 scheme ":" hier-part (an absolute-form target; origin-form starts "/").
 _ABSOLUTE_FORM_RE: Final = re.compile(rb"([A-Za-z][A-Za-z0-9+.-]*):(.*)")
 _CHUNK_LINE_RE: Final = re.compile(
@@ -244,85 +238,10 @@ _CHUNK_LINE_RE: Final = re.compile(
 )
 
 
-class RequestRejectedError(Exception):
-    """A request we refuse; ``status`` is the response code to send."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-
-
 def find_head_end(buffer: bytes | bytearray, start: int = 0) -> int:
     """Offset just past the first CRLFCRLF in *buffer*, or -1."""
     index = buffer.find(b"\r\n\r\n", max(0, start - 3))
     return -1 if index < 0 else index + 4
-
-
-def check_request_head(head: bytes, *, max_headers: int) -> None:
-    """Validate a raw request head (request line to CRLFCRLF) before h11 sees it.
-
-    Args:
-        head: The exact bytes, ending with ``b"\\r\\n\\r\\n"``.
-        max_headers: Most header fields allowed.
-
-    Raises:
-        RequestRejectedError: with 400 (malformed, ambiguous framing: the
-            request-smuggling vectors), 431 (too many fields), 501 (a transfer
-            coding other than chunked) or 505 (not HTTP/1.0 or 1.1).
-    """
-    if _BARE_CR_OR_LF_RE.search(head):
-        raise RequestRejectedError(400, "bare CR or LF in the request head")
-    if _CONTROL_RE.search(head):
-        raise RequestRejectedError(400, "control character in the request head")
-    lines = head[:-4].split(b"\r\n")
-    match = _REQUEST_LINE_RE.fullmatch(lines[0])
-    if match is None:
-        raise RequestRejectedError(400, "malformed request line")
-    version = match.group(3) + b"." + match.group(4)
-    if version not in {b"1.0", b"1.1"}:
-        raise RequestRejectedError(505, "only HTTP/1.0 and HTTP/1.1 are served")
-    fields = lines[1:]
-    if len(fields) > max_headers:
-        raise RequestRejectedError(431, f"more than {max_headers} header fields")
-    lengths: list[bytes] = []
-    codings: list[bytes] = []
-    hosts: list[bytes] = []
-    for line in fields:
-        if line[:1] in {b" ", b"\t"}:
-            raise RequestRejectedError(400, "obs-fold (header line starts with SP)")
-        name, colon, value = line.partition(b":")
-        if not colon or not _TOKEN_RE.fullmatch(name):
-            raise RequestRejectedError(400, "malformed header field")
-        lname = name.lower()
-        value = value.strip(b" \t")
-        if lname == b"content-length":
-            lengths.append(value)
-        elif lname == b"transfer-encoding":
-            codings.append(value)
-        elif lname == b"host":
-            hosts.append(value)
-    if len(lengths) > 1:
-        raise RequestRejectedError(400, "more than one Content-Length")
-    if lengths and not _CONTENT_LENGTH_RE.fullmatch(lengths[0]):
-        raise RequestRejectedError(400, "malformed Content-Length")
-    if codings:
-        if lengths:
-            raise RequestRejectedError(400, "both Content-Length and Transfer-Encoding")
-        if version == b"1.0":
-            raise RequestRejectedError(400, "Transfer-Encoding in an HTTP/1.0 request")
-        if len(codings) > 1:
-            raise RequestRejectedError(400, "more than one Transfer-Encoding")
-        if codings[0].lower() != b"chunked":
-            if _CODINGS_RE.fullmatch(codings[0]):
-                raise RequestRejectedError(501, "transfer coding other than chunked")
-            raise RequestRejectedError(400, "malformed Transfer-Encoding")
-    if len(hosts) > 1:
-        raise RequestRejectedError(400, "more than one Host")
-    if version == b"1.1" and not hosts:
-        raise RequestRejectedError(400, "HTTP/1.1 request without Host")
-    if hosts and not _HOST_RE.fullmatch(hosts[0]):
-        raise RequestRejectedError(400, "malformed Host")
 
 
 def origin_form(method: bytes, target: bytes) -> tuple[bytes, bytes | None]:
@@ -1111,7 +1030,7 @@ class _HttpConnection:
                         431, f"request head larger than {limits.max_header_bytes} bytes"
                     )
                 if end >= 0:
-                    check_request_head(
+                    parse_request_head(
                         bytes(self.buffer[:end]), max_headers=limits.max_headers
                     )
                     return end

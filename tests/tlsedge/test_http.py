@@ -34,11 +34,11 @@ from tlsedge._http import (
     RequestRejectedError,
     _Exchange,
     _HttpConnection,
-    check_request_head,
     origin_form,
     serve_http,
     strip_hop_by_hop,
 )
+from tlsedge._http_head import parse_request_head
 from tlsedge._relay import set_abortive_close
 from tlsedge._upstream import BackendPool
 
@@ -48,13 +48,13 @@ GOOD_HEAD = b"GET / HTTP/1.1\r\nHost: example.com\r\n\r\n"
 
 
 def test_good_heads_pass() -> None:
-    check_request_head(GOOD_HEAD, max_headers=100)
-    check_request_head(b"GET / HTTP/1.0\r\n\r\n", max_headers=100)
-    check_request_head(
+    parse_request_head(GOOD_HEAD, max_headers=100)
+    parse_request_head(b"GET / HTTP/1.0\r\n\r\n", max_headers=100)
+    parse_request_head(
         b"POST /x HTTP/1.1\r\nHost: [::1]:8080\r\nContent-Length:  12 \r\n\r\n",
         max_headers=100,
     )
-    check_request_head(
+    parse_request_head(
         b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: Chunked\r\n\r\n",
         max_headers=100,
     )
@@ -157,17 +157,17 @@ SMUGGLING_VECTORS: list[tuple[str, bytes, int]] = [
     ("head", "status"),
     [pytest.param(head, status, id=name) for name, head, status in SMUGGLING_VECTORS],
 )
-def test_check_request_head_refuses(head: bytes, status: int) -> None:
+def test_parse_request_head_refuses(head: bytes, status: int) -> None:
     with pytest.raises(RequestRejectedError) as info:
-        check_request_head(head, max_headers=100)
+        parse_request_head(head, max_headers=100)
     assert info.value.status == status
 
 
 def test_too_many_headers_is_431() -> None:
     head = b"GET / HTTP/1.1\r\nHost: h\r\n" + b"X: y\r\n" * 10 + b"\r\n"
-    check_request_head(head, max_headers=11)
+    parse_request_head(head, max_headers=11)
     with pytest.raises(RequestRejectedError) as info:
-        check_request_head(head, max_headers=10)
+        parse_request_head(head, max_headers=10)
     assert info.value.status == 431
 
 

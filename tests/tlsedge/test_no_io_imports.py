@@ -25,6 +25,7 @@ PURE = (
     "tlsedge._termination",
     "tlsedge._downstream",
     "tlsedge._proxy_wrap",
+    "tlsedge._http_head",
 )
 
 _SCRIPT = textwrap.dedent(
