@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import h11
-import httptools
 from _common import banner, fmt_ratio, median, render_table
+
+try:
+    import httptools
+except ImportError:
+    sys.exit("bench/http_head.py needs httptools: pip install httptools")
 
 from tlsedge._http_head import parse_request_head, parse_response_head
 
