@@ -148,8 +148,9 @@ def _make_options(
         )
         if options == DEFAULT_OPTIONS:
             options = DEFAULT_OPTIONS
-        if len(_OPTIONS_CACHE) < _MAX_CACHED_OPTIONS:
-            _OPTIONS_CACHE[key] = options
+        if len(_OPTIONS_CACHE) >= _MAX_CACHED_OPTIONS:
+            _OPTIONS_CACHE.clear()  # a server uses a handful: start afresh
+        _OPTIONS_CACHE[key] = options
     return options
 
 
