@@ -1444,22 +1444,15 @@ class _HttpConnection:
         head (one write).
         """
         started = trio.current_time()
-        if self.backend.tls_context is None:
-            connected = await self.backend.connect(self.client_ip, first=server)
-            stream: trio.abc.Stream = connected.stream
-            prefix = proxy_header or b""
-        else:
-            connected = await self.backend.connect(
-                self.client_ip, first=server, tls=True, proxy_header=proxy_header or b""
-            )
-            assert connected.tls is not None
-            stream, prefix = connected.tls, b""
+        connected = await self.backend.connect(
+            self.client_ip, first=server, proxy_header=proxy_header or b""
+        )
         return _Upstream(
-            stream,
+            connected.upstream,
             connected.lease,
             reused=False,
             connect_time=trio.current_time() - started,
-            prefix=prefix,
+            prefix=connected.pending,
         )
 
     async def _finish_upstream(self, ex: _Exchange, *, reusable: bool) -> None:

@@ -57,13 +57,8 @@ async def serve_tcp(
     """
     backend = pool.config
     header = proxy_header_for(downstream, backend.send_proxy, backend.proxy_tlvs)
-    tls = pool.tls_context is not None
     try:
-        # To a TLS backend the header goes raw before the handshake, which is
-        # part of each connect attempt (retries and health count it).
-        connected = await pool.connect(
-            downstream.client_ip, tls=tls, proxy_header=(header or b"") if tls else b""
-        )
+        connected = await pool.connect(downstream.client_ip, proxy_header=header or b"")
     except NoServerError as exc:
         raise Refused(Termination.NO_SERVER, str(exc)) from exc
     except ConnectFailedError as exc:
@@ -71,12 +66,12 @@ async def serve_tcp(
     exits.callback(connected.stream.socket.close)
     exits.callback(connected.lease.release)
     log.server = str(connected.server)
-    upstream: trio.abc.Stream = connected.tls or connected.stream
+    upstream = connected.upstream
     # Client bytes that came with the PROXY header or the TLS handshake.
     stats = RelayStats(bytes_from_client=len(initial_data))
     # A plain backend gets our header and the first bytes in one segment, as
     # HAProxy sends them.
-    data = initial_data if tls or header is None else header + initial_data
+    data = connected.pending + initial_data
     try:
         if data:
             await upstream.send_all(data)

@@ -5,10 +5,10 @@ are resolved once when the pool is built (and again on reload), never per
 connection: ``connect()`` only picks a server and opens a socket to a numeric
 address. Connect failures count against the server's health (passive
 checking); retries follow HAProxy: the same server again after a short pause,
-the last try on another server ("redispatch"). HTTP mode's connects to a
-``protocol = "tls"`` backend include the TLS handshake (``connect(tls=True)``):
-a handshake that fails or does not finish within ``connect_timeout`` is a
-failed attempt like a refused connect (counted, retried).
+the last try on another server ("redispatch"). Connects to a ``protocol =
+"tls"`` backend include the TLS handshake: a handshake that fails or does not
+finish within ``connect_timeout`` is a failed attempt like a refused connect
+(counted, retried).
 
 A backend with a ``discovery`` table gets its servers from DNS instead
 (`tlsedge._discovery`): looked up when the pool is built or updated, then
@@ -71,18 +71,32 @@ class _TLSSetupError(Exception):
 class Connected:
     """A connected upstream socket and the lease on the server it goes to.
 
-    The caller owns both: it closes the stream and releases the lease.
-    ``tls`` is the TLS stream over ``stream`` after ``connect(tls=True)``.
+    The caller owns both: it closes ``stream`` and releases the lease.
+
+    Attributes:
+        stream: The socket.
+        lease: The server's lease.
+        attempts: Connect attempts made.
+        tls: With a TLS backend, the TLS stream over ``stream``.
+        pending: Bytes the caller sends before anything else, in its first
+            write: the PROXY header to a plain server (to a TLS server it
+            went before the handshake already).
     """
 
     stream: trio.SocketStream
     lease: ServerLease
     attempts: int
-    tls: TLSStream | None = None
+    tls: TLSStream | None
+    pending: bytes
 
     @property
     def server(self) -> Server:
         return self.lease.server
+
+    @property
+    def upstream(self) -> trio.abc.Stream:
+        """The stream to talk to the server over (TLS or the socket)."""
+        return self.tls if self.tls is not None else self.stream
 
 
 class LeaseObserver(Protocol):
@@ -362,7 +376,6 @@ class BackendPool:
         client_ip: str | None,
         *,
         first: Server | None = None,
-        tls: bool = False,
         proxy_header: bytes = b"",
     ) -> Connected:
         """Pick a server and connect to it, retrying as configured.
@@ -375,11 +388,11 @@ class BackendPool:
             client_ip: The client's address, for "source-ip" affinity.
             first: The server for the first attempt, when the caller picked
                 one already (http mode looks in its keep-alive pool first).
-            tls: With a TLS backend (``tls_context``), each attempt also runs
-                the TLS handshake (SNI and name from `server_hostname`),
-                within another ``connect_timeout``; its failure is a failed
-                attempt. The result's ``tls`` is the stream to use.
-            proxy_header: With *tls*: sent raw before the handshake.
+            proxy_header: Our PROXY header for this connection. To a TLS
+                backend (``tls_context``), whose handshake (SNI and name from
+                `server_hostname`, within another ``connect_timeout``) is part
+                of each attempt, it is sent raw before the handshake; to a
+                plain one it comes back as ``pending``.
 
         Raises:
             NoServerError: no healthy server.
@@ -399,9 +412,9 @@ class BackendPool:
             try:
                 stream = await self._open(server, config.connect_timeout)
                 encrypted = (
-                    await self._start_tls(stream, proxy_header)
-                    if tls and self.tls_context is not None
-                    else None
+                    None
+                    if self.tls_context is None
+                    else await self._start_tls(stream, proxy_header)
                 )
             except (OSError, trio.TooSlowError, _TLSSetupError) as exc:
                 lease.release()
@@ -427,7 +440,8 @@ class BackendPool:
                     self.observer.server_connection_opened(
                         self.name, str(server), attempt
                     )
-                return Connected(stream, lease, attempt, encrypted)
+                pending = proxy_header if encrypted is None else b""
+                return Connected(stream, lease, attempt, encrypted, pending)
             if attempt == attempts:
                 break
             await trio.sleep(RETRY_DELAY)
