@@ -175,13 +175,9 @@ async def test_blackholed_server_times_out_and_the_retry_goes_elsewhere(
     with blackhole() as hole:
         cfg = config([hole, good.address], retries=1, connect_timeout=0.3)
         async with running_edge(cfg) as edge:
-            start = trio.current_time()
             answers = [await exchange(address_of(edge, "in")) for _ in range(4)]
-            elapsed = trio.current_time() - start
             records = await wait_access_records(caplog, 4)
     assert answers == [b"good"] * 4
-    # Two connections picked the hole first and waited one connect_timeout.
-    assert elapsed >= 0.3
     assert {r["server"] for r in records} == {good.address}
 
 
@@ -191,14 +187,12 @@ async def test_blackhole_only_ends_in_connect_failed_within_the_timeouts(
     with blackhole() as hole:
         cfg = config([hole], retries=1, connect_timeout=0.3)
         async with running_edge(cfg) as edge:
-            start = trio.current_time()
             with trio.fail_after(30):  # it ends (how fast depends on the load)
                 assert await refused(address_of(edge, "in"), b"hi") == b""
-            elapsed = trio.current_time() - start
             (record,) = await wait_access_records(caplog)
     assert record["termination"] == "connect_failed"
-    assert "timeout" in record["detail"]
-    assert elapsed >= 0.6  # two attempts of 0.3 s each, none cut short
+    # Two attempts, each ended by its own connect_timeout.
+    assert record["detail"].count("timeout after 0.3 s") == 2, record["detail"]
 
 
 # -- stall mid-response --------------------------------------------------------
@@ -215,7 +209,6 @@ async def test_stalled_response_is_ended_by_idle_timeout(
     backend = await Backend(stall).start(nursery)
     async with running_edge(config([backend.address], idle_timeout=0.5)) as edge:
         client = await connect(address_of(edge, "in"))
-        start = trio.current_time()
         got = b""
         reset = False
         with trio.fail_after(30):  # it ends (how fast depends on the load)
@@ -224,13 +217,11 @@ async def test_stalled_response_is_ended_by_idle_timeout(
                     got += chunk
             except trio.BrokenResourceError:
                 reset = True
-        elapsed = trio.current_time() - start
         (record,) = await wait_access_records(caplog)
         await wait_until(lambda: backend.active == 0)
     assert got == b"partial"
     # A reset, never a FIN: the cut response must not look complete.
     assert reset
-    assert elapsed >= 0.4  # not before idle_timeout
     assert record["termination"] == "idle_timeout"
 
 

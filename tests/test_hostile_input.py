@@ -302,11 +302,8 @@ async def test_slow_or_silent_client_is_closed_at_the_header_timeout(
     async with running_edge(unwrap_config(backend, timeout=3.0)) as edge:
         client = await connect(address_of(edge, "in"))
         await client.send_all(sent)
-        start = trio.current_time()
         assert await closed_within(client, 30) == b""
-        elapsed = trio.current_time() - start
         (record,) = await wait_access_records(caplog)
-    assert elapsed >= 2.9  # not before the header timeout
     assert record["termination"] == "header_timeout"
     assert backend.accepted == 0
 

