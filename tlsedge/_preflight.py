@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import ssl
 from pathlib import Path
 
 import trio
@@ -26,18 +27,20 @@ from tlsedge._certs import CertificateError
 from tlsedge._config import (
     Address,
     BackendConfig,
-    BackendTlsConfig,
     Config,
     ConfigError,
     TlsConfig,
 )
+from tlsedge._discovery import Found
 from tlsedge._tls import ServerTLS, build_client_context, build_server_contexts
 
 __all__ = [
     "access_log_error",
+    "backend_tls_context",
     "check_backend",
     "check_environment",
     "load_listener_tls",
+    "resolve_servers",
 ]
 
 
@@ -73,12 +76,25 @@ def load_listener_tls(tls: TlsConfig, path: str) -> ServerTLS:
         raise ConfigError(f"{_file_key(files, path, exc)}: {exc}") from exc
 
 
-def _check_backend_tls(tls: BackendTlsConfig, path: str) -> None:
+def backend_tls_context(backend: BackendConfig, path: str) -> ssl.SSLContext | None:
+    """The client context of a ``protocol = "tls"`` backend (None otherwise).
+
+    Args:
+        backend: The ``[[backends]]`` table.
+        path: Its dotted path, ``backends[0]``.
+
+    Raises:
+        ConfigError: A CA, certificate or key file is unusable; the message
+            starts with the key that names it.
+    """
+    tls = backend.tls
+    if backend.protocol != "tls" or tls is None:
+        return None
     try:
-        build_client_context(tls)
+        return build_client_context(tls)
     except (CertificateError, OSError) as exc:
         files = {"ca": tls.ca, "cert": tls.cert, "key": tls.key}
-        raise ConfigError(f"{_file_key(files, path, exc)}: {exc}") from exc
+        raise ConfigError(f"{_file_key(files, f'{path}.tls', exc)}: {exc}") from exc
 
 
 def _is_ip(host: str) -> bool:
@@ -91,11 +107,12 @@ def _is_ip(host: str) -> bool:
 
 async def _resolve(
     address: Address, path: str, *, passive: bool, owner: str = ""
-) -> None:
+) -> tuple[str, int]:
+    """*address* as a numeric ``(ip, port)`` (the first answer for a name)."""
     if _is_ip(address.host):
-        return
+        return (address.host, address.port)
     try:
-        await trio.socket.getaddrinfo(
+        infos = await trio.socket.getaddrinfo(
             address.host,
             address.port,
             type=socket.SOCK_STREAM,
@@ -105,10 +122,36 @@ async def _resolve(
         raise ConfigError(
             f"{path}: host {address.host!r}{owner} does not resolve: {exc.strerror}"
         ) from exc
+    found = infos[0][4]
+    return (str(found[0]), int(found[1]))
+
+
+async def resolve_servers(backend: BackendConfig, path: str) -> list[Found]:
+    """The backend's ``servers`` with their names resolved, and their weights.
+
+    Names are resolved once here, at start and reload (and by ``check``),
+    never per connection.
+
+    Raises:
+        ConfigError: A name does not resolve (the message names its key).
+    """
+    return [
+        (
+            await _resolve(
+                server.address,
+                f"{path}.servers[{index}]",
+                passive=False,
+                owner=f" of backend {backend.name!r}",
+            ),
+            server.weight,
+        )
+        for index, server in enumerate(backend.servers)
+    ]
 
 
 async def check_backend(backend: BackendConfig, path: str) -> None:
-    """Check a backend's TLS files and resolve its static server names.
+    """Check a backend's TLS files and resolve its static server names, as
+    `tlsedge._upstream.BackendPool` does when the edge starts.
 
     Args:
         backend: The ``[[backends]]`` table.
@@ -117,15 +160,8 @@ async def check_backend(backend: BackendConfig, path: str) -> None:
     Raises:
         ConfigError: A file is unusable or a name does not resolve.
     """
-    if backend.protocol == "tls" and backend.tls is not None:
-        _check_backend_tls(backend.tls, f"{path}.tls")
-    for index, server in enumerate(backend.servers):
-        await _resolve(
-            server.address,
-            f"{path}.servers[{index}]",
-            passive=False,
-            owner=f" of backend {backend.name!r}",
-        )
+    backend_tls_context(backend, path)
+    await resolve_servers(backend, path)
 
 
 def access_log_error(path: str, exc: OSError) -> ConfigError:

@@ -69,7 +69,7 @@ from tlsedge._http import (
 )
 from tlsedge._listen import open_listening_sockets
 from tlsedge._metrics import EdgeMetrics
-from tlsedge._preflight import check_backend, load_listener_tls
+from tlsedge._preflight import load_listener_tls
 from tlsedge._proxy_wrap import proxy_header_for
 from tlsedge._snapshot import (
     BackendSnapshot,
@@ -348,17 +348,16 @@ class Edge:
         if self.draining or self._services is None:
             raise ConfigError("edge: cannot reload while draining or stopped")
         pools: dict[str, BackendPool] = {}
-        try:
-            for index, backend in enumerate(config.backends):
-                await check_backend(backend, f"backends[{index}]")
-                pool = self._pools.get(backend.name)
-                if pool is None:
-                    pool = await BackendPool.create(backend, observer=self._metrics)
-                else:
-                    await pool.update(backend)
-                pools[backend.name] = pool
-        except OSError as exc:
-            raise ConfigError(f"backends: {exc}") from exc
+        for index, backend in enumerate(config.backends):
+            path = f"backends[{index}]"
+            pool = self._pools.get(backend.name)
+            if pool is None:
+                pool = await BackendPool.create(
+                    backend, observer=self._metrics, path=path
+                )
+            else:
+                await pool.update(backend, path=path)
+            pools[backend.name] = pool
         states = {
             lconf.name: _listener_state(lconf, f"listeners[{index}]")
             for index, lconf in enumerate(config.listeners)
@@ -412,14 +411,10 @@ class Edge:
                 certificate cannot be used; the message starts with the
                 dotted path of the value at fault.
         """
-        try:
-            for index, backend in enumerate(self.config.backends):
-                await check_backend(backend, f"backends[{index}]")
-                self._pools[backend.name] = await BackendPool.create(
-                    backend, observer=self._metrics
-                )
-        except OSError as exc:  # checked just now: a name or a file changed since
-            raise ConfigError(f"backends: {exc}") from exc
+        for index, backend in enumerate(self.config.backends):
+            self._pools[backend.name] = await BackendPool.create(
+                backend, observer=self._metrics, path=f"backends[{index}]"
+            )
         states = [
             _listener_state(lconf, f"listeners[{index}]")
             for index, lconf in enumerate(self.config.listeners)

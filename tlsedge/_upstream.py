@@ -31,11 +31,11 @@ from typing import Protocol
 import trio
 
 from tlsedge._balancer import Balancer, Server, ServerLease
-from tlsedge._certs import CertificateError
 from tlsedge._config import BackendConfig, HealthConfig
 from tlsedge._discovery import DnsDiscovery, Found
 from tlsedge._health import HealthState, ServerHealth, run_health_checks
-from tlsedge._tls import backend_server_hostname, build_client_context
+from tlsedge._preflight import backend_tls_context, resolve_servers
+from tlsedge._tls import backend_server_hostname
 from tlsedge._tls_stream import TLSStream
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "Connected",
     "LeaseObserver",
     "NoServerError",
-    "resolve",
 ]
 
 LOGGER = logging.getLogger("tlsedge.upstream")
@@ -118,19 +117,6 @@ class LeaseObserver(Protocol):
         """A new upstream connection to *server* was made after *attempts* tries."""
 
 
-async def resolve(host: str, port: int) -> tuple[str, int]:
-    """Resolve *host* once to a numeric ``(ip, port)`` (first result).
-
-    Raises:
-        OSError: the name does not resolve.
-    """
-    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    if not infos:
-        raise OSError(f"{host} does not resolve")
-    address = infos[0][4]
-    return (str(address[0]), int(address[1]))
-
-
 #: connect() errors that mean this process or host ran out of something
 #: (fds, ephemeral ports, buffers): they do not count against the server.
 _LOCAL_ERRNOS = frozenset(
@@ -180,21 +166,26 @@ class BackendPool:
 
     @classmethod
     async def create(
-        cls, config: BackendConfig, *, observer: LeaseObserver | None = None
+        cls,
+        config: BackendConfig,
+        *,
+        observer: LeaseObserver | None = None,
+        path: str = "backend",
     ) -> BackendPool:
         """Resolve the servers of *config* and build the pool.
 
-        *observer* hears about every lease and new connection (metrics).
+        *observer* hears about every lease and new connection (metrics);
+        *path* is the backend's dotted path in the configuration, for errors.
 
         Raises:
-            OSError: a server name does not resolve.
+            ConfigError: a file is unusable or a server name does not resolve.
         """
         pool = cls(config)
         pool.observer = observer
-        await pool.update(config)
+        await pool.update(config, path=path)
         return pool
 
-    async def update(self, config: BackendConfig) -> None:
+    async def update(self, config: BackendConfig, *, path: str = "backend") -> None:
         """Apply a (re)loaded config; servers that stay keep their state.
 
         With ``discovery``, a failed or empty DNS answer does not fail the
@@ -202,20 +193,14 @@ class BackendPool:
         the background refresh then retries every second).
 
         Raises:
-            OSError: a server name does not resolve (nothing is changed then).
+            ConfigError: a file is unusable or a server name does not resolve
+                (nothing is changed then); the message starts with the dotted
+                path under *path* (the backend's, ``backends[0]``).
         """
-        tls_context = None
-        if config.protocol == "tls" and config.tls is not None:
-            try:
-                tls_context = build_client_context(config.tls)
-            except (CertificateError, ssl.SSLError) as exc:
-                raise OSError(f"backend {config.name} TLS: {exc}") from exc
+        tls_context = backend_tls_context(config, path)
         discovery = None
         if config.discovery is None:
-            resolved = [
-                (await resolve(s.address.host, s.address.port), s.weight)
-                for s in config.servers
-            ]
+            resolved = await resolve_servers(config, path)
         else:
             discovery = self._discovery
             if discovery is None or discovery.config != config.discovery:
