@@ -12,8 +12,17 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import time
 
 import pytest
+
+from tests.peers import free_port, haproxy
+
+#: HAProxy's two kinds of check, for ``pytest.mark.parametrize("check", ...)``.
+HAPROXY_CHECKS = [
+    pytest.param("", id="tcp-check"),
+    pytest.param("    option httpchk GET /\n", id="httpchk"),
+]
 
 #: A v2 LOCAL header with no address block (HAProxy's health checks).
 LOCAL_V2 = bytes.fromhex("0d0a0d0a000d0a515549540a20000000")
@@ -55,3 +64,16 @@ def assert_no_warnings(caplog: pytest.LogCaptureFixture) -> None:
     """No record at WARNING or above, from any logger."""
     loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not loud, [f"{r.name}: {r.getMessage()}" for r in loud]
+
+
+def run_haproxy_checks(port: int, check: str) -> None:
+    """Let a real HAProxy check the server on *port* (``send-proxy-v2``, every
+    50 ms, *check* one of `HAPROXY_CHECKS`) for about 20 checks."""
+    front = free_port()
+    config = (
+        f"frontend fe\n    bind 127.0.0.1:{front}\n    default_backend be\n"
+        f"backend be\n{check}"
+        f"    server app 127.0.0.1:{port} send-proxy-v2 check inter 50ms\n"
+    )
+    with haproxy(config, [front]):
+        time.sleep(1)

@@ -6,9 +6,13 @@ when the client used TLS; the ASGI adapters then report ``https`` / ``wss``.
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
 from typing import Any
 
 from proxyproto import TLV, ProxyHeader, SSLClient, SSLInfo, encode_v2
+from tests.peers import free_port, haproxy, require
 
 CLIENT = ("192.0.2.10", 40000)
 FRONTEND = ("198.51.100.1", 443)
@@ -55,3 +59,38 @@ def websocket_scheme(sock: Any, first: bytes = b"") -> str:
         if name.strip().lower() == b"x-scheme":
             return value.strip().decode()
     raise AssertionError(f"no x-scheme header in {head!r}")
+
+
+def curl_through_haproxy_tls(
+    port: int, tls_files: dict[str, Any], tmp_path: Path
+) -> tuple[dict[str, Any], int]:
+    """curl over HTTPS to a real HAProxy that terminates TLS and sends plain
+    HTTP to the app on *port* with ``send-proxy-v2-ssl`` (an SSL TLV saying
+    the client used TLS). Returns what the app answered (JSON) and HAProxy's
+    frontend port."""
+    curl = require("curl")
+    pem = tmp_path / "haproxy.pem"
+    pem.write_bytes(tls_files["cert"].read_bytes() + tls_files["key"].read_bytes())
+    front = free_port()
+    config = (
+        f"frontend fe\n    bind 127.0.0.1:{front} ssl crt {pem}\n"
+        "    default_backend be\n"
+        f"backend be\n    server app 127.0.0.1:{port} send-proxy-v2-ssl\n"
+    )
+    with haproxy(config, [front]):
+        out = subprocess.run(
+            [
+                curl,
+                "-sS",
+                "--max-time",
+                "10",
+                "--cacert",
+                str(tls_files["ca"]),
+                f"https://localhost:{front}/",
+            ],
+            capture_output=True,
+            check=True,
+            timeout=30,
+        )
+    seen: dict[str, Any] = json.loads(out.stdout)
+    return seen, front

@@ -38,12 +38,15 @@ from proxyproto.uvicorn import ProxyConfig  # noqa: E402
 from tests.peers import free_port, haproxy, require  # noqa: E402
 from tests.proxyproto.lb_checks import (  # noqa: E402
     BEFORE_HEADER,
+    HAPROXY_CHECKS,
     assert_no_warnings,
     queue_health_checks,
+    run_haproxy_checks,
     send_health_checks,
 )
 from tests.proxyproto.scheme_checks import (  # noqa: E402
     CLIENT,
+    curl_through_haproxy_tls,
     ssl_header,
     websocket_app,
     websocket_scheme,
@@ -656,26 +659,13 @@ def test_haproxy_tls_passthrough_and_curl(tls_files: dict[str, Any]) -> None:
 
 
 @pytest.mark.peers
-@pytest.mark.parametrize(
-    "check",
-    [
-        pytest.param("", id="tcp-check"),
-        pytest.param("    option httpchk GET /\n", id="httpchk"),
-    ],
-)
+@pytest.mark.parametrize("check", HAPROXY_CHECKS)
 def test_haproxy_health_checks_are_not_warnings(
     check: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
     with running() as port:
-        front = free_port()
-        config = (
-            f"frontend fe\n    bind 127.0.0.1:{front}\n    default_backend be\n"
-            f"backend be\n{check}"
-            f"    server app 127.0.0.1:{port} send-proxy-v2 check inter 50ms\n"
-        )
-        with haproxy(config, [front]):
-            time.sleep(1)  # about 20 checks
+        run_haproxy_checks(port, check)
     assert_no_warnings(caplog)
 
 
@@ -685,32 +675,8 @@ def test_haproxy_terminates_tls_send_proxy_v2_ssl(
 ) -> None:
     # HAProxy terminates TLS and sends plain HTTP with a v2 header whose SSL
     # TLV says the client used TLS: the app sees https.
-    curl = require("curl")
-    pem = tmp_path / "haproxy.pem"
-    pem.write_bytes(tls_files["cert"].read_bytes() + tls_files["key"].read_bytes())
     with running() as port:
-        front = free_port()
-        config = (
-            f"frontend fe\n    bind 127.0.0.1:{front} ssl crt {pem}\n"
-            "    default_backend be\n"
-            f"backend be\n    server app 127.0.0.1:{port} send-proxy-v2-ssl\n"
-        )
-        with haproxy(config, [front]):
-            out = subprocess.run(
-                [
-                    curl,
-                    "-sS",
-                    "--max-time",
-                    "10",
-                    "--cacert",
-                    str(tls_files["ca"]),
-                    f"https://localhost:{front}/",
-                ],
-                capture_output=True,
-                check=True,
-                timeout=30,
-            )
-    seen = json.loads(out.stdout)
+        seen, front = curl_through_haproxy_tls(port, tls_files, tmp_path)
     assert seen["scheme"] == "https"
     assert seen["server"] == ["127.0.0.1", front]
 
