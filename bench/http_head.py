@@ -1,4 +1,4 @@
-"""HTTP/1.1 head parsing: tlsedge._http_head vs httptools (llhttp) vs h11, in-process.
+"""HTTP/1.1 head parsing: tlsedge._http.head vs httptools (llhttp) vs h11, in-process.
 
     python bench/http_head.py            # 30 passes x 2000 parses per side per case
     python bench/http_head.py --quick    # 5 passes x 500
@@ -35,7 +35,7 @@ try:
 except ImportError:
     sys.exit("bench/http_head.py needs httptools: pip install httptools")
 
-from tlsedge._http_head import parse_request_head, parse_response_head
+from tlsedge._http.head import parse_request_head, parse_response_head
 
 MAX_HEADERS = 100
 

@@ -34,6 +34,7 @@ characters (CR, LF, NUL, ...) and h11 refuses them again when it serialises.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import re
@@ -146,11 +147,13 @@ def is_trusted_peer(host: str | None, trusted: Sequence[Network]) -> bool:
     return any(address in network for network in trusted)
 
 
+@functools.lru_cache(maxsize=4096)
 def client_ip_text(host: str | None) -> bytes:
     """The ``X-Forwarded-For`` form of an address: canonical, IPv6 bare.
 
     An address that does not parse becomes ``unknown`` (RFC 7239's word for it)
-    rather than letting odd text into a header.
+    rather than letting odd text into a header. Cached: a client connection
+    asks once per request, and parsing an address costs microseconds.
     """
     address = _parse_ip(host) if host is not None else None
     if address is None:

@@ -61,12 +61,9 @@ from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admin import AdminServer, bind_admin
 from tlsedge._config import Config, ConfigError, ListenerConfig
 from tlsedge._downstream import Downstream
-from tlsedge._http import (
-    HttpConnectionResult,
-    KeepAlivePool,
-    RequestLog,
-    serve_http,
-)
+from tlsedge._http.driver import serve_http
+from tlsedge._http.log import HttpConnectionResult, RequestLog
+from tlsedge._http.pool import KeepAlivePool
 from tlsedge._listen import open_listening_sockets
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._preflight import load_listener_tls
@@ -762,7 +759,7 @@ class Edge:
         initial_data: bytes,
         log: ConnectionLog,
     ) -> None:
-        """HTTP mode: h11 on both sides (see ``_http.py``)."""
+        """HTTP mode (see `tlsedge._http.driver`)."""
         backend = pool.config
         result = HttpConnectionResult()
         try:

@@ -27,18 +27,12 @@ from hypothesis import given, strategies as st
 from tests.peers import free_port, nginx, require
 from tests.tlsedge.helpers import Backend, make_config
 from tlsedge._config import Config, ConfigError
-from tlsedge._http import (
-    ChunkedBodyScanner,
-    HttpConnectionResult,
-    KeepAlivePool,
-    RequestRejectedError,
-    _Exchange,
-    _HttpConnection,
-    origin_form,
-    serve_http,
-    strip_hop_by_hop,
-)
-from tlsedge._http_head import parse_request_head
+from tlsedge._http.body import ChunkedDecoder
+from tlsedge._http.driver import _Exchange, _HttpConnection, serve_http
+from tlsedge._http.head import RequestRejectedError, parse_request_head
+from tlsedge._http.log import HttpConnectionResult
+from tlsedge._http.pool import KeepAlivePool
+from tlsedge._http.rules import origin_form, strip_hop_by_hop
 from tlsedge._relay import set_abortive_close
 from tlsedge._upstream import BackendPool
 
@@ -217,11 +211,11 @@ def test_origin_form_refuses(target: bytes, reason: str) -> None:
     assert info.value.status == 400
 
 
-# -- sans-IO: chunked body scanner ----------------------------------------------
+# -- sans-IO: chunked body decoder ----------------------------------------------
 
 
-def scan(body: bytes) -> ChunkedBodyScanner:
-    scanner = ChunkedBodyScanner(max_trailer_bytes=1024, max_trailers=4)
+def scan(body: bytes) -> ChunkedDecoder:
+    scanner = ChunkedDecoder(max_trailer_bytes=1024, max_trailers=4)
     scanner.feed(body)
     return scanner
 
@@ -265,7 +259,7 @@ def test_chunk_scanner_trailer_limits() -> None:
 def test_chunk_scanner_any_split_same_result(cuts: list[int], tail: bytes) -> None:
     body = b"a\r\n0123456789\r\n3;x=y\r\nabc\r\n0\r\nT: v\r\n\r\n"
     data = body + tail
-    scanner = ChunkedBodyScanner(max_trailer_bytes=1024, max_trailers=4)
+    scanner = ChunkedDecoder(max_trailer_bytes=1024, max_trailers=4)
     start = 0
     for cut in [*sorted(cuts), len(data)]:
         stop = min(cut, len(data))
@@ -1089,13 +1083,13 @@ async def test_keepalive_when_the_answer_overtakes_the_body_task(
     # task that wrote the last body bytes upstream runs again. The request was
     # read in full all the same: no "Connection: close", and the request
     # pipelined behind it is served (it used to be dropped with the close).
-    send_upstream = _HttpConnection._send_upstream
+    send_upstream = _HttpConnection._send_body_upstream
 
     async def resumes_late(self: _HttpConnection, ex: _Exchange, data: bytes) -> None:
         await send_upstream(self, ex, data)
         await trio.sleep(0.2)  # a busy event loop
 
-    monkeypatch.setattr(_HttpConnection, "_send_upstream", resumes_late)
+    monkeypatch.setattr(_HttpConnection, "_send_body_upstream", resumes_late)
     async with echo_and_proxy() as (echo, proxy):
         out = await raw(
             proxy.address,

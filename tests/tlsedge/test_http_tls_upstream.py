@@ -27,7 +27,7 @@ from tests.tlsedge.helpers import Backend, address_of, make_config, running_edge
 from tests.tlsedge.test_http import Client, running_proxy
 from tlsedge._balancer import Server
 from tlsedge._cli import main
-from tlsedge._http import KeepAlivePool
+from tlsedge._http.pool import KeepAlivePool
 from tlsedge._tls_stream import TLSStream
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,7 +25,13 @@ PURE = (
     "tlsedge._termination",
     "tlsedge._downstream",
     "tlsedge._proxy_wrap",
-    "tlsedge._http_head",
+    "tlsedge._http.head",
+    "tlsedge._http.body",
+    "tlsedge._http.rules",
+    "tlsedge._http.events",
+    "tlsedge._http.session",
+    "tlsedge._http.exchange",
+    "tlsedge._http.log",
 )
 
 _SCRIPT = textwrap.dedent(

@@ -20,12 +20,12 @@ import pytest
 from hypothesis import example, given, strategies as st
 
 from tests.tlsedge.test_http import SMUGGLING_VECTORS
-from tlsedge._http import find_head_end
-from tlsedge._http_head import (
+from tlsedge._http.head import (
     RequestHead,
     RequestRejectedError,
     ResponseHead,
     ResponseRejectedError,
+    find_head_end,
     parse_request_head,
     parse_response_head,
 )
@@ -286,7 +286,7 @@ _REFUSED_IN_THE_BODY = frozenset(
 
 def _campaign_heads() -> list[Any]:
     """The heads of campaigns/http_clients.py's VECTORS (up to the first CRLFCRLF)."""
-    directory = Path(__file__).parents[2] / "campaigns"
+    directory = Path(__file__).parents[3] / "campaigns"
     spec = importlib.util.spec_from_file_location(
         "http_clients", directory / "http_clients.py"
     )

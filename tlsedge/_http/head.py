@@ -8,7 +8,7 @@ few values the proxy reads on every request (Host, the Connection tokens,
 whether Upgrade is asked).
 
 Strictness (the request-smuggling defences; the reason strings are part of the
-contract, `tests/tlsedge/test_http.py` and `test_http_head.py` check them):
+contract, `tests/tlsedge/test_http.py` and `http/test_head.py` check them):
 
 * CRLF only: a bare CR or bare LF anywhere is refused (h11 takes a bare LF as a
   line end); no control character but HTAB; no obs-fold (h11 unfolds it);
@@ -41,6 +41,7 @@ __all__ = [
     "RequestRejectedError",
     "ResponseHead",
     "ResponseRejectedError",
+    "find_head_end",
     "parse_request_head",
     "parse_response_head",
 ]
@@ -127,6 +128,13 @@ class ResponseHead:
     content_length: int | None
     chunked: bool
     connection: frozenset[bytes]
+
+
+def find_head_end(buffer: bytes | bytearray, start: int = 0) -> int:
+    """Offset just past the first CRLFCRLF in *buffer* (searched from about
+    *start*, where the previous search stopped), or -1."""
+    index = buffer.find(b"\r\n\r\n", max(0, start - 3))
+    return -1 if index < 0 else index + 4
 
 
 def _fields(

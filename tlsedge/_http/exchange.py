@@ -1,0 +1,301 @@
+"""One request/response exchange with an upstream server, sans-IO (we are the client).
+
+Theory of operation
+===================
+
+`UpstreamExchange` serialises one request (`request_head`, `request_data`,
+`request_end`) and parses the answer from the bytes the driver feeds it
+(`receive_data`, ``b""`` for EOF; `next_event`). One object per exchange: a
+kept-alive connection gets a new one for its next request, and `reusable` says
+whether it may.
+
+The response head is read up to the first CRLFCRLF (at most
+`MAX_RESPONSE_HEAD_BYTES`) and parsed by
+`tlsedge._http.head.parse_response_head`: anything we could not relay safely
+(ambiguous framing, bad bytes, a version or status we do not speak) is an
+`UpstreamError`, which the driver turns into 502. 1xx heads come as
+`Informational` (after 101 the exchange stops parsing and `trailing_data` holds
+the new protocol's first bytes); the final head as `Response` with its body's
+framing (RFC 9112 section 6.3): none for HEAD, 204 and 304, chunked, a
+Content-Length, or until the server closes. Chunked bodies go through a strict
+`ChunkedDecoder`. EOF before the response is complete is an `UpstreamError`
+whose ``empty`` says whether the server sent nothing at all (a stale kept-alive
+connection: the driver may send the request again).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from tlsedge._http.body import (
+    BodyKind,
+    ChunkedDecoder,
+    encode_chunk,
+    encode_last_chunk,
+)
+from tlsedge._http.events import (
+    NEED_DATA,
+    Body,
+    EndOfBody,
+    Informational,
+    NeedData,
+    Response,
+)
+from tlsedge._http.head import (
+    HeadRejectedError,
+    ResponseRejectedError,
+    find_head_end,
+    parse_response_head,
+)
+
+__all__ = [
+    "MAX_RESPONSE_HEADERS",
+    "MAX_RESPONSE_HEAD_BYTES",
+    "UpstreamError",
+    "UpstreamExchange",
+]
+
+Header = tuple[bytes, bytes]
+
+#: A response head from a backend may be larger than a request head (cookies).
+MAX_RESPONSE_HEAD_BYTES: Final = 65536
+#: Most fields in a response head or its trailers.
+MAX_RESPONSE_HEADERS: Final = 1000
+_NO_BODY_STATUSES: Final = frozenset({204, 304})
+
+
+class UpstreamError(Exception):
+    """The upstream's answer cannot be relayed (bad bytes, or closed too early).
+
+    Attributes:
+        empty: The server sent no byte at all in this exchange.
+    """
+
+    def __init__(self, reason: str, *, empty: bool = False) -> None:
+        super().__init__(reason)
+        self.empty = empty
+
+
+def _rejected(status: int, reason: str) -> HeadRejectedError:
+    return ResponseRejectedError(f"bad chunked response body: {reason}")
+
+
+class UpstreamExchange:
+    """One request and its response on an upstream connection.
+
+    Args:
+        method: The request's method (a HEAD response has no body).
+    """
+
+    __slots__ = (
+        "_body",
+        "_buffer",
+        "_chunked",
+        "_eof",
+        "_keep_alive",
+        "_remaining",
+        "_request_body",
+        "_state",
+        "_trailers",
+        "method",
+        "received",
+        "request_complete",
+        "switched",
+    )
+
+    def __init__(self, *, method: bytes) -> None:
+        self.method = method
+        self._buffer = bytearray()
+        self._eof = False
+        self._state = "head"  # "head", "body", "end", "done", "switched"
+        self._body = BodyKind.NONE
+        self._remaining = 0
+        self._chunked: ChunkedDecoder | None = None
+        self._trailers: list[Header] = []
+        self._keep_alive = True
+        self._request_body = BodyKind.NONE
+        self.received = 0
+        self.request_complete = False
+        self.switched = False
+
+    # -- the request --------------------------------------------------------
+
+    def request_head(
+        self, target: bytes, headers: list[Header], body: BodyKind
+    ) -> bytes:
+        """The request head (HTTP/1.1). *body*: NONE, LENGTH or CHUNKED, as the
+        fields say; with NONE the request is complete."""
+        self._request_body = body
+        if body is BodyKind.NONE:
+            self.request_complete = True
+        return b"".join(
+            [
+                self.method,
+                b" ",
+                target,
+                b" HTTP/1.1\r\n",
+                *[name + b": " + value + b"\r\n" for name, value in headers],
+                b"\r\n",
+            ]
+        )
+
+    def request_data(self, data: bytes) -> bytes:
+        """Request body bytes, framed (*data* not empty)."""
+        if self._request_body is BodyKind.CHUNKED:
+            return encode_chunk(data)
+        return data
+
+    def request_end(self, trailers: list[Header]) -> bytes:
+        """The end of the request body (trailers only when chunked)."""
+        self.request_complete = True
+        if self._request_body is BodyKind.CHUNKED:
+            return encode_last_chunk(trailers)
+        return b""
+
+    # -- the response -------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        """Add bytes from the upstream; ``b""`` means it closed its side."""
+        if data:
+            self.received += len(data)
+            self._buffer += data
+        else:
+            self._eof = True
+
+    def next_event(self) -> Informational | Response | Body | EndOfBody | NeedData:
+        """The next event from the upstream's bytes, or `NEED_DATA`.
+
+        Raises:
+            UpstreamError: a response we cannot relay, or EOF before its end.
+        """
+        state = self._state
+        if state == "body":
+            return self._body_event()
+        if state == "head":
+            return self._head_event()
+        if state == "end":
+            self._state = "done"
+            return EndOfBody(self._trailers)
+        return NEED_DATA
+
+    def _head_event(self) -> Informational | Response | Body | EndOfBody | NeedData:
+        buffer = self._buffer
+        end = find_head_end(buffer)
+        if end < 0:
+            if len(buffer) > MAX_RESPONSE_HEAD_BYTES:
+                raise UpstreamError(
+                    f"response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
+                )
+            if b"\n\n" in buffer:
+                raise UpstreamError("bad response from upstream: bare LF in the head")
+            if self._eof:
+                if not buffer:
+                    raise UpstreamError(
+                        "upstream closed the connection before responding",
+                        empty=not self.received,
+                    )
+                raise UpstreamError("upstream closed the connection inside a head")
+            return NEED_DATA
+        if end > MAX_RESPONSE_HEAD_BYTES:
+            raise UpstreamError(
+                f"response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
+            )
+        try:
+            head = parse_response_head(
+                bytes(buffer[:end]), max_headers=MAX_RESPONSE_HEADERS
+            )
+        except ResponseRejectedError as exc:
+            raise UpstreamError(f"bad response from upstream: {exc.reason}") from exc
+        del buffer[:end]
+        status = head.status
+        if status < 200:
+            if status == 101:
+                self._state = "switched"
+                self.switched = True
+            return Informational(head)
+        self._keep_alive = head.version == b"1.1" and b"close" not in head.connection
+        if self.method == b"HEAD" or status in _NO_BODY_STATUSES:
+            body = BodyKind.NONE
+        elif head.chunked:
+            body = BodyKind.CHUNKED
+            self._chunked = ChunkedDecoder(
+                max_trailer_bytes=MAX_RESPONSE_HEAD_BYTES,
+                max_trailers=MAX_RESPONSE_HEADERS,
+                rejected=_rejected,
+            )
+        elif head.content_length is not None:
+            body = BodyKind.LENGTH
+            self._remaining = head.content_length
+        else:
+            body = BodyKind.UNTIL_CLOSE
+            self._keep_alive = False
+        self._body = body
+        if body is BodyKind.NONE or (body is BodyKind.LENGTH and not self._remaining):
+            self._state = "end"
+        else:
+            self._state = "body"
+        return Response(head, body)
+
+    def _body_event(self) -> Body | EndOfBody | NeedData:
+        buffer = self._buffer
+        body = self._body
+        if not buffer:
+            if not self._eof:
+                return NEED_DATA
+            if body is BodyKind.UNTIL_CLOSE:
+                self._state = "done"
+                return EndOfBody([])
+            raise UpstreamError("upstream closed the connection mid-response")
+        if body is BodyKind.LENGTH:
+            take = min(self._remaining, len(buffer))
+            data = bytes(buffer[:take])
+            del buffer[:take]
+            self._remaining -= take
+            if not self._remaining:
+                self._state = "end"
+            return Body(data)
+        if body is BodyKind.UNTIL_CLOSE:
+            data = bytes(buffer)
+            buffer.clear()
+            return Body(data)
+        decoder = self._chunked
+        assert decoder is not None
+        raw = bytes(buffer)
+        buffer.clear()
+        try:
+            data = b"".join(decoder.feed(raw))
+        except ResponseRejectedError as exc:
+            raise UpstreamError(exc.reason) from exc
+        if decoder.done:
+            if decoder.excess:
+                buffer += raw[len(raw) - decoder.excess :]
+            self._trailers = decoder.trailers
+            self._state = "end"
+        if data:
+            return Body(data)
+        if decoder.done:
+            self._state = "done"
+            return EndOfBody(self._trailers)
+        return self._body_event() if self._eof else NEED_DATA
+
+    @property
+    def response_complete(self) -> bool:
+        """True once the whole response was read."""
+        return self._state == "done"
+
+    @property
+    def reusable(self) -> bool:
+        """Whether the connection may carry another exchange: request and
+        response complete, the server keeps it alive, no stray bytes."""
+        return (
+            self.request_complete
+            and self._state == "done"
+            and self._keep_alive
+            and not self._buffer
+            and not self._eof
+        )
+
+    @property
+    def trailing_data(self) -> bytes:
+        """Upstream bytes beyond the response head (after a 101: the new protocol's)."""
+        return bytes(self._buffer)

@@ -1,0 +1,92 @@
+"""What HTTP mode reports: the connection's result, an access-log line per request."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, fields
+from typing import Final
+
+from tlsedge._accesslog import format_time
+from tlsedge._termination import Termination
+
+__all__ = ["ACCESS_LOGGER", "HttpConnectionResult", "RequestLog"]
+
+ACCESS_LOGGER: Final = logging.getLogger("tlsedge.access")
+
+
+@dataclass(slots=True)
+class HttpConnectionResult:
+    """What `serve_http` reports for the connection-level access-log line.
+
+    Updated in place while the connection runs (pass one in to see the counts
+    of a connection that was cancelled).
+
+    Attributes:
+        requests: Requests answered (with any status).
+        bytes_from_client: Raw bytes read from the client.
+        bytes_to_client: Raw bytes written to the client.
+        termination: Why it ended (see `Termination`).
+        detail: A human-readable detail for errors, or None.
+        server: The last upstream server used (``ip:port``), or None.
+    """
+
+    requests: int = 0
+    bytes_from_client: int = 0
+    bytes_to_client: int = 0
+    termination: str = Termination.UNKNOWN
+    detail: str | None = None
+    server: str | None = None
+
+
+@dataclass(slots=True)
+class RequestLog:
+    """One per-request access-log line (logger ``tlsedge.access``, JSON).
+
+    The fields a connection's line has too (``listener``, ``client``, ``start``,
+    ``tls``, ``sni``, ``backend``, ``server``, ``termination``, ``detail``)
+    have its names and formats; docs/operations.md describes every field.
+    ``start`` is a Unix time, written in RFC 3339 with milliseconds (UTC).
+    """
+
+    connection: str
+    listener: str
+    client: str | None
+    start: float = 0.0
+    method: str | None = None
+    target: str | None = None
+    version: str | None = None
+    host: str | None = None
+    user_agent: str | None = None
+    status: int | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    connect: float | None = None
+    first_byte: float | None = None
+    total: float = 0.0
+    backend: str | None = None
+    server: str | None = None
+    tls: str | None = None
+    sni: str | None = None
+    request_id: str | None = None
+    termination: str = Termination.OK
+    detail: str | None = None
+
+    def emit(self) -> None:
+        """Write the line (if the access logger is enabled)."""
+        if not ACCESS_LOGGER.isEnabledFor(logging.INFO):
+            return
+        line: dict[str, object] = {"type": "http"}
+        for name in _REQUEST_LOG_FIELDS:
+            line[name] = getattr(self, name)
+        line["start"] = format_time(self.start)
+        for key in ("connect", "first_byte", "total"):
+            value = line[key]
+            if isinstance(value, float):
+                line[key] = round(value, 6)
+        ACCESS_LOGGER.info("%s", _ENCODE(line))
+
+
+_REQUEST_LOG_FIELDS: Final = tuple(f.name for f in fields(RequestLog))
+# json.dumps(obj, separators=...) builds a new JSONEncoder per call; reuse one.
+_ENCODE: Final = json.JSONEncoder(separators=(",", ":")).encode
