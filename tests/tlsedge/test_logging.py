@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -337,7 +338,7 @@ def test_a_line_is_written_once_it_waited_an_interval(
     path = tmp_path / "access.log"
     setup_logging("info", "text", str(path))
     now = [1000.0]
-    monkeypatch.setattr(_accesslog.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
     write_access_line("first")
     now[0] += FLUSH_INTERVAL / 2
     write_access_line("second")
