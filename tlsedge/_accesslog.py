@@ -209,7 +209,7 @@ class AccessLogWriter:
         text = "\n".join(lines)
         text += "\n"
         if self._stream is None:
-            self._write_fd(self._fd, self._regular, text, len(lines))
+            self._write_fd(self._fd, self._regular, text)
             return
         stream: TextIO | None = getattr(sys, self._stream)
         try:
@@ -225,7 +225,7 @@ class AccessLogWriter:
         except (OSError, ValueError) as exc:  # ValueError: a closed stream
             self._failed(exc, len(lines))
         else:
-            self._write_fd(fd, regular, text, len(lines))
+            self._write_fd(fd, regular, text)
 
     def reopen(self) -> None:
         """Flush, then open the file by name again (after log rotation).
@@ -255,7 +255,7 @@ class AccessLogWriter:
                 "access log %s: %d lines dropped in all", self.destination, self.dropped
             )
 
-    def _write_fd(self, fd: int, regular: bool, text: str, count: int) -> None:
+    def _write_fd(self, fd: int, regular: bool, text: str) -> None:
         data = text.encode("utf-8", "backslashreplace")
         view = memoryview(data)
         position = 0
