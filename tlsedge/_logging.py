@@ -11,14 +11,19 @@ Two streams leave a running edge:
   `tlsedge._http.RequestLog`; times in RFC 3339 with milliseconds, UTC, like
   the ``time`` of the JSON process log), written as it is to stderr (``"-"``), stdout
   or a file, whatever the process-log format. Access lines are written at any
-  ``--log-level``.
+  ``--log-level``, in batches, not through `logging`:
+  `tlsedge._accesslog.AccessLogWriter` (`run_access_log_flusher` writes what is
+  pending every `tlsedge._accesslog.FLUSH_INTERVAL`). Records logged on
+  ``tlsedge.access`` the ordinary way join the same batches.
 
 A file is opened in append mode, so several worker processes (``edge.workers``)
-can share one: each opens it itself and every line goes out in one ``write()``
-on an ``O_APPEND`` descriptor, which the kernel never interleaves with another
-process's ``write()``. For log rotation, logrotate (or anything else) renames
-the file and sends SIGUSR1: `reopen_logs` opens the file by name again (a new
-one), and the supervisor forwards SIGUSR1 to its workers.
+can share one: each opens it itself and every batch of whole lines goes out in
+one ``write()`` on an ``O_APPEND`` descriptor, which the kernel never
+interleaves with another process's ``write()``; to a pipe, batches go in
+pieces of whole lines of at most ``PIPE_BUF`` bytes, for the same reason. For
+log rotation, logrotate (or anything else) renames the file and sends SIGUSR1:
+`reopen_logs` writes what is pending to the old file and opens the file by name
+again (a new one), and the supervisor forwards SIGUSR1 to its workers.
 
 Log lines never carry raw bytes from the network: peers control parts of many
 messages (PROXY and TLS errors quote what they sent). JSON escapes every control
@@ -40,14 +45,24 @@ import sys
 from dataclasses import dataclass, field
 from typing import Final, Literal, TextIO
 
+import trio
+
+from tlsedge._accesslog import (
+    FLUSH_INTERVAL,
+    AccessLogWriter,
+    access_log_writer,
+    flush_access_log,
+    install_access_log_writer,
+)
+
 __all__ = [
     "ACCESS_LOGGER_NAME",
     "EscapingFormatter",
     "JsonFormatter",
-    "ReopenableFileHandler",
     "StdStreamHandler",
     "escape_control",
     "reopen_logs",
+    "run_access_log_flusher",
     "setup_logging",
     "shutdown_logging",
 ]
@@ -134,36 +149,6 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=True, separators=(",", ":"))
 
 
-class ReopenableFileHandler(logging.FileHandler):
-    """An append-mode `logging.FileHandler` that `reopen` opens anew by name."""
-
-    def __init__(self, filename: str) -> None:
-        """Open *filename* for appending (created if missing).
-
-        Raises:
-            OSError: the file cannot be opened.
-        """
-        super().__init__(
-            filename, mode="a", encoding="utf-8", errors="backslashreplace"
-        )
-
-    def reopen(self) -> None:
-        """Open the file again (after rotation); keep the old one on failure.
-
-        Raises:
-            OSError: the file cannot be opened (the handler keeps writing to
-                the file it had).
-        """
-        new = self._open()
-        self.acquire()
-        try:
-            old, self.stream = self.stream, new
-        finally:
-            self.release()
-        if old is not None:
-            old.close()
-
-
 class StdStreamHandler(logging.StreamHandler[TextIO]):
     """Writes to ``sys.stderr`` or ``sys.stdout`` as they are at each record.
 
@@ -187,6 +172,23 @@ class StdStreamHandler(logging.StreamHandler[TextIO]):
         """Ignored: the stream is looked up at each use."""
 
 
+class AccessRecordHandler(logging.Handler):
+    """Records logged on ``tlsedge.access`` (rather than through
+    `tlsedge._accesslog.write_access_line`) go to the same writer, escaped."""
+
+    def __init__(self, writer: AccessLogWriter) -> None:
+        """Add each record's message to *writer*."""
+        super().__init__()
+        self._writer = writer
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Add the record's message, its non-printables escaped."""
+        try:
+            self._writer.write(escape_control(record.getMessage()))
+        except Exception:  # noqa: BLE001 (logging's contract: never raise)
+            self.handleError(record)
+
+
 def _not_access(record: logging.LogRecord) -> bool:
     return record.name != ACCESS_LOGGER_NAME
 
@@ -195,10 +197,10 @@ def _not_access(record: logging.LogRecord) -> bool:
 class _Installed:
     """What `setup_logging` changed, so that it can be undone."""
 
+    writer: AccessLogWriter
     handlers: list[tuple[logging.Logger, logging.Handler]] = field(default_factory=list)
     root_level: int = logging.WARNING
     access_level: int = logging.NOTSET
-    files: list[ReopenableFileHandler] = field(default_factory=list)
 
 
 class _State:
@@ -206,14 +208,6 @@ class _State:
 
 
 _STATE: Final = _State()
-
-
-def _access_handler(destination: str) -> logging.Handler:
-    if destination == "-":
-        return StdStreamHandler("stderr")
-    if destination == "stdout":
-        return StdStreamHandler("stdout")
-    return ReopenableFileHandler(destination)
 
 
 def setup_logging(
@@ -241,7 +235,7 @@ def setup_logging(
         raise ValueError(f"unknown log level {level!r}")
     if log_format not in {"text", "json"}:
         raise ValueError(f"unknown log format {log_format!r}")
-    access_handler = _access_handler(access_log)  # may raise: before any change
+    writer = AccessLogWriter(access_log)  # may raise: before any change
     shutdown_logging()
     process_handler: logging.Handler = (
         StdStreamHandler("stderr") if stream is None else logging.StreamHandler(stream)
@@ -250,47 +244,62 @@ def setup_logging(
         JsonFormatter() if log_format == "json" else EscapingFormatter(TEXT_FORMAT)
     )
     process_handler.addFilter(_not_access)
-    access_handler.setFormatter(EscapingFormatter("%(message)s"))
+    access_handler = AccessRecordHandler(writer)
     root = logging.getLogger()
     access = logging.getLogger(ACCESS_LOGGER_NAME)
-    installed = _Installed(root_level=root.level, access_level=access.level)
+    installed = _Installed(writer, root_level=root.level, access_level=access.level)
     root.addHandler(process_handler)
     access.addHandler(access_handler)
     installed.handlers = [(root, process_handler), (access, access_handler)]
-    if isinstance(access_handler, ReopenableFileHandler):
-        installed.files.append(access_handler)
     root.setLevel(numeric)
     access.setLevel(logging.INFO)
+    install_access_log_writer(writer)
     _STATE.installed = installed
 
 
 def reopen_logs() -> None:
-    """Reopen the log files (SIGUSR1, after rotation); failures are logged."""
+    """Reopen the access-log file (SIGUSR1, after rotation); failures are
+    logged. What is pending is written to the old file first; stderr and
+    stdout are only flushed."""
     installed = _STATE.installed
     if installed is None:
         return
-    for handler in installed.files:
-        try:
-            handler.reopen()
-        except OSError as exc:
-            LOGGER.error(
-                "cannot reopen %s (%s); still writing to the old file",
-                handler.baseFilename,
-                os.strerror(exc.errno) if exc.errno else exc,
-            )
-        else:
-            LOGGER.info("reopened %s", handler.baseFilename)
+    writer = installed.writer
+    try:
+        writer.reopen()
+    except OSError as exc:
+        LOGGER.error(
+            "cannot reopen %s (%s); still writing to the old file",
+            writer.destination,
+            os.strerror(exc.errno) if exc.errno else exc,
+        )
+    else:
+        if writer.is_file:
+            LOGGER.info("reopened %s", writer.destination)
 
 
 def shutdown_logging() -> None:
-    """Remove what `setup_logging` installed and restore the levels."""
+    """Write the pending access lines, remove what `setup_logging` installed
+    and restore the levels."""
     installed, _STATE.installed = _STATE.installed, None
     if installed is None:
         return
+    install_access_log_writer(None)
+    installed.writer.close()
     for logger, handler in installed.handlers:
         logger.removeHandler(handler)
         handler.flush()
-        if isinstance(handler, ReopenableFileHandler):
-            handler.close()
     logging.getLogger().setLevel(installed.root_level)
     logging.getLogger(ACCESS_LOGGER_NAME).setLevel(installed.access_level)
+
+
+async def run_access_log_flusher() -> None:
+    """Write pending access lines every `FLUSH_INTERVAL` (``Edge.run`` runs
+    it), so that a quiet edge's last lines do not wait for the next one.
+
+    Returns when no writer is installed (without `setup_logging`, lines go
+    through `logging` as they come); runs until cancelled otherwise.
+    """
+    while access_log_writer() is not None:
+        await trio.sleep(FLUSH_INTERVAL)
+        flush_access_log()

@@ -65,6 +65,7 @@ from tlsedge._http.driver import serve_http
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.pool import KeepAlivePool
 from tlsedge._listen import open_listening_sockets
+from tlsedge._logging import run_access_log_flusher
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._preflight import load_listener_tls
 from tlsedge._proxy_wrap import proxy_header_for
@@ -438,6 +439,7 @@ class Edge:
         try:
             async with trio.open_nursery() as services:
                 self._services = services
+                services.start_soon(run_access_log_flusher)
                 self._restart_background_tasks()
                 if self.admin is not None:
                     await services.start(self.admin.serve)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -25,13 +26,25 @@ from tests.tlsedge.helpers import (
     tag_handler,
     wait_until,
 )
-from tlsedge._accesslog import ConnectionLog, format_time
+from tlsedge import _accesslog
+from tlsedge._accesslog import (
+    BATCH_SIZE,
+    FLUSH_INTERVAL,
+    PIPE_BUF,
+    ConnectionLog,
+    access_log_enabled,
+    access_log_writer,
+    flush_access_log,
+    format_time,
+    write_access_line,
+)
 from tlsedge._cli import main
 from tlsedge._logging import (
     EscapingFormatter,
     JsonFormatter,
     escape_control,
     reopen_logs,
+    run_access_log_flusher,
     setup_logging,
     shutdown_logging,
 )
@@ -148,6 +161,7 @@ def test_process_log_and_access_log_to_stderr(
     logging.getLogger("tlsedge.server").info("hello %s", GARBAGE)
     logging.getLogger("tlsedge.server").debug("not shown at info")
     emit_access()
+    flush_access_log()
     err = capsys.readouterr().err
     lines = err.splitlines()
     assert len(lines) == 2, err
@@ -170,6 +184,7 @@ def test_access_log_to_stdout_at_any_level(capsys: pytest.CaptureFixture[str]) -
     setup_logging("error", "text", "stdout")
     logging.getLogger("tlsedge.server").warning("below error: not shown")
     emit_access()
+    flush_access_log()
     captured = capsys.readouterr()
     assert captured.err == ""
     assert json.loads(captured.out)["listener"] == "in"
@@ -186,6 +201,7 @@ def test_access_log_file_reopens_after_rotation(
     emit_access("rotated")  # still to the renamed file, as with any logger
     reopen_logs()
     emit_access("after")
+    flush_access_log()
     old = [
         json.loads(line)
         for line in (tmp_path / "access.log.1").read_text().splitlines()
@@ -205,6 +221,7 @@ def test_reopen_failure_keeps_the_old_file(
     folder.rename(tmp_path / "moved")
     reopen_logs()  # the folder is gone: cannot open
     emit_access("still")
+    flush_access_log()
     assert "cannot reopen" in capsys.readouterr().err
     assert "still" in (tmp_path / "moved" / "access.log").read_text()
 
@@ -236,6 +253,266 @@ def test_shutdown_restores_the_loggers() -> None:
         access.level,
     ) == before
     reopen_logs()  # nothing installed: a no-op
+
+
+# --- the access-log writer: batches, flushes, failures -----------------------------
+
+
+def numbered_lines(count: int, tag: str = "t") -> list[str]:
+    """Access-like lines of varying length (up to ~750 bytes)."""
+    return [
+        json.dumps(
+            {"p": tag, "i": i, "pad": "x" * (i * 37 % 700)}, separators=(",", ":")
+        )
+        for i in range(count)
+    ]
+
+
+def record_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Record what every os.write wrote (the writer's only way out)."""
+    written: list[bytes] = []
+    real_write = os.write
+
+    def write(fd: int, data: bytes | memoryview, /) -> int:
+        count = real_write(fd, data)
+        written.append(bytes(data[:count]))
+        return count
+
+    monkeypatch.setattr(os, "write", write)
+    return written
+
+
+def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "tlsedge.logging" and r.levelno == logging.ERROR
+    ]
+
+
+def test_without_setup_lines_go_through_the_logger(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "tlsedge.access")
+    assert access_log_writer() is None
+    assert access_log_enabled()
+    write_access_line('{"id":"direct"}')
+    assert [r.getMessage() for r in caplog.records] == ['{"id":"direct"}']
+
+
+def test_lines_reach_the_file_complete_and_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "access.log"
+    setup_logging("info", "text", str(path))
+    lines = numbered_lines(5000)
+    for line in lines:
+        write_access_line(line)
+    # Records logged on tlsedge.access join the same batches, escaped.
+    logging.getLogger("tlsedge.access").info("via logging\x1b[0m")
+    write_access_line("last")
+    shutdown_logging()
+    assert path.read_text().splitlines() == [*lines, "via logging\\x1b[0m", "last"]
+
+
+def test_a_burst_is_written_in_few_large_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "access.log"
+    setup_logging("info", "text", str(path))
+    writes = record_writes(monkeypatch)
+    lines = numbered_lines(10_000)
+    for line in lines:
+        write_access_line(line)
+    shutdown_logging()
+    total = sum(len(line) + 1 for line in lines)
+    assert sum(map(len, writes)) == total == path.stat().st_size
+    # A write per BATCH_SIZE of lines, and a few more if the burst took longer
+    # than FLUSH_INTERVAL (a loaded machine): nowhere near one per line.
+    assert total // BATCH_SIZE <= len(writes) <= 100
+    assert all(w.endswith(b"\n") for w in writes)  # a file: whole batches
+    assert path.read_text().splitlines() == lines
+
+
+def test_a_line_is_written_once_it_waited_an_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "access.log"
+    setup_logging("info", "text", str(path))
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    write_access_line("first")
+    now[0] += FLUSH_INTERVAL / 2
+    write_access_line("second")
+    assert path.read_text() == ""  # pending: nobody flushed, not due yet
+    now[0] += FLUSH_INTERVAL
+    write_access_line("third")  # the first has waited long enough: all go
+    assert path.read_text() == "first\nsecond\nthird\n"
+
+
+async def test_the_flusher_writes_a_lone_pending_line(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    path = tmp_path / "access.log"
+    setup_logging("info", "text", str(path))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_access_log_flusher)
+        write_access_line("lonely")
+        assert path.read_text() == ""
+        await trio.sleep(FLUSH_INTERVAL * 1.5)
+        assert path.read_text() == "lonely\n"
+        shutdown_logging()  # no writer any more: the flusher returns by itself
+    await run_access_log_flusher()  # nothing installed: returns at once
+
+
+def test_shutdown_flushes(tmp_path: Path) -> None:
+    path = tmp_path / "access.log"
+    setup_logging("info", "text", str(path))
+    emit_access("pending")
+    assert path.read_text() == ""
+    shutdown_logging()
+    assert json.loads(path.read_text())["id"] == "pending"
+    write_access_line("after shutdown")  # to the logger, not the closed file
+    assert json.loads(path.read_text())["id"] == "pending"
+
+
+def test_a_failed_write_drops_the_batch_logs_once_and_never_raises(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    setup_logging("info", "text", "/dev/full")  # every write: ENOSPC
+    writer = access_log_writer()
+    assert writer is not None
+    for line in numbered_lines(3):
+        write_access_line(line)
+    flush_access_log()
+    for line in numbered_lines(2):
+        write_access_line(line)
+    flush_access_log()
+    assert writer.dropped == 5
+    assert errors(caplog) == [
+        "access log /dev/full: cannot write (No space left on device); "
+        "dropping lines until it can"
+    ]
+    shutdown_logging()
+    assert "access log /dev/full: 5 lines dropped in all" in caplog.text
+
+
+def test_a_pipe_without_reader_drops_lines(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w", encoding="utf-8") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        setup_logging("info", "text", "stdout")
+        emit_access("lost")
+        flush_access_log()  # EPIPE (SIGPIPE is ignored by Python)
+        writer = access_log_writer()
+        assert writer is not None
+        assert writer.dropped == 1
+        assert errors(caplog) == [
+            "access log stdout: cannot write (Broken pipe); dropping lines until it can"
+        ]
+        shutdown_logging()
+
+
+def test_pipe_writes_are_whole_lines_of_at_most_pipe_buf(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    read_end, write_end = os.pipe()
+    with (
+        open(read_end, "rb", buffering=0) as reader,
+        open(write_end, "w", encoding="utf-8") as stdout,
+    ):
+        monkeypatch.setattr(sys, "stdout", stdout)
+        setup_logging("info", "text", "stdout")
+        writes = record_writes(monkeypatch)
+        long_line = "y" * (PIPE_BUF + 100)
+        lines = numbered_lines(40)
+        lines.insert(20, long_line)
+        for line in lines:
+            write_access_line(line)
+        flush_access_log()
+        assert reader.read(1 << 20) == b"".join(writes)  # ~20 kB: all in the pipe
+    assert len(writes) > 2
+    assert all(w.endswith(b"\n") for w in writes)
+    # Never more than PIPE_BUF, but for the one longer line, written alone.
+    assert [w for w in writes if len(w) > PIPE_BUF] == [long_line.encode() + b"\n"]
+    assert b"".join(writes).decode().splitlines() == lines
+
+
+def test_a_full_pipe_does_not_block_and_recovers(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_accesslog, "WRITE_TIMEOUT", 0.0)  # no real waiting
+    read_end, write_end = os.pipe()
+    with (
+        open(read_end, "rb", buffering=0) as reader,
+        open(write_end, "w", encoding="utf-8") as stdout,
+    ):
+        monkeypatch.setattr(sys, "stdout", stdout)
+        setup_logging("info", "text", "stdout")
+        writer = access_log_writer()
+        assert writer is not None
+        lines = numbered_lines(1000)  # ~350 kB: more than a pipe holds
+        for line in lines:
+            write_access_line(line)
+        flush_access_log()  # the reader does not read: returns, drops the rest
+        assert errors(caplog) == [
+            "access log stdout: cannot write (not writable for 0 s (the reader "
+            "is not reading)); dropping lines until it can"
+        ]
+        os.set_blocking(read_end, False)
+        received = b""
+        while chunk := reader.read(65536):  # None once empty
+            received += chunk
+        delivered = received.decode().splitlines()
+        assert delivered == lines[: len(delivered)]  # whole lines, in order
+        assert writer.dropped == len(lines) - len(delivered) > 0
+        write_access_line("again")
+        flush_access_log()
+        assert reader.read(65536) == b"again\n"
+        assert (
+            f"access log stdout: writing again; {writer.dropped} lines were dropped"
+            in caplog.text
+        )
+        shutdown_logging()
+
+
+WRITER_SCRIPT = """
+import json, sys
+from tlsedge._accesslog import write_access_line
+from tlsedge._logging import setup_logging
+setup_logging("info", "text", "stdout")
+tag, count = sys.argv[1], int(sys.argv[2])
+for i in range(count):
+    pad = "x" * (i * 37 % 700)
+    write_access_line(json.dumps({"p": tag, "i": i, "pad": pad}, separators=(",", ":")))
+# no shutdown_logging(): the rest is written at interpreter exit
+"""
+
+
+def test_two_processes_on_one_pipe_never_interleave_mid_line() -> None:
+    count = 3000
+    read_end, write_end = os.pipe()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER_SCRIPT, tag, str(count)],
+            stdout=write_end,
+            env=env,
+        )
+        for tag in ("a", "b")
+    ]
+    os.close(write_end)
+    with open(read_end, "rb") as reader:
+        output = reader.read()
+    assert [p.wait(timeout=60) for p in processes] == [0, 0]
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+    for line in output.decode().splitlines():
+        record = json.loads(line)  # an interleaved line would not parse
+        assert record["pad"] == "x" * (record["i"] * 37 % 700)
+        seen[record["p"]].append(record["i"])
+    assert seen == {"a": list(range(count)), "b": list(range(count))}
+    assert len(output) > 4 * 65536  # more than the pipe holds: writers raced
 
 
 # --- through an Edge: a garbage PROXY header ----------------------------------------
