@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, fields
 from typing import Final
 
-from tlsedge._accesslog import format_time
+from tlsedge._accesslog import access_log_enabled, format_time, write_access_line
 from tlsedge._termination import Termination
 
-__all__ = ["ACCESS_LOGGER", "HttpConnectionResult", "RequestLog"]
-
-ACCESS_LOGGER: Final = logging.getLogger("tlsedge.access")
+__all__ = ["HttpConnectionResult", "RequestLog"]
 
 
 @dataclass(slots=True)
@@ -74,7 +71,7 @@ class RequestLog:
 
     def emit(self) -> None:
         """Write the line (if the access logger is enabled)."""
-        if not ACCESS_LOGGER.isEnabledFor(logging.INFO):
+        if not access_log_enabled():
             return
         line: dict[str, object] = {"type": "http"}
         for name in _REQUEST_LOG_FIELDS:
@@ -84,7 +81,7 @@ class RequestLog:
             value = line[key]
             if isinstance(value, float):
                 line[key] = round(value, 6)
-        ACCESS_LOGGER.info("%s", _ENCODE(line))
+        write_access_line(_ENCODE(line))
 
 
 _REQUEST_LOG_FIELDS: Final = tuple(f.name for f in fields(RequestLog))
