@@ -49,6 +49,8 @@ import ssl
 
 import trio
 
+from tlsedge import _sockio as sockio
+
 __all__ = ["TLSStream"]
 
 #: How much to read from the transport at once (one TLS record is <= 16 KiB
@@ -160,7 +162,7 @@ class TLSStream(trio.abc.HalfCloseableStream):
             # out here.
             while data := self._outgoing.read():
                 try:
-                    await self.transport_stream.send_all(data)
+                    await sockio.send_all(self.transport_stream, data)
                 except trio.ClosedResourceError:
                     if self._state is _State.CLOSED:
                         raise
@@ -189,7 +191,9 @@ class TLSStream(trio.abc.HalfCloseableStream):
     async def _feed(self) -> None:
         """Read the transport into the engine (EOF is passed on too)."""
         try:
-            data = await self.transport_stream.receive_some(TRANSPORT_RECEIVE_SIZE)
+            data = await sockio.receive_some(
+                self.transport_stream, TRANSPORT_RECEIVE_SIZE
+            )
         except trio.ClosedResourceError:
             if self._state is _State.CLOSED:
                 raise

@@ -77,6 +77,7 @@ from typing import Final
 
 import trio
 
+from tlsedge import _sockio as sockio
 from tlsedge._accesslog import format_address
 from tlsedge._balancer import Server, ServerLease
 from tlsedge._config import HttpConfig, ListenerConfig
@@ -276,7 +277,7 @@ class _HttpConnection:
     async def receive_client(self) -> bytes:
         """Read from the client into the session (``b""``: it closed)."""
         try:
-            data = bytes(await self.client.receive_some(READ_SIZE))
+            data = await sockio.receive_some(self.client, READ_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise _ClientGoneError(f"client read failed: {exc}") from exc
         self.result.bytes_from_client += len(data)
@@ -288,7 +289,7 @@ class _HttpConnection:
         if not data:
             return
         try:
-            await self.client.send_all(data)
+            await sockio.send_all(self.client, data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise _ClientGoneError(f"client write failed: {exc}") from exc
         self.result.bytes_to_client += len(data)
@@ -747,7 +748,7 @@ class _HttpConnection:
     async def _send_upstream(self, ex: _Exchange, data: bytes) -> None:
         """Write to the upstream; the caller's scope bounds the wait."""
         try:
-            await ex.upstream.stream.send_all(data)
+            await sockio.send_all(ex.upstream.stream, data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise _UpstreamGoneError(f"upstream write failed: {exc}") from exc
 
@@ -881,7 +882,7 @@ class _HttpConnection:
             if event is not NEED_DATA:
                 return event
             try:
-                data = bytes(await ex.upstream.stream.receive_some(READ_SIZE))
+                data = await sockio.receive_some(ex.upstream.stream, READ_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise UpstreamError(
                     f"upstream read failed: {exc}", empty=not conn.received

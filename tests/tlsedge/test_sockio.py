@@ -1,0 +1,104 @@
+"""Socket I/O that waits only when it must, over real socket pairs."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+import trio
+import trio.testing
+
+from tlsedge import _sockio as sockio
+
+
+def stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    a, b = trio.socket.socketpair()
+    return trio.SocketStream(a), trio.SocketStream(b)
+
+
+async def test_data_both_ways_and_eof() -> None:
+    left, right = stream_pair()
+    async with left, right:
+        await sockio.send_all(left, b"hello")
+        assert await sockio.receive_some(right, 100) == b"hello"
+        await left.send_eof()
+        assert await sockio.receive_some(right, 100) == b""
+
+
+async def test_a_large_send_waits_for_the_reader() -> None:
+    left, right = stream_pair()
+    payload = bytes(range(256)) * 40_000  # far more than the socket buffers
+    received = bytearray()
+
+    async def read_all() -> None:
+        while len(received) < len(payload):
+            received.extend(await sockio.receive_some(right, 65536))
+
+    async with left, right, trio.open_nursery() as nursery:
+        nursery.start_soon(read_all)
+        await sockio.send_all(left, payload)
+    assert received == payload
+
+
+async def test_a_waiting_read_is_cancellable_and_resumes_with_data() -> None:
+    left, right = stream_pair()
+    async with left, right:
+        with trio.move_on_after(0.05) as scope:
+            await sockio.receive_some(right, 10)
+        assert scope.cancelled_caught
+        await sockio.send_all(left, b"x")
+        assert await sockio.receive_some(right, 10) == b"x"
+
+
+async def test_an_operation_that_did_not_wait_still_honours_cancellation() -> None:
+    left, right = stream_pair()
+    async with left, right:
+        await sockio.send_all(left, b"ready")
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            with pytest.raises(trio.Cancelled):
+                await sockio.receive_some(right, 10)
+
+
+async def test_operations_that_never_wait_still_let_others_run() -> None:
+    left, right = stream_pair()
+    ran = trio.Event()
+
+    async def other() -> None:
+        ran.set()
+
+    async with left, right, trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        for _ in range(sockio.FAIR_SHARE):
+            await sockio.send_all(left, b"x")
+            await sockio.receive_some(right, 10)
+        assert ran.is_set()
+
+
+async def test_closed_socket_and_reset_peer() -> None:
+    left, right = stream_pair()
+    await left.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await sockio.receive_some(left, 10)
+    with pytest.raises(trio.ClosedResourceError):
+        await sockio.send_all(left, b"x")
+    await right.aclose()
+    # A TCP peer that resets: the read fails as a broken stream.
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = await trio.open_tcp_stream(*listener.getsockname())
+    server_sock, _ = await listener.accept()
+    server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    server_sock.close()
+    with pytest.raises(trio.BrokenResourceError):
+        await sockio.receive_some(client, 10)
+    await client.aclose()
+    listener.close()
+
+
+async def test_other_streams_use_their_own_methods() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    await sockio.send_all(left, b"abc")
+    assert await sockio.receive_some(right, 10) == b"abc"
