@@ -155,8 +155,18 @@ class TLSStream(trio.abc.HalfCloseableStream):
         return trio.BrokenResourceError(f"TLS connection failed: {exc}")
 
     async def _flush(self) -> None:
-        """Send every record the engine has produced, in order."""
-        async with self._flush_lock:
+        """Send every record the engine has produced, in order.
+
+        An uncontended lock is taken without a checkpoint (the caller's
+        operation has its own): `sockio.send_all` then yields only if the
+        transport makes it wait.
+        """
+        lock = self._flush_lock
+        if lock.locked():
+            await lock.acquire()
+        else:
+            lock.acquire_nowait()
+        try:
             # Loop: records the receiving side produced while this send was
             # blocked (it does not wait for the lock, see _flush_if_idle) go
             # out here.
@@ -175,6 +185,8 @@ class TLSStream(trio.abc.HalfCloseableStream):
                     if self._state is _State.OK:
                         self._state = _State.BROKEN
                     raise
+        finally:
+            lock.release()
 
     async def _flush_if_idle(self) -> None:
         """Flush from the receiving side, unless a send is flushing already.

@@ -72,7 +72,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 import trio
@@ -160,12 +160,26 @@ class _Upstream:
         return self.lease.server
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Failure:
     termination: str
     detail: str
     status: int | None  # the error response, if none was started
     retryable: bool = False  # upstream failed before any response byte
+
+
+_UPSTREAM_WRITE_STALLED: Final = _Failure(
+    Termination.SERVER_ERROR,
+    "upstream did not read for idle_timeout",
+    502,
+    retryable=True,
+)
+_CLIENT_READ_STALLED: Final = _Failure(
+    Termination.CLIENT_ERROR, "client did not read for idle_timeout", None
+)
+_UPSTREAM_READ_STALLED: Final = _Failure(
+    Termination.SERVER_ABORTED, "upstream response stalled for idle_timeout", None
+)
 
 
 @dataclass(slots=True)
@@ -177,9 +191,10 @@ class _Exchange:
     upstream: _Upstream
     log: RequestLog
     started: float
-    #: The exchange's deadline; `armed` is the failure when it passes.
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    armed: _Failure | None = None
+    #: The exchange's deadline, first for sending the request head;
+    #: `armed` is the failure when it passes.
+    scope: trio.CancelScope
+    armed: _Failure
     nursery_scope: trio.CancelScope | None = None
     #: When the response head is due: ``response_timeout`` after the
     #: request is sent (`_HttpConnection._request_sent`).
@@ -196,12 +211,22 @@ class _Exchange:
             self.failure = failure
 
     def arm(self, seconds: float, failure: _Failure) -> None:
-        self.scope.deadline = trio.current_time() + seconds
+        """The deadline *seconds* from now; *failure* when it passes.
+
+        A deadline within 1/64 of *seconds* of the current one is left as it
+        is (moving a registered deadline costs more than the rest of a write):
+        a timeout may fire that much early or late.
+        """
+        deadline = trio.current_time() + seconds
+        if abs(deadline - self.scope.deadline) > seconds / 64:
+            self.scope.deadline = deadline
         self.armed = failure
 
     def await_head(self, response_timeout: float) -> None:
         """Arm the response head's deadline (infinite until the request is sent)."""
-        self.scope.deadline = self.head_deadline
+        deadline = self.head_deadline
+        if abs(deadline - self.scope.deadline) > response_timeout / 64:
+            self.scope.deadline = deadline
         self.armed = _Failure(
             Termination.RESPONSE_TIMEOUT,
             f"no response within response_timeout ({response_timeout:g} s)",
@@ -372,27 +397,32 @@ class _HttpConnection:
         session = self.session
         limits = self.http
         idle = not session.buffered
-        with trio.CancelScope() as scope:
-            if idle:
-                if first:
-                    scope.deadline = self.started + limits.request_header_timeout
-                else:
-                    scope.deadline = trio.current_time() + limits.keepalive_timeout
-                    self.idle_scope = scope
-                    if self.drain.is_set():
-                        scope.cancel()
+        if not idle:  # pipelined: the request began with the previous one's end
+            self._request_begins(first)
+            deadline = self.request_started + limits.request_header_timeout
+        elif first:
+            deadline = self.started + limits.request_header_timeout
+        else:
+            deadline = trio.current_time() + limits.keepalive_timeout
+        with trio.CancelScope(deadline=deadline) as scope:
+            if idle and not first:
+                self.idle_scope = scope
+                if self.drain.is_set():
+                    scope.cancel()
             try:
                 while True:
+                    event = session.next_event()
+                    if event is not NEED_DATA:
+                        break
                     if idle and session.buffered:
+                        # Part of a head: the rest is due within
+                        # request_header_timeout.
                         idle = False
                         self.idle_scope = None
                         self._request_begins(first)
                         scope.deadline = (
                             self.request_started + limits.request_header_timeout
                         )
-                    event = session.next_event()
-                    if event is not NEED_DATA:
-                        break
                     await self.receive_client()
             finally:
                 self.idle_scope = None
@@ -584,12 +614,15 @@ class _HttpConnection:
                 upstream=upstream,
                 log=log,
                 started=started,
+                scope=trio.CancelScope(
+                    deadline=trio.current_time() + self.listener.idle_timeout
+                ),
+                armed=_UPSTREAM_WRITE_STALLED,
             )
             self.in_flight = upstream
             with ex.scope:
                 await self._proxy(ex, target, headers, body)
             if ex.scope.cancelled_caught:
-                assert ex.armed is not None
                 ex.fail(ex.armed)
             failure = ex.failure
             retry = (
@@ -762,15 +795,6 @@ class _HttpConnection:
             headers = [*headers, (b"Host", server_name.encode("ascii"))]
         data = ex.conn.request_head(target, headers, body)
         prefix, ex.upstream.prefix = ex.upstream.prefix, b""
-        ex.arm(
-            self.listener.idle_timeout,
-            _Failure(
-                Termination.SERVER_ERROR,
-                "upstream did not read for idle_timeout",
-                502,
-                retryable=True,
-            ),
-        )
         try:
             await self._send_upstream(ex, prefix + data)
         except _UpstreamGoneError as exc:
@@ -939,12 +963,7 @@ class _HttpConnection:
 
     async def _send_client_armed(self, ex: _Exchange, data: bytes) -> None:
         """Write to the client, the exchange's deadline set to ``idle_timeout``."""
-        ex.arm(
-            self.listener.idle_timeout,
-            _Failure(
-                Termination.CLIENT_ERROR, "client did not read for idle_timeout", None
-            ),
-        )
+        ex.arm(self.listener.idle_timeout, _CLIENT_READ_STALLED)
         await self.send_client(data, ex.log)
 
     async def _switch(
@@ -983,11 +1002,6 @@ class _HttpConnection:
         )
         ex.response_started = True
         trailers_ok = response.body is BodyKind.CHUNKED
-        stalled = _Failure(
-            Termination.SERVER_ABORTED,
-            "upstream response stalled for idle_timeout",
-            None,
-        )
         conn = ex.conn
         # What the exchange already has of the response (usually all of a
         # small one) goes out with the head in one write; we write before
@@ -1001,7 +1015,7 @@ class _HttpConnection:
             if event is NEED_DATA:
                 await self._send_client_armed(ex, pending)
                 pending = b""
-                ex.arm(self.listener.idle_timeout, stalled)
+                ex.arm(self.listener.idle_timeout, _UPSTREAM_READ_STALLED)
                 event = await self._next_upstream_event(ex)
             if isinstance(event, Body):
                 pending += session.send_data(event.data)
