@@ -41,26 +41,26 @@ _BUDGET: Final = _Budget()
 
 
 async def _did_not_wait() -> None:
-    _BUDGET.not_waited += 1
-    if _BUDGET.not_waited >= FAIR_SHARE:
-        _BUDGET.not_waited = 0
+    budget = _BUDGET
+    budget.not_waited += 1
+    if budget.not_waited >= FAIR_SHARE:
+        budget.not_waited = 0
         await trio.lowlevel.cancel_shielded_checkpoint()
     else:
         await trio.lowlevel.checkpoint_if_cancelled()
 
 
-def _fileno(stream: trio.SocketStream) -> int:
-    fd = stream.socket.fileno()
-    if fd < 0:
-        raise trio.ClosedResourceError("the socket was closed")
-    return fd
+def _closed() -> trio.ClosedResourceError:
+    return trio.ClosedResourceError("the socket was closed")
 
 
 async def receive_some(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:
     """``stream.receive_some(max_bytes)``; ``b""`` at EOF."""
     if type(stream) is not trio.SocketStream:
         return bytes(await stream.receive_some(max_bytes))
-    fd = _fileno(stream)
+    fd = stream.socket.fileno()
+    if fd < 0:
+        raise _closed()
     try:
         data = os.read(fd, max_bytes)
     except BlockingIOError:
@@ -72,8 +72,11 @@ async def receive_some(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:
         return data
     while True:
         await trio.lowlevel.wait_readable(fd)
+        fd = stream.socket.fileno()
+        if fd < 0:
+            raise _closed()
         try:
-            return os.read(_fileno(stream), max_bytes)
+            return os.read(fd, max_bytes)
         except BlockingIOError:
             continue
         except OSError as exc:
@@ -85,7 +88,9 @@ async def send_all(stream: trio.abc.SendStream, data: bytes) -> None:
     if type(stream) is not trio.SocketStream:
         await stream.send_all(data)
         return
-    fd = _fileno(stream)
+    fd = stream.socket.fileno()
+    if fd < 0:
+        raise _closed()
     view = memoryview(data)
     waited = False
     while view:
@@ -94,11 +99,13 @@ async def send_all(stream: trio.abc.SendStream, data: bytes) -> None:
         except BlockingIOError:
             waited = True
             await trio.lowlevel.wait_writable(fd)
-            fd = _fileno(stream)
+            fd = stream.socket.fileno()
+            if fd < 0:
+                raise _closed() from None
             continue
         except OSError as exc:
             if exc.errno == errno.EBADF:
-                raise trio.ClosedResourceError("the socket was closed") from exc
+                raise _closed() from exc
             raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc
         view = view[sent:]
     if not waited:

@@ -963,8 +963,15 @@ class _HttpConnection:
 
     async def _send_client_armed(self, ex: _Exchange, data: bytes) -> None:
         """Write to the client, the exchange's deadline set to ``idle_timeout``."""
+        if not data:
+            return
         ex.arm(self.listener.idle_timeout, _CLIENT_READ_STALLED)
-        await self.send_client(data, ex.log)
+        try:
+            await sockio.send_all(self.client, data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise _ClientGoneError(f"client write failed: {exc}") from exc
+        self.result.bytes_to_client += len(data)
+        ex.log.bytes_out += len(data)
 
     async def _switch(
         self, ex: _Exchange, reason: bytes, headers: list[Header]
