@@ -1,0 +1,248 @@
+"""The upstream exchange, byte by byte (no sockets), and against h11 as the oracle."""
+
+from __future__ import annotations
+
+import h11
+import pytest
+from hypothesis import given, strategies as st
+
+from tlsedge._http.body import BodyKind
+from tlsedge._http.events import (
+    NEED_DATA,
+    Body,
+    EndOfBody,
+    Informational,
+    Response,
+)
+from tlsedge._http.exchange import (
+    MAX_RESPONSE_HEAD_BYTES,
+    UpstreamError,
+    UpstreamExchange,
+)
+
+Event = Informational | Response | Body | EndOfBody
+
+
+def answered(
+    data: bytes, *, method: bytes = b"GET", eof: bool = False
+) -> tuple[UpstreamExchange, list[Event]]:
+    exchange = UpstreamExchange(method=method)
+    exchange.request_head(b"/", [(b"Host", b"h")], BodyKind.NONE)
+    exchange.receive_data(data)
+    if eof:
+        exchange.receive_data(b"")
+    events: list[Event] = []
+    while True:
+        event = exchange.next_event()
+        if event is NEED_DATA:
+            return exchange, events
+        events.append(event)
+        if isinstance(event, EndOfBody):
+            return exchange, events
+
+
+def test_request_serialisation() -> None:
+    exchange = UpstreamExchange(method=b"POST")
+    head = exchange.request_head(
+        b"/x", [(b"Host", b"h"), (b"Transfer-Encoding", b"chunked")], BodyKind.CHUNKED
+    )
+    assert head == b"POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+    assert not exchange.request_complete
+    assert exchange.request_data(b"hello") == b"5\r\nhello\r\n"
+    assert exchange.request_end([(b"X-Sum", b"1")]) == b"0\r\nX-Sum: 1\r\n\r\n"
+    assert exchange.request_complete
+
+
+def test_content_length_response_is_reusable() -> None:
+    exchange, events = answered(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: keep-alive\r\n\r\nhello"
+    )
+    response = events[0]
+    assert isinstance(response, Response)
+    assert (response.head.status, response.body) == (200, BodyKind.LENGTH)
+    assert events[1:] == [Body(b"hello"), EndOfBody([])]
+    assert exchange.reusable
+
+
+def test_chunked_response_with_trailers_split_byte_by_byte() -> None:
+    data = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3\r\nabc\r\n0\r\nT: 1\r\n\r\n"
+    )
+    exchange = UpstreamExchange(method=b"GET")
+    exchange.request_head(b"/", [], BodyKind.NONE)
+    events: list[Event] = []
+    for byte in data:
+        exchange.receive_data(bytes([byte]))
+        while (event := exchange.next_event()) is not NEED_DATA:
+            events.append(event)
+    assert b"".join(e.data for e in events if isinstance(e, Body)) == b"abc"
+    assert events[-1] == EndOfBody([(b"T", b"1")])
+    assert exchange.reusable
+
+
+def test_body_until_close_ends_at_eof_and_is_not_reusable() -> None:
+    exchange, events = answered(b"HTTP/1.1 200 OK\r\n\r\nall of it", eof=True)
+    assert isinstance(events[0], Response)
+    assert events[0].body is BodyKind.UNTIL_CLOSE
+    assert events[1:] == [Body(b"all of it"), EndOfBody([])]
+    assert not exchange.reusable
+
+
+@pytest.mark.parametrize(
+    ("method", "status"), [(b"HEAD", 200), (b"GET", 204), (b"GET", 304)]
+)
+def test_responses_without_a_body(method: bytes, status: int) -> None:
+    exchange, events = answered(
+        b"HTTP/1.1 %d X\r\nContent-Length: 10\r\n\r\n" % status, method=method
+    )
+    assert isinstance(events[0], Response)
+    assert events[0].body is BodyKind.NONE
+    assert events[1:] == [EndOfBody([])]
+    assert exchange.reusable
+
+
+def test_informational_then_final_and_switching() -> None:
+    _, events = answered(
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    )
+    assert isinstance(events[0], Informational)
+    assert isinstance(events[1], Response)
+    exchange, events = answered(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n\x81\x00"
+    )
+    assert isinstance(events[0], Informational)
+    assert exchange.switched
+    assert exchange.trailing_data == b"\x81\x00"
+    assert exchange.next_event() is NEED_DATA  # no longer HTTP
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"HTTP/1.1 200 OK\nContent-Length: 0\n\n", "bare LF"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\n",
+            "more than one Content-Length",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n",
+            "both Content-Length and Transfer-Encoding",
+        ),
+        (b"HTTP/1.1 600 Odd\r\n\r\n", "status 600"),
+        (b"HTTP/2.0 200 OK\r\n\r\n", "version HTTP/2.0"),
+        (b"HTTP/1.1 200 OK\r\nX: a\r\n b\r\n\r\n", "obs-fold"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            "malformed chunk size",
+        ),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * MAX_RESPONSE_HEAD_BYTES, "larger than"),
+    ],
+)
+def test_responses_that_cannot_be_relayed(data: bytes, reason: str) -> None:
+    with pytest.raises(UpstreamError, match=reason) as info:
+        answered(data)
+    assert not info.value.empty
+
+
+def test_eof_before_anything_is_empty_and_after_some_bytes_is_not() -> None:
+    with pytest.raises(UpstreamError, match="before responding") as info:
+        answered(b"", eof=True)
+    assert info.value.empty
+    with pytest.raises(UpstreamError, match="inside a head") as info:
+        answered(b"HTTP/1.1 200", eof=True)
+    assert not info.value.empty
+    with pytest.raises(UpstreamError, match="mid-response"):
+        answered(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab", eof=True)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\nstray",
+    ],
+    ids=["connection-close", "http-1.0", "stray-bytes"],
+)
+def test_connections_that_cannot_be_reused(data: bytes) -> None:
+    exchange, events = answered(data)
+    assert events[-1] == EndOfBody([])
+    assert not exchange.reusable
+
+
+# -- h11 as the oracle ----------------------------------------------------------
+
+
+def h11_body(data: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "h")]))
+    conn.send(h11.EndOfMessage())
+    conn.receive_data(data)
+    conn.receive_data(b"")
+    status, body = 0, b""
+    while True:
+        event = conn.next_event()
+        if isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            return status, body, list(event.headers.raw_items())
+
+
+@st.composite
+def responses(draw: st.DrawFn) -> bytes:
+    body = draw(st.binary(max_size=60))
+    framing = draw(st.sampled_from(["length", "chunked", "close"]))
+    head = b"HTTP/1.1 %d OK\r\nServer: t\r\n" % draw(
+        st.sampled_from([200, 201, 404, 500])
+    )
+    if framing == "length":
+        return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    if framing == "close":
+        return head + b"\r\n" + body
+    chunks, rest = b"", body
+    while rest:
+        size = draw(st.integers(1, 17))
+        piece, rest = rest[:size], rest[size:]
+        chunks += b"%x\r\n%b\r\n" % (len(piece), piece)
+    trailer = draw(st.sampled_from([b"", b"Etag: x\r\n"]))
+    return (
+        head
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+        + chunks
+        + b"0\r\n"
+        + trailer
+        + b"\r\n"
+    )
+
+
+@given(responses(), st.lists(st.integers(0, 200), max_size=4))
+def test_response_streams_split_anywhere_agree_with_h11(
+    data: bytes, cuts: list[int]
+) -> None:
+    exchange = UpstreamExchange(method=b"GET")
+    exchange.request_head(b"/", [(b"Host", b"h")], BodyKind.NONE)
+    status, body, trailers = 0, b"", []
+    bounds = sorted({min(c, len(data)) for c in cuts} | {len(data)})
+    start = 0
+    pieces = []
+    for stop in bounds:
+        if stop > start:
+            pieces.append(data[start:stop])
+        start = stop
+    done = False
+    for piece in [*pieces, b""]:
+        exchange.receive_data(piece)
+        while not done and (event := exchange.next_event()) is not NEED_DATA:
+            if isinstance(event, Response):
+                status = event.head.status
+            elif isinstance(event, Body):
+                body += event.data
+            elif isinstance(event, EndOfBody):
+                trailers = event.trailers
+                done = True
+    assert done
+    assert (status, body, trailers) == h11_body(data)
