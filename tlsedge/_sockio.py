@@ -40,14 +40,14 @@ class _Budget:
 _BUDGET: Final = _Budget()
 
 
-async def _did_not_wait() -> None:
+def _must_yield() -> bool:
+    """Count an operation that did not wait; True once per `FAIR_SHARE`."""
     budget = _BUDGET
     budget.not_waited += 1
-    if budget.not_waited >= FAIR_SHARE:
-        budget.not_waited = 0
-        await trio.lowlevel.cancel_shielded_checkpoint()
-    else:
-        await trio.lowlevel.checkpoint_if_cancelled()
+    if budget.not_waited < FAIR_SHARE:
+        return False
+    budget.not_waited = 0
+    return True
 
 
 def _closed() -> trio.ClosedResourceError:
@@ -68,7 +68,10 @@ async def receive_some(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:
     except OSError as exc:
         raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
     else:
-        await _did_not_wait()
+        if _must_yield():
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         return data
     while True:
         await trio.lowlevel.wait_readable(fd)
@@ -108,5 +111,9 @@ async def send_all(stream: trio.abc.SendStream, data: bytes) -> None:
                 raise _closed() from exc
             raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc
         view = view[sent:]
-    if not waited:
-        await _did_not_wait()
+    if waited:
+        return
+    if _must_yield():
+        await trio.lowlevel.cancel_shielded_checkpoint()
+    else:
+        await trio.lowlevel.checkpoint_if_cancelled()

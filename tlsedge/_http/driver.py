@@ -222,16 +222,14 @@ class _Exchange:
             self.scope.deadline = deadline
         self.armed = failure
 
-    def await_head(self, response_timeout: float) -> None:
-        """Arm the response head's deadline (infinite until the request is sent)."""
+    def await_head(self, failure: _Failure, response_timeout: float) -> None:
+        """Arm the response head's deadline (infinite until the request is
+        sent); *failure* is the connection's response-timeout failure. As in
+        `arm`, a change smaller than 1/64 of the timeout is skipped."""
         deadline = self.head_deadline
         if abs(deadline - self.scope.deadline) > response_timeout / 64:
             self.scope.deadline = deadline
-        self.armed = _Failure(
-            Termination.RESPONSE_TIMEOUT,
-            f"no response within response_timeout ({response_timeout:g} s)",
-            504,
-        )
+        self.armed = failure
 
 
 class _HttpConnection:
@@ -294,6 +292,11 @@ class _HttpConnection:
         self.request_started = self.started
         self.request_start_time = time.time()
         self.idle_scope: trio.CancelScope | None = None
+        self._response_timeout_failure = _Failure(
+            Termination.RESPONSE_TIMEOUT,
+            f"no response within response_timeout ({self.http.response_timeout:g} s)",
+            504,
+        )
         self.dedicated: _Upstream | None = None  # with send_proxy
         self.in_flight: _Upstream | None = None
 
@@ -807,7 +810,9 @@ class _HttpConnection:
             return
         async with trio.open_nursery() as nursery:
             ex.nursery_scope = nursery.cancel_scope
-            ex.await_head(self.http.response_timeout)  # no deadline until sent
+            ex.await_head(
+                self._response_timeout_failure, self.http.response_timeout
+            )  # no deadline until sent
             nursery.start_soon(self._pump_request_body, ex)
             await self._pump_response(ex)
             if not self.session.request_read:
@@ -823,7 +828,7 @@ class _HttpConnection:
         if ex.head_received:
             return
         ex.head_deadline = trio.current_time() + self.http.response_timeout
-        ex.await_head(self.http.response_timeout)
+        ex.await_head(self._response_timeout_failure, self.http.response_timeout)
 
     def _body_deadline(self, ex: _Exchange) -> float:
         """When the request body is too slow (``request_body_min_rate``)."""
@@ -915,11 +920,34 @@ class _HttpConnection:
 
     async def _pump_response(self, ex: _Exchange) -> None:
         """Upstream -> client: 1xx, the head, the body; or record the failure."""
+        session = self.session
         try:
-            response = await self._read_response_head(ex)
-            if response is None:
-                return
-            await self._forward_response(ex, response)
+            while True:
+                event = await self._next_upstream_event(ex)
+                if isinstance(event, Response):
+                    break
+                assert isinstance(event, Informational), event
+                head = event.head
+                if head.status == 101:
+                    await self._switch(ex, head.reason, head.headers)
+                    return
+                if head.status == 100:
+                    if not session.expects_continue:
+                        continue
+                elif ex.head.version != b"1.1":
+                    continue
+                data = session.send_informational(
+                    head.status,
+                    reason_phrase(head.status, head.reason),
+                    strip_hop_by_hop(head.headers, keep_upgrade=False),
+                )
+                await self._send_client_armed(ex, data)
+                ex.await_head(
+                    self._response_timeout_failure, self.http.response_timeout
+                )
+            ex.head_received = True
+            ex.log.first_byte = trio.current_time() - ex.started
+            await self._forward_response(ex, event)
         except UpstreamError as exc:
             if ex.response_started:
                 ex.fail(_Failure(Termination.SERVER_ABORTED, str(exc), None))
@@ -933,33 +961,6 @@ class _HttpConnection:
             ex.fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
         if ex.failure is not None and ex.nursery_scope is not None:
             ex.nursery_scope.cancel()
-
-    async def _read_response_head(self, ex: _Exchange) -> Response | None:
-        session = self.session
-        while True:
-            event = await self._next_upstream_event(ex)
-            if isinstance(event, Informational):
-                head = event.head
-                if head.status == 101:
-                    await self._switch(ex, head.reason, head.headers)
-                    return None
-                if head.status == 100:
-                    if not session.expects_continue:
-                        continue
-                elif ex.head.version != b"1.1":
-                    continue
-                data = session.send_informational(
-                    head.status,
-                    reason_phrase(head.status, head.reason),
-                    strip_hop_by_hop(head.headers, keep_upgrade=False),
-                )
-                await self._send_client_armed(ex, data)
-                ex.await_head(self.http.response_timeout)
-                continue
-            assert isinstance(event, Response), event
-            ex.head_received = True
-            ex.log.first_byte = trio.current_time() - ex.started
-            return event
 
     async def _send_client_armed(self, ex: _Exchange, data: bytes) -> None:
         """Write to the client, the exchange's deadline set to ``idle_timeout``."""
