@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import functools
 import io
 import json
 import logging
@@ -97,7 +98,13 @@ def format_time(timestamp: float) -> str:
     """
     millis = math.floor(timestamp * 1000)
     seconds, millis = divmod(millis, 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+    return f"{_second_text(seconds)}.{millis:03d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _second_text(seconds: int) -> str:
+    """``2026-11-23T19:50:01``: the lines of one second share it (cached)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
 @dataclass(slots=True)
