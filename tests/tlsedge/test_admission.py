@@ -112,6 +112,7 @@ def test_clients_without_an_ip_address_are_in_no_network() -> None:
 
 addresses_v4 = st.integers(0, 2**32 - 1).map(ipaddress.IPv4Address)
 addresses_v6 = st.integers(0, 2**128 - 1).map(ipaddress.IPv6Address)
+addresses_mapped = addresses_v4.map(lambda a: ipaddress.IPv6Address(f"::ffff:{a}"))
 networks = st.one_of(
     st.tuples(addresses_v4, st.integers(0, 32)),
     st.tuples(addresses_v6, st.integers(0, 128)),
@@ -130,7 +131,9 @@ def _in_any(
 @given(
     allow=st.lists(networks, max_size=8),
     deny=st.lists(networks, max_size=8),
-    clients=st.lists(st.one_of(addresses_v4, addresses_v6), max_size=8),
+    clients=st.lists(
+        st.one_of(addresses_v4, addresses_v6, addresses_mapped), max_size=8
+    ),
 )
 def test_the_lookup_agrees_with_a_linear_scan(
     allow: list[Network], deny: list[Network], clients: list[Any]
