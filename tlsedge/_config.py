@@ -73,6 +73,7 @@ __all__ = [
 Network: TypeAlias = IPv4Network | IPv6Network
 ListenerMode: TypeAlias = Literal["tcp", "http"]
 UntrustedAction: TypeAlias = Literal["reject", "direct"]
+DeniedAction: TypeAlias = Literal["close", "403"]
 TlsPolicy: TypeAlias = Literal[
     "modern",
     "intermediate",
@@ -95,6 +96,7 @@ DiscoveryType: TypeAlias = Literal["A", "SRV"]
 
 LISTENER_MODES: Final[tuple[ListenerMode, ...]] = get_args(ListenerMode)
 UNTRUSTED_ACTIONS: Final[tuple[UntrustedAction, ...]] = get_args(UntrustedAction)
+DENIED_ACTIONS: Final[tuple[DeniedAction, ...]] = get_args(DeniedAction)
 TLS_POLICIES: Final[tuple[TlsPolicy, ...]] = get_args(TlsPolicy)
 CLIENT_AUTH_MODES: Final[tuple[ClientAuth, ...]] = get_args(ClientAuth)
 BALANCE_ALGORITHMS: Final[tuple[Balance, ...]] = get_args(Balance)
@@ -304,6 +306,12 @@ class ListenerConfig:
     idle_timeout: float = 60.0
     client_fin_timeout: float = 30.0  # how long a half-closed connection may linger
     max_connections: int = 10000
+    # Kubernetes' loadBalancerSourceRanges, judged on the real client (the
+    # trusted PROXY header's source, else the peer): admitted when in allow
+    # (or allow is empty) and not in deny.
+    allow: tuple[Network, ...] = ()
+    deny: tuple[Network, ...] = ()
+    denied: DeniedAction = "close"  # "403": answer refused HTTP clients (http mode)
     proxy_protocol: ProxyProtocolConfig | None = None
     tls: TlsConfig | None = None
     forwarded: ForwardedConfig = field(default_factory=ForwardedConfig)
@@ -882,8 +890,23 @@ def _http(t: _Table) -> HttpConfig:
     )
 
 
+_SCTP_REFUSED: Final = (
+    "SCTP is not supported: tlsedge relays TCP streams, PROXY v2 has no SCTP "
+    "transport to describe an association to the backend, and the kernels it "
+    "is built on lack SCTP (EPROTONOSUPPORT), so it could not be tested; "
+    "docs/sctp.md says what an SCTP listener would take"
+)
+
+
+def _mode(value: object, path: str) -> ListenerMode:
+    """A listener mode; SCTP (a Kubernetes Service protocol) is refused with why."""
+    if isinstance(value, str) and value.lower() == "sctp":
+        raise _fail(path, _SCTP_REFUSED)
+    return _one_of(LISTENER_MODES)(value, path)
+
+
 def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
-    mode = t.get("mode", _one_of(LISTENER_MODES))
+    mode = t.get("mode", _mode)
     for http_only in ("forwarded", "http"):
         if mode != "http" and http_only in t:
             raise _fail(
@@ -891,6 +914,13 @@ def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
                 'only applies with mode = "http" (a TCP relay does not read HTTP '
                 'headers); remove the table or set mode = "http"',
             )
+    denied = t.get("denied", _one_of(DENIED_ACTIONS))
+    if denied == "403" and mode != "http":
+        raise _fail(
+            t.sub("denied"),
+            f'"403" needs mode = "http" (a {mode} listener does not speak HTTP); '
+            'use "close" or set mode = "http"',
+        )
     return ListenerConfig(
         name=t.get("name", _name),
         bind=t.get("bind", _BIND),
@@ -899,6 +929,9 @@ def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
         idle_timeout=t.get("idle_timeout", _DURATION),
         client_fin_timeout=t.get("client_fin_timeout", _DURATION),
         max_connections=t.get("max_connections", _int_in(1)),
+        allow=t.get("allow", _array(_network, unique=True)),
+        deny=t.get("deny", _array(_network, unique=True)),
+        denied=denied,
         proxy_protocol=t.opt(
             "proxy_protocol", _section(ProxyProtocolConfig, _proxy_protocol)
         ),

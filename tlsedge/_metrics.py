@@ -84,6 +84,7 @@ MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 REFUSED_TERMINATIONS: Final = frozenset(
     {
         Termination.REJECTED,
+        Termination.DENIED,
         Termination.HEADER_ERROR,
         Termination.HEADER_TIMEOUT,
         Termination.TLS_ERROR,

@@ -21,10 +21,13 @@ One connection goes through the stages of DESIGN.md section 2, one module
 each, data flowing forward only:
 
   accept (here) -> PROXY unwrap (`tlsedge._unwrap`: policy from the peer
-  address, header within ``proxy_protocol.timeout``) -> TLS
-  (`tlsedge._tls_accept`) -> the mode: tcp (`tlsedge._tcp_mode`: connect a
-  server, send our PROXY header, relay with the half-close rules) or http
-  (`tlsedge._http`) -> close: one access-log line with the termination cause.
+  address, header within ``proxy_protocol.timeout``) -> admission (the
+  listener's ``allow``/``deny`` networks judge the real client,
+  `tlsedge._admission`; a denied client is closed here, or answered 403 after
+  TLS with ``denied = "403"``) -> TLS (`tlsedge._tls_accept`) -> the mode:
+  tcp (`tlsedge._tcp_mode`: connect a server, send our PROXY header, relay
+  with the half-close rules) or http (`tlsedge._http`) -> close: one
+  access-log line with the termination cause.
 
 Bytes a stage read past its own data (what followed a PROXY header) go to the
 next stage as its ``initial_data``, whatever that stage is. A stage that
@@ -59,6 +62,7 @@ import trio
 from proxyproto import Policy, TrustPolicy
 from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admin import AdminServer, bind_admin
+from tlsedge._admission import AccessRules
 from tlsedge._config import Config, ConfigError, ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._http.driver import serve_http
@@ -113,6 +117,20 @@ _REFUSAL_LOG_LEVELS = {
 }
 
 
+# The answer of ``denied = "403"``, and how long (and how many bytes) the
+# client may go on sending before the close; see `_answer_forbidden`.
+_FORBIDDEN = (
+    b"HTTP/1.1 403 Forbidden\r\n"
+    b"Content-Type: text/plain\r\n"
+    b"Content-Length: 10\r\n"
+    b"Connection: close\r\n"
+    b"\r\n"
+    b"Forbidden\n"
+)
+_DENIED_LINGER = 2.0
+_DENIED_LINGER_BYTES = 65536
+
+
 @dataclass(frozen=True, slots=True)
 class _ListenerState:
     """What a new connection on a listener is served with; replaced on reload,
@@ -121,6 +139,7 @@ class _ListenerState:
     config: ListenerConfig
     trust: TrustPolicy | None
     tls: ServerTLS | None
+    access: AccessRules | None  # None: no allow or deny networks
 
 
 @dataclass(slots=True)
@@ -229,7 +248,52 @@ def _listener_state(config: ListenerConfig, path: str) -> _ListenerState:
     tls = None
     if config.tls is not None:
         tls = load_listener_tls(config.tls, f"{path}.tls")
-    return _ListenerState(config=config, trust=_trust_policy(config), tls=tls)
+    access = None
+    if config.allow or config.deny:
+        access = AccessRules(config.allow, config.deny)
+    return _ListenerState(
+        config=config, trust=_trust_policy(config), tls=tls, access=access
+    )
+
+
+def _admission(state: _ListenerState, unwrapped: Unwrapped) -> Refused | None:
+    """The refusal of a client the listener's ``allow``/``deny`` networks deny.
+
+    A connection whose trusted PROXY header names no client (LOCAL, v1
+    UNKNOWN) is the load balancer's own (its health check): admitted, as its
+    peer is in ``proxy_protocol.trusted`` and could name any source anyway.
+    """
+    if state.access is None or unwrapped.health_check:
+        return None
+    client = unwrapped.client
+    verdict = state.access.check(None if client is None else client[0])
+    if verdict.admitted:
+        return None
+    return Refused(Termination.DENIED, verdict.reason)
+
+
+async def _answer_forbidden(
+    client: trio.abc.HalfCloseableStream, log: ConnectionLog
+) -> None:
+    """Answer a denied HTTP client 403 and close (``denied = "403"``).
+
+    No request is parsed: the answer goes out at once, then what the client
+    still sends (its request) is read and dropped until it closes, for up to
+    `_DENIED_LINGER` s: closing with unread bytes would reset the connection,
+    and the reset can destroy the answer before the client read it.
+    """
+    with trio.move_on_after(_DENIED_LINGER):
+        try:
+            await client.send_all(_FORBIDDEN)
+            log.bytes_from_server = len(_FORBIDDEN)
+            await client.send_eof()
+            while log.bytes_from_client < _DENIED_LINGER_BYTES:
+                chunk = await client.receive_some(_DENIED_LINGER_BYTES)
+                if not chunk:
+                    break
+                log.bytes_from_client += len(chunk)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went first: nothing more to say to it
 
 
 def _trust_policy(config: ListenerConfig) -> TrustPolicy | None:
@@ -706,7 +770,10 @@ class Edge:
             )
         log.client = format_address(unwrapped.client)
         log.destination = format_address(unwrapped.destination)
-        client: trio.abc.Stream = stream
+        denial = _admission(state, unwrapped)
+        if denial is not None and config.denied == "close":
+            raise denial  # before TLS: a denied client gets no ServerHello
+        client: trio.abc.HalfCloseableStream = stream
         leftover = unwrapped.leftover
         tls: SSLFacts | None = None
         if state.tls is not None and config.tls is not None:
@@ -720,6 +787,10 @@ class Edge:
             leftover = b""
             log.tls = f"{tls.version} {tls.cipher}"
             log.sni = tls.server_name
+        if denial is not None:
+            log.bytes_from_client = len(leftover)
+            await _answer_forbidden(client, log)
+            raise Refused(denial.termination, f"{denial.detail}; answered 403")
         downstream = Downstream(
             id=log.id,
             listener=config.name,

@@ -25,6 +25,9 @@ class Termination(enum.StrEnum):
     # -- refused before any byte was relayed ---------------------------------
     REJECTED = "rejected"
     """The PROXY trust policy refuses the peer."""
+    DENIED = "denied"
+    """The listener's ``allow``/``deny`` networks refuse the real client
+    (closed before TLS, or answered 403 with ``denied = "403"``)."""
     HEADER_TIMEOUT = "header_timeout"
     """No complete PROXY header within ``proxy_protocol.timeout``."""
     HEADER_ERROR = "header_error"

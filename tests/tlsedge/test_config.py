@@ -59,6 +59,9 @@ backend = "found"
 idle_timeout = 120.5
 client_fin_timeout = 15.0
 max_connections = 5000
+allow = ["203.0.113.0/24", "2001:db8::/32"]
+deny = ["203.0.113.66"]
+denied = "403"
 
 [listeners.proxy_protocol]
 versions = [2]
@@ -166,6 +169,9 @@ FULL_EXPECTED = Config(
             idle_timeout=120.5,
             client_fin_timeout=15.0,
             max_connections=5000,
+            allow=(ip_network("203.0.113.0/24"), ip_network("2001:db8::/32")),
+            deny=(ip_network("203.0.113.66/32"),),
+            denied="403",
             proxy_protocol=ProxyProtocolConfig(
                 versions=frozenset({2}),
                 trusted=(
@@ -329,6 +335,9 @@ def test_minimal_config_gets_every_default() -> None:
     assert listener.idle_timeout == 60.0
     assert listener.client_fin_timeout == 30.0
     assert listener.max_connections == 10000
+    assert listener.allow == ()  # everyone
+    assert listener.deny == ()
+    assert listener.denied == "close"
     assert listener.proxy_protocol is None
     assert listener.tls is None
     assert listener.forwarded == ForwardedConfig()
@@ -420,6 +429,8 @@ name = "public"
 bind = "0.0.0.0:8443"
 mode = "http"
 backend = "app"
+allow = ["0.0.0.0/0", "::/0"]
+deny = []
 idle_timeout = 60.0
 client_fin_timeout = 30.0
 max_connections = 10000
@@ -632,6 +643,47 @@ ERRORS: list[tuple[str, str]] = [
     (
         listener(mode="true") + B,
         "listeners[0].mode: expected one of 'tcp', 'http', got a boolean (true)",
+    ),
+    # client source ranges
+    (
+        listener(allow='["10.0.0.0/8", "office"]') + B,
+        "listeners[0].allow[1]: expected an IP address or a CIDR like "
+        "'10.0.0.0/8', got 'office'",
+    ),
+    (
+        listener(allow='["2001:db8::1/32"]') + B,
+        "listeners[0].allow[0]: '2001:db8::1/32' has host bits set; did you mean "
+        "'2001:db8::/32'?",
+    ),
+    (
+        listener(allow='["10.0.0.0/8", "10.0.0.0/8"]') + B,
+        "listeners[0].allow[1]: duplicate entry '10.0.0.0/8'",
+    ),
+    (
+        listener(deny='["10.0.0.0/40"]') + B,
+        "listeners[0].deny[0]: expected an IP address or a CIDR like '10.0.0.0/8', "
+        "got '10.0.0.0/40'",
+    ),
+    (
+        listener(deny='"10.0.0.0/8"') + B,
+        "listeners[0].deny: expected an array, got a string ('10.0.0.0/8')",
+    ),
+    (
+        listener(deny="[10]") + B,
+        "listeners[0].deny[0]: expected a CIDR like '10.0.0.0/8', got an integer (10)",
+    ),
+    (
+        listener(denied='"404"') + B,
+        "listeners[0].denied: unknown denied '404'; choose one of 'close', '403'",
+    ),
+    (
+        listener(denied="403") + B,
+        "listeners[0].denied: expected one of 'close', '403', got an integer (403)",
+    ),
+    (
+        listener(denied='"403"') + B,
+        'listeners[0].denied: "403" needs mode = "http" (a tcp listener does not '
+        'speak HTTP); use "close" or set mode = "http"',
     ),
     (
         listener(idle_timeout="0") + B,
@@ -1263,6 +1315,39 @@ def test_unreadable_file(tmp_path: Path, name: str) -> None:
 
 
 # --- what a listener cannot serve: refused when the Config is built ------------
+
+
+@pytest.mark.parametrize("mode", ['"sctp"', '"SCTP"'])
+def test_sctp_is_refused_with_the_reason_and_the_doc(mode: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(listener(mode=mode) + B)
+    message = str(info.value)
+    assert message.startswith("listeners[0].mode: SCTP is not supported: ")
+    assert "PROXY v2 has no SCTP transport" in message
+    assert "EPROTONOSUPPORT" in message
+    assert message.endswith("docs/sctp.md says what an SCTP listener would take")
+    doc = Path(__file__).resolve().parents[2] / "docs/sctp.md"
+    assert doc.is_file()
+
+
+def test_source_ranges_of_both_families() -> None:
+    config = parse(
+        listener(
+            mode='"http"',
+            allow='["10.0.0.0/8", "2001:db8::/32", "192.0.2.7"]',
+            deny='["10.1.0.0/16", "::ffff:10.2.0.0/112"]',
+            denied='"403"',
+        )
+        + B
+    )
+    (lst,) = config.listeners
+    assert lst.allow == (
+        ip_network("10.0.0.0/8"),
+        ip_network("2001:db8::/32"),
+        ip_network("192.0.2.7/32"),
+    )
+    assert lst.deny == (ip_network("10.1.0.0/16"), ip_network("::ffff:10.2.0.0/112"))
+    assert lst.denied == "403"
 
 
 def test_http_mode_to_a_tcp_backend_is_accepted() -> None:

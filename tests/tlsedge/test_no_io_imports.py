@@ -22,6 +22,7 @@ PURE = (
     "tlsedge._config",
     "tlsedge._forwarded",
     "tlsedge._accesslog",
+    "tlsedge._admission",
     "tlsedge._termination",
     "tlsedge._downstream",
     "tlsedge._proxy_wrap",
