@@ -257,11 +257,23 @@ class TLSStream(trio.abc.HalfCloseableStream):
             self._handshake_done = True
             await self._flush()
 
-    async def _ensure_handshake(self) -> None:
-        if self._handshake_done:
+    async def _ensure_handshake(self, *, schedule: bool = True) -> None:
+        """Run the handshake if it has not run; otherwise a checkpoint, or
+        only a cancel point without *schedule* (`receive_some` and `send_all`
+        yield through their transport I/O, or `_yield_unless_fed`)."""
+        if not self._handshake_done:
+            await self.do_handshake()
+        elif schedule:
             await trio.lowlevel.checkpoint()
         else:
-            await self.do_handshake()
+            await trio.lowlevel.checkpoint_if_cancelled()
+
+    @staticmethod
+    async def _yield_unless_fed(fed: bool) -> None:
+        """The schedule point of an operation that did no transport I/O (it
+        consumed data already: shielded, the data must not be lost)."""
+        if not fed:
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     # -- receiving ----------------------------------------------------------
 
@@ -274,13 +286,16 @@ class TLSStream(trio.abc.HalfCloseableStream):
                 if max_bytes < 1:
                     raise ValueError("max_bytes must be >= 1")
             self._check_status()
-            await self._ensure_handshake()
+            await self._ensure_handshake(schedule=False)
             self._check_status()
+            fed = False
             if self._parked:
                 data, self._parked = self._parked[:max_bytes], self._parked[max_bytes:]
+                await self._yield_unless_fed(fed)
                 return data
             while True:
                 if self._eof_received:
+                    await self._yield_unless_fed(fed)
                     return b""
                 try:
                     data = self.ssl_object.read(max_bytes)
@@ -288,20 +303,25 @@ class TLSStream(trio.abc.HalfCloseableStream):
                     if self._outgoing.pending:
                         await self._flush_if_idle()
                     await self._feed()
+                    fed = True
                     continue
                 except ssl.SSLZeroReturnError:
                     self._eof_received = True
+                    await self._yield_unless_fed(fed)
                     return b""
                 except ssl.SSLEOFError:
                     # Transport EOF without close_notify.
                     self._eof_received = True
                     self.ragged_eof = True
+                    await self._yield_unless_fed(fed)
                     return b""
                 except ssl.SSLError as exc:
                     raise self._fail(exc) from exc
                 if self._outgoing.pending:
                     # Post-handshake messages (tickets, key updates) to send.
                     await self._flush_if_idle()
+                    fed = True
+                await self._yield_unless_fed(fed)
                 if data:
                     return data
                 self._eof_received = True
@@ -365,13 +385,14 @@ class TLSStream(trio.abc.HalfCloseableStream):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         with self._send_conflict:
             self._check_status()
-            await self._ensure_handshake()
+            await self._ensure_handshake(schedule=False)
             self._check_status()
             if self._eof_sent:
                 raise trio.ClosedResourceError(
                     "send_eof() was called on this TLSStream"
                 )
             view = memoryview(data).cast("B")
+            await self._yield_unless_fed(bool(view))
             try:
                 while view:
                     chunk, view = view[:WRITE_CHUNK], view[WRITE_CHUNK:]
