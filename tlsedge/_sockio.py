@@ -54,25 +54,33 @@ def _closed() -> trio.ClosedResourceError:
     return trio.ClosedResourceError("the socket was closed")
 
 
-async def receive_some(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes:
-    """``stream.receive_some(max_bytes)``; ``b""`` at EOF."""
+async def receive_some(
+    stream: trio.abc.ReceiveStream, max_bytes: int, *, wait_first: bool = False
+) -> bytes:
+    """``stream.receive_some(max_bytes)``; ``b""`` at EOF.
+
+    *wait_first*: the caller expects nothing to be there yet (the previous
+    read drained the socket, or the peer has yet to answer): wait for
+    readability before reading, instead of a read that would fail.
+    """
     if type(stream) is not trio.SocketStream:
         return bytes(await stream.receive_some(max_bytes))
     fd = stream.socket.fileno()
     if fd < 0:
         raise _closed()
-    try:
-        data = os.read(fd, max_bytes)
-    except BlockingIOError:
-        pass
-    except OSError as exc:
-        raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
-    else:
-        if _must_yield():
-            await trio.lowlevel.cancel_shielded_checkpoint()
+    if not wait_first:
+        try:
+            data = os.read(fd, max_bytes)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
         else:
-            await trio.lowlevel.checkpoint_if_cancelled()
-        return data
+            if _must_yield():
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            else:
+                await trio.lowlevel.checkpoint_if_cancelled()
+            return data
     while True:
         await trio.lowlevel.wait_readable(fd)
         fd = stream.socket.fileno()

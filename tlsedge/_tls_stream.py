@@ -116,6 +116,7 @@ class TLSStream(trio.abc.HalfCloseableStream):
         self.transport_stream = transport_stream
         #: Bytes read from the transport (``initial_data`` included).
         self.transport_bytes_received = len(initial_data)
+        self._transport_drained = False  # the last transport read was short
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         if initial_data:
@@ -204,8 +205,13 @@ class TLSStream(trio.abc.HalfCloseableStream):
         """Read the transport into the engine (EOF is passed on too)."""
         try:
             data = await sockio.receive_some(
-                self.transport_stream, TRANSPORT_RECEIVE_SIZE
+                self.transport_stream,
+                TRANSPORT_RECEIVE_SIZE,
+                wait_first=self._transport_drained,
             )
+            # A short read almost always emptied the socket: wait before the
+            # next one rather than make a read that fails.
+            self._transport_drained = len(data) < TRANSPORT_RECEIVE_SIZE
         except trio.ClosedResourceError:
             if self._state is _State.CLOSED:
                 raise

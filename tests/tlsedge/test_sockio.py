@@ -102,3 +102,18 @@ async def test_other_streams_use_their_own_methods() -> None:
     left, right = trio.testing.memory_stream_pair()
     await sockio.send_all(left, b"abc")
     assert await sockio.receive_some(right, 10) == b"abc"
+
+
+async def test_wait_first_reads_what_is_already_there_and_what_comes() -> None:
+    left, right = stream_pair()
+    async with left, right:
+        await sockio.send_all(left, b"early")
+        assert await sockio.receive_some(right, 10, wait_first=True) == b"early"
+
+        async def late() -> None:
+            await trio.sleep(0.01)
+            await sockio.send_all(left, b"late")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(late)
+            assert await sockio.receive_some(right, 10, wait_first=True) == b"late"

@@ -200,6 +200,9 @@ class _Exchange:
     #: When the response head is due: ``response_timeout`` after the
     #: request is sent (`_HttpConnection._request_sent`).
     head_deadline: float = math.inf
+    #: Nothing to read from the upstream yet (the request was just sent, or
+    #: the last read was short): its next read waits for readability first.
+    upstream_drained: bool = True
     head_received: bool = False  # the final response head has arrived
     response_started: bool = False  # ... and gone out to the client
     response_complete: bool = False  # ... all of it
@@ -296,6 +299,9 @@ class _HttpConnection:
         self.request_started = self.started
         self.request_start_time = time.time()
         self.idle_scope: trio.CancelScope | None = None
+        # The last read from the client was short: it most likely emptied the
+        # socket, so the next one waits for readability first.
+        self.client_drained = False
         self._response_timeout_failure = _Failure(
             Termination.RESPONSE_TIMEOUT,
             f"no response within response_timeout ({self.http.response_timeout:g} s)",
@@ -309,10 +315,13 @@ class _HttpConnection:
     async def receive_client(self) -> bytes:
         """Read from the client into the session (``b""``: it closed)."""
         try:
-            data = await sockio.receive_some(self.client, READ_SIZE)
+            data = await sockio.receive_some(
+                self.client, READ_SIZE, wait_first=self.client_drained
+            )
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise _ClientGoneError(f"client read failed: {exc}") from exc
         self.result.bytes_from_client += len(data)
+        self.client_drained = len(data) < READ_SIZE
         self.session.receive_data(data)
         return data
 
@@ -915,7 +924,10 @@ class _HttpConnection:
             if event is not NEED_DATA:
                 return event
             try:
-                data = await sockio.receive_some(ex.upstream.stream, READ_SIZE)
+                data = await sockio.receive_some(
+                    ex.upstream.stream, READ_SIZE, wait_first=ex.upstream_drained
+                )
+                ex.upstream_drained = len(data) < READ_SIZE
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise UpstreamError(
                     f"upstream read failed: {exc}", empty=not conn.received
