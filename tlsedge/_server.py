@@ -838,21 +838,17 @@ class Edge:
         try:
             await serve_http(
                 client,
+                downstream,
                 listener=state.config,
                 backend=pool,
                 keepalive=self._keepalive_pool(pool.name),
-                client_address=downstream.client,
-                destination=downstream.destination,
-                tls=downstream.tls is not None,
                 proxy_header=proxy_header_for(
                     downstream, backend.send_proxy, backend.proxy_tlvs
                 ),
                 drain=self._drain_event,
-                connection_id=downstream.id,
                 result=result,
                 on_request=self._record_http_request,
                 initial_data=initial_data,
-                ssl_info=downstream.tls,
             )
         finally:
             log.bytes_from_client = result.bytes_from_client

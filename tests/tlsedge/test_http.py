@@ -27,6 +27,7 @@ from hypothesis import given, strategies as st
 from tests.peers import free_port, nginx, require
 from tests.tlsedge.helpers import Backend, make_config
 from tlsedge._config import Config, ConfigError
+from tlsedge._downstream import Downstream
 from tlsedge._http.body import ChunkedDecoder
 from tlsedge._http.driver import _Exchange, _HttpConnection, serve_http
 from tlsedge._http.head import RequestRejectedError, parse_request_head
@@ -553,15 +554,18 @@ async def running_proxy(
         try:
             result = await serve_http(
                 stream,
+                Downstream(
+                    id=os.urandom(4).hex(),
+                    listener="web",
+                    peer=(peer[0], peer[1]),
+                    client=(peer[0], peer[1]),
+                    destination=(local[0], local[1]),
+                ),
                 listener=config.listeners[0],
                 backend=pool,
                 keepalive=keepalive,
-                client_address=(peer[0], peer[1]),
-                destination=(local[0], local[1]),
-                tls=False,
                 proxy_header=proxy_header,
                 drain=drain,
-                connection_id=os.urandom(4).hex(),
             )
             results.append(result)
         finally:
@@ -1298,15 +1302,18 @@ async def _memory_proxy(
         try:
             return await serve_http(
                 server,
+                Downstream(
+                    id="mem",
+                    listener="web",
+                    peer=("192.0.2.1", 1234),
+                    client=("192.0.2.1", 1234),
+                    destination=("192.0.2.2", 80),
+                ),
                 listener=config.listeners[0],
                 backend=pool,
                 keepalive=KeepAlivePool(),
-                client_address=("192.0.2.1", 1234),
-                destination=("192.0.2.2", 80),
-                tls=False,
                 proxy_header=None,
                 drain=drain if drain is not None else trio.Event(),
-                connection_id="mem",
             )
         finally:
             await server.aclose()

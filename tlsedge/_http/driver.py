@@ -81,6 +81,7 @@ from tlsedge import _sockio as sockio
 from tlsedge._accesslog import format_address
 from tlsedge._balancer import Server, ServerLease
 from tlsedge._config import HttpConfig, ListenerConfig
+from tlsedge._downstream import Downstream
 from tlsedge._forwarded import ForwardingContext, is_trusted_peer
 from tlsedge._http.body import BodyKind
 from tlsedge._http.events import (
@@ -107,7 +108,6 @@ from tlsedge._http.rules import (
 from tlsedge._http.session import ClientClosedMidRequestError, ClientSession
 from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Termination
-from tlsedge._tls import SSLFacts
 from tlsedge._tls_stream import TLSStream
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
@@ -239,44 +239,41 @@ class _Exchange:
 class _HttpConnection:
     """One client connection in HTTP mode; see the module docstring."""
 
-    def __init__(  # noqa: PLR0917
+    def __init__(
         self,
         client: trio.abc.Stream,
+        downstream: Downstream,
+        *,
         listener: ListenerConfig,
         backend: BackendPool,
         keepalive: KeepAlivePool,
-        client_address: tuple[str, int] | None,
-        destination: tuple[str, int] | None,
-        tls: bool,
         proxy_header: bytes | None,
         drain: trio.Event,
-        connection_id: str,
         result: HttpConnectionResult,
-        on_request: Callable[[RequestLog], None] | None = None,
-        ssl_info: SSLFacts | None = None,
-        *,
-        initial_data: bytes = b"",
+        on_request: Callable[[RequestLog], None] | None,
+        initial_data: bytes,
     ) -> None:
         self.client = client
         self.listener = listener
         self.http: HttpConfig = listener.http
         self.backend = backend
         self.keepalive = keepalive
-        self.client_ip = client_address[0] if client_address else None
-        self.client_text = format_address(client_address)
+        self.client_ip = downstream.client_ip
+        self.client_text = format_address(downstream.client)
+        ssl_info = downstream.tls
         self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
         self.sni = ssl_info.server_name if ssl_info else None
         self.proxy_header = proxy_header
         self.drain = drain
-        self.connection_id = connection_id
+        self.connection_id = downstream.id
         self.result = result
         self.on_request = on_request
         self.rewriter = RequestRewriter(
             forwarded=listener.forwarded,
             context=ForwardingContext(
-                client=client_address,
-                destination=destination,
-                tls=tls,
+                client=downstream.client,
+                destination=downstream.destination,
+                tls=ssl_info is not None,
                 trusted=is_trusted_peer(
                     self.client_ip, listener.forwarded.trusted_proxies
                 ),
@@ -1094,20 +1091,16 @@ class _HttpConnection:
 
 async def serve_http(
     client: trio.abc.Stream,
+    downstream: Downstream,
     *,
     listener: ListenerConfig,
     backend: BackendPool,
     keepalive: KeepAlivePool,
-    client_address: tuple[str, int] | None,
-    destination: tuple[str, int] | None,
-    tls: bool,
     proxy_header: bytes | None,
     drain: trio.Event,
-    connection_id: str,
     result: HttpConnectionResult | None = None,
     on_request: Callable[[RequestLog], None] | None = None,
     initial_data: bytes = b"",
-    ssl_info: SSLFacts | None = None,
 ) -> HttpConnectionResult:
     """Proxy HTTP/1.1 requests from *client* to *backend* until the connection ends.
 
@@ -1119,24 +1112,21 @@ async def serve_http(
 
     Args:
         client: The client connection after PROXY unwrap and TLS.
+        downstream: What the earlier stages learnt of it: the real client, the
+            destination, its id (repeated in every request line), its TLS
+            facts (``X-Forwarded-Proto``, the request lines' ``tls`` and ``sni``).
         listener: Its listener's settings (``http``, ``forwarded``, timeouts).
         backend: Where requests go.
         keepalive: Idle upstream connections of *backend*, shared.
-        client_address: The real client (after PROXY unwrap).
-        destination: The address the client connected to.
-        tls: True when the listener terminated TLS.
         proxy_header: With ``send_proxy``: the PROXY header for this client;
             upstream connections are then dedicated to this client connection.
         drain: Set when the edge drains.
-        connection_id: The connection's id, repeated in every request line.
         result: Updated in place (and returned); pass one in to see the counts
             of a connection that gets cancelled.
         on_request: Called with each request's `RequestLog` once it is complete
             (right after its access-log line), e.g. for metrics.
         initial_data: Client bytes an earlier stage read past its own data
             (what followed a PROXY header): the start of the first request.
-        ssl_info: What the client's TLS handshake negotiated, for the
-            request lines' ``tls`` and ``sni`` (None: no TLS).
 
     Returns:
         Requests served, bytes each way and why the connection ended.
@@ -1145,18 +1135,14 @@ async def serve_http(
         result = HttpConnectionResult()
     connection = _HttpConnection(
         client,
-        listener,
-        backend,
-        keepalive,
-        client_address,
-        destination,
-        tls,
-        proxy_header,
-        drain,
-        connection_id,
-        result,
-        on_request,
-        ssl_info,
+        downstream,
+        listener=listener,
+        backend=backend,
+        keepalive=keepalive,
+        proxy_header=proxy_header,
+        drain=drain,
+        result=result,
+        on_request=on_request,
         initial_data=initial_data,
     )
     try:
