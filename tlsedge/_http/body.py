@@ -30,6 +30,7 @@ __all__ = [
     "BodyKind",
     "ChunkedDecoder",
     "encode_chunk",
+    "encode_fields",
     "encode_last_chunk",
 ]
 
@@ -64,13 +65,18 @@ def encode_chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
+def encode_fields(first_line: bytes, fields: list[Header]) -> bytes:
+    """*first_line* (with its CRLF), the field lines, then the blank line: a
+    head (after a start line) or a trailer section (after the last chunk)."""
+    lines = [name + b": " + value + b"\r\n" for name, value in fields]
+    return b"".join([first_line, *lines, b"\r\n"])
+
+
 def encode_last_chunk(trailers: list[Header]) -> bytes:
     """The last chunk and the trailer section."""
     if not trailers:
         return b"0\r\n\r\n"
-    return b"".join(
-        [b"0\r\n", *(n + b": " + v + b"\r\n" for n, v in trailers), b"\r\n"]
-    )
+    return encode_fields(b"0\r\n", trailers)
 
 
 class _State(enum.Enum):

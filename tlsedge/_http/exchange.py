@@ -31,6 +31,7 @@ from tlsedge._http.body import (
     BodyKind,
     ChunkedDecoder,
     encode_chunk,
+    encode_fields,
     encode_last_chunk,
 )
 from tlsedge._http.events import (
@@ -128,16 +129,7 @@ class UpstreamExchange:
         self._request_body = body
         if body is BodyKind.NONE:
             self.request_complete = True
-        return b"".join(
-            [
-                self.method,
-                b" ",
-                target,
-                b" HTTP/1.1\r\n",
-                *[name + b": " + value + b"\r\n" for name, value in headers],
-                b"\r\n",
-            ]
-        )
+        return encode_fields(self.method + b" " + target + b" HTTP/1.1\r\n", headers)
 
     def request_data(self, data: bytes) -> bytes:
         """Request body bytes, framed (*data* not empty)."""

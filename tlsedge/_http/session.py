@@ -40,6 +40,7 @@ from tlsedge._http.body import (
     BodyKind,
     ChunkedDecoder,
     encode_chunk,
+    encode_fields,
     encode_last_chunk,
 )
 from tlsedge._http.events import (
@@ -285,13 +286,7 @@ class ClientSession:
     # -- writing ----------------------------------------------------------
 
     def _head_bytes(self, status: int, reason: bytes, headers: list[Header]) -> bytes:
-        return b"".join(
-            [
-                b"HTTP/1.1 %d %s\r\n" % (status, reason),
-                *[name + b": " + value + b"\r\n" for name, value in headers],
-                b"\r\n",
-            ]
-        )
+        return encode_fields(b"HTTP/1.1 %d %s\r\n" % (status, reason), headers)
 
     def send_informational(
         self, status: int, reason: bytes, headers: list[Header]
