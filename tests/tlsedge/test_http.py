@@ -1035,6 +1035,18 @@ async def test_http10_client_and_leading_crlf() -> None:
     ]
 
 
+async def test_http10_client_gets_a_chunked_response_delimited_by_the_close() -> None:
+    # HTTP/1.0 has no chunked coding: the body goes as it is, the end is our
+    # close, and the trailers are left out.
+    async with echo_and_proxy() as (_, proxy):
+        out = await raw(proxy.address, b"GET /chunked HTTP/1.0\r\n\r\n")
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert b"transfer-encoding" not in head.lower()
+    assert b"\r\nConnection: close" in head
+    assert body == b"first,second,third"
+
+
 # -- bodies -----------------------------------------------------------------------
 
 
