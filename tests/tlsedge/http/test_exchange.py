@@ -246,3 +246,41 @@ def test_response_streams_split_anywhere_agree_with_h11(
                 done = True
     assert done
     assert (status, body, trailers) == h11_body(data)
+
+
+RESPONSE_PIECES = st.one_of(
+    st.binary(max_size=300),
+    st.sampled_from(
+        [
+            b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+            b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+            b"HTTP/1.0 200 OK\r\n\r\n",
+            b"3\r\nabc\r\n",
+            b"0\r\n\r\n",
+            b"abc",
+        ]
+    ),
+)
+
+
+@given(st.sampled_from([b"GET", b"HEAD"]), st.lists(RESPONSE_PIECES, max_size=8))
+def test_any_bytes_give_events_or_an_upstream_error(
+    method: bytes, pieces: list[bytes]
+) -> None:
+    # Whatever an upstream sends, the exchange answers with events, NEED_DATA
+    # or an UpstreamError: never another exception, never a loop that does
+    # not end.
+    exchange = UpstreamExchange(method=method)
+    exchange.request_head(b"/", [(b"Host", b"h")], BodyKind.NONE)
+    try:
+        for piece in [*[p for p in pieces if p], b""]:
+            exchange.receive_data(piece)
+            for _ in range(1000):
+                if exchange.next_event() is NEED_DATA:
+                    break
+            else:
+                raise AssertionError("next_event never asked for more data")
+    except UpstreamError:
+        pass

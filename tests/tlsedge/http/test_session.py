@@ -316,3 +316,45 @@ def test_request_streams_split_anywhere_agree_with_h11(
 ) -> None:
     cuts = sorted({min(c, len(data)) for c in cuts})
     assert ours(data, cuts) == h11_requests(data)
+
+
+REQUEST_PIECES = st.one_of(
+    st.binary(max_size=300),
+    st.sampled_from(
+        [
+            b"GET / HTTP/1.1\r\nHost: h\r\n\r\n",
+            b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\n",
+            b"PUT / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"5\r\nhello\r\n",
+            b"0\r\nX: y\r\n\r\n",
+            b"\r\n",
+            b"GET / HTTP/1.0\r\n\r\n",
+        ]
+    ),
+)
+
+
+@given(st.lists(REQUEST_PIECES, max_size=8), st.booleans())
+def test_any_bytes_give_events_or_a_refusal(pieces: list[bytes], eof: bool) -> None:
+    # Whatever a client sends, the session answers with events, NEED_DATA, a
+    # RequestRejectedError or (EOF inside a body) ClientClosedMidRequestError:
+    # never another exception, never a loop that does not end.
+    session = new_session(max_header_bytes=512, max_headers=8, max_body_size=256)
+    feeds = [p for p in pieces if p] + ([b""] if eof else [])
+    try:
+        for piece in feeds:
+            session.receive_data(piece)
+            for _ in range(1000):
+                event = session.next_event()
+                if event is NEED_DATA or isinstance(event, ConnectionClosed):
+                    break
+                if isinstance(event, EndOfBody):
+                    session.send_response(200, b"OK", [], BodyKind.NONE)
+                    session.send_end([])
+                    if not session.keep_alive:
+                        return
+                    session.start_next_cycle()
+            else:
+                raise AssertionError("next_event never asked for more data")
+    except (RequestRejectedError, ClientClosedMidRequestError):
+        pass
