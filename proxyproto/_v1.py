@@ -14,20 +14,13 @@ from ipaddress import IPv4Address, IPv6Address
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
 from proxyproto._events import (
-    SET_COMMAND as _SET_COMMAND,
-    SET_DESTINATION as _SET_DESTINATION,
-    SET_FAMILY as _SET_FAMILY,
-    SET_HOST as _SET_HOST,
-    SET_PORT as _SET_PORT,
-    SET_SOURCE as _SET_SOURCE,
-    SET_TLVS as _SET_TLVS,
-    SET_TRANSPORT as _SET_TRANSPORT,
-    SET_VERSION as _SET_VERSION,
     Command,
     Family,
     InetAddress,
     ProxyHeader,
     Transport,
+    new_header,
+    new_inet,
 )
 from proxyproto._options import V1_MAX_LENGTH, Options
 
@@ -44,8 +37,7 @@ _MAX_PORT_DIGITS = 5
 _OCTETS = {str(n).encode("ascii"): n for n in range(256)}
 
 # Headers and addresses are built without their validating constructors, from
-# fields checked here (see _v2).
-_new = object.__new__
+# fields checked here (new_header, new_inet).
 _PROXY = Command.PROXY
 _INET = Family.INET
 _INET6 = Family.INET6
@@ -203,13 +195,6 @@ def _ipv6(field: bytes, options: Options) -> IPv6Address:
     raise _reject(f"v1 TCP6 address is not a valid IPv6 address: {quote(field)}")
 
 
-def _inet(host: IPv4Address | IPv6Address, port: int) -> InetAddress:
-    address = _new(InetAddress)
-    _SET_HOST(address, host)
-    _SET_PORT(address, port)
-    return address
-
-
 def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
     """Decode a v1 header at the start of *buf* (which starts with "PROXY ").
 
@@ -229,32 +214,20 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
         _, _, src, dst, sport, dport = line.split(b" ")
         octets = _OCTETS
         a, b, c, d = src.split(b".")
-        source = _new(InetAddress)
-        _SET_HOST(
-            source,
+        source = new_inet(
             IPv4Address(
                 (octets[a] << 24) | (octets[b] << 16) | (octets[c] << 8) | octets[d]
             ),
+            int(sport),
         )
-        _SET_PORT(source, int(sport))
         a, b, c, d = dst.split(b".")
-        destination = _new(InetAddress)
-        _SET_HOST(
-            destination,
+        destination = new_inet(
             IPv4Address(
                 (octets[a] << 24) | (octets[b] << 16) | (octets[c] << 8) | octets[d]
             ),
+            int(dport),
         )
-        _SET_PORT(destination, int(dport))
-        header = _new(ProxyHeader)
-        _SET_VERSION(header, 1)
-        _SET_COMMAND(header, _PROXY)
-        _SET_FAMILY(header, _INET)
-        _SET_TRANSPORT(header, _STREAM)
-        _SET_SOURCE(header, source)
-        _SET_DESTINATION(header, destination)
-        _SET_TLVS(header, ())
-        return header, end + 2
+        return new_header(1, _PROXY, _INET, _STREAM, source, destination, ()), end + 2
     parts = line.split(b" ")
     proto = parts[1]
     if proto == _UNKNOWN:
@@ -274,22 +247,14 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
     # Either a TCP6 line, or a TCP4 line the fast path refused: the field
     # checks below build the addresses or say which field is wrong.
     if proto == b"TCP4":
-        source = _inet(_ipv4(parts[2]), _port(parts[4]))
-        destination = _inet(_ipv4(parts[3]), _port(parts[5]))
+        source = new_inet(_ipv4(parts[2]), _port(parts[4]))
+        destination = new_inet(_ipv4(parts[3]), _port(parts[5]))
         family = _INET
     else:
-        source = _inet(_ipv6(parts[2], options), _port(parts[4]))
-        destination = _inet(_ipv6(parts[3], options), _port(parts[5]))
+        source = new_inet(_ipv6(parts[2], options), _port(parts[4]))
+        destination = new_inet(_ipv6(parts[3], options), _port(parts[5]))
         family = _INET6
-    header = _new(ProxyHeader)
-    _SET_VERSION(header, 1)
-    _SET_COMMAND(header, _PROXY)
-    _SET_FAMILY(header, family)
-    _SET_TRANSPORT(header, _STREAM)
-    _SET_SOURCE(header, source)
-    _SET_DESTINATION(header, destination)
-    _SET_TLVS(header, ())
-    return header, end + 2
+    return new_header(1, _PROXY, family, _STREAM, source, destination, ()), end + 2
 
 
 def decode_v1_addresses(line: bytes) -> tuple[InetAddress, InetAddress]:
