@@ -21,6 +21,8 @@ from proxyproto._events import (
     Transport,
     new_header,
     new_inet,
+    new_inet4,
+    new_inet6,
 )
 from proxyproto._options import V1_MAX_LENGTH, Options
 
@@ -43,16 +45,20 @@ _INET = Family.INET
 _INET6 = Family.INET6
 _STREAM = Transport.STREAM
 
-# The exact TCP4 grammar: octets 0-255 and ports 0-65535, decimal digits only,
-# no leading zeros, single spaces.
-_OCTET = rb"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-_IPV4 = rb"(?:" + _OCTET + rb"\.){3}" + _OCTET
-_PORT = (
-    rb"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}"
-    rb"|[1-5][0-9]{4}|[1-9][0-9]{0,3}|0)"
+# A TCP4 line in the shape of a valid one, CRLF included: decimal digits,
+# single spaces, ports without a leading zero. The octets' range and leading
+# zeros (_OCTETS) and the ports' range are checked on the groups.
+_TCP4_HEADER = re.compile(
+    rb"PROXY TCP4 (\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3}) "
+    rb"(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3}) "
+    rb"(0|[1-9]\d{0,4}) (0|[1-9]\d{0,4})\r\n"
 )
-_TCP4_LINE = re.compile(
-    rb"PROXY TCP4 " + _IPV4 + rb" " + _IPV4 + rb" " + _PORT + rb" " + _PORT
+# A TCP6 line in the shape of a valid one: _ipv6_int judges the addresses
+# (what the class admits is its precondition), and the line must still end
+# within V1_MAX_LENGTH.
+_TCP6_HEADER = re.compile(
+    rb"PROXY TCP6 ([0-9A-Fa-f:.]{2,45}) ([0-9A-Fa-f:.]{2,45}) "
+    rb"(0|[1-9]\d{0,4}) (0|[1-9]\d{0,4})\r\n"
 )
 
 
@@ -152,20 +158,16 @@ def _ipv6_int(text: bytes) -> int | None:
     (so no zone id, sign, space or ``0x``). Tested against ``ipaddress`` with
     hypothesis.
     """
-    head, colon, last = text.rpartition(b":")
-    if not colon:
-        return None
-    if b"." in last:
-        if b"." in head:
+    if b"." in text:
+        head, colon, last = text.rpartition(b":")
+        if not colon or b"." in head:
             return None
         v4 = _ipv4_int(last)
         if v4 is None:
             return None
         text = b"%s:%x:%x" % (head, v4 >> 16, v4 & 0xFFFF)
-    elif b"." in head:
-        return None
-    if b"::" in text:
-        hi, _, lo = text.partition(b"::")
+    hi, double_colon, lo = text.partition(b"::")
+    if double_colon:
         parts = hi.split(b":") if hi else []
         lo_parts = lo.split(b":") if lo else []
         zeros = 8 - len(parts) - len(lo_parts)
@@ -179,10 +181,15 @@ def _ipv6_int(text: bytes) -> int | None:
             return None
     if b"" in parts:
         return None
-    digits = b"".join([part.rjust(4, b"0") for part in parts])
+    # Each group right-aligned in 4 columns, then the padding made zeros: one
+    # format call (text has no spaces of its own).
+    digits = (_EIGHT_GROUPS % tuple(parts)).replace(b" ", b"0")
     if len(digits) != 32:  # a group longer than 4 digits
         return None
     return int(digits, 16)
+
+
+_EIGHT_GROUPS = b"%4s" * 8
 
 
 def _ipv6(field: bytes, options: Options) -> IPv6Address:
@@ -204,30 +211,55 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
     Raises:
         RemoteProtocolError: the bytes are not a valid v1 header.
     """
+    match = _TCP4_HEADER.match(buf)
+    if match is not None:
+        # The common case, shaped by one C call: only range checks and
+        # conversions are left. A miss falls through to the field checks,
+        # which say what is wrong.
+        a, b, c, d, e, f, g, h, sport, dport = match.groups()
+        octets = _OCTETS
+        try:  # a KeyError: an octet over 255 or with a leading zero
+            src = (octets[a] << 24) | (octets[b] << 16) | (octets[c] << 8) | octets[d]
+            dst = (octets[e] << 24) | (octets[f] << 16) | (octets[g] << 8) | octets[h]
+        except KeyError:
+            pass
+        else:
+            source_port = int(sport)
+            destination_port = int(dport)
+            if source_port <= 0xFFFF and destination_port <= 0xFFFF:
+                return new_header(
+                    1,
+                    _PROXY,
+                    _INET,
+                    _STREAM,
+                    new_inet4(src, source_port),
+                    new_inet4(dst, destination_port),
+                    (),
+                ), match.end()
+    else:
+        match = _TCP6_HEADER.match(buf)
+        if match is not None and match.end() <= V1_MAX_LENGTH:
+            src_text, dst_text, sport, dport = match.groups()
+            src6 = _ipv6_int(src_text)
+            dst6 = _ipv6_int(dst_text)
+            if src6 is not None and dst6 is not None:
+                source_port = int(sport)
+                destination_port = int(dport)
+                if source_port <= 0xFFFF and destination_port <= 0xFFFF:
+                    return new_header(
+                        1,
+                        _PROXY,
+                        _INET6,
+                        _STREAM,
+                        new_inet6(src6, source_port),
+                        new_inet6(dst6, destination_port),
+                        (),
+                    ), match.end()
     end = buf.find(b"\r\n", 0, V1_MAX_LENGTH)
     if end < 0:
         check_v1_prefix(buf[:V1_MAX_LENGTH])
         return None
     line = buf[:end]
-    if _TCP4_LINE.fullmatch(line):
-        # The common case, validated in one C call: only conversions are left.
-        _, _, src, dst, sport, dport = line.split(b" ")
-        octets = _OCTETS
-        a, b, c, d = src.split(b".")
-        source = new_inet(
-            IPv4Address(
-                (octets[a] << 24) | (octets[b] << 16) | (octets[c] << 8) | octets[d]
-            ),
-            int(sport),
-        )
-        a, b, c, d = dst.split(b".")
-        destination = new_inet(
-            IPv4Address(
-                (octets[a] << 24) | (octets[b] << 16) | (octets[c] << 8) | octets[d]
-            ),
-            int(dport),
-        )
-        return new_header(1, _PROXY, _INET, _STREAM, source, destination, ()), end + 2
     parts = line.split(b" ")
     proto = parts[1]
     if proto == _UNKNOWN:
@@ -255,15 +287,6 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
         destination = new_inet(_ipv6(parts[3], options), _port(parts[5]))
         family = _INET6
     return new_header(1, _PROXY, family, _STREAM, source, destination, ()), end + 2
-
-
-def decode_v1_addresses(line: bytes) -> tuple[InetAddress, InetAddress]:
-    """Build the addresses of a valid TCP4 line (without its CRLF)."""
-    parts = line.split(b" ")
-    return (
-        InetAddress(_ipv4(parts[2]), int(parts[4])),
-        InetAddress(_ipv4(parts[3]), int(parts[5])),
-    )
 
 
 _UNKNOWN_HEADER = ProxyHeader.unknown(version=1)
