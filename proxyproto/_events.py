@@ -18,6 +18,7 @@ import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
+from operator import attrgetter
 from typing import Literal
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
@@ -639,6 +640,8 @@ _new = object.__new__
 _SET_IPV4 = IPv4Address.__dict__["_ip"].__set__
 _SET_IPV6 = IPv6Address.__dict__["_ip"].__set__
 _SET_SCOPE_ID = IPv6Address.__dict__["_scope_id"].__set__
+#: ``int(host)`` for the encoders, without the call to ``__int__``.
+host_value: Callable[[IPv4Address | IPv6Address], int] = attrgetter("_ip")
 
 
 def new_inet4(value: int, port: int) -> InetAddress:

@@ -19,6 +19,7 @@ from proxyproto._events import (
     InetAddress,
     ProxyHeader,
     Transport,
+    host_value,
     new_header,
     new_inet,
     new_inet4,
@@ -309,7 +310,9 @@ def encode_v1(header: ProxyHeader) -> bytes:
         return b"PROXY UNKNOWN\r\n"
     if header.family is _INET:  # both hosts are IPv4 (checked by ProxyHeader)
         return _TCP4_FORMAT % (
-            *_EIGHT_BYTES.unpack(((int(src.host) << 32) | int(dst.host)).to_bytes(8)),
+            *_EIGHT_BYTES.unpack(
+                ((host_value(src.host) << 32) | host_value(dst.host)).to_bytes(8)
+            ),
             src.port,
             dst.port,
         )
@@ -350,5 +353,5 @@ def _host_text(host: IPv4Address | IPv6Address) -> str:
     # IPv4-mapped addresses in dotted form (as HAProxy writes them), whatever
     # the Python version: str() gives "::ffff:102:304" before 3.13.
     if isinstance(host, IPv6Address):
-        return _ipv6_text(int(host))
+        return _ipv6_text(host_value(host))
     return str(host)

@@ -23,6 +23,7 @@ from proxyproto._events import (
     TLVType,
     Transport,
     UnixAddress,
+    host_value,
     new_header,
     new_inet4,
     new_inet6,
@@ -249,8 +250,10 @@ def _address_block(header: ProxyHeader) -> bytes:
     if isinstance(src, InetAddress) and isinstance(dst, InetAddress):
         # ProxyHeader guarantees IPv4 hosts for INET and IPv6 ones for INET6.
         if header.family is _FAMILY_INET:
-            return _INET4.pack(int(src.host), int(dst.host), src.port, dst.port)
-        s, d = int(src.host), int(dst.host)
+            return _INET4.pack(
+                host_value(src.host), host_value(dst.host), src.port, dst.port
+            )
+        s, d = host_value(src.host), host_value(dst.host)
         return _INET6.pack(s >> 64, s & _U64, d >> 64, d & _U64, src.port, dst.port)
     if isinstance(src, UnixAddress) and isinstance(dst, UnixAddress):
         return src.path.ljust(UNIX_PATH_LENGTH, b"\x00") + dst.path.ljust(
