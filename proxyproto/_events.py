@@ -560,15 +560,6 @@ def _as_ipv6(address: InetAddress) -> InetAddress:
 _FAMILY_HOST_VERSION = {Family.INET: 4, Family.INET6: 6}
 
 
-def slot_setters(
-    cls: type, *names: str
-) -> tuple[Callable[[object, object], None], ...]:
-    """The slot descriptors' ``__set__`` of *names*: sets a frozen dataclass's
-    slot without its ``__setattr__`` (for `_decode_ssl`, whose fields vary).
-    """
-    return tuple(cls.__dict__[name].__set__ for name in names)
-
-
 # The decoders' private construction path: no __init__, no __post_init__ (the
 # values were validated on the wire). An object is filled as an instance of a
 # plain class with the same slots, whose attribute stores are the interpreter's
@@ -723,7 +714,24 @@ def _validate_header(h: ProxyHeader) -> None:
             )
 
 
-(_SET_TLV_VALID,) = slot_setters(TLV, "_valid")
+# Marks a TLV built by a checking builder (_checked) as valid: the slot's own
+# setter, past the frozen dataclass's __setattr__.
+_SET_TLV_VALID = TLV.__dict__["_valid"].__set__
+
+
+class _SSLInfoSlots:
+    __slots__ = SSLInfo.__slots__
+    client: SSLClient
+    verify: int
+    version: str | None
+    cn: str | None
+    cipher: str | None
+    sig_alg: str | None
+    key_alg: str | None
+    group: str | None
+    sig_scheme: str | None
+    client_cert: bytes | None
+    tlvs: tuple[TLV, ...]
 
 
 def _decode_ssl(value: bytes) -> SSLInfo:
@@ -732,48 +740,30 @@ def _decode_ssl(value: bytes) -> SSLInfo:
     Raises:
         RemoteProtocolError: the value is invalid.
     """
-    # Built like the parser builds headers (no constructors: every value is
+    # Built like the parser builds headers (no constructor: every value is
     # checked by walk_ssl); the first sub-TLV of each type fills its field.
-    fields: dict[str, object] = dict.fromkeys(_SSL_INFO_OPTIONAL)
-    tlvs = []
-    for sub_type, sub_value, text in walk_ssl(value, RemoteProtocolError):
-        # Sub-TLVs are not top-level TLVs: not valid as such.
-        tlvs.append(new_tlv(sub_type, sub_value, False))
+    subs = walk_ssl(value, RemoteProtocolError)
+    info = _SSLInfoSlots()
+    info.version = info.cn = info.cipher = info.sig_alg = None
+    info.key_alg = info.group = info.sig_scheme = info.client_cert = None
+    for sub_type, sub_value, text in subs:
         if text is not None:
             name = SSL_TEXT_FIELDS.get(sub_type, "cn")
-            if fields[name] is None:
-                fields[name] = text
-        elif sub_type == _SSL_CLIENT_CERT and fields["client_cert"] is None:
-            fields["client_cert"] = sub_value
+            if getattr(info, name) is None:
+                setattr(info, name, text)
+        elif sub_type == _SSL_CLIENT_CERT and info.client_cert is None:
+            info.client_cert = sub_value
     client = _CLIENT_FLAGS.get(value[0])
     if client is None:
         client = _CLIENT_FLAGS[value[0]] = SSLClient(value[0])
-    fields["client"] = client
-    fields["verify"] = int.from_bytes(value[1:5], "big")
-    fields["tlvs"] = tuple(tlvs)
-    info = _new(SSLInfo)
-    for name, field_value in fields.items():
-        _SSL_INFO_SETTERS[name](info, field_value)
-    return info
+    info.client = client
+    info.verify = int.from_bytes(value[1:5], "big")
+    # Sub-TLVs are not top-level TLVs: not valid as such.
+    info.tlvs = tuple([new_tlv(sub[0], sub[1], False) for sub in subs])
+    info.__class__ = SSLInfo  # type: ignore[assignment]
+    return info  # type: ignore[return-value]
 
 
 _SSL_CLIENT_CERT = int(TLVType.SSL_CLIENT_CERT)
-_SSL_INFO_OPTIONAL = (
-    "version",
-    "cn",
-    "cipher",
-    "sig_alg",
-    "key_alg",
-    "group",
-    "sig_scheme",
-    "client_cert",
-)
-_SSL_INFO_SETTERS = dict(
-    zip(
-        (*_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
-        slot_setters(SSLInfo, *_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
-        strict=True,
-    )
-)
 # SSLClient(byte) goes through the Enum machinery (~1 us): 256 values at most.
 _CLIENT_FLAGS: dict[int, SSLClient] = {}
