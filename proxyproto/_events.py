@@ -18,6 +18,7 @@ import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
+from operator import attrgetter
 from typing import Literal
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
@@ -559,37 +560,115 @@ def _as_ipv6(address: InetAddress) -> InetAddress:
 _FAMILY_HOST_VERSION = {Family.INET: 4, Family.INET6: 6}
 
 
-def slot_setters(
-    cls: type, *names: str
-) -> tuple[Callable[[object, object], None], ...]:
-    """The slot descriptors' ``__set__`` of *names*, for the decoders' private
-    construction path (no ``__init__``, no ``__post_init__``: the values were
-    validated on the wire). Calling one is about twice as fast as
-    ``object.__setattr__`` and reaches frozen dataclasses' slots the same way.
-    """
-    return tuple(cls.__dict__[name].__set__ for name in names)
+# The decoders' private construction path: no __init__, no __post_init__ (the
+# values were validated on the wire). An object is filled as an instance of a
+# plain class with the same slots, whose attribute stores are the interpreter's
+# own (a frozen dataclass refuses them), then becomes an instance of the real
+# class: Python allows __class__ assignment between classes of the same slot
+# layout. Half the cost of a setter call per field.
 
 
-# The decoders' setters (see slot_setters), shared by _v1 and _v2.
-(
-    SET_VERSION,
-    SET_COMMAND,
-    SET_FAMILY,
-    SET_TRANSPORT,
-    SET_SOURCE,
-    SET_DESTINATION,
-    SET_TLVS,
-) = slot_setters(
-    ProxyHeader,
-    "version",
-    "command",
-    "family",
-    "transport",
-    "source",
-    "destination",
-    "tlvs",
-)
-SET_HOST, SET_PORT = slot_setters(InetAddress, "host", "port")
+class _HeaderSlots:
+    __slots__ = ProxyHeader.__slots__
+    version: int
+    command: Command
+    family: Family
+    transport: Transport
+    source: Address | None
+    destination: Address | None
+    tlvs: tuple[TLV, ...]
+
+
+class _InetSlots:
+    __slots__ = InetAddress.__slots__
+    host: IPv4Address | IPv6Address
+    port: int
+
+
+class _TLVSlots:
+    __slots__ = TLV.__slots__
+    type: int
+    value: bytes
+    _valid: bool
+
+
+def new_header(  # noqa: PLR0917 (positional: keywords cost more per call)
+    version: int,
+    command: Command,
+    family: Family,
+    transport: Transport,
+    source: Address | None,
+    destination: Address | None,
+    tlvs: tuple[TLV, ...],
+) -> ProxyHeader:
+    """A ProxyHeader of values the caller has validated."""
+    header = _HeaderSlots()
+    header.version = version
+    header.command = command
+    header.family = family
+    header.transport = transport
+    header.source = source
+    header.destination = destination
+    header.tlvs = tlvs
+    header.__class__ = ProxyHeader  # type: ignore[assignment]
+    return header  # type: ignore[return-value]
+
+
+def new_inet(host: IPv4Address | IPv6Address, port: int) -> InetAddress:
+    """An InetAddress of values the caller has validated."""
+    address = _InetSlots()
+    address.host = host
+    address.port = port
+    address.__class__ = InetAddress  # type: ignore[assignment]
+    return address  # type: ignore[return-value]
+
+
+# ipaddress's constructors check their argument in Python (a third of a
+# microsecond each); the decoders' values are in range by construction (a u32,
+# a u128, or checked text), so they set the value slot themselves. ``_ip`` (and
+# IPv6's ``_scope_id``) is what every ipaddress version since 3.3 stores.
+_new = object.__new__
+_SET_IPV4 = IPv4Address.__dict__["_ip"].__set__
+_SET_IPV6 = IPv6Address.__dict__["_ip"].__set__
+_SET_SCOPE_ID = IPv6Address.__dict__["_scope_id"].__set__
+#: ``int(host)`` for the encoders, without the call to ``__int__``.
+host_value: Callable[[IPv4Address | IPv6Address], int] = attrgetter("_ip")
+
+
+def new_inet4(value: int, port: int) -> InetAddress:
+    """An InetAddress of an IPv4 host (0 <= *value* < 2**32) and a port the
+    caller has validated."""
+    host = _new(IPv4Address)
+    _SET_IPV4(host, value)
+    address = _InetSlots()
+    address.host = host
+    address.port = port
+    address.__class__ = InetAddress  # type: ignore[assignment]
+    return address  # type: ignore[return-value]
+
+
+def new_inet6(value: int, port: int) -> InetAddress:
+    """An InetAddress of an IPv6 host without zone id (0 <= *value* < 2**128)
+    and a port the caller has validated."""
+    host = _new(IPv6Address)
+    _SET_IPV6(host, value)
+    _SET_SCOPE_ID(host, None)
+    address = _InetSlots()
+    address.host = host
+    address.port = port
+    address.__class__ = InetAddress  # type: ignore[assignment]
+    return address  # type: ignore[return-value]
+
+
+def new_tlv(tlv_type: int, value: bytes, valid: bool) -> TLV:
+    """A TLV of values the caller has validated; *valid*: the value passed its
+    type's check (see TLV._valid)."""
+    tlv = _TLVSlots()
+    tlv.type = tlv_type
+    tlv.value = value
+    tlv._valid = valid
+    tlv.__class__ = TLV  # type: ignore[assignment]
+    return tlv  # type: ignore[return-value]
 
 
 def _validate_header(h: ProxyHeader) -> None:
@@ -635,9 +714,24 @@ def _validate_header(h: ProxyHeader) -> None:
             )
 
 
-_SET_TLV_TYPE, _SET_TLV_VALUE, _SET_TLV_VALID = slot_setters(
-    TLV, "type", "value", "_valid"
-)
+# Marks a TLV built by a checking builder (_checked) as valid: the slot's own
+# setter, past the frozen dataclass's __setattr__.
+_SET_TLV_VALID = TLV.__dict__["_valid"].__set__
+
+
+class _SSLInfoSlots:
+    __slots__ = SSLInfo.__slots__
+    client: SSLClient
+    verify: int
+    version: str | None
+    cn: str | None
+    cipher: str | None
+    sig_alg: str | None
+    key_alg: str | None
+    group: str | None
+    sig_scheme: str | None
+    client_cert: bytes | None
+    tlvs: tuple[TLV, ...]
 
 
 def _decode_ssl(value: bytes) -> SSLInfo:
@@ -646,52 +740,30 @@ def _decode_ssl(value: bytes) -> SSLInfo:
     Raises:
         RemoteProtocolError: the value is invalid.
     """
-    # Built like the parser builds headers (no constructors: every value is
+    # Built like the parser builds headers (no constructor: every value is
     # checked by walk_ssl); the first sub-TLV of each type fills its field.
-    fields: dict[str, object] = dict.fromkeys(_SSL_INFO_OPTIONAL)
-    tlvs = []
-    for sub_type, sub_value, text in walk_ssl(value, RemoteProtocolError):
-        tlv = _new(TLV)
-        _SET_TLV_TYPE(tlv, sub_type)
-        _SET_TLV_VALUE(tlv, sub_value)
-        _SET_TLV_VALID(tlv, False)  # sub-TLVs are not top-level TLVs
-        tlvs.append(tlv)
+    subs = walk_ssl(value, RemoteProtocolError)
+    info = _SSLInfoSlots()
+    info.version = info.cn = info.cipher = info.sig_alg = None
+    info.key_alg = info.group = info.sig_scheme = info.client_cert = None
+    for sub_type, sub_value, text in subs:
         if text is not None:
             name = SSL_TEXT_FIELDS.get(sub_type, "cn")
-            if fields[name] is None:
-                fields[name] = text
-        elif sub_type == _SSL_CLIENT_CERT and fields["client_cert"] is None:
-            fields["client_cert"] = sub_value
+            if getattr(info, name) is None:
+                setattr(info, name, text)
+        elif sub_type == _SSL_CLIENT_CERT and info.client_cert is None:
+            info.client_cert = sub_value
     client = _CLIENT_FLAGS.get(value[0])
     if client is None:
         client = _CLIENT_FLAGS[value[0]] = SSLClient(value[0])
-    fields["client"] = client
-    fields["verify"] = int.from_bytes(value[1:5], "big")
-    fields["tlvs"] = tuple(tlvs)
-    info = _new(SSLInfo)
-    for name, field_value in fields.items():
-        _SSL_INFO_SETTERS[name](info, field_value)
-    return info
+    info.client = client
+    info.verify = int.from_bytes(value[1:5], "big")
+    # Sub-TLVs are not top-level TLVs: not valid as such.
+    info.tlvs = tuple([new_tlv(sub[0], sub[1], False) for sub in subs])
+    info.__class__ = SSLInfo  # type: ignore[assignment]
+    return info  # type: ignore[return-value]
 
 
-_new = object.__new__
 _SSL_CLIENT_CERT = int(TLVType.SSL_CLIENT_CERT)
-_SSL_INFO_OPTIONAL = (
-    "version",
-    "cn",
-    "cipher",
-    "sig_alg",
-    "key_alg",
-    "group",
-    "sig_scheme",
-    "client_cert",
-)
-_SSL_INFO_SETTERS = dict(
-    zip(
-        (*_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
-        slot_setters(SSLInfo, *_SSL_INFO_OPTIONAL, "client", "verify", "tlvs"),
-        strict=True,
-    )
-)
 # SSLClient(byte) goes through the Enum machinery (~1 us): 256 values at most.
 _CLIENT_FLAGS: dict[int, SSLClient] = {}

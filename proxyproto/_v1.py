@@ -14,20 +14,16 @@ from ipaddress import IPv4Address, IPv6Address
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
 from proxyproto._events import (
-    SET_COMMAND as _SET_COMMAND,
-    SET_DESTINATION as _SET_DESTINATION,
-    SET_FAMILY as _SET_FAMILY,
-    SET_HOST as _SET_HOST,
-    SET_PORT as _SET_PORT,
-    SET_SOURCE as _SET_SOURCE,
-    SET_TLVS as _SET_TLVS,
-    SET_TRANSPORT as _SET_TRANSPORT,
-    SET_VERSION as _SET_VERSION,
     Command,
     Family,
     InetAddress,
     ProxyHeader,
     Transport,
+    host_value,
+    new_header,
+    new_inet,
+    new_inet4,
+    new_inet6,
 )
 from proxyproto._options import V1_MAX_LENGTH, Options
 
@@ -44,23 +40,26 @@ _MAX_PORT_DIGITS = 5
 _OCTETS = {str(n).encode("ascii"): n for n in range(256)}
 
 # Headers and addresses are built without their validating constructors, from
-# fields checked here (see _v2).
-_new = object.__new__
+# fields checked here (new_header, new_inet).
 _PROXY = Command.PROXY
 _INET = Family.INET
 _INET6 = Family.INET6
 _STREAM = Transport.STREAM
 
-# The exact TCP4 grammar: octets 0-255 and ports 0-65535, decimal digits only,
-# no leading zeros, single spaces.
-_OCTET = rb"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-_IPV4 = rb"(?:" + _OCTET + rb"\.){3}" + _OCTET
-_PORT = (
-    rb"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}"
-    rb"|[1-5][0-9]{4}|[1-9][0-9]{0,3}|0)"
+# A TCP4 line in the shape of a valid one, CRLF included: decimal digits,
+# single spaces, ports without a leading zero. The octets' range and leading
+# zeros (_OCTETS) and the ports' range are checked on the groups.
+_TCP4_HEADER = re.compile(
+    rb"PROXY TCP4 (\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3}) "
+    rb"(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3}) "
+    rb"(0|[1-9]\d{0,4}) (0|[1-9]\d{0,4})\r\n"
 )
-_TCP4_LINE = re.compile(
-    rb"PROXY TCP4 " + _IPV4 + rb" " + _IPV4 + rb" " + _PORT + rb" " + _PORT
+# A TCP6 line in the shape of a valid one: _ipv6_int judges the addresses
+# (what the class admits is its precondition), and the line must still end
+# within V1_MAX_LENGTH.
+_TCP6_HEADER = re.compile(
+    rb"PROXY TCP6 ([0-9A-Fa-f:.]{2,45}) ([0-9A-Fa-f:.]{2,45}) "
+    rb"(0|[1-9]\d{0,4}) (0|[1-9]\d{0,4})\r\n"
 )
 
 
@@ -160,20 +159,16 @@ def _ipv6_int(text: bytes) -> int | None:
     (so no zone id, sign, space or ``0x``). Tested against ``ipaddress`` with
     hypothesis.
     """
-    head, colon, last = text.rpartition(b":")
-    if not colon:
-        return None
-    if b"." in last:
-        if b"." in head:
+    if b"." in text:
+        head, colon, last = text.rpartition(b":")
+        if not colon or b"." in head:
             return None
         v4 = _ipv4_int(last)
         if v4 is None:
             return None
         text = b"%s:%x:%x" % (head, v4 >> 16, v4 & 0xFFFF)
-    elif b"." in head:
-        return None
-    if b"::" in text:
-        hi, _, lo = text.partition(b"::")
+    hi, double_colon, lo = text.partition(b"::")
+    if double_colon:
         parts = hi.split(b":") if hi else []
         lo_parts = lo.split(b":") if lo else []
         zeros = 8 - len(parts) - len(lo_parts)
@@ -187,10 +182,15 @@ def _ipv6_int(text: bytes) -> int | None:
             return None
     if b"" in parts:
         return None
-    digits = b"".join([part.rjust(4, b"0") for part in parts])
+    # Each group right-aligned in 4 columns, then the padding made zeros: one
+    # format call (text has no spaces of its own).
+    digits = (_EIGHT_GROUPS % tuple(parts)).replace(b" ", b"0")
     if len(digits) != 32:  # a group longer than 4 digits
         return None
     return int(digits, 16)
+
+
+_EIGHT_GROUPS = b"%4s" * 8
 
 
 def _ipv6(field: bytes, options: Options) -> IPv6Address:
@@ -203,13 +203,6 @@ def _ipv6(field: bytes, options: Options) -> IPv6Address:
     raise _reject(f"v1 TCP6 address is not a valid IPv6 address: {quote(field)}")
 
 
-def _inet(host: IPv4Address | IPv6Address, port: int) -> InetAddress:
-    address = _new(InetAddress)
-    _SET_HOST(address, host)
-    _SET_PORT(address, port)
-    return address
-
-
 def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
     """Decode a v1 header at the start of *buf* (which starts with "PROXY ").
 
@@ -219,42 +212,55 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
     Raises:
         RemoteProtocolError: the bytes are not a valid v1 header.
     """
+    match = _TCP4_HEADER.match(buf)
+    if match is not None:
+        # The common case, shaped by one C call: only range checks and
+        # conversions are left. A miss falls through to the field checks,
+        # which say what is wrong.
+        a, b, c, d, e, f, g, h, sport, dport = match.groups()
+        octets = _OCTETS
+        try:  # a KeyError: an octet over 255 or with a leading zero
+            src = (octets[a] << 24) | (octets[b] << 16) | (octets[c] << 8) | octets[d]
+            dst = (octets[e] << 24) | (octets[f] << 16) | (octets[g] << 8) | octets[h]
+        except KeyError:
+            pass
+        else:
+            source_port = int(sport)
+            destination_port = int(dport)
+            if source_port <= 0xFFFF and destination_port <= 0xFFFF:
+                return new_header(
+                    1,
+                    _PROXY,
+                    _INET,
+                    _STREAM,
+                    new_inet4(src, source_port),
+                    new_inet4(dst, destination_port),
+                    (),
+                ), match.end()
+    else:
+        match = _TCP6_HEADER.match(buf)
+        if match is not None and match.end() <= V1_MAX_LENGTH:
+            src_text, dst_text, sport, dport = match.groups()
+            src6 = _ipv6_int(src_text)
+            dst6 = _ipv6_int(dst_text)
+            if src6 is not None and dst6 is not None:
+                source_port = int(sport)
+                destination_port = int(dport)
+                if source_port <= 0xFFFF and destination_port <= 0xFFFF:
+                    return new_header(
+                        1,
+                        _PROXY,
+                        _INET6,
+                        _STREAM,
+                        new_inet6(src6, source_port),
+                        new_inet6(dst6, destination_port),
+                        (),
+                    ), match.end()
     end = buf.find(b"\r\n", 0, V1_MAX_LENGTH)
     if end < 0:
         check_v1_prefix(buf[:V1_MAX_LENGTH])
         return None
     line = buf[:end]
-    if _TCP4_LINE.fullmatch(line):
-        # The common case, validated in one C call: only conversions are left.
-        _, _, src, dst, sport, dport = line.split(b" ")
-        octets = _OCTETS
-        a, b, c, d = src.split(b".")
-        source = _new(InetAddress)
-        _SET_HOST(
-            source,
-            IPv4Address(
-                (octets[a] << 24) | (octets[b] << 16) | (octets[c] << 8) | octets[d]
-            ),
-        )
-        _SET_PORT(source, int(sport))
-        a, b, c, d = dst.split(b".")
-        destination = _new(InetAddress)
-        _SET_HOST(
-            destination,
-            IPv4Address(
-                (octets[a] << 24) | (octets[b] << 16) | (octets[c] << 8) | octets[d]
-            ),
-        )
-        _SET_PORT(destination, int(dport))
-        header = _new(ProxyHeader)
-        _SET_VERSION(header, 1)
-        _SET_COMMAND(header, _PROXY)
-        _SET_FAMILY(header, _INET)
-        _SET_TRANSPORT(header, _STREAM)
-        _SET_SOURCE(header, source)
-        _SET_DESTINATION(header, destination)
-        _SET_TLVS(header, ())
-        return header, end + 2
     parts = line.split(b" ")
     proto = parts[1]
     if proto == _UNKNOWN:
@@ -274,31 +280,14 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
     # Either a TCP6 line, or a TCP4 line the fast path refused: the field
     # checks below build the addresses or say which field is wrong.
     if proto == b"TCP4":
-        source = _inet(_ipv4(parts[2]), _port(parts[4]))
-        destination = _inet(_ipv4(parts[3]), _port(parts[5]))
+        source = new_inet(_ipv4(parts[2]), _port(parts[4]))
+        destination = new_inet(_ipv4(parts[3]), _port(parts[5]))
         family = _INET
     else:
-        source = _inet(_ipv6(parts[2], options), _port(parts[4]))
-        destination = _inet(_ipv6(parts[3], options), _port(parts[5]))
+        source = new_inet(_ipv6(parts[2], options), _port(parts[4]))
+        destination = new_inet(_ipv6(parts[3], options), _port(parts[5]))
         family = _INET6
-    header = _new(ProxyHeader)
-    _SET_VERSION(header, 1)
-    _SET_COMMAND(header, _PROXY)
-    _SET_FAMILY(header, family)
-    _SET_TRANSPORT(header, _STREAM)
-    _SET_SOURCE(header, source)
-    _SET_DESTINATION(header, destination)
-    _SET_TLVS(header, ())
-    return header, end + 2
-
-
-def decode_v1_addresses(line: bytes) -> tuple[InetAddress, InetAddress]:
-    """Build the addresses of a valid TCP4 line (without its CRLF)."""
-    parts = line.split(b" ")
-    return (
-        InetAddress(_ipv4(parts[2]), int(parts[4])),
-        InetAddress(_ipv4(parts[3]), int(parts[5])),
-    )
+    return new_header(1, _PROXY, family, _STREAM, source, destination, ()), end + 2
 
 
 _UNKNOWN_HEADER = ProxyHeader.unknown(version=1)
@@ -321,7 +310,9 @@ def encode_v1(header: ProxyHeader) -> bytes:
         return b"PROXY UNKNOWN\r\n"
     if header.family is _INET:  # both hosts are IPv4 (checked by ProxyHeader)
         return _TCP4_FORMAT % (
-            *_EIGHT_BYTES.unpack(((int(src.host) << 32) | int(dst.host)).to_bytes(8)),
+            *_EIGHT_BYTES.unpack(
+                ((host_value(src.host) << 32) | host_value(dst.host)).to_bytes(8)
+            ),
             src.port,
             dst.port,
         )
@@ -362,5 +353,5 @@ def _host_text(host: IPv4Address | IPv6Address) -> str:
     # IPv4-mapped addresses in dotted form (as HAProxy writes them), whatever
     # the Python version: str() gives "::ffff:102:304" before 3.13.
     if isinstance(host, IPv6Address):
-        return _ipv6_text(int(host))
+        return _ipv6_text(host_value(host))
     return str(host)
