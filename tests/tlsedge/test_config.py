@@ -644,8 +644,7 @@ ERRORS: list[tuple[str, str]] = [
     ),
     (
         listener(mode="true") + B,
-        "listeners[0].mode: expected one of 'tcp', 'http', 'udp', got a boolean "
-        "(true)",
+        "listeners[0].mode: expected one of 'tcp', 'http', 'udp', got a boolean (true)",
     ),
     (
         listener(mode='"udp"') + B + 'send_proxy = "v1"\n',

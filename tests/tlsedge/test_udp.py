@@ -13,6 +13,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,11 @@ import trio
 import trio.lowlevel
 
 from proxyproto import (
+    InetAddress,
     ProxyHeader,
+    Transport,
+    encode_v1,
+    encode_v2,
     parse,
 )
 from tests.peers import require
@@ -101,20 +106,23 @@ class EchoServer:
     """A UDP server on 127.0.0.1: answers each datagram with ``name|`` and
     the datagram (PROXY header stripped and remembered with ``proxy``)."""
 
-    def __init__(self, name: str = "", *, proxy: bool = False) -> None:
+    def __init__(
+        self, name: str = "", *, proxy: bool = False, host: str = "127.0.0.1"
+    ) -> None:
         self.name = name
         self.proxy = proxy
+        self.host = host
         self.port = 0
         self.sources: list[tuple[str, int]] = []
         self.headers: list[ProxyHeader] = []
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     async def run(self, *, task_status: trio.TaskStatus[None]) -> None:
         with trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            await sock.bind(("127.0.0.1", 0))
+            await sock.bind((self.host, 0))
             self.port = sock.getsockname()[1]
             task_status.started()
             while True:
@@ -164,11 +172,14 @@ class Client:
 
 
 @asynccontextmanager
-async def servers(*names: str, proxy: bool = False) -> AsyncIterator[list[EchoServer]]:
+async def servers(
+    *names: str, proxy: bool = False, hosts: tuple[str, ...] = ()
+) -> AsyncIterator[list[EchoServer]]:
     async with trio.open_nursery() as nursery:
         started = []
-        for name in names:
-            server = EchoServer(name, proxy=proxy)
+        for index, name in enumerate(names):
+            host = hosts[index] if hosts else "127.0.0.1"
+            server = EchoServer(name, proxy=proxy, host=host)
             await nursery.start(server.run)
             started.append(server)
         yield started
@@ -462,6 +473,175 @@ async def test_dns_through_the_edge() -> None:
                 assert [str(r) for r in answer.answer[0]] == ["192.0.2.53"]
                 assert answer.answer[0].name.to_text() == name
         nursery.cancel_scope.cancel()
+
+
+# -- PROXY v2 with DGRAM transports ---------------------------------------------
+
+
+def dgram_header(source: tuple[str, int], destination: tuple[str, int]) -> bytes:
+    return encode_v2(
+        ProxyHeader.from_addresses(source, destination, transport=Transport.DGRAM)
+    )
+
+
+async def test_send_proxy_v2_wraps_every_datagram() -> None:
+    async with servers("", proxy=True) as (echo,):
+        config = udp_config([echo], backend={"send_proxy": "v2"})
+        async with running_edge(config) as edge, Client() as client:
+            address = address_of(edge, "dns")
+            assert await client.ask(address, b"one") == b"one"
+            assert await client.ask(address, b"") == b""
+            assert len(echo.headers) == 2
+            for header in echo.headers:
+                assert header.transport is Transport.DGRAM
+                assert header.source == InetAddress.parse(*client.address)
+                assert header.destination == InetAddress.parse(*address)
+            assert echo.headers[0] == echo.headers[1]  # one header per flow
+
+
+async def test_trusted_peer_datagrams_are_unwrapped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with servers("", proxy=True) as (echo,):
+        config = udp_config(
+            [echo],
+            {"proxy_protocol": {"trusted": ["127.0.0.1/32"]}, "idle_timeout": 0.3},
+            {"send_proxy": "v2"},
+        )
+        async with running_edge(config) as edge, Client() as balancer:
+            address = address_of(edge, "dns")
+            peer = balancer.address
+            one, two = ("203.0.113.5", 4000), ("203.0.113.6", 4000)
+            sent_to = ("192.0.2.1", 53)
+            for client in (one, two, one):
+                data = f"from {client}".encode()
+                reply = await balancer.ask(
+                    address, dgram_header(client, sent_to) + data
+                )
+                assert reply == data  # raw, back to the balancer's address
+            # The header's source made the flows, and travels on to the server.
+            assert [h.source for h in echo.headers] == [
+                InetAddress.parse(*one),
+                InetAddress.parse(*two),
+                InetAddress.parse(*one),
+            ]
+            assert {h.destination for h in echo.headers} == {
+                InetAddress.parse(*sent_to)
+            }
+            assert len(set(echo.sources)) == 2
+            records = await wait_access_records(caplog, 2)
+        assert sorted(r["client"] for r in records) == [
+            "203.0.113.5:4000",
+            "203.0.113.6:4000",
+        ]
+        assert {r["peer"] for r in records} == {"{}:{}".format(*peer)}
+        assert {r["destination"] for r in records} == {"192.0.2.1:53"}
+
+
+@pytest.mark.parametrize(
+    ("datagram", "reason"),
+    [
+        (b"no header at all", "header_error"),
+        (b"\r\n\r\n\x00\r\nQUIT\n\x21\x12\x00\x0c", "header_error"),  # cut
+        (
+            encode_v2(ProxyHeader.from_addresses(("203.0.113.5", 1), ("192.0.2.1", 53)))
+            + b"stream",
+            "header_error",
+        ),
+        (
+            encode_v1(
+                ProxyHeader.from_addresses(
+                    ("203.0.113.5", 1), ("192.0.2.1", 53), version=1
+                )
+            ),
+            "header_error",
+        ),
+        (encode_v2(ProxyHeader.local()) + b"check", "health_check"),
+    ],
+    ids=["none", "truncated", "stream", "v1", "local"],
+)
+async def test_bad_headers_from_trusted_peers_are_dropped(
+    datagram: bytes, reason: str
+) -> None:
+    async with servers("") as (echo,):
+        config = udp_config([echo], {"proxy_protocol": {"trusted": ["127.0.0.1/32"]}})
+        async with running_edge(config) as edge, Client() as balancer:
+            address = address_of(edge, "dns")
+            await balancer.sock.sendto(datagram, address)
+            await wait_until(lambda: dropped(edge, reason) == 1)
+            assert await balancer.quiet()
+            good = dgram_header(("203.0.113.5", 1), ("192.0.2.1", 53)) + b"ok"
+            assert await balancer.ask(address, good) == b"ok"
+        assert len(echo.sources) == 1
+
+
+@pytest.mark.parametrize("untrusted", ["reject", "direct"])
+async def test_untrusted_peers_follow_the_policy(untrusted: str) -> None:
+    async with servers("") as (echo,):
+        pp = {"trusted": ["127.0.0.1/32"], "untrusted": untrusted}
+        config = udp_config([echo], {"proxy_protocol": pp})
+        async with running_edge(config) as edge, Client("127.0.0.2") as stranger:
+            address = address_of(edge, "dns")
+            wrapped = dgram_header(("203.0.113.5", 1), ("192.0.2.1", 53)) + b"hi"
+            for datagram in (b"hi", wrapped):
+                if untrusted == "direct":  # served raw, header or not
+                    assert await stranger.ask(address, datagram) == datagram
+                else:
+                    await stranger.sock.sendto(datagram, address)
+                    assert await stranger.quiet()
+            if untrusted == "reject":
+                assert dropped(edge, "rejected") == 2
+                assert echo.sources == []
+            else:
+                assert len(set(echo.sources)) == 1  # one flow: the peer's address
+
+
+# -- health checks ----------------------------------------------------------------
+
+
+async def test_health_checks_use_the_health_port() -> None:
+    received: list[bytes] = []
+
+    async def health_endpoint(stream: trio.SocketStream) -> None:
+        with trio.move_on_after(1.0):
+            received.append(await stream.receive_some(100))
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        # Only 127.0.0.1 answers on the health port: the server on 127.0.0.2
+        # goes down, and every flow goes to the other.
+        (listener,) = await nursery.start(
+            partial(trio.serve_tcp, health_endpoint, 0, host="127.0.0.1")
+        )
+        health_port = listener.socket.getsockname()[1]
+        async with servers("up", "down", hosts=("127.0.0.1", "127.0.0.2")) as echoes:
+            config = udp_config(
+                echoes,
+                backend={
+                    "send_proxy": "v2",
+                    "health": {
+                        "kind": "tcp",
+                        "port": health_port,
+                        "interval": 0.2,
+                        "timeout": 0.2,
+                        "unhealthy_threshold": 1,
+                    },
+                },
+            )
+            async with running_edge(config) as edge:
+                address = address_of(edge, "dns")
+                pool = edge._pools["b"]
+                await wait_until(
+                    lambda: [s.server.healthy for s in pool.servers] == [True, False]
+                )
+                for _ in range(4):
+                    async with Client() as client:
+                        reply = await client.ask(address, b"?")
+                    assert reply.startswith(b"up|")
+        nursery.cancel_scope.cancel()
+    # The check went to the health port and sent no PROXY header there.
+    assert received
+    assert set(received) == {b""}
 
 
 # -- configuration -------------------------------------------------------------------
