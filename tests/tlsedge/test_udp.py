@@ -418,6 +418,35 @@ async def test_drain_keeps_flows_and_takes_no_new_ones(
         assert record["requests"] == 2
 
 
+async def test_reload_moves_a_listener_and_its_old_flows_finish(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with servers("a", "b") as (a, b):
+        first = udp_config([a], {"idle_timeout": 0.3})
+        second = make_config(
+            [{"name": "dns", "mode": "udp", "backend": "b", "bind": "127.0.0.2:0"}],
+            [{"name": "b", "servers": [b.address]}],
+        )
+        async with running_edge(first) as edge, Client() as old, Client() as late:
+            old_address = address_of(edge, "dns")
+            moved = edge._listeners["dns"]
+            assert await old.ask(old_address, b"1") == b"a|1"
+            await edge.reload(second)
+            new_address = address_of(edge, "dns")
+            assert new_address[0] == "127.0.0.2"
+            # The old flow goes on through the old socket; new clients there
+            # are dropped; the new address serves the new backend.
+            assert await old.ask(old_address, b"2") == b"a|2"
+            await late.sock.sendto(b"x", old_address)
+            assert await late.quiet()
+            assert await late.ask(new_address, b"3") == b"b|3"
+            # The old flow idles out, and the old socket closes after it.
+            await wait_until(lambda: moved.sockets[0].fileno() == -1)
+            (record,) = [r for r in flow_records(caplog) if r["server"] == a.address]
+            assert record["termination"] == "idle_timeout"
+            assert record["requests"] == 2
+
+
 async def test_drain_with_no_flows_returns_at_once() -> None:
     async with servers("") as (echo,):
         config = udp_config([echo], edge={"drain_timeout": 60.0})
