@@ -435,7 +435,12 @@ class Edge:
         try:
             for lconf in config.listeners:
                 old = self._listeners.get(lconf.name)
-                if old is None or old.config.bind != lconf.bind:
+                if (
+                    old is None
+                    or old.config.bind != lconf.bind
+                    # A UDP socket cannot serve TCP, nor the other way round.
+                    or (old.config.mode == "udp") != (lconf.mode == "udp")
+                ):
                     opened[lconf.name] = self._make_listener(
                         states[lconf.name],
                         await _bind(lconf, reuse_port=self._reuse_port),

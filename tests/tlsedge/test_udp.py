@@ -447,6 +447,38 @@ async def test_reload_moves_a_listener_and_its_old_flows_finish(
             assert record["requests"] == 2
 
 
+async def test_reload_turns_a_tcp_listener_into_a_udp_one() -> None:
+    async with servers("u") as (echo,):
+        tcp = make_config(
+            [{"name": "dns", "backend": "t"}],
+            [{"name": "t", "servers": ["127.0.0.1:9"]}],
+        )
+        async with running_edge(tcp) as edge, Client() as client:
+            await edge.reload(udp_config([echo]))
+            assert await client.ask(address_of(edge, "dns"), b"x") == b"u|x"
+
+
+async def test_ipv6_clients(caplog: pytest.LogCaptureFixture) -> None:
+    async with servers("", proxy=True) as (echo,):
+        config = udp_config(
+            [echo], {"bind": "[::1]:0", "idle_timeout": 0.2}, {"send_proxy": "v2"}
+        )
+        async with running_edge(config) as edge:
+            address = address_of(edge, "dns")
+            with trio.socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as sock:
+                await sock.bind(("::1", 0))
+                port = sock.getsockname()[1]
+                await sock.sendto(b"six", address)
+                with trio.fail_after(REPLY_WITHIN):
+                    reply, source = await sock.recvfrom(100)
+            assert reply == b"six"
+            assert source[:2] == address
+            (record,) = await wait_access_records(caplog, 1)
+        assert record["client"] == f"[::1]:{port}"
+        (header,) = echo.headers
+        assert header.source == InetAddress.parse("::1", port)
+
+
 async def test_drain_with_no_flows_returns_at_once() -> None:
     async with servers("") as (echo,):
         config = udp_config([echo], edge={"drain_timeout": 60.0})
