@@ -25,6 +25,11 @@ datagrams make no flow, hold no memory and write no access-log line; they are
 counted by reason (``tlsedge_udp_datagrams_dropped``) and logged at most once
 per second.
 
+A socket bound to a wildcard address (``0.0.0.0``, ``::``) asks the kernel
+for each datagram's destination (``IP_PKTINFO``): it is the flow's
+destination (access log, PROXY header), and the flow's replies leave from it,
+as the client expects on a host with several addresses.
+
 Drain (and a reload that moves the listener) takes no new flows but keeps the
 sockets open, as the flows still send their replies through them; the sockets
 close when the last flow has ended.
@@ -36,9 +41,10 @@ import logging
 import math
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Final, TypeAlias
 
 import trio
 
@@ -79,6 +85,7 @@ class _Flow:
         "lease",
         "log",
         "out",
+        "reply_from",
         "reply_to",
         "scope",
         "started",
@@ -89,16 +96,17 @@ class _Flow:
     def __init__(  # noqa: PLR0917
         self,
         key: Hashable,
-        reply_to: tuple[Any, ...],
-        out: socket.socket,
+        reply: tuple[tuple[Any, ...], socket.socket, _Ancillary | None],
         upstream: socket.socket,
         header: bytes,
         log: ConnectionLog,
         token: object,
     ) -> None:
         self.key = key
-        self.reply_to = reply_to  # the peer's address as recvfrom gave it
-        self.out = out  # the listener's socket the client sent to
+        # The peer's address as recvfrom gave it, the listener's socket the
+        # client sent to, and (on a wildcard address) the IP_PKTINFO that
+        # makes a reply leave from the address the client sent to.
+        self.reply_to, self.out, self.reply_from = reply
         self.upstream = upstream
         self.header = header  # PROXY v2 header before each datagram, or b""
         self.log = log
@@ -115,6 +123,48 @@ class _Flow:
 def _address(address: object) -> tuple[str, int]:
     assert isinstance(address, tuple)
     return (str(address[0]), int(address[1]))
+
+
+# Linux's IP_PKTINFO (Python's socket module names it from 3.13 on).
+_IP_PKTINFO: Final = int(getattr(socket, "IP_PKTINFO", 8))
+_WILDCARDS: Final = frozenset({"0.0.0.0", "::"})
+# Room for one in6_pktinfo (the larger of the two).
+_PKTINFO_SPACE: Final = socket.CMSG_SPACE(20)
+_Ancillary: TypeAlias = list[tuple[int, int, bytes]]
+
+
+def _ask_destinations(sock: socket.socket) -> None:
+    """Have the kernel tell which address each datagram was sent to (a
+    socket bound to a wildcard address receives for all of them)."""
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO, 1)
+    else:
+        sock.setsockopt(socket.IPPROTO_IP, _IP_PKTINFO, 1)
+
+
+def _destination(
+    ancillary: list[tuple[int, int, bytes]], local: tuple[str, int]
+) -> tuple[tuple[str, int], _Ancillary | None]:
+    """The address a datagram was sent to (from its IP_PKTINFO), and the
+    ancillary data that sends a reply from that address."""
+    for level, kind, data in ancillary:
+        if level == socket.IPPROTO_IP and kind == _IP_PKTINFO and len(data) >= 12:
+            # struct in_pktinfo: ifindex, spec_dst, addr (the header's destination)
+            ip = data[8:12]
+            reply = struct.pack("=i4s4s", 0, ip, bytes(4))
+            return (socket.inet_ntop(socket.AF_INET, ip), local[1]), [
+                (socket.IPPROTO_IP, _IP_PKTINFO, reply)
+            ]
+        if (
+            level == socket.IPPROTO_IPV6
+            and kind == socket.IPV6_PKTINFO
+            and len(data) >= 20
+        ):
+            # struct in6_pktinfo: addr, ifindex (kept: link-local replies need it)
+            return (socket.inet_ntop(socket.AF_INET6, data[:16]), local[1]), [
+                (socket.IPPROTO_IPV6, socket.IPV6_PKTINFO, bytes(data[:20]))
+            ]
+    return local, None
 
 
 def _connect(address: tuple[str, int]) -> socket.socket:
@@ -216,6 +266,9 @@ class UdpListener:
         # A stdlib object on the same descriptor (detached, never closed):
         # its recvfrom() does not checkpoint, so one wake-up takes a batch.
         raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
+        wildcard = local[0] in _WILDCARDS
+        if wildcard:
+            _ask_destinations(raw)
         try:
             while True:
                 try:
@@ -224,37 +277,48 @@ class UdpListener:
                     return
                 if sock.fileno() == -1:
                     return
-                self._receive_batch(raw, local)
+                self._receive_batch(raw, local, wildcard=wildcard)
         finally:
             raw.detach()
 
-    def _receive_batch(self, raw: socket.socket, local: tuple[str, int]) -> None:
+    def _receive_batch(
+        self, raw: socket.socket, local: tuple[str, int], *, wildcard: bool
+    ) -> None:
         now = trio.current_time()
         count = 0
+        here, reply_from = local, None
         for _ in range(_BATCH):
             try:
-                data, address = raw.recvfrom(MAX_DATAGRAM)
+                if wildcard:
+                    data, ancillary, _, address = raw.recvmsg(
+                        MAX_DATAGRAM, _PKTINFO_SPACE
+                    )
+                    here, reply_from = _destination(ancillary, local)
+                else:
+                    data, address = raw.recvfrom(MAX_DATAGRAM)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 # An ICMP error for an earlier reply to a client: nothing
                 # to do for it here (the flow ends when idle).
                 continue
-            if self._datagram(raw, local, data, address, now):
+            if self._datagram(raw, here, reply_from, data, address, now):
                 count += 1
         if count:
             assert self._config is not None
             self._metrics.udp_datagrams(self._config.name, "from_client", count)
 
-    def _datagram(
+    def _datagram(  # noqa: PLR0917
         self,
         raw: socket.socket,
         local: tuple[str, int],
+        reply_from: _Ancillary | None,
         data: bytes,
         address: tuple[Any, ...],
         now: float,
     ) -> bool:
-        """Forward one client datagram; False when it was dropped."""
+        """Forward one client datagram to *local* (the address it was sent
+        to); False when it was dropped."""
         peer = _address(address)
         trust = self._trust
         key: Hashable
@@ -271,7 +335,9 @@ class UdpListener:
             key, data = (peer, client), unwrapped.payload
         flow = self.flows.get(key)
         if flow is None:
-            flow = self._open_flow(key, address, raw, peer, client, destination, now)
+            flow = self._open_flow(
+                key, (address, raw, reply_from), peer, client, destination, now
+            )
             if flow is None:
                 return False
         else:
@@ -291,8 +357,7 @@ class UdpListener:
     def _open_flow(  # noqa: PLR0917
         self,
         key: Hashable,
-        reply_to: tuple[Any, ...],
-        out: socket.socket,
+        reply: tuple[tuple[Any, ...], socket.socket, _Ancillary | None],
         peer: tuple[str, int],
         client: tuple[str, int],
         destination: tuple[str, int],
@@ -355,7 +420,7 @@ class UdpListener:
                 else None,
                 crc32c="crc32c" in backend.proxy_tlvs,
             )
-        flow = _Flow(key, reply_to, out, upstream, header, log, token)
+        flow = _Flow(key, reply, upstream, header, log, token)
         flow.started = now
         flow.lease = pool.lease(server).release
         if pool.observer is not None:
@@ -411,6 +476,7 @@ class UdpListener:
 
     async def _replies(self, flow: _Flow) -> None:
         upstream, out, reply_to, log = flow.upstream, flow.out, flow.reply_to, flow.log
+        reply_from = flow.reply_from
         metrics = self._metrics
         while True:
             await trio.lowlevel.wait_readable(upstream)
@@ -430,7 +496,10 @@ class UdpListener:
                 count += 1
                 size += len(data)
                 try:
-                    out.sendto(data, reply_to)
+                    if reply_from is None:
+                        out.sendto(data, reply_to)
+                    else:
+                        out.sendmsg([data], reply_from, 0, reply_to)
                 except (BlockingIOError, InterruptedError):
                     self._drop(
                         "client_busy",

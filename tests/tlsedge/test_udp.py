@@ -458,6 +458,40 @@ async def test_reload_turns_a_tcp_listener_into_a_udp_one() -> None:
             assert await client.ask(address_of(edge, "dns"), b"x") == b"u|x"
 
 
+@pytest.mark.parametrize(
+    ("bind", "family", "client", "sent_to"),
+    [
+        ("0.0.0.0:0", socket.AF_INET, "127.0.0.1", "127.0.0.2"),
+        ("[::]:0", socket.AF_INET6, "::1", "::1"),
+    ],
+)
+async def test_wildcard_listener_replies_from_the_address_sent_to(
+    caplog: pytest.LogCaptureFixture,
+    bind: str,
+    family: socket.AddressFamily,
+    client: str,
+    sent_to: str,
+) -> None:
+    async with servers("", proxy=True) as (echo,):
+        config = udp_config(
+            [echo], {"bind": bind, "idle_timeout": 0.2}, {"send_proxy": "v2"}
+        )
+        async with running_edge(config) as edge:
+            target = (sent_to, address_of(edge, "dns")[1])
+            with trio.socket.socket(family, socket.SOCK_DGRAM) as sock:
+                await sock.bind((client, 0))
+                await sock.sendto(b"where", target)
+                with trio.fail_after(REPLY_WITHIN):
+                    reply, source = await sock.recvfrom(100)
+            assert reply == b"where"
+            assert source[:2] == target  # not the address routing would pick
+            (record,) = await wait_access_records(caplog, 1)
+        shown = f"[{sent_to}]" if ":" in sent_to else sent_to
+        assert record["destination"] == f"{shown}:{target[1]}"
+        (header,) = echo.headers
+        assert header.destination == InetAddress.parse(*target)
+
+
 async def test_ipv6_clients(caplog: pytest.LogCaptureFixture) -> None:
     async with servers("", proxy=True) as (echo,):
         config = udp_config(
