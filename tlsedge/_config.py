@@ -20,7 +20,8 @@ After the tree is built, `config_from_mapping` runs the checks that span tables:
 unique names, listeners naming existing backends, two sockets not bound to the
 same address, what a listener cannot serve (ALPN protocols other than HTTP/1.x
 in HTTP mode, offered to clients or to TLS backends; port 0 with several
-workers).  Every check that ``tlsedge run`` relies on is here, so a `Config` built
+workers; what a backend behind a ``mode = "udp"`` listener cannot do).
+Every check that ``tlsedge run`` relies on is here, so a `Config` built
 through the library API (``tlsedge.serve``) is held to the same rules.  Nothing
 here touches the network or the file system beyond reading the TOML file itself:
 certificate files are opened and host names resolved by `tlsedge._preflight`

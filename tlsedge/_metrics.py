@@ -15,7 +15,10 @@ kinds of metrics:
   (`EdgeMetrics.proxy_header_error`), and ended (`EdgeMetrics.record`, which
   derives everything else from the finished `ConnectionLog`: termination
   cause, TLS outcome, bytes, duration). HTTP mode calls
-  `EdgeMetrics.record_http_request` per request.
+  `EdgeMetrics.record_http_request` per request. A ``mode = "udp"`` flow
+  counts as a connection (opened, recorded when it ends); its listener adds
+  datagram counts per batch (`EdgeMetrics.udp_datagrams`) and each dropped
+  datagram (`EdgeMetrics.udp_dropped`).
 - *Live metrics*, read at scrape time by `LiveStateCollector` from a
   `Snapshot` of the edge (`Edge.snapshot`, passed in as a callable: this
   module never sees the `Edge`) rather than mirrored: server health
