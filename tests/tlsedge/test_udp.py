@@ -397,6 +397,42 @@ async def test_denied_clients_make_no_flow(caplog: pytest.LogCaptureFixture) -> 
     assert "denied" in warnings[0]
 
 
+async def test_no_healthy_server_drops_datagrams() -> None:
+    with socket.socket() as closed:  # a TCP port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        health_port = closed.getsockname()[1]
+    async with servers("") as (echo,):
+        health = {"port": health_port, "interval": 0.2, "timeout": 0.2}
+        config = udp_config([echo], backend={"health": health})
+        async with running_edge(config) as edge, Client() as client:
+            address = address_of(edge, "dns")
+            (server,) = edge._pools["b"].servers
+            await wait_until(lambda: not server.server.healthy)
+            await client.sock.sendto(b"anyone?", address)
+            assert await client.quiet()
+            await wait_until(lambda: dropped(edge, "no_server") == 1)
+            assert echo.sources == []
+
+
+async def test_edge_max_connections_counts_flows() -> None:
+    async with servers("") as (echo,):
+        config = udp_config([echo], edge={"max_connections": 2})
+        async with (
+            running_edge(config) as edge,
+            Client() as one,
+            Client() as two,
+            Client() as three,
+        ):
+            address = address_of(edge, "dns")
+            assert await one.ask(address, b"1") == b"1"
+            assert await two.ask(address, b"2") == b"2"
+            await three.sock.sendto(b"3", address)
+            assert await three.quiet()
+            assert dropped(edge, "flow_cap") == 1
+            assert edge.active_connections == 2
+            assert await one.ask(address, b"again") == b"again"
+
+
 async def test_drain_keeps_flows_and_takes_no_new_ones(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
