@@ -14,7 +14,9 @@ listener's socket**, so the client hears back from the address it sent to.
 A flow ends when no datagram went either way for the listener's
 ``idle_timeout`` (one expiry task per listener, `FlowTable` keeps the order),
 when the server's side fails (an ICMP port unreachable comes back as
-ECONNREFUSED on the connected socket: ``server_error``), or at the drain
+ECONNREFUSED on the connected socket: ``server_error``, which counts against
+the server's health as a failed connect does in tcp mode, while a flow's first
+reply counts as a connect that succeeded), or at the drain
 deadline (``drained``). Each end writes one access-log line (bytes each way;
 ``requests`` holds the datagrams from the client).
 
@@ -52,6 +54,7 @@ from proxyproto import TrustPolicy
 from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admission import AccessRules
 from tlsedge._config import ListenerConfig
+from tlsedge._health import ServerHealth
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._termination import Termination
 from tlsedge._udp_flows import (
@@ -80,6 +83,7 @@ class _Flow:
         "datagrams_from_server",
         "ended",
         "header",
+        "health",
         "key",
         "last_seen",
         "lease",
@@ -118,6 +122,9 @@ class _Flow:
         self.scope = trio.CancelScope()
         self.token = token  # held in the listener's and the edge's limiters
         self.lease: Callable[[], None] | None = None
+        # The server's passive health: a first reply counts as a connect
+        # that succeeded, a port unreachable as one that failed.
+        self.health: ServerHealth | None = None
 
 
 def _address(address: object) -> tuple[str, int]:
@@ -423,6 +430,7 @@ class UdpListener:
         flow = _Flow(key, reply, upstream, header, log, token)
         flow.started = now
         flow.lease = pool.lease(server).release
+        flow.health = next((h for h in pool.servers if h.server is server), None)
         if pool.observer is not None:
             pool.observer.server_connection_opened(pool.name, str(server), 1)
         was_empty = not len(self.flows)
@@ -515,6 +523,8 @@ class UdpListener:
                         trio.current_time(),
                     )
             if count:
+                if not flow.datagrams_from_server and flow.health is not None:
+                    flow.health.connect_succeeded()
                 flow.datagrams_from_server += count
                 log.bytes_from_server += size
                 metrics.udp_datagrams(log.listener, "from_server", count)
@@ -534,6 +544,8 @@ class UdpListener:
         if flow.log.termination == Termination.UNKNOWN:
             flow.log.termination = termination
             flow.log.detail = detail
+        if termination == Termination.SERVER_ERROR and flow.health is not None:
+            flow.health.connect_failed(detail or "server error")
         self.flows.discard(flow.key, flow)
         flow.scope.cancel()
 

@@ -341,6 +341,31 @@ async def test_server_port_unreachable_ends_the_flow(
         assert record["detail"] == "connection refused"
 
 
+async def test_unreachable_server_is_marked_down_by_traffic() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{closed.getsockname()[1]}"
+    async with servers("live") as (echo,):
+        config = make_config(
+            [{"name": "dns", "mode": "udp", "backend": "b"}],
+            [{"name": "b", "servers": [dead, echo.address]}],
+        )
+        async with running_edge(config) as edge:
+            address = address_of(edge, "dns")
+            pool = edge._pools["b"]
+            down = pool.servers[0].server
+            with trio.fail_after(10):
+                while down.healthy:  # each flow to it ends: port unreachable
+                    async with Client() as client:
+                        await client.sock.sendto(b"?", address)
+                        with trio.move_on_after(0.2):
+                            await client.sock.recvfrom(100)
+            for _ in range(3):  # no trial before the passive cool-down
+                async with Client() as client:
+                    assert await client.ask(address, b"?") == b"live|?"
+            assert pool.servers[1].server.healthy
+
+
 async def test_flood_from_many_ports_stays_within_the_flow_cap() -> None:
     cap, clients, batch = 100, 3000, 100
     async with servers("") as (echo,):
