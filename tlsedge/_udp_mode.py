@@ -349,8 +349,6 @@ class UdpListener:
                 return False
         else:
             self.flows.touch(key, flow, now)
-        flow.datagrams_from_client += 1
-        flow.log.bytes_from_client += len(data)
         try:
             flow.upstream.send(flow.header + data if flow.header else data)
         except (BlockingIOError, InterruptedError):
@@ -359,6 +357,8 @@ class UdpListener:
         except OSError as exc:
             self._end(flow, Termination.SERVER_ERROR, _describe(exc))
             return False
+        flow.datagrams_from_client += 1
+        flow.log.bytes_from_client += len(data)
         return True
 
     def _open_flow(  # noqa: PLR0917
@@ -403,7 +403,8 @@ class UdpListener:
             upstream = _connect(server.address)
         except OSError as exc:
             self._release(token)
-            self._drop("no_server", peer, f"{server}: {_describe(exc)}", now)
+            # Out of descriptors or ports here: not the server's fault.
+            self._drop("connect_failed", peer, f"{server}: {_describe(exc)}", now)
             return None
         backend = pool.config
         log = ConnectionLog(
