@@ -20,7 +20,8 @@ After the tree is built, `config_from_mapping` runs the checks that span tables:
 unique names, listeners naming existing backends, two sockets not bound to the
 same address, what a listener cannot serve (ALPN protocols other than HTTP/1.x
 in HTTP mode, offered to clients or to TLS backends; port 0 with several
-workers).  Every check that ``tlsedge run`` relies on is here, so a `Config` built
+workers; what a backend behind a ``mode = "udp"`` listener cannot do).
+Every check that ``tlsedge run`` relies on is here, so a `Config` built
 through the library API (``tlsedge.serve``) is held to the same rules.  Nothing
 here touches the network or the file system beyond reading the TOML file itself:
 certificate files are opened and host names resolved by `tlsedge._preflight`
@@ -71,7 +72,7 @@ __all__ = [
 ]
 
 Network: TypeAlias = IPv4Network | IPv6Network
-ListenerMode: TypeAlias = Literal["tcp", "http"]
+ListenerMode: TypeAlias = Literal["tcp", "http", "udp"]
 UntrustedAction: TypeAlias = Literal["reject", "direct"]
 DeniedAction: TypeAlias = Literal["close", "403"]
 TlsPolicy: TypeAlias = Literal[
@@ -347,6 +348,9 @@ class HealthConfig:
 
     kind: HealthKind = "tcp"
     path: str = "/healthz"  # with kind = "http"
+    # Check this port instead of each server's own (required behind a udp
+    # listener: the servers' ports are UDP, checks are TCP or HTTP).
+    port: int | None = None
     interval: float = 10.0
     timeout: float = 5.0
     healthy_threshold: int = 2
@@ -911,8 +915,8 @@ def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
         if mode != "http" and http_only in t:
             raise _fail(
                 t.sub(http_only),
-                'only applies with mode = "http" (a TCP relay does not read HTTP '
-                'headers); remove the table or set mode = "http"',
+                f'only applies with mode = "http" (a {mode} listener does not '
+                'read HTTP headers); remove the table or set mode = "http"',
             )
     denied = t.get("denied", _one_of(DENIED_ACTIONS))
     if denied == "403" and mode != "http":
@@ -920,6 +924,25 @@ def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
             t.sub("denied"),
             f'"403" needs mode = "http" (a {mode} listener does not speak HTTP); '
             'use "close" or set mode = "http"',
+        )
+    if mode == "udp" and "tls" in t:
+        raise _fail(
+            t.sub("tls"),
+            'a mode = "udp" listener cannot terminate TLS (DTLS is not '
+            "supported); remove the table, or terminate DTLS on the servers",
+        )
+    proxy_protocol = t.opt(
+        "proxy_protocol", _section(ProxyProtocolConfig, _proxy_protocol)
+    )
+    if (
+        mode == "udp"
+        and proxy_protocol is not None
+        and 2 not in proxy_protocol.versions
+    ):
+        raise _fail(
+            f"{t.sub('proxy_protocol')}.versions",
+            "a udp listener reads only PROXY v2 headers (v1 is text for TCP "
+            "streams and cannot describe a datagram); include 2",
         )
     return ListenerConfig(
         name=t.get("name", _name),
@@ -932,9 +955,7 @@ def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
         allow=t.get("allow", _array(_network, unique=True)),
         deny=t.get("deny", _array(_network, unique=True)),
         denied=denied,
-        proxy_protocol=t.opt(
-            "proxy_protocol", _section(ProxyProtocolConfig, _proxy_protocol)
-        ),
+        proxy_protocol=proxy_protocol,
         tls=t.opt("tls", _section(TlsConfig, partial(_tls, base_dir=base_dir))),
         forwarded=t.get("forwarded", _section(ForwardedConfig, _forwarded)),
         http=t.get("http", _section(HttpConfig, _http)),
@@ -991,6 +1012,7 @@ def _health(t: _Table) -> HealthConfig:
     health = HealthConfig(
         kind=t.get("kind", _one_of(HEALTH_KINDS)),
         path=t.get("path", _http_path),
+        port=t.opt("port", _int_in(1, 65535)),
         interval=t.get("interval", _DURATION),
         timeout=t.get("timeout", _DURATION),
         healthy_threshold=t.get("healthy_threshold", _int_in(1)),
@@ -1079,13 +1101,64 @@ def _same_socket(a: Address, b: Address) -> bool:
 
 
 def _check_binds(config: Config) -> None:
-    binds = [(f"listeners[{i}].bind", x.bind) for i, x in enumerate(config.listeners)]
+    """Two sockets of one transport bound to the same address collide; a UDP
+    and a TCP socket on one port do not (DNS serves both on port 53)."""
+    binds = [
+        (f"listeners[{i}].bind", x.bind, x.mode == "udp")
+        for i, x in enumerate(config.listeners)
+    ]
     if config.edge.admin is not None:
-        binds.append(("edge.admin", config.edge.admin))
-    for index, (path, address) in enumerate(binds):
-        for other_path, other in binds[:index]:
-            if _same_socket(address, other):
+        binds.append(("edge.admin", config.edge.admin, False))
+    for index, (path, address, udp) in enumerate(binds):
+        for other_path, other, other_udp in binds[:index]:
+            if udp == other_udp and _same_socket(address, other):
                 raise _fail(path, f"{address} collides with {other} of {other_path}")
+
+
+def _check_udp_backends(config: Config) -> None:
+    """A backend behind a udp listener has UDP servers: it serves no tcp or
+    http listener, speaks no TLS, sends no PROXY v1 (which cannot describe a
+    datagram), and its health checks need a TCP port of their own."""
+    udp_users: dict[str, int] = {}
+    stream_users: dict[str, int] = {}
+    for index, lst in enumerate(config.listeners):
+        users = udp_users if lst.mode == "udp" else stream_users
+        users.setdefault(lst.backend, index)
+    for number, backend in enumerate(config.backends):
+        user = udp_users.get(backend.name)
+        if user is None:
+            continue
+        path = f"backends[{number}]"
+        why = f'(it serves the mode = "udp" listener listeners[{user}])'
+        other = stream_users.get(backend.name)
+        if other is not None:
+            raise _fail(
+                f"listeners[{max(user, other)}].backend",
+                f"backend {backend.name!r} serves both a udp listener "
+                f"(listeners[{user}]) and a {config.listeners[other].mode} "
+                f"listener (listeners[{other}]): its servers' ports are either "
+                "UDP or TCP; define a backend for each",
+            )
+        if backend.protocol != "tcp":
+            raise _fail(
+                f"{path}.protocol",
+                f"{backend.protocol!r} cannot carry datagrams {why}: DTLS is not "
+                'supported; use "tcp" (plain datagrams)',
+            )
+        if backend.send_proxy == "v1":
+            raise _fail(
+                f"{path}.send_proxy",
+                f'"v1" cannot describe a datagram {why}: PROXY v1 has only TCP '
+                'transports; use "v2" (each datagram gets a DGRAM header) or "none"',
+            )
+        health = backend.health
+        if health is not None and health.port is None:
+            raise _fail(
+                f"{path}.health",
+                f"missing port {why}: the servers' ports are UDP, and a "
+                f"{health.kind} check needs a TCP port; give the port the "
+                "servers answer checks on (port = N), as cloud load balancers do",
+            )
 
 
 def _check_workers_ports(config: Config) -> None:
@@ -1172,6 +1245,7 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path) -> Config:
                 f"listeners[{index}].backend", f"no backend named {lst.backend!r}{hint}"
             )
         _check_http_mode(config, index, lst)
+    _check_udp_backends(config)
     _check_binds(config)
     _check_workers_ports(config)
     return config

@@ -631,6 +631,7 @@ async def run_health_checks(
     *,
     kind: str = "tcp",
     path: str = "/",
+    port: int | None = None,
     interval: float = DEFAULT_INTERVAL,
     # Not this function's deadline (it runs forever) but each check's: the
     # `[backends.health] timeout` field, applied as a move_on_after scope.
@@ -678,6 +679,11 @@ async def run_health_checks(
         state: Its health state.
         kind: "tcp" or "http".
         path: Request target for "http".
+        port: Check this port of the server's host instead of its own port
+            (``[backends.health] port``: a service answering for servers whose
+            port the check cannot reach, UDP servers). Such a check goes to
+            another service than the edge's connections, so it sends no PROXY
+            header.
         interval: Seconds between check starts.
         timeout: Seconds one check may take.
         host_header: Host header for "http" (default: ``server_hostname`` when
@@ -709,14 +715,16 @@ async def run_health_checks(
         )
     if not (interval > 0 and timeout > 0):
         raise ValueError(f"interval and timeout must be > 0: {interval}, {timeout}")
-    address = server.address
+    address = server.address if port is None else (server.address[0], port)
+    if port is not None:
+        send_proxy = "none"
     server_hostname = server_hostname or address[0]
     request: bytes | None = None
     if kind == "http":
         host = host_header or (
             server_hostname
             if tls_context is not None and server_hostname != address[0]
-            else str(server)
+            else str(Server(address))
         )
         if not path.startswith("/") or _FORBIDDEN_IN_REQUEST.search(path):
             raise ValueError(f"bad health check path {path!r}")

@@ -6,7 +6,7 @@ import socket
 
 import trio
 
-__all__ = ["open_listening_sockets"]
+__all__ = ["open_datagram_sockets", "open_listening_sockets"]
 
 
 async def open_listening_sockets(
@@ -23,9 +23,39 @@ async def open_listening_sockets(
             host or the address (``cannot bind 127.0.0.1:8443: Address already
             in use``).
     """
+    sockets = await _bind_all(host, port, socket.SOCK_STREAM, reuse_port=reuse_port)
+    try:
+        for sock in sockets:
+            sock.listen(backlog)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def open_datagram_sockets(
+    host: str, port: int, *, reuse_port: bool
+) -> list[trio.socket.SocketType]:
+    """Bind a UDP socket on every address *host* resolves to (once for port 0).
+
+    As `open_listening_sockets`, but without ``SO_REUSEADDR``: on a UDP socket
+    it would let a second process bind the same port and silently take part of
+    its datagrams. With ``SO_REUSEPORT`` (several workers) the kernel keeps the
+    datagrams of one client address on one worker (it hashes the addresses).
+
+    Raises:
+        OSError: as `open_listening_sockets`.
+    """
+    return await _bind_all(host, port, socket.SOCK_DGRAM, reuse_port=reuse_port)
+
+
+async def _bind_all(
+    host: str, port: int, kind: socket.SocketKind, *, reuse_port: bool
+) -> list[trio.socket.SocketType]:
     try:
         infos = await trio.socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host, port, type=kind, flags=socket.AI_PASSIVE
         )
     except socket.gaierror as exc:
         raise OSError(
@@ -40,7 +70,8 @@ async def open_listening_sockets(
             seen.add(sockaddr)
             sock = trio.socket.socket(family, type_, proto)
             sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if kind == socket.SOCK_STREAM:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if reuse_port:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
@@ -53,7 +84,6 @@ async def open_listening_sockets(
                 raise OSError(
                     exc.errno, f"cannot bind {shown}:{port}: {exc.strerror}"
                 ) from exc
-            sock.listen(backlog)
     except OSError:
         for sock in sockets:
             sock.close()

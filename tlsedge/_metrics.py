@@ -15,7 +15,10 @@ kinds of metrics:
   (`EdgeMetrics.proxy_header_error`), and ended (`EdgeMetrics.record`, which
   derives everything else from the finished `ConnectionLog`: termination
   cause, TLS outcome, bytes, duration). HTTP mode calls
-  `EdgeMetrics.record_http_request` per request.
+  `EdgeMetrics.record_http_request` per request. A ``mode = "udp"`` flow
+  counts as a connection (opened, recorded when it ends); its listener adds
+  datagram counts per batch (`EdgeMetrics.udp_datagrams`) and each dropped
+  datagram (`EdgeMetrics.udp_dropped`).
 - *Live metrics*, read at scrape time by `LiveStateCollector` from a
   `Snapshot` of the edge (`Edge.snapshot`, passed in as a callable: this
   module never sees the `Edge`) rather than mirrored: server health
@@ -220,6 +223,8 @@ class _Counters:
     retries: _Children[Counter]
     http_requests: _Children[Counter]
     http_duration: _Children[Histogram]
+    udp_datagrams: _Children[Counter]
+    udp_dropped: _Children[Counter]
 
 
 def _make_counters(registry: CollectorRegistry | None) -> _Counters:
@@ -383,6 +388,24 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 buckets=HTTP_BUCKETS,
             ),
         ),
+        udp_datagrams=_Children(
+            Counter(
+                "tlsedge_udp_datagrams",
+                "Datagrams relayed by udp listeners, by direction "
+                "(from_client, from_server); flows count as connections.",
+                ("listener", "direction"),
+                registry=r,
+            ),
+        ),
+        udp_dropped=_Children(
+            Counter(
+                "tlsedge_udp_datagrams_dropped",
+                "Datagrams udp listeners dropped, by reason (flow_cap, denied, "
+                "no_server, draining, rejected, header_error, ...).",
+                ("listener", "reason"),
+                registry=r,
+            ),
+        ),
     )
 
 
@@ -490,6 +513,15 @@ class EdgeMetrics:
         """
         self._m.http_requests(listener, backend, _status_class(status)).inc()
         self._m.http_duration(listener, backend).observe(seconds)
+
+    def udp_datagrams(self, listener: str, direction: str, count: int) -> None:
+        """*count* datagrams relayed on a udp *listener* (a batch at a time);
+        *direction* is ``"from_client"`` or ``"from_server"``."""
+        self._m.udp_datagrams(listener, direction).inc(count)
+
+    def udp_dropped(self, listener: str, reason: str) -> None:
+        """A datagram a udp *listener* dropped, and why (`tlsedge._udp_mode`)."""
+        self._m.udp_dropped(listener, reason).inc()
 
     # -- exposition -------------------------------------------------------
 

@@ -68,7 +68,7 @@ from tlsedge._downstream import Downstream
 from tlsedge._http.driver import serve_http
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.pool import KeepAlivePool
-from tlsedge._listen import open_listening_sockets
+from tlsedge._listen import open_datagram_sockets, open_listening_sockets
 from tlsedge._logging import run_access_log_flusher
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._preflight import load_listener_tls
@@ -87,6 +87,7 @@ from tlsedge._tcp_mode import serve_tcp
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, watch_certificates
 from tlsedge._tls_accept import accept_tls
+from tlsedge._udp_mode import UdpListener
 from tlsedge._unwrap import Unwrapped, unwrap_proxy_header
 from tlsedge._upstream import BackendPool
 from tlsedge._version import __version__
@@ -153,6 +154,8 @@ class _Listener:
     #: closed socket, after a drain, has no address to ask for).
     addresses: list[tuple[str, int]]
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    #: A ``mode = "udp"`` listener's flows, once started.
+    udp: UdpListener | None = None
 
     @property
     def config(self) -> ListenerConfig:
@@ -308,6 +311,10 @@ async def _bind(
     config: ListenerConfig, *, reuse_port: bool
 ) -> list[trio.socket.SocketType]:
     """Open the listening sockets of *config* (all addresses its host has)."""
+    if config.mode == "udp":
+        return await open_datagram_sockets(
+            config.bind.host, config.bind.port, reuse_port=reuse_port
+        )
     return await open_listening_sockets(
         config.bind.host,
         config.bind.port,
@@ -428,7 +435,12 @@ class Edge:
         try:
             for lconf in config.listeners:
                 old = self._listeners.get(lconf.name)
-                if old is None or old.config.bind != lconf.bind:
+                if (
+                    old is None
+                    or old.config.bind != lconf.bind
+                    # A UDP socket cannot serve TCP, nor the other way round.
+                    or (old.config.mode == "udp") != (lconf.mode == "udp")
+                ):
                     opened[lconf.name] = self._make_listener(
                         states[lconf.name],
                         await _bind(lconf, reuse_port=self._reuse_port),
@@ -454,6 +466,8 @@ class Edge:
         self._pools = pools
         self._listeners = listeners
         self._edge_limiter.total_tokens = config.edge.max_connections
+        for listener in listeners.values():
+            self._configure_udp(listener)
         for listener in opened.values():
             self._start_listener(listener)
         self._restart_background_tasks()
@@ -523,6 +537,9 @@ class Edge:
                 services.cancel_scope.cancel()
         finally:
             self._services = None
+            for listener in self._listeners.values():
+                for sock in listener.sockets:
+                    sock.close()
             with trio.CancelScope(shield=True):
                 for keepalive in self._keepalive.values():
                     await keepalive.aclose()
@@ -545,11 +562,38 @@ class Edge:
 
     def _start_listener(self, listener: _Listener) -> None:
         assert self._services is not None
+        if listener.config.mode == "udp":
+            assert self._connections is not None
+            listener.udp = UdpListener(
+                listener.sockets,
+                listener.limiter,
+                self._edge_limiter,
+                self._metrics,
+                self._connections,
+                self._count_flows,
+            )
+            self._configure_udp(listener)
+            self._services.start_soon(listener.udp.run)
+            return
         for sock in listener.sockets:
             self._services.start_soon(self._accept_loop, listener, sock)
 
+    def _configure_udp(self, listener: _Listener) -> None:
+        if listener.udp is not None:
+            state = listener.state
+            pool = self._pools[state.config.backend]
+            listener.udp.configure(state.config, state.trust, state.access, pool)
+
+    def _count_flows(self, delta: int) -> None:
+        self.active_connections += delta
+
     @staticmethod
     def _close_listener(listener: _Listener) -> None:
+        """Stop taking clients. A udp listener's sockets stay open for the
+        replies of its flows, and close when the last flow ended."""
+        if listener.udp is not None:
+            listener.udp.close()
+            return
         listener.cancel_scope.cancel()
         for sock in listener.sockets:
             sock.close()

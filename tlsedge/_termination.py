@@ -52,7 +52,8 @@ class Termination(enum.StrEnum):
     SERVER_CLOSED = "server_closed"
     """The server's EOF came first, then the client finished."""
     IDLE_TIMEOUT = "idle_timeout"
-    """No byte from either side for ``idle_timeout`` seconds."""
+    """No byte from either side for ``idle_timeout`` seconds (udp mode: no
+    datagram either way; the normal end of a flow)."""
     CLIENT_FIN_TIMEOUT = "client_fin_timeout"
     """The server finished; the client did not within ``client_fin_timeout``."""
     SERVER_FIN_TIMEOUT = "server_fin_timeout"
@@ -62,9 +63,10 @@ class Termination(enum.StrEnum):
     away or stalled mid-exchange)."""
     SERVER_ERROR = "server_error"
     """RST, read or write error on the server side (http mode: the upstream broke
-    before responding, 502)."""
+    before responding, 502; udp mode: the server's host reported its port
+    unreachable)."""
     DRAINED = "drained"
-    """Cut by the drain deadline (or the edge stopping)."""
+    """Cut by the drain deadline (or the edge stopping); udp flows too."""
     INTERNAL_ERROR = "internal_error"
     """A bug; logged with a traceback."""
 

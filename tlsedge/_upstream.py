@@ -315,6 +315,7 @@ class BackendPool:
                     server_health.state,
                     kind=health.kind,
                     path=health.path,
+                    port=health.port,
                     interval=health.interval,
                     timeout=health.timeout,
                     send_proxy=self.config.send_proxy,

@@ -129,6 +129,7 @@ alpn = ["http/1.1"]
 [backends.health]
 kind = "http"
 path = "/ready?full=1"
+port = 8081
 interval = 5
 timeout = 5
 healthy_threshold = 3
@@ -245,6 +246,7 @@ FULL_EXPECTED = Config(
             health=HealthConfig(
                 kind="http",
                 path="/ready?full=1",
+                port=8081,
                 interval=5.0,
                 timeout=5.0,
                 healthy_threshold=3,
@@ -637,12 +639,17 @@ ERRORS: list[tuple[str, str]] = [
         "listeners[0].bind: expected 'host:port', got an integer (8443)",
     ),
     (
-        listener(mode='"udp"') + B,
-        "listeners[0].mode: unknown mode 'udp'; choose one of 'tcp', 'http'",
+        listener(mode='"quic"') + B,
+        "listeners[0].mode: unknown mode 'quic'; choose one of 'tcp', 'http', 'udp'",
     ),
     (
         listener(mode="true") + B,
-        "listeners[0].mode: expected one of 'tcp', 'http', got a boolean (true)",
+        "listeners[0].mode: expected one of 'tcp', 'http', 'udp', got a boolean (true)",
+    ),
+    (
+        listener(mode='"udp"') + B + 'send_proxy = "v1"\n',
+        'backends[0].send_proxy: "v1" cannot describe a datagram (it serves the '
+        'mode = "udp" listener listeners[0])',
     ),
     # client source ranges
     (
@@ -1109,6 +1116,10 @@ ERRORS: list[tuple[str, str]] = [
     (
         L + B + "[backends.health]\nkind = 'udp'\n",
         "backends[0].health.kind: unknown kind 'udp'; choose one of 'tcp', 'http'",
+    ),
+    (
+        L + B + "[backends.health]\nport = 0\n",
+        "backends[0].health.port: must be between 1 and 65535, got 0",
     ),
     (
         L + B + "[backends.health]\nhealthy_threshold = 0\n",

@@ -26,6 +26,7 @@ PURE = (
     "tlsedge._termination",
     "tlsedge._downstream",
     "tlsedge._proxy_wrap",
+    "tlsedge._udp_flows",
     "tlsedge._http.head",
     "tlsedge._http.body",
     "tlsedge._http.rules",
