@@ -807,14 +807,24 @@ class _HttpConnection:
             server_name = format_address(ex.upstream.server.address) or ""
             headers = [*headers, (b"Host", server_name.encode("ascii"))]
         data = ex.conn.request_head(target, headers, body)
+        complete = body is BodyKind.NONE
+        if not complete:
+            try:
+                data, complete = self._take_buffered_body(ex, data)
+            except RequestRejectedError as exc:
+                ex.fail(_Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
+                return
+            except ClientClosedMidRequestError as exc:
+                ex.fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
+                return
         prefix, ex.upstream.prefix = ex.upstream.prefix, b""
         try:
             await self._send_upstream(ex, prefix + data)
         except _UpstreamGoneError as exc:
             ex.fail(_Failure(Termination.SERVER_ERROR, str(exc), 502, retryable=True))
             return
-        if body is BodyKind.NONE:
-            # Nothing to pump upstream: no second task (nor a nursery) needed.
+        if complete:
+            # Nothing left to pump upstream: no second task (nor a nursery).
             self._request_sent(ex)
             await self._pump_response(ex)
             return
@@ -831,6 +841,25 @@ class _HttpConnection:
                 # A request read in full is still delivered (bounded by
                 # idle_timeout), so the upstream never holds half of one.
                 nursery.cancel_scope.cancel()
+
+    def _take_buffered_body(self, ex: _Exchange, head: bytes) -> tuple[bytes, bool]:
+        """*head* and the body bytes the session already holds, framed for the
+        upstream, and whether that is the whole request (a small upload
+        usually is: it then goes in one write, without the body pump)."""
+        session = self.session
+        pieces = [head]
+        while True:
+            event = session.next_event()
+            if event is NEED_DATA:
+                return b"".join(pieces), False
+            if isinstance(event, Body):
+                ex.log.bytes_in += len(event.data)
+                pieces.append(ex.conn.request_data(event.data))
+                continue
+            assert isinstance(event, EndOfBody), event
+            trailers = self.rewriter.clean_trailers(event.trailers)
+            pieces.append(ex.conn.request_end(trailers))
+            return b"".join(pieces), True
 
     def _request_sent(self, ex: _Exchange) -> None:
         """The request is upstream: its answer's head is due within
