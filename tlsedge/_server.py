@@ -65,6 +65,7 @@ from tlsedge._admin import AdminServer, bind_admin
 from tlsedge._admission import AccessRules
 from tlsedge._config import Config, ConfigError, ListenerConfig
 from tlsedge._downstream import Downstream
+from tlsedge._drain import Drain
 from tlsedge._http.driver import serve_http
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.pool import KeepAlivePool
@@ -343,7 +344,7 @@ class Edge:
         self._pools: dict[str, BackendPool] = {}
         self._keepalive: dict[str, KeepAlivePool] = {}
         self._edge_limiter = trio.CapacityLimiter(config.edge.max_connections)
-        self._drain_event = trio.Event()
+        self._drain_event = Drain()
         self._background_scope = trio.CancelScope()
         self._services: trio.Nursery | None = None
         self._connections: trio.Nursery | None = None

@@ -28,6 +28,7 @@ from tests.peers import free_port, nginx, require
 from tests.tlsedge.helpers import Backend, make_config
 from tlsedge._config import Config, ConfigError
 from tlsedge._downstream import Downstream
+from tlsedge._drain import Drain
 from tlsedge._http.body import ChunkedDecoder
 from tlsedge._http.driver import _Exchange, _HttpConnection, serve_http
 from tlsedge._http.head import RequestRejectedError, parse_request_head
@@ -506,7 +507,7 @@ class Proxy:
     config: Config
     pool: BackendPool
     keepalive: KeepAlivePool
-    drain: trio.Event
+    drain: Drain
     results: list[HttpConnectionResult]
 
 
@@ -545,7 +546,7 @@ async def running_proxy(
     )
     pool = await BackendPool.create(config.backends[0])
     keepalive = KeepAlivePool()
-    drain = trio.Event()
+    drain = Drain()
     results: list[HttpConnectionResult] = []
 
     async def handler(stream: trio.SocketStream) -> None:
@@ -1309,7 +1310,7 @@ async def test_bad_chunked_bodies_refused_end_to_end(body: bytes) -> None:
 
 
 async def _memory_proxy(
-    http: dict[str, Any], drain: trio.Event | None = None
+    http: dict[str, Any], drain: Drain | None = None
 ) -> tuple[trio.abc.HalfCloseableStream, Callable[[], Awaitable[HttpConnectionResult]]]:
     config = make_config(
         [{"name": "web", "mode": "http", "backend": "app", "http": http}],
@@ -1333,7 +1334,7 @@ async def _memory_proxy(
                 backend=pool,
                 keepalive=KeepAlivePool(),
                 proxy_header=None,
-                drain=drain if drain is not None else trio.Event(),
+                drain=drain if drain is not None else Drain(),
             )
         finally:
             await server.aclose()
@@ -1388,7 +1389,7 @@ async def test_keepalive_timeout_and_drain_close_idle(
     # A request that fails (503: the only server is down) still keeps nothing
     # open; use a bad request instead to reach the idle state: not possible, so
     # check the first-request path and the drain path on an idle connection.
-    drain = trio.Event()
+    drain = Drain()
     client, run = await _memory_proxy({"keepalive_timeout": 5.0}, drain)
     async with trio.open_nursery() as nursery:
         results: list[HttpConnectionResult] = []

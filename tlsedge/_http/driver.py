@@ -62,7 +62,8 @@ beyond the heads are forwarded first, byte-exact, then `tlsedge._relay.relay`
 carries the rest with its half-close rules. ``CONNECT`` gets 501 (this is a
 reverse proxy, not a tunnel). Drain: once ``drain`` is set, the next response
 of the connection carries ``Connection: close`` and the connection ends after
-it; a connection idle between requests is closed at once.
+it; a connection idle between requests is closed at once (its wait is
+registered with the `tlsedge._drain.Drain`: no task per connection watches it).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Final
 
@@ -82,6 +84,7 @@ from tlsedge._accesslog import format_address
 from tlsedge._balancer import Server, ServerLease
 from tlsedge._config import HttpConfig, ListenerConfig
 from tlsedge._downstream import Downstream
+from tlsedge._drain import Drain
 from tlsedge._forwarded import ForwardingContext, is_trusted_peer
 from tlsedge._http.body import BodyKind
 from tlsedge._http.events import (
@@ -248,7 +251,7 @@ class _HttpConnection:
         backend: BackendPool,
         keepalive: KeepAlivePool,
         proxy_header: bytes | None,
-        drain: trio.Event,
+        drain: Drain,
         result: HttpConnectionResult,
         on_request: Callable[[RequestLog], None] | None,
         initial_data: bytes,
@@ -295,7 +298,6 @@ class _HttpConnection:
         # connection's start for the first one, its first byte for later ones.
         self.request_started = self.started
         self.request_start_time = time.time()
-        self.idle_scope: trio.CancelScope | None = None
         # The last read from the client was short: it most likely emptied the
         # socket, so the next one waits for readability first.
         self.client_drained = False
@@ -360,20 +362,7 @@ class _HttpConnection:
 
     # -- the connection loop ----------------------------------------------
 
-    async def run(self) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_drain)
-            try:
-                await self._serve_requests()
-            finally:
-                nursery.cancel_scope.cancel()
-
-    async def _watch_drain(self) -> None:
-        await self.drain.wait()
-        if self.idle_scope is not None:
-            self.idle_scope.cancel()
-
-    async def _serve_requests(self) -> None:
+    async def serve_requests(self) -> None:
         first = True
         while True:
             try:
@@ -418,27 +407,24 @@ class _HttpConnection:
         else:
             deadline = self.now() + limits.keepalive_timeout
         with trio.CancelScope(deadline=deadline) as scope:
-            if idle and not first:
-                self.idle_scope = scope
-                if self.drain.is_set():
-                    scope.cancel()
-            try:
+            # Idle between requests, the drain closes the connection at once;
+            # waiting for the first request, or inside a head, it does not.
+            with self.drain.cancels(scope) if idle and not first else nullcontext():
                 while True:
                     event = session.next_event()
-                    if event is not NEED_DATA:
+                    if event is not NEED_DATA or (idle and session.buffered):
                         break
-                    if idle and session.buffered:
-                        # Part of a head: the rest is due within
-                        # request_header_timeout.
-                        idle = False
-                        self.idle_scope = None
-                        self._request_begins(first)
-                        scope.deadline = (
-                            self.request_started + limits.request_header_timeout
-                        )
                     await self.receive_client()
-            finally:
-                self.idle_scope = None
+            while event is NEED_DATA:
+                # Part of a head: the rest is due within request_header_timeout.
+                if idle:
+                    idle = False
+                    self._request_begins(first)
+                    scope.deadline = (
+                        self.request_started + limits.request_header_timeout
+                    )
+                await self.receive_client()
+                event = session.next_event()
         if scope.cancelled_caught:
             if not idle:
                 raise RequestRejectedError(
@@ -1126,7 +1112,7 @@ async def serve_http(
     backend: BackendPool,
     keepalive: KeepAlivePool,
     proxy_header: bytes | None,
-    drain: trio.Event,
+    drain: Drain,
     result: HttpConnectionResult | None = None,
     on_request: Callable[[RequestLog], None] | None = None,
     initial_data: bytes = b"",
@@ -1149,7 +1135,7 @@ async def serve_http(
         keepalive: Idle upstream connections of *backend*, shared.
         proxy_header: With ``send_proxy``: the PROXY header for this client;
             upstream connections are then dedicated to this client connection.
-        drain: Set when the edge drains.
+        drain: The edge's drain signal.
         result: Updated in place (and returned); pass one in to see the counts
             of a connection that gets cancelled.
         on_request: Called with each request's `RequestLog` once it is complete
@@ -1175,7 +1161,7 @@ async def serve_http(
         initial_data=initial_data,
     )
     try:
-        await connection.run()
+        await connection.serve_requests()
     except Exception as exc:  # a bug must not take the edge down
         LOGGER.exception("listener %s: HTTP connection failed", listener.name)
         result.termination = Termination.INTERNAL_ERROR
