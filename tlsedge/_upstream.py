@@ -124,6 +124,10 @@ _LOCAL_ERRNOS = frozenset(
 )
 
 
+#: ``socket()`` flag for a socket born non-blocking (Linux; 0 elsewhere).
+_SOCK_NONBLOCK: int = getattr(socket, "SOCK_NONBLOCK", 0)
+
+
 def _connected(sock: socket.socket) -> bool:
     """Whether a non-blocking ``connect()`` already completed (``getpeername``
     fails with ENOTCONN until it has, and after it failed)."""
@@ -491,9 +495,12 @@ class BackendPool:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # A non-blocking connect on a stdlib socket: the address is numeric
         # already (trio's connect() would resolve it again and checkpoint).
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # Created non-blocking where the OS can (Linux): trio's wrapper sets
+        # O_NONBLOCK again below, one FIONBIO per connection is enough.
+        sock = socket.socket(family, socket.SOCK_STREAM | _SOCK_NONBLOCK)
         try:
-            sock.setblocking(False)
+            if not _SOCK_NONBLOCK:
+                sock.setblocking(False)
             error = sock.connect_ex((host, port))
             if error == errno.EINPROGRESS and _connected(sock):
                 # Loopback (and any peer fast enough) completes the handshake
