@@ -714,6 +714,7 @@ class Edge:
                     self._pools[listener.config.backend],
                     listener.limiter,
                     token,
+                    conn,
                     trio.SocketStream(trio.socket.from_stdlib_socket(conn)),
                     peer_address,
                     local,
@@ -727,6 +728,7 @@ class Edge:
         pool: BackendPool,
         limiter: trio.CapacityLimiter,
         token: object,
+        raw: socket.socket,
         stream: trio.SocketStream,
         peer_address: object,
         local: tuple[str, int] | None,
@@ -763,7 +765,7 @@ class Edge:
             # could send nothing more: the connection is over).
             exits.callback(stream.socket.close)
             try:
-                await self._serve(state, pool, stream, exits, peer, local, log)
+                await self._serve(state, pool, raw, stream, exits, peer, local, log)
             except Refused as refused:
                 self._refused(log, refused)
             except trio.Cancelled:
@@ -813,6 +815,7 @@ class Edge:
         self,
         state: _ListenerState,
         pool: BackendPool,
+        raw: socket.socket,
         stream: trio.SocketStream,
         exits: contextlib.AsyncExitStack,
         peer: tuple[str, int] | None,
@@ -876,6 +879,7 @@ class Edge:
                 initial_data=leftover,
                 log=log,
                 exits=exits,
+                client_socket=raw if client is stream else None,
             )
 
     def _keepalive_pool(self, backend: str) -> KeepAlivePool:
