@@ -94,7 +94,9 @@ chunks in a row calls :func:`trio.lowlevel.checkpoint`.
 The stdlib socket is obtained legally: ``socket.socket(family, type, proto,
 fileno=trio_sock.fileno())`` wraps the *same* descriptor (no dup, so trio's epoll
 registrations stay consistent) and is always ``detach()``-ed in a ``finally`` so it
-never closes the caller's descriptor.
+never closes the caller's descriptor. A caller that made the stdlib sockets itself
+(tcp mode: ``accept()`` and the backend connect) passes them as ``sockets``, which
+saves building one per side, a ``getsockname`` each; those stay attached.
 
 Measured with ``python bench/relay_micro.py --bulk-mib 1024 --conns 50
 --exchanges 1000`` (loopback, peers in a forked asyncio process, 2 shared cores,
@@ -516,6 +518,7 @@ async def relay(
     client_fin_timeout: float,
     server_fin_timeout: float,
     buffer_size: int = 262144,
+    sockets: tuple[socket.socket, socket.socket] | None = None,
 ) -> None:
     """Relay bytes both ways between ``client`` and ``server`` until both finish.
 
@@ -536,6 +539,9 @@ async def relay(
         server_fin_timeout: Seconds the server may take to finish after the
             client sent its EOF.
         buffer_size: Largest chunk read at once, per direction.
+        sockets: The stdlib sockets under ``client`` and ``server`` when both
+            are `trio.SocketStream` and the caller made them (saves building
+            one per side, and its ``getsockname``). They stay the caller's.
 
     Raises:
         ValueError: A timeout is negative or NaN, or ``buffer_size`` < 1.
@@ -564,12 +570,18 @@ async def relay(
     )
     raw_client: socket.socket | None = None
     raw_server: socket.socket | None = None
+    built: list[socket.socket] = []
     try:
         if isinstance(client, trio.SocketStream) and isinstance(
             server, trio.SocketStream
         ):
-            raw_client = _raw_socket(client)
-            raw_server = _raw_socket(server)
+            if sockets is not None:
+                raw_client, raw_server = sockets
+            else:
+                raw_client = _raw_socket(client)
+                built.append(raw_client)
+                raw_server = _raw_socket(server)
+                built.append(raw_server)
         async with trio.open_nursery() as nursery:
             state.scope = nursery.cancel_scope
             if raw_client is not None and raw_server is not None:
@@ -604,9 +616,7 @@ async def relay(
         raise
     finally:
         # detach(), never close(): the descriptors belong to the caller's streams.
-        if raw_client is not None:
-            raw_client.detach()
-        if raw_server is not None:
-            raw_server.detach()
+        for raw in built:
+            raw.detach()
     if stats.termination is None:
         stats.termination = state.clean_termination()

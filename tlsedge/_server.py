@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -237,6 +238,20 @@ def _socket_address(address: object) -> tuple[str, int] | None:
     if isinstance(address, tuple) and len(address) >= 2:
         return (str(address[0]), int(address[1]))
     return None
+
+
+def _fixed_local_address(sock: trio.socket.SocketType) -> tuple[str, int] | None:
+    """The local address of every client *sock* accepts, if it has only one.
+
+    A socket bound to one address accepts only for it: the accepted socket's
+    ``getsockname()`` would say the same, a syscall per connection. A wildcard
+    bind (``0.0.0.0``, ``::``) accepts for every address of the host: ``None``,
+    so each connection asks its own socket.
+    """
+    bound = _socket_address(sock.getsockname())
+    if bound is None or ipaddress.ip_address(bound[0]).is_unspecified:
+        return None
+    return bound
 
 
 def _listener_state(config: ListenerConfig, path: str) -> _ListenerState:
@@ -628,10 +643,11 @@ class Edge:
         # every queued client (up to _ACCEPT_BATCH), not one per round trip.
         if sock.fileno() == -1:
             return  # closed (drain, reload) before this loop started
+        local = _fixed_local_address(sock)
         raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
         try:
             with listener.cancel_scope:
-                await self._accept_batches(listener, sock, raw, connections)
+                await self._accept_batches(listener, sock, raw, connections, local)
         finally:
             raw.detach()
 
@@ -641,6 +657,7 @@ class Edge:
         sock: trio.socket.SocketType,
         raw: socket.socket,
         connections: trio.Nursery,
+        local: tuple[str, int] | None,
     ) -> None:
         while True:
             # Take the slots only once a client is waiting: a loop idling
@@ -698,8 +715,10 @@ class Edge:
                     self._pools[listener.config.backend],
                     listener.limiter,
                     token,
+                    conn,
                     trio.SocketStream(trio.socket.from_stdlib_socket(conn)),
                     peer_address,
+                    local,
                 )
 
     # -- one connection ---------------------------------------------------
@@ -710,8 +729,10 @@ class Edge:
         pool: BackendPool,
         limiter: trio.CapacityLimiter,
         token: object,
+        raw: socket.socket,
         stream: trio.SocketStream,
         peer_address: object,
+        local: tuple[str, int] | None,
     ) -> None:
         """Own one connection: run its stages, then close and log it.
 
@@ -724,10 +745,11 @@ class Edge:
         # accept() told us who the peer is: no getpeername() (which also fails
         # once the peer reset the connection, as HAProxy's health checks do).
         peer = _socket_address(peer_address)
-        try:
-            local = _socket_address(stream.socket.getsockname())
-        except OSError:
-            local = None
+        if local is None:  # a wildcard bind: where did this client connect?
+            try:
+                local = _socket_address(stream.socket.getsockname())
+            except OSError:
+                local = None
         log = ConnectionLog(
             id=os.urandom(8).hex(),
             listener=config.name,
@@ -744,7 +766,7 @@ class Edge:
             # could send nothing more: the connection is over).
             exits.callback(stream.socket.close)
             try:
-                await self._serve(state, pool, stream, exits, peer, local, log)
+                await self._serve(state, pool, raw, stream, exits, peer, local, log)
             except Refused as refused:
                 self._refused(log, refused)
             except trio.Cancelled:
@@ -794,6 +816,7 @@ class Edge:
         self,
         state: _ListenerState,
         pool: BackendPool,
+        raw: socket.socket,
         stream: trio.SocketStream,
         exits: contextlib.AsyncExitStack,
         peer: tuple[str, int] | None,
@@ -857,6 +880,7 @@ class Edge:
                 initial_data=leftover,
                 log=log,
                 exits=exits,
+                client_socket=raw if client is stream else None,
             )
 
     def _keepalive_pool(self, backend: str) -> KeepAlivePool:

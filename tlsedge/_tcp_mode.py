@@ -12,6 +12,7 @@ the client's first bytes, and relays with the half-close rules of
 from __future__ import annotations
 
 import contextlib
+import socket
 
 import trio
 
@@ -38,6 +39,7 @@ async def serve_tcp(
     initial_data: bytes,
     log: ConnectionLog,
     exits: contextlib.AsyncExitStack,
+    client_socket: socket.socket | None = None,
 ) -> None:
     """Relay *client* to a server of *pool* until both sides are done.
 
@@ -50,6 +52,8 @@ async def serve_tcp(
         log: The connection's access-log record, filled in here.
         exits: The connection's exit stack: the upstream is closed and the
             server's lease released by it.
+        client_socket: The stdlib socket under *client* when *client* is
+            the accepted socket's `trio.SocketStream` (the relay uses it).
 
     Raises:
         Refused: ``no_server`` or ``connect_failed`` (a failed TLS handshake
@@ -82,6 +86,9 @@ async def serve_tcp(
             idle_timeout=listener.idle_timeout,
             client_fin_timeout=listener.client_fin_timeout,
             server_fin_timeout=backend.server_fin_timeout,
+            sockets=None
+            if client_socket is None or connected.tls is not None
+            else (client_socket, connected.raw),
         )
     except (trio.BrokenResourceError, OSError) as exc:
         # Sending the PROXY header or the first bytes failed.

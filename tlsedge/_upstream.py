@@ -80,6 +80,7 @@ class Connected:
         pending: Bytes the caller sends before anything else, in its first
             write: the PROXY header to a plain server (to a TLS server it
             went before the handshake already).
+        raw: The stdlib socket under ``stream`` (for `tlsedge._relay.relay`).
     """
 
     stream: trio.SocketStream
@@ -87,6 +88,7 @@ class Connected:
     attempts: int
     tls: TLSStream | None
     pending: bytes
+    raw: socket.socket
 
     @property
     def server(self) -> Server:
@@ -122,6 +124,10 @@ class LeaseObserver(Protocol):
 _LOCAL_ERRNOS = frozenset(
     {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL}
 )
+
+
+#: ``socket()`` flag for a socket born non-blocking (Linux; 0 elsewhere).
+_SOCK_NONBLOCK: int = getattr(socket, "SOCK_NONBLOCK", 0)
 
 
 def _connected(sock: socket.socket) -> bool:
@@ -396,7 +402,7 @@ class BackendPool:
             health = self._health.get(server.address)
             lease = self.lease(server)
             try:
-                stream = await self._open(server, config.connect_timeout)
+                stream, raw = await self._open(server, config.connect_timeout)
                 encrypted = (
                     None
                     if self.tls_context is None
@@ -427,7 +433,7 @@ class BackendPool:
                         self.name, str(server), attempt
                     )
                 pending = proxy_header if encrypted is None else b""
-                return Connected(stream, lease, attempt, encrypted, pending)
+                return Connected(stream, lease, attempt, encrypted, pending, raw)
             if attempt == attempts:
                 break
             await trio.sleep(RETRY_DELAY)
@@ -486,14 +492,20 @@ class BackendPool:
         return tls
 
     @staticmethod
-    async def _open(server: Server, connect_timeout: float) -> trio.SocketStream:
+    async def _open(
+        server: Server, connect_timeout: float
+    ) -> tuple[trio.SocketStream, socket.socket]:
+        """A connected stream to *server*, and the stdlib socket under it."""
         host, port = server.address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # A non-blocking connect on a stdlib socket: the address is numeric
         # already (trio's connect() would resolve it again and checkpoint).
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # Created non-blocking where the OS can (Linux): trio's wrapper sets
+        # O_NONBLOCK again below, one FIONBIO per connection is enough.
+        sock = socket.socket(family, socket.SOCK_STREAM | _SOCK_NONBLOCK)
         try:
-            sock.setblocking(False)
+            if not _SOCK_NONBLOCK:
+                sock.setblocking(False)
             error = sock.connect_ex((host, port))
             if error == errno.EINPROGRESS and _connected(sock):
                 # Loopback (and any peer fast enough) completes the handshake
@@ -505,7 +517,7 @@ class BackendPool:
                 error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if error:
                 raise OSError(error, os.strerror(error))
-            return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+            return trio.SocketStream(trio.socket.from_stdlib_socket(sock)), sock
         except BaseException:
             sock.close()
             raise

@@ -187,6 +187,59 @@ def all_task_names() -> list[str]:
 PATHS = pytest.mark.parametrize("path", ["fast", "stream"])
 
 
+def _stdlib_tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        near = socket.create_connection(listener.getsockname())
+        far, _ = listener.accept()
+    return near, far
+
+
+async def test_relay_pumps_over_the_callers_sockets_and_leaves_them_attached() -> None:
+    """With ``sockets``, relay() uses the caller's stdlib sockets and never
+    detaches them: the caller's streams still own their descriptors after."""
+    client_peer_raw, relay_client_raw = _stdlib_tcp_pair()
+    relay_server_raw, server_peer_raw = _stdlib_tcp_pair()
+    streams = [
+        trio.SocketStream(trio.socket.from_stdlib_socket(raw))
+        for raw in (
+            client_peer_raw,
+            relay_client_raw,
+            relay_server_raw,
+            server_peer_raw,
+        )
+    ]
+    client_peer, relay_client, relay_server, server_peer = streams
+    stats = RelayStats()
+    got: dict[str, bytes] = {}
+    try:
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as nursery:
+
+                async def server_side() -> None:
+                    got["server"] = await receive_all(server_peer)
+                    await send_then_eof(server_peer, b"pong")
+
+                nursery.start_soon(server_side)
+                await send_then_eof(client_peer, b"ping")
+                await relay(
+                    relay_client,
+                    relay_server,
+                    stats=stats,
+                    idle_timeout=3600.0,
+                    client_fin_timeout=3600.0,
+                    server_fin_timeout=3600.0,
+                    sockets=(relay_client_raw, relay_server_raw),
+                )
+                got["client"] = await receive_all(client_peer)
+        assert got == {"server": b"ping", "client": b"pong"}
+        assert (stats.bytes_from_client, stats.bytes_from_server) == (4, 4)
+        assert relay_client_raw.fileno() == relay_client.socket.fileno() != -1
+        assert relay_server_raw.fileno() == relay_server.socket.fileno() != -1
+    finally:
+        for stream in streams:
+            await trio.aclose_forcefully(stream)
+
+
 # -- half-close matrix over real loopback TCP ---------------------------------
 
 

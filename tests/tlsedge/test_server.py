@@ -119,6 +119,24 @@ async def test_unwrap_trusted_peer_header_gives_the_client_address(
     assert record["termination"] == "client_closed"
 
 
+async def test_wildcard_bind_reports_the_address_the_client_connected_to(
+    nursery: trio.Nursery,
+) -> None:
+    # A listener bound to one address knows every client's destination
+    # already; on 0.0.0.0 each connection's own socket has to say.
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = make_config(
+        [{"name": "in", "backend": "b", "bind": "0.0.0.0:0"}],
+        [{"name": "b", "servers": [backend.address], "send_proxy": "v2"}],
+    )
+    async with running_edge(config) as edge:
+        host, port = address_of(edge, "in")
+        assert host == "0.0.0.0"
+        answer = json.loads(await exchange(("127.0.0.1", port), b"hello"))
+    assert answer["destination"] == ["127.0.0.1", port]
+    assert answer["data"] == "hello"
+
+
 async def test_unwrap_local_header_uses_the_real_endpoints(
     nursery: trio.Nursery,
 ) -> None:
