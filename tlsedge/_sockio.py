@@ -10,10 +10,13 @@ most writes and many reads succeed at once, that costs more than the work
 call ``read`` and ``write`` on its descriptor directly (non-blocking, as trio
 set it), waiting with `trio.lowlevel.wait_readable` / `wait_writable` only
 when the kernel says so (other streams: their own methods).
-They stay checkpoints for cancellation: an operation that did not wait checks
-the cancel status (`trio.lowlevel.checkpoint_if_cancelled`, no yield), and one
-in every `FAIR_SHARE` such operations yields anyway, so a connection whose
-peers are always ready cannot starve the others. Errors are the stream's:
+They stay checkpoints for cancellation: each checks the cancel status before
+it reads or writes anything (`trio.lowlevel.checkpoint_if_cancelled`, no
+yield), as trio's own socket calls do, so a cancellation never loses data
+that was read or cuts a write in the middle of its bytes; and one in every
+`FAIR_SHARE` operations that did not wait yields anyway (shielded: the
+operation is done), so a connection whose peers are always ready cannot
+starve the others. Errors are the stream's:
 `trio.BrokenResourceError` for a failed socket, `trio.ClosedResourceError`
 for a closed one. Nothing else is different; the caller still closes the
 stream with its own methods.
@@ -68,6 +71,8 @@ async def receive_some(
     fd = stream.socket.fileno()
     if fd < 0:
         raise _closed()
+    # Cancelled before the read, never after it: the data must not be lost.
+    await trio.lowlevel.checkpoint_if_cancelled()
     if not wait_first:
         try:
             data = os.read(fd, max_bytes)
@@ -78,8 +83,6 @@ async def receive_some(
         else:
             if _must_yield():
                 await trio.lowlevel.cancel_shielded_checkpoint()
-            else:
-                await trio.lowlevel.checkpoint_if_cancelled()
             return data
     while True:
         await trio.lowlevel.wait_readable(fd)
@@ -102,6 +105,8 @@ async def send_all(stream: trio.abc.SendStream, data: bytes) -> None:
     fd = stream.socket.fileno()
     if fd < 0:
         raise _closed()
+    # Cancelled before anything is written, never after a part of it.
+    await trio.lowlevel.checkpoint_if_cancelled()
     view = memoryview(data)
     waited = False
     while view:
@@ -119,9 +124,5 @@ async def send_all(stream: trio.abc.SendStream, data: bytes) -> None:
                 raise _closed() from exc
             raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc
         view = view[sent:]
-    if waited:
-        return
-    if _must_yield():
+    if not waited and _must_yield():
         await trio.lowlevel.cancel_shielded_checkpoint()
-    else:
-        await trio.lowlevel.checkpoint_if_cancelled()

@@ -51,14 +51,25 @@ async def test_a_waiting_read_is_cancellable_and_resumes_with_data() -> None:
         assert await sockio.receive_some(right, 10) == b"x"
 
 
-async def test_an_operation_that_did_not_wait_still_honours_cancellation() -> None:
+@pytest.mark.parametrize("yields", [False, True], ids=["cancel-point", "fair-share"])
+async def test_a_cancelled_operation_reads_and_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch, yields: bool
+) -> None:
+    # Cancelled before the read or write, whether or not this is the call
+    # that yields for fairness: no data read and lost, none half written.
     left, right = stream_pair()
     async with left, right:
         await sockio.send_all(left, b"ready")
+        monkeypatch.setattr(
+            sockio._BUDGET, "not_waited", sockio.FAIR_SHARE - 1 if yields else 0
+        )
         with trio.CancelScope() as scope:
             scope.cancel()
             with pytest.raises(trio.Cancelled):
                 await sockio.receive_some(right, 10)
+            with pytest.raises(trio.Cancelled):
+                await sockio.send_all(left, b"never")
+        assert await sockio.receive_some(right, 10) == b"ready"
 
 
 async def test_operations_that_never_wait_still_let_others_run() -> None:
