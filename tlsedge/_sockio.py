@@ -57,6 +57,13 @@ def _closed() -> trio.ClosedResourceError:
     return trio.ClosedResourceError("the socket was closed")
 
 
+def _fileno(stream: trio.SocketStream) -> int:
+    fd = stream.socket.fileno()
+    if fd < 0:
+        raise _closed()
+    return fd
+
+
 async def receive_some(
     stream: trio.abc.ReceiveStream, max_bytes: int, *, wait_first: bool = False
 ) -> bytes:
@@ -68,9 +75,7 @@ async def receive_some(
     """
     if type(stream) is not trio.SocketStream:
         return bytes(await stream.receive_some(max_bytes))
-    fd = stream.socket.fileno()
-    if fd < 0:
-        raise _closed()
+    fd = _fileno(stream)
     # Cancelled before the read, never after it: the data must not be lost.
     await trio.lowlevel.checkpoint_if_cancelled()
     if not wait_first:
@@ -86,9 +91,7 @@ async def receive_some(
             return data
     while True:
         await trio.lowlevel.wait_readable(fd)
-        fd = stream.socket.fileno()
-        if fd < 0:
-            raise _closed()
+        fd = _fileno(stream)
         try:
             return os.read(fd, max_bytes)
         except BlockingIOError:
@@ -102,9 +105,7 @@ async def send_all(stream: trio.abc.SendStream, data: bytes) -> None:
     if type(stream) is not trio.SocketStream:
         await stream.send_all(data)
         return
-    fd = stream.socket.fileno()
-    if fd < 0:
-        raise _closed()
+    fd = _fileno(stream)
     # Cancelled before anything is written, never after a part of it.
     await trio.lowlevel.checkpoint_if_cancelled()
     view = memoryview(data)
@@ -115,9 +116,7 @@ async def send_all(stream: trio.abc.SendStream, data: bytes) -> None:
         except BlockingIOError:
             waited = True
             await trio.lowlevel.wait_writable(fd)
-            fd = stream.socket.fileno()
-            if fd < 0:
-                raise _closed() from None
+            fd = _fileno(stream)
             continue
         except OSError as exc:
             if exc.errno == errno.EBADF:

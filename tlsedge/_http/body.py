@@ -27,6 +27,7 @@ from tlsedge._http.head import (
 __all__ = [
     "MAX_CHUNK_LINE",
     "MAX_CHUNK_SIZE_DIGITS",
+    "NO_BODY_STATUSES",
     "BodyKind",
     "ChunkedDecoder",
     "encode_chunk",
@@ -36,6 +37,8 @@ __all__ = [
 
 Header = tuple[bytes, bytes]
 
+#: Statuses whose responses never have a body (RFC 9110 section 6.4.1).
+NO_BODY_STATUSES: Final = frozenset({204, 304})
 #: A chunk-size line (size and extensions) longer than this is an attack.
 MAX_CHUNK_LINE: Final = 4096
 #: Chunk sizes beyond 16 hex digits overflow 64-bit parsers (a smuggling vector).
@@ -173,6 +176,16 @@ class ChunkedDecoder:
                 raise self._rejected(400, "bare CR or LF in chunked framing")
             self._line_done(line[:-2])
         return out
+
+    def take(self, buffer: bytearray) -> bytes:
+        """Decode what *buffer* holds and empty it, except for the bytes after
+        the end of the body (the next message), which stay in it."""
+        raw = bytes(buffer)
+        buffer.clear()
+        data = b"".join(self.feed(raw))
+        if self.done and self.excess:
+            buffer += raw[len(raw) - self.excess :]
+        return data
 
     def _line_done(self, line: bytes) -> None:
         state = self._state

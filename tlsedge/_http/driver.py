@@ -224,19 +224,19 @@ class _Exchange:
         is (moving a registered deadline costs more than the rest of a write):
         a timeout may fire that much early or late.
         """
-        deadline = self.now() + seconds
-        if abs(deadline - self.scope.deadline) > seconds / 64:
-            self.scope.deadline = deadline
+        self._move_deadline(self.now() + seconds, seconds)
         self.armed = failure
 
     def await_head(self, failure: _Failure, response_timeout: float) -> None:
         """Arm the response head's deadline (infinite until the request is
         sent); *failure* is the connection's response-timeout failure. As in
         `arm`, a change smaller than 1/64 of the timeout is skipped."""
-        deadline = self.head_deadline
-        if abs(deadline - self.scope.deadline) > response_timeout / 64:
-            self.scope.deadline = deadline
+        self._move_deadline(self.head_deadline, response_timeout)
         self.armed = failure
+
+    def _move_deadline(self, deadline: float, timeout: float) -> None:
+        if abs(deadline - self.scope.deadline) > timeout / 64:
+            self.scope.deadline = deadline
 
 
 class _HttpConnection:
@@ -838,14 +838,17 @@ class _HttpConnection:
             event = session.next_event()
             if event is NEED_DATA:
                 return b"".join(pieces), False
-            if isinstance(event, Body):
-                ex.log.bytes_in += len(event.data)
-                pieces.append(ex.conn.request_data(event.data))
-                continue
-            assert isinstance(event, EndOfBody), event
-            trailers = self.rewriter.clean_trailers(event.trailers)
-            pieces.append(ex.conn.request_end(trailers))
-            return b"".join(pieces), True
+            assert isinstance(event, (Body, EndOfBody)), event
+            pieces.append(self._upstream_bytes(ex, event))
+            if isinstance(event, EndOfBody):
+                return b"".join(pieces), True
+
+    def _upstream_bytes(self, ex: _Exchange, event: Body | EndOfBody) -> bytes:
+        """A piece of the client's body, or its end, framed for the upstream."""
+        if isinstance(event, Body):
+            ex.log.bytes_in += len(event.data)
+            return ex.conn.request_data(event.data)
+        return ex.conn.request_end(self.rewriter.clean_trailers(event.trailers))
 
     def _request_sent(self, ex: _Exchange) -> None:
         """The request is upstream: its answer's head is due within
@@ -902,15 +905,11 @@ class _HttpConnection:
         try:
             while True:
                 event = await self._next_body_event(ex)
-                if isinstance(event, Body):
-                    ex.log.bytes_in += len(event.data)
-                    # When this was the last piece, the session already says
-                    # the request is read: the upstream may answer as soon as
-                    # these bytes reach it, before this task runs again.
-                    await self._send_body_upstream(ex, ex.conn.request_data(event.data))
-                else:
-                    trailers = self.rewriter.clean_trailers(event.trailers)
-                    await self._send_body_upstream(ex, ex.conn.request_end(trailers))
+                # When this was the last piece, the session already says the
+                # request is read: the upstream may answer as soon as these
+                # bytes reach it, before this task runs again.
+                await self._send_body_upstream(ex, self._upstream_bytes(ex, event))
+                if isinstance(event, EndOfBody):
                     self._request_sent(ex)
                     return
         except RequestRejectedError as exc:
@@ -992,15 +991,9 @@ class _HttpConnection:
 
     async def _send_client_armed(self, ex: _Exchange, data: bytes) -> None:
         """Write to the client, the exchange's deadline set to ``idle_timeout``."""
-        if not data:
-            return
-        ex.arm(self.listener.idle_timeout, _CLIENT_READ_STALLED)
-        try:
-            await sockio.send_all(self.client, data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise _ClientGoneError(f"client write failed: {exc}") from exc
-        self.result.bytes_to_client += len(data)
-        ex.log.bytes_out += len(data)
+        if data:
+            ex.arm(self.listener.idle_timeout, _CLIENT_READ_STALLED)
+            await self.send_client(data, ex.log)
 
     async def _switch(
         self, ex: _Exchange, reason: bytes, headers: list[Header]

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Final
 
 from tlsedge._http.body import (
+    NO_BODY_STATUSES,
     BodyKind,
     ChunkedDecoder,
     encode_chunk,
@@ -62,7 +63,6 @@ Header = tuple[bytes, bytes]
 MAX_RESPONSE_HEAD_BYTES: Final = 65536
 #: Most fields in a response head or its trailers.
 MAX_RESPONSE_HEADERS: Final = 1000
-_NO_BODY_STATUSES: Final = frozenset({204, 304})
 
 
 class UpstreamError(Exception):
@@ -206,7 +206,7 @@ class UpstreamExchange:
                 self.switched = True
             return Informational(head)
         self._keep_alive = head.version == b"1.1" and b"close" not in head.connection
-        if self.method == b"HEAD" or status in _NO_BODY_STATUSES:
+        if self.method == b"HEAD" or status in NO_BODY_STATUSES:
             body = BodyKind.NONE
         elif head.chunked:
             body = BodyKind.CHUNKED
@@ -252,15 +252,11 @@ class UpstreamExchange:
             return Body(data)
         decoder = self._chunked
         assert decoder is not None
-        raw = bytes(buffer)
-        buffer.clear()
         try:
-            data = b"".join(decoder.feed(raw))
+            data = decoder.take(buffer)
         except ResponseRejectedError as exc:
             raise UpstreamError(exc.reason) from exc
         if decoder.done:
-            if decoder.excess:
-                buffer += raw[len(raw) - decoder.excess :]
             self._trailers = decoder.trailers
             self._state = "end"
         if data:

@@ -35,7 +35,6 @@ __all__ = [
     "MAX_LOGGED_TEXT",
     "RequestRewriter",
     "error_response_bytes",
-    "header_values",
     "log_text",
     "may_retry",
     "origin_form",
@@ -175,11 +174,6 @@ def strip_hop_by_hop(
     if keep_upgrade:
         out.append((b"Connection", b"upgrade"))
     return out
-
-
-def header_values(headers: Sequence[Header], name: bytes) -> list[bytes]:
-    """Every value of the field *name* (lowercase), in order."""
-    return [v for n, v in headers if n.lower() == name]
 
 
 def error_response_bytes(

@@ -34,9 +34,9 @@ Upgrade. After `send_informational` with 101 the session is done;
 from __future__ import annotations
 
 import enum
-from typing import Final
 
 from tlsedge._http.body import (
+    NO_BODY_STATUSES,
     BodyKind,
     ChunkedDecoder,
     encode_chunk,
@@ -64,9 +64,6 @@ from tlsedge._http.rules import error_response_bytes
 __all__ = ["ClientClosedMidRequestError", "ClientSession", "Phase"]
 
 Header = tuple[bytes, bytes]
-
-#: Statuses whose responses never have a body (RFC 9110 section 6.4.1).
-_NO_BODY_STATUSES: Final = frozenset({204, 304})
 
 
 class ClientClosedMidRequestError(Exception):
@@ -258,12 +255,8 @@ class ClientSession:
         else:
             decoder = self._chunked
             assert decoder is not None
-            raw = bytes(buffer)
-            buffer.clear()
-            data = b"".join(decoder.feed(raw))
+            data = decoder.take(buffer)
             if decoder.done:
-                if decoder.excess:
-                    buffer += raw[len(raw) - decoder.excess :]
                 self.phase = Phase.DONE
                 self._trailers = decoder.trailers
             if not data:
@@ -321,7 +314,7 @@ class ClientSession:
         self.expects_continue = False
         self.response_started = True
         version_11 = request.version == b"1.1"
-        if request.method == b"HEAD" or status in _NO_BODY_STATUSES:
+        if request.method == b"HEAD" or status in NO_BODY_STATUSES:
             body = BodyKind.NONE
         elif body is BodyKind.UNTIL_CLOSE or body is BodyKind.CHUNKED:
             if version_11:
