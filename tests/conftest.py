@@ -191,6 +191,12 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 # -- trio system tasks ---------------------------------------------------------
 
 
+# A system task meant to live as long as the run (besides trio's own, named
+# "<...>"): tlsedge's reactor (`tlsedge._reactor.current_reactor`); a relay
+# ends by unregistering from it, not by stopping it.
+_RUN_SERVICE = "tlsedge reactor"
+
+
 class _SystemTaskTracker(trio.abc.Instrument):
     """Remembers the system tasks spawned while the test's main task runs and
     reports those still alive when it ends."""
@@ -208,8 +214,12 @@ class _SystemTaskTracker(trio.abc.Instrument):
             return  # an ordinary task in some nursery
         if self.main is None and task.name.endswith("_bootstrap_fixtures_and_run_test"):
             self.main = task
-        elif self.main is not None and not task.name.startswith("<"):
-            self.system.add(task)  # "<...>": trio's own, e.g. the TrioToken task
+        elif (
+            self.main is not None
+            and not task.name.startswith("<")
+            and task.name != _RUN_SERVICE
+        ):
+            self.system.add(task)
 
     def task_exited(self, task: trio.lowlevel.Task) -> None:
         if task is self.main:

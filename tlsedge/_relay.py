@@ -141,6 +141,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import socket
 import struct
 import threading
@@ -148,7 +149,9 @@ from dataclasses import dataclass
 
 import trio
 
+from tlsedge._reactor import ERROR, HANGUP, READABLE, WRITABLE, current_reactor
 from tlsedge._termination import Termination
+from tlsedge._tls_stream import TLSStream
 
 __all__ = ["RelayStats", "relay", "set_abortive_close"]
 
@@ -232,7 +235,7 @@ def set_abortive_close(stream: trio.abc.Stream) -> None:
 
 
 class _Relay:
-    """Shared state of one :func:`relay` call: counters, timers and cancellation."""
+    """What both relay paths share: counters, the timers' timestamps, the cause."""
 
     __slots__ = (
         "client",
@@ -241,12 +244,9 @@ class _Relay:
         "idle_timeout",
         "last_activity",
         "last_send",
-        "pumps_running",
-        "scope",
         "server",
         "server_fin_timeout",
         "stats",
-        "timer_scope",
     )
 
     def __init__(
@@ -269,43 +269,16 @@ class _Relay:
         # Last time a waiting send made progress (the reader took bytes).
         self.last_send = self.last_activity
         self.first_eof: _Side | None = None
-        self.pumps_running = 2
-        # Replaced by the nursery's scope and the watcher's sleep scope.
-        self.scope = self.timer_scope = _UNUSED_SCOPE
 
-    # -- events reported by the pumps ------------------------------------------
-
-    def eof_received(self, source: _Side) -> None:
-        """Start the fin timer of the side we now wait for."""
+    def eof_received(self, source: _Side) -> float | None:
+        """Note an EOF; the first one returns the deadline its fin timer sets."""
         now = self.last_activity = trio.current_time()
         if self.first_eof is not None:
-            return  # second EOF: nothing left to wait for once it is forwarded
+            return None  # second EOF: nothing left to wait for once it is forwarded
         self.first_eof = source
-        fin_timeout = (
-            self.server_fin_timeout
-            if source is _Side.CLIENT
-            else self.client_fin_timeout
-        )
-        # The watcher sleeps until the idle deadline; wake it earlier if the fin
-        # timer would fire first (one deadline-heap update per connection).
-        # (Unchanged deadlines do not touch the heap.)
-        self.timer_scope.deadline = min(self.timer_scope.deadline, now + fin_timeout)
-
-    def pump_done(self) -> None:
-        """One direction reached EOF_FORWARDED; the last one stops the watcher."""
-        self.pumps_running -= 1
-        if self.pumps_running == 0:
-            self.scope.cancel()
-
-    def failed(self, side: _Side) -> None:
-        """Abort both sides because ``side`` had a read or write error."""
-        if self.stats.termination is None:
-            self.stats.termination = _ERROR_OF[side]
-        set_abortive_close(self.client)
-        set_abortive_close(self.server)
-        self.scope.cancel()
-
-    # -- timers ----------------------------------------------------------------
+        if source is _Side.CLIENT:
+            return now + self.server_fin_timeout
+        return now + self.client_fin_timeout
 
     def next_deadline(self) -> tuple[float, Termination]:
         """When the relay times out if nothing happens before, and as what."""
@@ -325,6 +298,428 @@ class _Relay:
             return fin, cause
         return idle, Termination.IDLE_TIMEOUT
 
+    def abort(self, cause: Termination) -> None:
+        """Record *cause* (unless one was) and make both sides close with an RST."""
+        if self.stats.termination is None:
+            self.stats.termination = cause
+        set_abortive_close(self.client)
+        set_abortive_close(self.server)
+
+    def clean_termination(self) -> Termination:
+        """The cause once both directions finished (timeouts record their own)."""
+        if self.first_eof is _Side.CLIENT:
+            return Termination.CLIENT_CLOSED
+        return Termination.SERVER_CLOSED
+
+
+# -- the reactor path -----------------------------------------------------------
+
+
+class _Endpoint:
+    """One side of a flow on the reactor: its socket, TLS engine, unsent bytes."""
+
+    __slots__ = (
+        "fd",
+        "interest",
+        "out",
+        "reading",
+        "shut",
+        "shut_pending",
+        "side",
+        "sock",
+        "tls",
+    )
+
+    def __init__(self, side: _Side, sock: socket.socket, tls: TLSStream | None) -> None:
+        self.side = side
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.tls = tls
+        #: Bytes (records, for TLS) accepted from the other side that this
+        #: socket has not taken yet; while there are any, the other side is
+        #: not read (backpressure: one buffer per direction).
+        self.out = bytearray()
+        #: Still reading this side (no EOF, error or abort yet).
+        self.reading = True
+        #: The other side's EOF waits for ``out`` to drain before it is sent.
+        self.shut_pending = False
+        #: The other side's EOF was forwarded to this side.
+        self.shut = False
+        #: What the reactor watches this socket for (0: not registered).
+        self.interest = 0
+
+
+class _Flow(_Relay):
+    """One relay driven by the reactor (see "The reactor path" above)."""
+
+    __slots__ = (
+        "a",
+        "armed",
+        "b",
+        "buffer_size",
+        "done",
+        "reactor",
+        "scratch",
+        "shut_count",
+        "task",
+    )
+
+    def __init__(
+        self,
+        client: trio.abc.Stream,
+        server: trio.abc.Stream,
+        ends: tuple[_Endpoint, _Endpoint],
+        *,
+        stats: RelayStats,
+        idle_timeout: float,
+        client_fin_timeout: float,
+        server_fin_timeout: float,
+        buffer_size: int,
+    ) -> None:
+        super().__init__(
+            client,
+            server,
+            stats=stats,
+            idle_timeout=idle_timeout,
+            client_fin_timeout=client_fin_timeout,
+            server_fin_timeout=server_fin_timeout,
+        )
+        self.a, self.b = ends
+        self.buffer_size = buffer_size
+        self.scratch = _scratch_buffer(buffer_size)
+        self.reactor = current_reactor()
+        self.task: trio.lowlevel.Task | None = None
+        self.done = False
+        self.shut_count = 0
+        #: The earliest deadline a pending timer of ours will fire at.
+        self.armed = math.inf
+
+    # -- life cycle --------------------------------------------------------------
+
+    def start(self) -> None:
+        """Register both sockets, arm the timer, hand on what TLS buffered."""
+        for end in (self.a, self.b):
+            end.interest = READABLE
+            self.reactor.register(end.fd, READABLE, self)
+        self._arm(self.next_deadline()[0])
+        for end in (self.a, self.b):
+            if end.tls is not None and not self.done:
+                # Records the stream's engine read past what it returned
+                # (the socket may never be readable again for them).
+                self._receive(end, None)
+                if not self.done:
+                    self._update(end)
+                    self._update(self._other(end))
+
+    def _finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        for end in (self.a, self.b):
+            if end.interest:
+                self.reactor.unregister(end.fd)
+                end.interest = 0
+        if self.task is not None:
+            trio.lowlevel.reschedule(self.task)
+            self.task = None
+
+    def cancelled(self) -> None:
+        """The waiting task was cancelled: stop without touching the sockets."""
+        self.task = None
+        self._finish()
+
+    def fail(self, end: _Endpoint) -> None:
+        """A read or write error on *end*: abort both sides."""
+        self.abort(_ERROR_OF[end.side])
+        self._finish()
+
+    def failed(self, exc: Exception) -> None:
+        """A bug in a handler (logged by the reactor): end this relay."""
+        self.abort(Termination.INTERNAL_ERROR)
+        self._finish()
+
+    # -- timers ------------------------------------------------------------------
+
+    def _arm(self, deadline: float) -> None:
+        if deadline < self.armed:
+            self.armed = deadline
+            self.reactor.call_at(deadline, self._timer)
+
+    def _timer(self) -> None:
+        if self.done:
+            return
+        now = trio.current_time()
+        if self.armed <= now:
+            self.armed = math.inf  # this was the earliest pending timer
+        deadline, cause = self.next_deadline()
+        if now >= deadline:
+            self.abort(cause)
+            self._finish()
+        else:
+            self._arm(deadline)
+
+    # -- events ------------------------------------------------------------------
+
+    def _other(self, end: _Endpoint) -> _Endpoint:
+        return self.b if end is self.a else self.a
+
+    def ready(self, fd: int, events: int) -> None:
+        end = self.a if fd == self.a.fd else self.b
+        other = self.b if end is self.a else self.a
+        acted = False
+        if end.out and events & (WRITABLE | ERROR | HANGUP):
+            acted = True
+            self._flush(end)
+            if self.done:
+                return
+        if end.reading and not other.out and events & (READABLE | ERROR | HANGUP):
+            acted = True
+            self._receive(end, end.sock)
+            if self.done:
+                return
+        if not acted and events & ERROR:
+            self.fail(end)  # e.g. an RST while we were not reading this side
+            return
+        self._update(end)
+        self._update(other)
+
+    def _update(self, end: _Endpoint) -> None:
+        """Watch *end* for what it is waiting for (unregistered when nothing:
+        a level-triggered hang-up would otherwise spin)."""
+        interest = (READABLE if end.reading and not self._other(end).out else 0) | (
+            WRITABLE if end.out else 0
+        )
+        if interest == end.interest:
+            return
+        if not interest:
+            self.reactor.unregister(end.fd)
+        elif not end.interest:
+            self.reactor.register(end.fd, interest, self)
+        else:
+            self.reactor.modify(end.fd, interest)
+        end.interest = interest
+
+    def _receive(self, end: _Endpoint, sock: socket.socket | None) -> None:
+        """Read *end* once (or only its TLS engine, without *sock*) and pass
+        what came on; an EOF starts the other side's shutdown."""
+        other = self._other(end)
+        received = 0
+        if sock is not None:
+            try:
+                received = sock.recv_into(self.scratch)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.fail(end)
+                return
+        tls = end.tls
+        if tls is None:
+            if received:
+                self._count(end, received)
+                self._send(other, memoryview(self.scratch)[:received])
+            else:
+                self._eof(end)
+            return
+        chunks: list[bytes] = []
+        eof = False
+        transport_data: bytes | memoryview | None = None
+        if sock is not None:
+            transport_data = memoryview(self.scratch)[:received]
+        try:
+            while True:
+                try:
+                    data = tls.receive_nowait(transport_data)
+                except trio.WouldBlock:
+                    break
+                transport_data = None
+                if not data:
+                    eof = True
+                    break
+                chunks.append(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.fail(end)
+            return
+        records = tls.take_transport_data()
+        if records:
+            self._send_raw(end, records)
+            if self.done:
+                return
+        if chunks:
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            self._count(end, len(data))
+            self._send(other, data)
+            if self.done:
+                return
+        if eof:
+            self._eof(end)
+
+    def _count(self, end: _Endpoint, size: int) -> None:
+        self.last_activity = trio.current_time()
+        if end.side is _Side.CLIENT:
+            self.stats.bytes_from_client += size
+        else:
+            self.stats.bytes_from_server += size
+
+    def _send(self, end: _Endpoint, data: bytes | memoryview) -> None:
+        """Send bytes from the other side to *end* (encrypted for TLS)."""
+        if end.tls is not None:
+            try:
+                data = end.tls.send_nowait(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.fail(end)
+                return
+        self._send_raw(end, data)
+
+    def _send_raw(self, end: _Endpoint, data: bytes | memoryview) -> None:
+        if end.out:
+            end.out += data  # behind bytes the socket has not taken yet
+            return
+        try:
+            sent = end.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.fail(end)
+            return
+        if sent < len(data):
+            # Copied: the scratch buffer is the next read's.
+            end.out += data[sent:]
+
+    def _flush(self, end: _Endpoint) -> None:
+        """*end* is writable: send what it owes; once drained, finish a
+        pending shutdown."""
+        try:
+            sent = end.sock.send(end.out)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.fail(end)
+            return
+        del end.out[:sent]
+        # The reader took bytes while we waited: progress for the fin timer.
+        self.last_send = trio.current_time()
+        if not end.out and end.shut_pending:
+            self._shut(end)
+
+    def _eof(self, end: _Endpoint) -> None:
+        """*end* sent its EOF: forward it once everything before it went out."""
+        end.reading = False
+        fin_deadline = self.eof_received(end.side)
+        if fin_deadline is not None:
+            self._arm(fin_deadline)
+        other = self._other(end)
+        if other.tls is not None:
+            try:
+                self._send_raw(other, other.tls.send_eof_nowait())
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.fail(other)
+                return
+            if self.done:
+                return
+        if other.out:
+            other.shut_pending = True
+        else:
+            self._shut(other)
+
+    def _shut(self, end: _Endpoint) -> None:
+        """The EOF (a FIN, or a close_notify already sent) reached *end*."""
+        end.shut_pending = False
+        if end.tls is None:
+            try:
+                end.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                self.fail(end)
+                return
+        end.shut = True
+        self.shut_count += 1
+        if self.shut_count == 2:
+            self._finish()
+
+
+def _reactor_endpoint(
+    stream: trio.abc.Stream, side: _Side, given: socket.socket | None
+) -> tuple[_Endpoint, socket.socket | None] | None:
+    """*stream* as a reactor endpoint, with the socket built for it (to detach
+    afterwards), or None if the reactor cannot drive it."""
+    tls: TLSStream | None = None
+    transport: trio.abc.Stream = stream
+    if isinstance(stream, TLSStream):
+        if not stream.established:
+            return None
+        tls = stream
+        transport = stream.transport_stream
+        given = None
+    if not isinstance(transport, trio.SocketStream):
+        return None
+    if given is not None:
+        return _Endpoint(side, given, tls), None
+    built = _raw_socket(transport)
+    return _Endpoint(side, built, tls), built
+
+
+async def _relay_on_reactor(flow: _Flow) -> None:
+    flow.start()
+    if flow.done:
+        await trio.lowlevel.checkpoint()
+        return
+    flow.task = trio.lowlevel.current_task()
+
+    def abort(_: object) -> trio.lowlevel.Abort:
+        flow.cancelled()
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+# -- the stream path ------------------------------------------------------------
+
+
+class _StreamRelay(_Relay):
+    """A relay over any two trio streams: a pump task per direction."""
+
+    __slots__ = ("pumps_running", "scope", "timer_scope")
+
+    def __init__(
+        self,
+        client: trio.abc.Stream,
+        server: trio.abc.Stream,
+        *,
+        stats: RelayStats,
+        idle_timeout: float,
+        client_fin_timeout: float,
+        server_fin_timeout: float,
+    ) -> None:
+        super().__init__(
+            client,
+            server,
+            stats=stats,
+            idle_timeout=idle_timeout,
+            client_fin_timeout=client_fin_timeout,
+            server_fin_timeout=server_fin_timeout,
+        )
+        self.pumps_running = 2
+        # Replaced by the nursery's scope and the watcher's sleep scope.
+        self.scope = self.timer_scope = _UNUSED_SCOPE
+
+    def pump_eof(self, source: _Side) -> None:
+        """Start the fin timer of the side we now wait for."""
+        fin_deadline = self.eof_received(source)
+        if fin_deadline is not None:
+            # The watcher sleeps until the idle deadline; wake it earlier if
+            # the fin timer would fire first (one deadline-heap update).
+            self.timer_scope.deadline = min(self.timer_scope.deadline, fin_deadline)
+
+    def pump_done(self) -> None:
+        """One direction reached EOF_FORWARDED; the last one stops the watcher."""
+        self.pumps_running -= 1
+        if self.pumps_running == 0:
+            self.scope.cancel()
+
+    def failed(self, side: _Side) -> None:
+        """Abort both sides because ``side`` had a read or write error."""
+        self.abort(_ERROR_OF[side])
+        self.scope.cancel()
+
     async def watch(self) -> None:
         """Sleep until the next deadline; cancel the relay once one really passed.
 
@@ -334,19 +729,14 @@ class _Relay:
         while True:
             deadline, cause = self.next_deadline()
             if trio.current_time() >= deadline:
-                if self.stats.termination is None:
-                    self.stats.termination = cause
-                set_abortive_close(self.client)
-                set_abortive_close(self.server)
+                self.abort(cause)
                 self.scope.cancel()
                 return
             # The pumps only store timestamps; re-checked when this wakes up.
             with trio.CancelScope(deadline=deadline) as self.timer_scope:
                 await trio.sleep_forever()
 
-    # -- pumps -----------------------------------------------------------------
-
-    async def pump_streams(
+    async def pump(
         self,
         source: trio.abc.Stream,
         dest: trio.abc.Stream,
@@ -384,10 +774,11 @@ class _Relay:
                 self.failed(dest_side)
                 return
             self.last_send = trio.current_time()
-        # EOF_RECEIVED: everything before it has been sent by the loop above. If
-        # the relay is already aborting (see pump_sockets), do not forward it.
+        # EOF_RECEIVED: everything before it has been sent by the loop above. A
+        # stream reports an RST's error once: if the other pump consumed it and
+        # aborted, this receive returned b"". Never turn that into an EOF.
         await trio.lowlevel.checkpoint_if_cancelled()
-        self.eof_received(source_side)
+        self.pump_eof(source_side)
         if isinstance(dest, trio.abc.HalfCloseableStream):
             try:
                 await dest.send_eof()
@@ -397,97 +788,21 @@ class _Relay:
         # else: the documented fallback, stop sending on dest but keep it open.
         self.pump_done()  # EOF_FORWARDED
 
-    async def pump_sockets(
-        self,
-        source: socket.socket,
-        dest: socket.socket,
-        source_side: _Side,
-        buffer_size: int,
-    ) -> None:
-        """Copy ``source`` to ``dest`` with non-blocking stdlib socket calls."""
-        dest_side = _Side.SERVER if source_side is _Side.CLIENT else _Side.CLIENT
-        stats = self.stats
-        from_client = source_side is _Side.CLIENT
-        # The thread's scratch buffer unless data is pending (see Buffers above).
-        scratch = _scratch_buffer(buffer_size)
-        buffer = scratch
-        view = memoryview(buffer)
-        source_fd = source.fileno()
-        dest_fd = dest.fileno()
-        wait_readable = trio.lowlevel.wait_readable
-        wait_writable = trio.lowlevel.wait_writable
-        current_time = trio.current_time
-        unyielded = 0
-        # A short read almost always means the socket is drained; waiting first
-        # then saves a recv() that would fail with EAGAIN (HAProxy does the same).
-        drained = False
-        while True:
-            if drained:
-                if buffer is not scratch:
-                    buffer = scratch  # the source ran dry: drop the private one
-                    view = memoryview(buffer)
-                await wait_readable(source_fd)
-                unyielded = 0
-            try:
-                received = source.recv_into(buffer)
-            except BlockingIOError:
-                drained = True
-                continue
-            except OSError:
-                self.failed(source_side)
-                return
-            if not received:
-                break
-            drained = received < buffer_size
-            self.last_activity = current_time()
-            if from_client:
-                stats.bytes_from_client += received
-            else:
-                stats.bytes_from_server += received
-            sent = 0
-            while sent < received:
-                try:
-                    sent += dest.send(view[sent:received])
-                except BlockingIOError:
-                    if buffer is scratch:
-                        # Other pumps reuse the scratch buffer while we wait.
-                        buffer = bytearray(buffer_size)
-                        buffer[: received - sent] = view[sent:received]
-                        view = memoryview(buffer)
-                        received -= sent
-                        sent = 0
-                    await wait_writable(dest_fd)
-                    # Writable again: the reader took bytes, which is progress.
-                    self.last_send = current_time()
-                    unyielded = 0
-                except OSError:
-                    self.failed(dest_side)
-                    return
-            unyielded += 1
-            if unyielded >= _MAX_UNYIELDED_CHUNKS:
-                await trio.lowlevel.checkpoint()
-                unyielded = 0
-        # A socket reports an RST's error once: if the other pump consumed it and
-        # aborted, our recv() then returns 0. Never turn that into a FIN.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self.eof_received(source_side)
-        try:
-            dest.shutdown(socket.SHUT_WR)
-        except OSError:
-            self.failed(dest_side)
-            return
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        self.pump_done()
-
-    def clean_termination(self) -> Termination:
-        """The cause once both directions finished (timeouts record their own)."""
-        if self.first_eof is _Side.CLIENT:
-            return Termination.CLIENT_CLOSED
-        return Termination.SERVER_CLOSED
+    async def run(self, buffer_size: int) -> None:
+        async with trio.open_nursery() as nursery:
+            self.scope = nursery.cancel_scope
+            nursery.start_soon(
+                self.pump, self.client, self.server, _Side.CLIENT, buffer_size
+            )
+            nursery.start_soon(
+                self.pump, self.server, self.client, _Side.SERVER, buffer_size
+            )
+            # This task keeps the timers while the pumps run.
+            await self.watch()
 
 
 def _scratch_buffer(size: int) -> bytearray:
-    """This thread's shared fast-path receive buffer of ``size`` bytes."""
+    """This thread's shared receive buffer of ``size`` bytes (see Buffers)."""
     buffers: dict[int, bytearray] | None = getattr(_scratch, "buffers", None)
     if buffers is None:
         buffers = _scratch.buffers = {}
@@ -559,55 +874,46 @@ async def relay(
     if buffer_size < 1:
         msg = f"buffer_size must be >= 1, got {buffer_size!r}"
         raise ValueError(msg)
-
-    state = _Relay(
-        client,
-        server,
-        stats=stats,
-        idle_timeout=idle_timeout,
-        client_fin_timeout=client_fin_timeout,
-        server_fin_timeout=server_fin_timeout,
-    )
-    raw_client: socket.socket | None = None
-    raw_server: socket.socket | None = None
+    given_client, given_server = sockets if sockets is not None else (None, None)
     built: list[socket.socket] = []
     try:
-        if isinstance(client, trio.SocketStream) and isinstance(
-            server, trio.SocketStream
-        ):
-            if sockets is not None:
-                raw_client, raw_server = sockets
-            else:
-                raw_client = _raw_socket(client)
-                built.append(raw_client)
-                raw_server = _raw_socket(server)
-                built.append(raw_server)
-        async with trio.open_nursery() as nursery:
-            state.scope = nursery.cancel_scope
-            if raw_client is not None and raw_server is not None:
-                nursery.start_soon(
-                    state.pump_sockets,
-                    raw_client,
-                    raw_server,
-                    _Side.CLIENT,
-                    buffer_size,
-                )
-                nursery.start_soon(
-                    state.pump_sockets,
-                    raw_server,
-                    raw_client,
-                    _Side.SERVER,
-                    buffer_size,
-                )
-            else:
-                nursery.start_soon(
-                    state.pump_streams, client, server, _Side.CLIENT, buffer_size
-                )
-                nursery.start_soon(
-                    state.pump_streams, server, client, _Side.SERVER, buffer_size
-                )
-            # This task keeps the timers while the pumps run.
-            await state.watch()
+        client_end = _reactor_endpoint(client, _Side.CLIENT, given_client)
+        server_end = (
+            _reactor_endpoint(server, _Side.SERVER, given_server)
+            if client_end is not None
+            else None
+        )
+        built.extend(
+            end[1]
+            for end in (client_end, server_end)
+            if end is not None and end[1] is not None
+        )
+        if client_end is not None and server_end is not None:
+            flow = _Flow(
+                client,
+                server,
+                (client_end[0], server_end[0]),
+                buffer_size=buffer_size,
+                stats=stats,
+                idle_timeout=idle_timeout,
+                client_fin_timeout=client_fin_timeout,
+                server_fin_timeout=server_fin_timeout,
+            )
+            await _relay_on_reactor(flow)
+            if stats.termination is None:
+                stats.termination = flow.clean_termination()
+        else:
+            state = _StreamRelay(
+                client,
+                server,
+                stats=stats,
+                idle_timeout=idle_timeout,
+                client_fin_timeout=client_fin_timeout,
+                server_fin_timeout=server_fin_timeout,
+            )
+            await state.run(buffer_size)
+            if stats.termination is None:
+                stats.termination = state.clean_termination()
     except* trio.Cancelled:
         # Only a cancellation from outside gets here (all of ours are caught by the
         # nursery's scope); the nursery delivers it inside an exception group.
@@ -618,5 +924,3 @@ async def relay(
         # detach(), never close(): the descriptors belong to the caller's streams.
         for raw in built:
             raw.detach()
-    if stats.termination is None:
-        stats.termination = state.clean_termination()

@@ -333,7 +333,7 @@ class TLSStream(trio.abc.HalfCloseableStream):
                 self._eof_received = True
                 return b""
 
-    def receive_nowait(self, transport_data: bytes | None = None) -> bytes:
+    def receive_nowait(self, transport_data: bytes | memoryview | None = None) -> bytes:
         """Receive without waiting, from what the transport has delivered so far.
 
         For a caller that reads the transport itself when it knows a read will
@@ -385,6 +385,58 @@ class TLSStream(trio.abc.HalfCloseableStream):
             if not data:
                 self._eof_received = True
             return data
+
+    # -- driven by a caller that owns the transport (the reactor) -------------
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> bytes:
+        """Encrypt *data* and return the records for the caller to send.
+
+        For a caller that writes the transport itself (`tlsedge._relay` on the
+        reactor), in the order this and `take_transport_data` return them.
+
+        Raises:
+            trio.BrokenResourceError: a TLS error.
+            trio.ClosedResourceError: the stream was closed, or ``send_eof``
+                was called.
+        """
+        with self._send_conflict:
+            self._check_status()
+            if self._eof_sent:
+                raise trio.ClosedResourceError(
+                    "send_eof() was called on this TLSStream"
+                )
+            view = memoryview(data).cast("B")
+            try:
+                while view:
+                    chunk, view = view[:WRITE_CHUNK], view[WRITE_CHUNK:]
+                    while chunk:
+                        chunk = chunk[self.ssl_object.write(chunk) :]
+            except ssl.SSLError as exc:
+                raise self._fail(exc) from exc
+            return self._outgoing.read()
+
+    def send_eof_nowait(self) -> bytes:
+        """Like `send_eof`, but return the close_notify for the caller to send.
+
+        Raises:
+            trio.BrokenResourceError: a TLS error.
+            trio.ClosedResourceError: the stream was closed.
+        """
+        with self._send_conflict:
+            self._check_status()
+            if not self._eof_sent:
+                self._send_close_notify()
+            return self._outgoing.read()
+
+    def take_transport_data(self) -> bytes:
+        """Records the engine produced on its own while receiving (session
+        tickets, key update answers), for a caller that writes the transport."""
+        return self._outgoing.read()
+
+    @property
+    def established(self) -> bool:
+        """The handshake is done and the stream neither broken nor closed."""
+        return self._handshake_done and self._state is _State.OK
 
     # -- sending --------------------------------------------------------------
 

@@ -1,0 +1,249 @@
+"""The reactor: one trio task per run drives every established connection.
+
+Theory of operation
+===================
+
+trio charges about 19 us of CPU and an ``epoll_ctl`` syscall for every wait on
+a socket (``../shared/reference/perf-study.md``). A relayed request makes
+several waits, so a task per direction caps the edge near 0.4x HAProxy. The
+reactor pays that cost once per *batch* of ready connections instead:
+
+- It owns a readiness selector (``select.epoll`` on Linux, `selectors`'
+  default elsewhere) in which connections keep their registrations for their
+  whole life; a registration's interest changes only when backpressure starts
+  or ends.
+- Its task waits on the selector's own descriptor with
+  `trio.lowlevel.wait_readable`, then asks the selector for every ready
+  descriptor without blocking and calls each one's handler. Handlers never
+  await: they make non-blocking ``recv``/``send`` calls and change interest.
+- Timers (idle and fin timeouts) live in one heap that the same loop sweeps;
+  the wait's cancel scope has the earliest deadline. A handler only stores
+  timestamps; a timer that fires re-checks them and re-arms itself if there
+  was activity (so a busy connection never touches the heap).
+
+trio keeps the control plane: accepting, PROXY headers, TLS handshakes,
+connecting backends, configuration, health checks and drain run in trio tasks
+as before, and hand a connection to the reactor once it is established
+(`tlsedge._relay.relay`).
+
+The reactor of a trio run is made on first use (`current_reactor`) and runs as
+a trio *system* task, so library users and tests that call `relay` need no
+setup; it ends with the run. A handler that raises is a bug: it is logged and
+its handler's ``failed`` method ends that connection alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import select
+import selectors
+from collections.abc import Callable
+from typing import Protocol
+
+import trio
+
+__all__ = [
+    "ERROR",
+    "HANGUP",
+    "READABLE",
+    "WRITABLE",
+    "Handler",
+    "Reactor",
+    "current_reactor",
+]
+
+LOGGER = logging.getLogger("tlsedge.reactor")
+
+#: Interest bits, the same values for both selector kinds.
+READABLE = 1
+WRITABLE = 4
+#: Error and hang-up bits: reported whatever the interest (epoll's values;
+#: the portable selector folds them into READABLE/WRITABLE).
+ERROR = 8
+HANGUP = 16
+
+#: Most events taken from the selector per wake-up (a larger batch is taken
+#: over several loop turns, with a trio checkpoint between them).
+_MAX_EVENTS = 512
+
+
+class Handler(Protocol):
+    """What the reactor calls for a registered descriptor."""
+
+    def ready(self, fd: int, events: int) -> None:
+        """*fd* is ready: *events* has `READABLE`, `WRITABLE` and error bits."""
+
+    def failed(self, exc: Exception) -> None:
+        """A call to ``ready`` raised *exc* (a bug): end the connection."""
+
+
+class _Poller(Protocol):
+    def register(self, fd: int, events: int) -> None: ...
+    def modify(self, fd: int, events: int) -> None: ...
+    def unregister(self, fd: int) -> None: ...
+    def poll(self) -> list[tuple[int, int]]: ...
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class _Epoll:
+    """``select.epoll``, level-triggered; ``poll`` never blocks."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+
+    def register(self, fd: int, events: int) -> None:
+        self._epoll.register(fd, events)
+
+    def modify(self, fd: int, events: int) -> None:
+        self._epoll.modify(fd, events)
+
+    def unregister(self, fd: int) -> None:
+        self._epoll.unregister(fd)
+
+    def poll(self) -> list[tuple[int, int]]:
+        return self._epoll.poll(0, _MAX_EVENTS)
+
+    def fileno(self) -> int:
+        return self._epoll.fileno()
+
+    def close(self) -> None:
+        self._epoll.close()
+
+
+class _PortableSelector:
+    """`selectors.DefaultSelector` (kqueue, poll...) behind `_Poller`."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+
+    @staticmethod
+    def _mask(events: int) -> int:
+        return (selectors.EVENT_READ if events & READABLE else 0) | (
+            selectors.EVENT_WRITE if events & WRITABLE else 0
+        )
+
+    def register(self, fd: int, events: int) -> None:
+        self._selector.register(fd, self._mask(events))
+
+    def modify(self, fd: int, events: int) -> None:
+        self._selector.modify(fd, self._mask(events))
+
+    def unregister(self, fd: int) -> None:
+        self._selector.unregister(fd)
+
+    def poll(self) -> list[tuple[int, int]]:
+        return [
+            (
+                key.fd,
+                (READABLE if mask & selectors.EVENT_READ else 0)
+                | (WRITABLE if mask & selectors.EVENT_WRITE else 0),
+            )
+            for key, mask in self._selector.select(0)
+        ]
+
+    def fileno(self) -> int:
+        return self._selector.fileno()
+
+    def close(self) -> None:
+        self._selector.close()
+
+
+def _make_poller() -> _Poller:
+    if hasattr(select, "epoll"):
+        return _Epoll()
+    return _PortableSelector()
+
+
+class Reactor:
+    """A selector with persistent registrations and a timer heap, one task."""
+
+    def __init__(self) -> None:
+        self._poller = _make_poller()
+        self._handlers: dict[int, Handler] = {}
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._sequence = itertools.count()
+
+    # -- registrations -------------------------------------------------------
+
+    def register(self, fd: int, events: int, handler: Handler) -> None:
+        """Watch *fd* for *events* (`READABLE` | `WRITABLE`) until unregistered."""
+        self._poller.register(fd, events)
+        self._handlers[fd] = handler
+
+    def modify(self, fd: int, events: int) -> None:
+        """Change what a registered *fd* is watched for."""
+        self._poller.modify(fd, events)
+
+    def unregister(self, fd: int) -> None:
+        """Stop watching *fd*; call before the descriptor is closed."""
+        del self._handlers[fd]
+        self._poller.unregister(fd)
+
+    def call_at(self, deadline: float, callback: Callable[[], None]) -> None:
+        """Call *callback* from the reactor's task once trio's clock passes
+        *deadline*. There is no cancelling: a callback checks whether it is
+        still wanted."""
+        heapq.heappush(self._timers, (deadline, next(self._sequence), callback))
+
+    # -- the loop --------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Drive the registered descriptors and the timers until cancelled."""
+        poller = self._poller
+        handlers = self._handlers
+        timers = self._timers
+        selector_fd = poller.fileno()
+        wait_readable = trio.lowlevel.wait_readable
+        current_time = trio.current_time
+        try:
+            while True:
+                if timers:
+                    with trio.CancelScope(deadline=timers[0][0]):
+                        await wait_readable(selector_fd)
+                else:
+                    await wait_readable(selector_fd)
+                while True:
+                    events = poller.poll()
+                    for fd, mask in events:
+                        handler = handlers.get(fd)
+                        if handler is None:
+                            continue  # unregistered by an earlier handler
+                        try:
+                            handler.ready(fd, mask)
+                        except Exception as exc:  # a bug: logged, ends that connection
+                            LOGGER.exception("reactor: handler failed on fd %d", fd)
+                            handler.failed(exc)
+                    if timers and timers[0][0] <= current_time():
+                        self._run_timers(current_time())
+                    if len(events) < _MAX_EVENTS:
+                        break
+                    await trio.lowlevel.checkpoint()
+        finally:
+            poller.close()
+
+    def _run_timers(self, now: float) -> None:
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, callback = heapq.heappop(timers)
+            try:
+                callback()
+            except Exception:
+                LOGGER.exception("reactor: timer callback failed")
+
+
+_REACTOR: trio.lowlevel.RunVar[Reactor] = trio.lowlevel.RunVar("tlsedge_reactor")
+
+
+def current_reactor() -> Reactor:
+    """The reactor of the current trio run, started on first use."""
+    try:
+        return _REACTOR.get()
+    except LookupError:
+        pass
+    reactor = Reactor()
+    _REACTOR.set(reactor)
+    trio.lowlevel.spawn_system_task(reactor.run, name="tlsedge reactor")
+    return reactor
