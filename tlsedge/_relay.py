@@ -320,6 +320,7 @@ class _Endpoint:
 
     __slots__ = (
         "fd",
+        "hung_up",
         "interest",
         "out",
         "reading",
@@ -345,8 +346,12 @@ class _Endpoint:
         self.shut_pending = False
         #: The other side's EOF was forwarded to this side.
         self.shut = False
-        #: What the reactor watches this socket for (0: not registered).
-        self.interest = 0
+        #: What the reactor watches this socket for; None: not registered.
+        #: 0 (registered for errors only) while reading is paused, so that an
+        #: RST from a side we are not reading still ends the relay.
+        self.interest: int | None = None
+        #: The socket reported a hang-up (both directions shut, no error).
+        self.hung_up = False
 
 
 class _Flow(_Relay):
@@ -416,9 +421,9 @@ class _Flow(_Relay):
             return
         self.done = True
         for end in (self.a, self.b):
-            if end.interest:
+            if end.interest is not None:
                 self.reactor.unregister(end.fd)
-                end.interest = 0
+                end.interest = None
         if self.task is not None:
             trio.lowlevel.reschedule(self.task)
             self.task = None
@@ -477,23 +482,33 @@ class _Flow(_Relay):
             self._receive(end, end.sock)
             if self.done:
                 return
-        if not acted and events & ERROR:
-            self.fail(end)  # e.g. an RST while we were not reading this side
-            return
+        if not acted:
+            if events & ERROR:
+                self.fail(end)  # e.g. an RST while we were not reading this side
+                return
+            if events & HANGUP:
+                # Its FIN waits to be read once reading resumes; until then
+                # a level-triggered hang-up would wake us without end.
+                end.hung_up = True
         self._update(end)
         self._update(other)
 
     def _update(self, end: _Endpoint) -> None:
-        """Watch *end* for what it is waiting for (unregistered when nothing:
-        a level-triggered hang-up would otherwise spin)."""
-        interest = (READABLE if end.reading and not self._other(end).out else 0) | (
-            WRITABLE if end.out else 0
-        )
+        """Watch *end* for what it is waiting for: unregistered once it has
+        nothing left to do (a level-triggered hang-up would wake us for
+        nothing), for errors only while its reading is paused."""
+        interest: int | None = None
+        if end.reading or end.out:
+            interest = (READABLE if end.reading and not self._other(end).out else 0) | (
+                WRITABLE if end.out else 0
+            )
+            if interest == 0 and end.hung_up:
+                interest = None
         if interest == end.interest:
             return
-        if not interest:
+        if interest is None:
             self.reactor.unregister(end.fd)
-        elif not end.interest:
+        elif end.interest is None:
             self.reactor.register(end.fd, interest, self)
         else:
             self.reactor.modify(end.fd, interest)
