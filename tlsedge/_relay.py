@@ -4,50 +4,57 @@ Theory of operation
 ===================
 
 :func:`relay` copies bytes between two already-connected streams, ``client`` (the
-peer that connected to us) and ``server`` (the backend we connected to). It runs two
-*pumps*, one per direction, as tasks in a nursery; :func:`relay`'s own task keeps the
-timers meanwhile (no third task, no cancel scope per timer).
+peer that connected to us) and ``server`` (the backend we connected to), until
+both directions are finished. There are two ways to drive it, with the same rules:
+
+* **The reactor path** (every socket-backed pair: `trio.SocketStream`, or an
+  established `TLSStream` over one): the pair is registered with the run's
+  reactor (`tlsedge._reactor`), which calls `_Flow.ready` when a socket is
+  ready; the caller's task parks until the end. `DetachedRelays.start` does the
+  same without a waiting task and calls back at the end (tcp mode).
+* **The stream path** (any other `trio.abc.Stream`, e.g. memory streams in
+  tests): a pump task per direction, and :func:`relay`'s own task keeps the
+  timers.
 
 Each direction is a tiny state machine::
 
-    OPEN --(receive gives b"")--> EOF_RECEIVED --(send_eof())--> EOF_FORWARDED
+    OPEN --(EOF received)--> EOF_RECEIVED --(EOF sent on)--> EOF_FORWARDED
       |                               |
       +-- read/write error -----------+--> abort both sides (ERROR)
 
-* A pump only reads the next chunk after the previous chunk was fully sent, so when
-  it sees EOF every byte before it has already been delivered to the destination;
-  the EOF is forwarded with ``send_eof()`` (``shutdown(SHUT_WR)`` on a socket) right
-  then. The other direction keeps flowing.
-* **Destination cannot half-close** (it is a :class:`trio.abc.Stream` but not a
-  :class:`trio.abc.HalfCloseableStream`, e.g. :class:`trio.SSLStream`): the EOF cannot
-  be forwarded without closing the stream, which would also stop us reading it. The
-  fallback is: stop sending on that destination, do *not* close it, keep reading it
-  (the other pump carries on) until that other direction ends or the fin timeout
-  below fires. The direction counts as EOF_FORWARDED. Note that the peer behind such a
-  stream is *not told* that the other side finished until the caller closes the
-  stream after :func:`relay` returns; a TLS stream whose ``send_eof`` sends
-  ``close_notify`` while still reading avoids that wait.
+* A direction reads its next chunk only after the previous chunk was fully
+  taken by the destination, so when it sees EOF every byte before it has been
+  delivered; the EOF is forwarded right then (``shutdown(SHUT_WR)`` on a
+  socket, close_notify on TLS: a TLS 1.3 half-close). The other direction keeps
+  flowing.
+* **Destination cannot half-close** (stream path: a :class:`trio.abc.Stream`
+  that is not a :class:`trio.abc.HalfCloseableStream`, e.g. :class:`trio.SSLStream`):
+  the EOF cannot be forwarded without closing the stream, which would also stop
+  us reading it. So we stop sending on it, keep reading it until the other
+  direction ends or the fin timeout fires, and count the direction as
+  EOF_FORWARDED. Our `TLSStream` does half-close, so the reactor never needs this.
 * The relay returns when both directions are EOF_FORWARDED. Termination is
   ``CLIENT_CLOSED`` if the client's EOF came first, else ``SERVER_CLOSED``.
 * **Errors** (:class:`trio.BrokenResourceError`, :class:`OSError` such as
-  ECONNRESET/EPIPE) on either side, in either pump: the failing side is recorded
-  (``CLIENT_ERROR``/``SERVER_ERROR``; a receive error blames the source, a send or
-  ``send_eof`` error blames the destination), :func:`set_abortive_close` is applied
-  to *both* streams (so the caller's ``aclose()`` sends an RST, like Envoy's
-  AbortReset and HAProxy's ``nolinger``), and the nursery is cancelled. A socket
-  reports an RST's error only once: if one pump consumed it, the other pump's next
-  ``recv`` returns 0, which looks like a FIN; so a pump checks for cancellation
-  before forwarding an EOF and never turns an abort into a FIN.
+  ECONNRESET/EPIPE, a TLS error) on either side: the failing side is recorded
+  (``CLIENT_ERROR``/``SERVER_ERROR``; a receive error blames the source, a send
+  error the destination), :func:`set_abortive_close` is applied to *both*
+  streams (so the caller's close sends an RST, like Envoy's AbortReset and
+  HAProxy's ``nolinger``), and the relay ends. On the reactor a socket whose
+  reading is paused (backpressure) stays registered for errors, so an RST from
+  it ends the relay at once. On the stream path a socket reports an RST's error
+  only once: if one pump consumed it, the other's next ``recv`` returns 0, which
+  looks like a FIN; so a pump checks for cancellation before forwarding an EOF
+  and never turns an abort into a FIN.
 
-Timeouts. The pumps only store timestamps (``trio.current_time()``, ~0.18 us): the
-last byte received from either side, and the last time a blocked send made progress.
-:func:`relay`'s task sleeps in one :class:`trio.CancelScope` until the earliest
-deadline those timestamps allow, re-checks when it wakes (activity since then moves
-the deadline) and, once a deadline really passed, records the cause and cancels the
-nursery. Pushing a scope's deadline per chunk would cost ~2.3 us (trio's deadline
-heap), a scheduler round trip ~3.4 us; the first EOF moves the sleep's deadline once
-if a fin timer would fire before the idle timer. The timers, named after their config
-fields:
+Timeouts. Reads and writes only store timestamps (``trio.current_time()``): the
+last byte received from either side, and the last time a blocked destination
+took bytes. One timer per relay (a reactor timer, or a sleep in :func:`relay`'s
+task on the stream path) waits until the earliest deadline those timestamps
+allow, re-checks when it fires (activity since then moves the deadline), and
+once a deadline really passed records the cause and ends the relay. The first
+EOF arms an earlier timer if a fin timer would fire before the idle timer. The
+timers, named after their config fields:
 
 * ``idle_timeout``: no byte received from either side for that long, in any state
   (an EOF counts as received).
@@ -65,86 +72,58 @@ fields:
     half-closed from our point of view, i.e. in FIN_WAIT).
 
   *Progress* is a byte received from the remaining direction's source, or its
-  destination taking bytes while the pump was blocked sending (a slow reader that
-  keeps reading keeps the connection; one that stops is attributed to the side we
-  were waiting for, as before). The stream path sends large chunks in 64 KiB slices
-  so that progress is seen at that granularity. Both timers run at once in the
-  half-closed state; the earlier one fires.
-A timeout returns normally with the cause in ``stats.termination``, with both
-streams set to close with an RST, as after an error: a timeout can cut a transfer
-in the middle (a backend that stalls mid-response), and a FIN would let a client
-of a close-delimited protocol take the truncated stream for a complete one.
-Cancellation from outside (e.g. the drain deadline) records ``DRAINED``
-(unless a cause was already recorded) and re-raises.
+  destination taking bytes while it was blocked (a slow reader that keeps reading
+  keeps the connection; one that stops is attributed to the side we were waiting
+  for). The stream path sends large chunks in 64 KiB slices so that progress is
+  seen at that granularity. Both timers run at once in the half-closed state;
+  the earlier one fires.
 
-Fast path
-=========
+A timeout ends the relay normally with the cause in ``stats.termination``, with
+both streams set to close with an RST, as after an error: a timeout can cut a
+transfer in the middle (a backend that stalls mid-response), and a FIN would let
+a client of a close-delimited protocol take the truncated stream for a complete
+one. Cancellation from outside (the drain deadline; `DetachedRelays.drain_all`)
+records ``DRAINED`` (unless a cause was already recorded).
 
-When *both* streams are plain :class:`trio.SocketStream`, the pumps use the stdlib
-socket objects directly: ``recv_into`` a per-direction reused buffer and ``send`` a
-memoryview slice, attempting the non-blocking call first and only awaiting
-``trio.lowlevel.wait_readable``/``wait_writable`` on :class:`BlockingIOError`
-(except that after a short read, which almost always means the socket is drained,
-the pump waits for readability first instead of making a doomed ``recv``).
-trio's socket methods add a scheduler round trip after every successful call; a
-relayed request/response costs at least four of them, which this path removes. To
-stay cancellable and fair a pump that has not yielded for ``_MAX_UNYIELDED_CHUNKS``
-chunks in a row calls :func:`trio.lowlevel.checkpoint`.
+The reactor path
+================
 
-The stdlib socket is obtained legally: ``socket.socket(family, type, proto,
-fileno=trio_sock.fileno())`` wraps the *same* descriptor (no dup, so trio's epoll
-registrations stay consistent) and is always ``detach()``-ed in a ``finally`` so it
-never closes the caller's descriptor. A caller that made the stdlib sockets itself
-(tcp mode: ``accept()`` and the backend connect) passes them as ``sockets``, which
-saves building one per side, a ``getsockname`` each; those stay attached.
+A `_Flow` holds two `_Endpoint` (socket, optional TLS engine, bytes owed to
+the socket). When a socket is readable the flow makes one non-blocking
+``recv_into`` into the thread's *scratch* buffer (``buffer_size``, default
+256 KiB), decrypts if the source is TLS (`TLSStream.receive_nowait`), encrypts
+if the destination is TLS (`TLSStream.send_nowait`), and sends at once; only what
+the destination does not take is copied into the endpoint's ``out``. While
+``out`` holds bytes, the source is not read (its interest drops to errors only)
+and the destination is watched for writability; when ``out`` drains, reading
+resumes and a pending EOF goes out. So an idle connection holds no buffer
+(HAProxy's rule), and a direction holds at most one buffer's worth. Interest
+changes (``epoll_ctl``) happen only when backpressure starts or ends; an
+endpoint with nothing left to do is unregistered (a level-triggered hang-up
+would otherwise wake the reactor for nothing). A TLS source may already hold
+records its engine read past what it returned; the flow hands those on before
+it waits for the socket.
 
-Measured with ``python bench/relay_micro.py --bulk-mib 1024 --conns 50
---exchanges 1000`` (loopback, peers in a forked asyncio process, 2 shared cores,
-Firecracker VM; CPU time of the relay process, which is steadier than throughput):
+Measured (``python bench/edge.py --duration 5 --reps 2``, 2026-11-24): TCP
+keep-alive at 36,211 requests per proxy CPU-second, 0.67x HAProxy's in the
+same run (the two-pump path's last recorded figure: 0.42x); the profile is then
+dominated by the kernel's ``send``. bench/README.md has the history and the TLS
+figures.
 
-=========  ====================  ==========================  ========================
-variant    1 GiB bulk            50x1000 100-byte exchanges  notes
-=========  ====================  ==========================  ========================
-stream     1.42 ms CPU/MiB       65 us CPU/exchange          trio SocketStream API
-raw        0.92 ms CPU/MiB       33 us CPU/exchange          this fast path
-splice     0.90 ms CPU/MiB       44 us CPU/exchange          os.splice via a pipe
-=========  ====================  ==========================  ========================
-
-(Throughput, noisier: 0.67 / 0.94 / 0.92 GiB/s and 15k / 17.5k / 14.7k exchanges/s.)
-Under cProfile most of the remaining per-exchange cost is the kernel's loopback
-``send()`` (~30 us a call on this VM), which no user-space trick removes. ``splice``
-only ties on bulk, is no better on small exchanges and costs two pipes (four
-descriptors, six syscalls) per connection, so it is not used. Skipping the
-``recv()`` after a short read cut roughly a further 10% of the per-exchange CPU
-(noisy; 20x1000 run: ~54 -> ~47 us).
-
-Buffers: the fast path holds no buffer while a direction waits for data, so an
-idle connection costs no buffer memory (HAProxy's rule: buffers only while data
-is pending). A pump receives into its thread's *scratch* buffer of
-``buffer_size`` bytes (default 256 KiB, as proxy-protocol's relay), shared by every
-pump of the thread, and sends at once; it does not await between the
-``recv_into`` and that first ``send``, so no other pump can overwrite the data.
-Only if the destination cannot take everything does the pump copy the rest into
-a private buffer before it awaits; it keeps reading into that private buffer
-while data keeps coming (a bulk transfer pays for the copy once) and drops it
-when the source runs dry. The scratch buffer is per thread because ``recv_into``
-releases the GIL: two trio runs in two threads must not share one.
-Earlier version (a 16 KiB buffer per direction allocated when the relay
-starts, grown to ``buffer_size`` on the first full read), measured with
-``python bench/edge.py --duration 5 --reps 3`` against a version with 64 KiB
-buffers, a watcher task and three cancel scopes per relay: iperf3 bulk 9.55 ->
-12.69 Gbit per proxy CPU-second (HAProxy 12.86), keep-alive 24962 -> 27521
-requests per CPU-second, new connections 1488 -> 1579 per CPU-second.
+The scratch buffer is per thread because ``recv_into`` releases the GIL: two trio
+runs in two threads must not share one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import math
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -153,7 +132,9 @@ from tlsedge._reactor import ERROR, HANGUP, READABLE, WRITABLE, current_reactor
 from tlsedge._termination import Termination
 from tlsedge._tls_stream import TLSStream
 
-__all__ = ["RelayStats", "relay", "set_abortive_close"]
+LOGGER = logging.getLogger("tlsedge.relay")
+
+__all__ = ["DetachedRelays", "RelayStats", "relay", "set_abortive_close"]
 
 # A pump that never has to wait (both peers fast) would otherwise never yield;
 # checkpoint after this many consecutive chunks handled without yielding. At 64 KiB
@@ -362,7 +343,9 @@ class _Flow(_Relay):
         "armed",
         "b",
         "buffer_size",
+        "built",
         "done",
+        "on_done",
         "reactor",
         "scratch",
         "shut_count",
@@ -373,7 +356,7 @@ class _Flow(_Relay):
         self,
         client: trio.abc.Stream,
         server: trio.abc.Stream,
-        ends: tuple[_Endpoint, _Endpoint],
+        ends: _Ends,
         *,
         stats: RelayStats,
         idle_timeout: float,
@@ -389,11 +372,14 @@ class _Flow(_Relay):
             client_fin_timeout=client_fin_timeout,
             server_fin_timeout=server_fin_timeout,
         )
-        self.a, self.b = ends
+        self.a, self.b, self.built = ends
         self.buffer_size = buffer_size
         self.scratch = _scratch_buffer(buffer_size)
         self.reactor = current_reactor()
+        #: Who learns that the relay ended: a parked task (`relay`) or a
+        #: callback (`DetachedRelays.start`).
         self.task: trio.lowlevel.Task | None = None
+        self.on_done: Callable[[], None] | None = None
         self.done = False
         self.shut_count = 0
         #: The earliest deadline a pending timer of ours will fire at.
@@ -424,12 +410,26 @@ class _Flow(_Relay):
             if end.interest is not None:
                 self.reactor.unregister(end.fd)
                 end.interest = None
+        # detach(), never close(): the descriptors belong to the streams.
+        for raw in self.built:
+            raw.detach()
+        if self.stats.termination is None:
+            self.stats.termination = self.clean_termination()
         if self.task is not None:
             trio.lowlevel.reschedule(self.task)
             self.task = None
+        if self.on_done is not None:
+            on_done, self.on_done = self.on_done, None
+            try:
+                on_done()
+            except Exception:
+                LOGGER.exception("relay: the callback at its end failed")
 
-    def cancelled(self) -> None:
-        """The waiting task was cancelled: stop without touching the sockets."""
+    def drain(self) -> None:
+        """Stop now, as ``DRAINED`` (unless a cause was recorded), without
+        touching the sockets: their owner closes them."""
+        if self.stats.termination is None:
+            self.stats.termination = Termination.DRAINED
         self.task = None
         self._finish()
 
@@ -651,25 +651,43 @@ class _Flow(_Relay):
             self._finish()
 
 
-def _reactor_endpoint(
-    stream: trio.abc.Stream, side: _Side, given: socket.socket | None
-) -> tuple[_Endpoint, socket.socket | None] | None:
-    """*stream* as a reactor endpoint, with the socket built for it (to detach
-    afterwards), or None if the reactor cannot drive it."""
-    tls: TLSStream | None = None
-    transport: trio.abc.Stream = stream
-    if isinstance(stream, TLSStream):
-        if not stream.established:
-            return None
-        tls = stream
-        transport = stream.transport_stream
-        given = None
-    if not isinstance(transport, trio.SocketStream):
-        return None
-    if given is not None:
-        return _Endpoint(side, given, tls), None
-    built = _raw_socket(transport)
-    return _Endpoint(side, built, tls), built
+#: Both endpoints of a reactor relay, and the sockets built for them (to
+#: detach at the end).
+_Ends = tuple[_Endpoint, _Endpoint, list[socket.socket]]
+
+
+def _reactor_ends(
+    client: trio.abc.Stream,
+    server: trio.abc.Stream,
+    sockets: tuple[socket.socket, socket.socket] | None,
+) -> _Ends | None:
+    """The pair as reactor endpoints, or None if the reactor cannot drive it:
+    each must be a `trio.SocketStream`, or an established `TLSStream` over one."""
+    given = sockets if sockets is not None else (None, None)
+    built: list[socket.socket] = []
+    ends: list[_Endpoint] = []
+    for stream, side, given_sock in (
+        (client, _Side.CLIENT, given[0]),
+        (server, _Side.SERVER, given[1]),
+    ):
+        tls: TLSStream | None = None
+        transport: trio.abc.Stream = stream
+        sock = given_sock
+        if isinstance(stream, TLSStream):
+            if not stream.established:
+                break
+            tls, transport, sock = stream, stream.transport_stream, None
+        if not isinstance(transport, trio.SocketStream):
+            break
+        if sock is None:
+            sock = _raw_socket(transport)
+            built.append(sock)
+        ends.append(_Endpoint(side, sock, tls))
+    else:
+        return ends[0], ends[1], built
+    for sock in built:
+        sock.detach()
+    return None
 
 
 async def _relay_on_reactor(flow: _Flow) -> None:
@@ -680,10 +698,91 @@ async def _relay_on_reactor(flow: _Flow) -> None:
     flow.task = trio.lowlevel.current_task()
 
     def abort(_: object) -> trio.lowlevel.Abort:
-        flow.cancelled()
+        flow.drain()
         return trio.lowlevel.Abort.SUCCEEDED
 
     await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+class DetachedRelays:
+    """Relays handed to the reactor that no task waits for: a connection's
+    owner gives its relay away with `start` and the reactor calls back at
+    the end. An idle relayed connection then costs no trio task (about half
+    of its memory otherwise). The owner ends the rest with `drain_all`."""
+
+    def __init__(self) -> None:
+        self._flows: set[_Flow] = set()
+        self._empty = trio.Event()
+        self._empty.set()
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+    def start(
+        self,
+        client: trio.abc.Stream,
+        server: trio.abc.Stream,
+        *,
+        stats: RelayStats,
+        idle_timeout: float,
+        client_fin_timeout: float,
+        server_fin_timeout: float,
+        on_done: Callable[[], None],
+        sockets: tuple[socket.socket, socket.socket] | None = None,
+        buffer_size: int = 262144,
+    ) -> None:
+        """Start relaying as `relay` would, without waiting for the end.
+
+        *on_done* is called from the reactor's task once the relay ended
+        (``stats.termination`` says why); it may be called before this
+        returns.
+
+        Raises:
+            ValueError: as `relay`.
+            TypeError: a stream is neither a `trio.SocketStream` nor an
+                established `TLSStream` over one (nothing was started).
+        """
+        _check_relay_arguments(
+            idle_timeout, client_fin_timeout, server_fin_timeout, buffer_size
+        )
+        ends = _reactor_ends(client, server, sockets)
+        if ends is None:
+            msg = (
+                f"the reactor cannot drive {type(client).__name__} and "
+                f"{type(server).__name__}: relay() them instead"
+            )
+            raise TypeError(msg)
+        flow = _Flow(
+            client,
+            server,
+            ends,
+            buffer_size=buffer_size,
+            stats=stats,
+            idle_timeout=idle_timeout,
+            client_fin_timeout=client_fin_timeout,
+            server_fin_timeout=server_fin_timeout,
+        )
+
+        def ended() -> None:
+            self._flows.discard(flow)
+            if not self._flows:
+                self._empty.set()
+            on_done()
+
+        flow.on_done = ended
+        if not self._flows:
+            self._empty = trio.Event()
+        self._flows.add(flow)
+        flow.start()
+
+    async def wait_empty(self) -> None:
+        """Wait until every relay started here has ended."""
+        await self._empty.wait()
+
+    def drain_all(self) -> None:
+        """End every relay still running, as ``DRAINED``."""
+        for flow in list(self._flows):
+            flow.drain()
 
 
 # -- the stream path ------------------------------------------------------------
@@ -878,36 +977,16 @@ async def relay(
         trio.Cancelled: Cancelled from outside; ``stats.termination`` is then
             ``DRAINED`` unless a cause had already been recorded.
     """
-    for name, value in (
-        ("idle_timeout", idle_timeout),
-        ("client_fin_timeout", client_fin_timeout),
-        ("server_fin_timeout", server_fin_timeout),
-    ):
-        if not value >= 0:  # also rejects NaN
-            msg = f"{name} must be >= 0, got {value!r}"
-            raise ValueError(msg)
-    if buffer_size < 1:
-        msg = f"buffer_size must be >= 1, got {buffer_size!r}"
-        raise ValueError(msg)
-    given_client, given_server = sockets if sockets is not None else (None, None)
-    built: list[socket.socket] = []
+    _check_relay_arguments(
+        idle_timeout, client_fin_timeout, server_fin_timeout, buffer_size
+    )
+    ends = _reactor_ends(client, server, sockets)
     try:
-        client_end = _reactor_endpoint(client, _Side.CLIENT, given_client)
-        server_end = (
-            _reactor_endpoint(server, _Side.SERVER, given_server)
-            if client_end is not None
-            else None
-        )
-        built.extend(
-            end[1]
-            for end in (client_end, server_end)
-            if end is not None and end[1] is not None
-        )
-        if client_end is not None and server_end is not None:
+        if ends is not None:
             flow = _Flow(
                 client,
                 server,
-                (client_end[0], server_end[0]),
+                ends,
                 buffer_size=buffer_size,
                 stats=stats,
                 idle_timeout=idle_timeout,
@@ -915,8 +994,6 @@ async def relay(
                 server_fin_timeout=server_fin_timeout,
             )
             await _relay_on_reactor(flow)
-            if stats.termination is None:
-                stats.termination = flow.clean_termination()
         else:
             state = _StreamRelay(
                 client,
@@ -935,7 +1012,22 @@ async def relay(
         if stats.termination is None:
             stats.termination = Termination.DRAINED
         raise
-    finally:
-        # detach(), never close(): the descriptors belong to the caller's streams.
-        for raw in built:
-            raw.detach()
+
+
+def _check_relay_arguments(
+    idle_timeout: float,
+    client_fin_timeout: float,
+    server_fin_timeout: float,
+    buffer_size: int,
+) -> None:
+    for name, value in (
+        ("idle_timeout", idle_timeout),
+        ("client_fin_timeout", client_fin_timeout),
+        ("server_fin_timeout", server_fin_timeout),
+    ):
+        if not value >= 0:  # also rejects NaN
+            msg = f"{name} must be >= 0, got {value!r}"
+            raise ValueError(msg)
+    if buffer_size < 1:
+        msg = f"buffer_size must be >= 1, got {buffer_size!r}"
+        raise ValueError(msg)

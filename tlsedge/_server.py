@@ -9,7 +9,9 @@ the listening sockets (new connections are refused by the kernel, not left
 hanging), the accept loops end, and the connections nursery gets a deadline of
 ``drain_timeout``. Connections that finish before it end normally; those still
 open are cancelled at the deadline and logged as ``drained``. ``run()`` returns
-once the last connection has gone.
+once the last connection has gone. A tcp-mode connection's task ends once its
+relay runs on the reactor (`tlsedge._relay.DetachedRelays`): ``run()`` waits
+for those relays with the same deadline, then ends the rest the same way.
 
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
@@ -25,8 +27,8 @@ each, data flowing forward only:
   listener's ``allow``/``deny`` networks judge the real client,
   `tlsedge._admission`; a denied client is closed here, or answered 403 after
   TLS with ``denied = "403"``) -> TLS (`tlsedge._tls_accept`) -> the mode:
-  tcp (`tlsedge._tcp_mode`: connect a server, send our PROXY header, relay
-  with the half-close rules) or http (`tlsedge._http`) -> close: one
+  tcp (`tlsedge._tcp_mode`: connect a server, send our PROXY header, hand
+  the relay to the reactor) or http (`tlsedge._http`) -> close: one
   access-log line with the termination cause.
 
 Bytes a stage read past its own data (what followed a PROXY header) go to the
@@ -53,6 +55,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import math
 import os
 import socket
 import time
@@ -75,6 +78,7 @@ from tlsedge._logging import run_access_log_flusher
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._preflight import load_listener_tls
 from tlsedge._proxy_wrap import proxy_header_for
+from tlsedge._relay import DetachedRelays
 from tlsedge._snapshot import (
     BackendSnapshot,
     CheckRecord,
@@ -360,6 +364,10 @@ class Edge:
         self._keepalive: dict[str, KeepAlivePool] = {}
         self._edge_limiter = trio.CapacityLimiter(config.edge.max_connections)
         self._drain_event = Drain()
+        # tcp-mode connections whose relay the reactor runs (their tasks
+        # ended), and when they are cut at the latest (set by drain/stop).
+        self._relays = DetachedRelays()
+        self._relays_deadline = math.inf
         self._background_scope = trio.CancelScope()
         self._services: trio.Nursery | None = None
         self._connections: trio.Nursery | None = None
@@ -406,10 +414,10 @@ class Edge:
         )
         for listener in self._listeners.values():
             self._close_listener(listener)
+        deadline = trio.current_time() + self.config.edge.drain_timeout
         if self._connections is not None:
-            self._connections.cancel_scope.deadline = (
-                trio.current_time() + self.config.edge.drain_timeout
-            )
+            self._connections.cancel_scope.deadline = deadline
+        self._relays_deadline = deadline
         self._drain_event.set()
 
     def stop(self) -> None:
@@ -417,6 +425,8 @@ class Edge:
         self.drain()
         if self._connections is not None:
             self._connections.cancel_scope.cancel()
+        self._relays_deadline = -math.inf
+        self._relays.drain_all()
 
     async def reload(self, config: Config) -> None:
         """Apply a new configuration to new connections.
@@ -550,8 +560,13 @@ class Edge:
                         )
                     task_status.started(self)
                     await self._drain_event.wait()
+                # Relays on the reactor get the rest of the drain timeout.
+                with trio.move_on_at(self._relays_deadline):
+                    await self._relays.wait_empty()
+                self._relays.drain_all()
                 services.cancel_scope.cancel()
         finally:
+            self._relays.drain_all()  # cancelled from outside: close them now
             self._services = None
             for listener in self._listeners.values():
                 for sock in listener.sockets:
@@ -758,7 +773,7 @@ class Edge:
         )
         self.active_connections += 1
         self._metrics.connection_opened(config.name)
-        async with contextlib.AsyncExitStack() as exits:
+        with contextlib.ExitStack() as exits:
             exits.callback(
                 self._connection_ended, log, trio.current_time(), limiter, token
             )
@@ -818,7 +833,7 @@ class Edge:
         pool: BackendPool,
         raw: socket.socket,
         stream: trio.SocketStream,
-        exits: contextlib.AsyncExitStack,
+        exits: contextlib.ExitStack,
         peer: tuple[str, int] | None,
         local: tuple[str, int] | None,
         log: ConnectionLog,
@@ -880,6 +895,7 @@ class Edge:
                 initial_data=leftover,
                 log=log,
                 exits=exits,
+                relays=self._relays,
                 client_socket=raw if client is stream else None,
             )
 

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -45,11 +46,12 @@ async def test_timers_run_in_deadline_order(
     assert current_reactor() is reactor  # one per run
     fired: list[tuple[str, float]] = []
     start = trio.current_time()
+
+    def timer(name: str) -> Callable[[], None]:
+        return lambda: fired.append((name, trio.current_time() - start))
+
     for name, delay in (("c", 3.0), ("a", 1.0), ("b", 2.0)):
-        reactor.call_at(
-            start + delay,
-            lambda name=name: fired.append((name, trio.current_time() - start)),
-        )
+        reactor.call_at(start + delay, timer(name))
     await trio.sleep(5)
     assert [name for name, _ in fired] == ["a", "b", "c"]
     assert all(at >= delay for (_, at), delay in zip(fired, (1, 2, 3), strict=True))
