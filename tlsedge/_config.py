@@ -321,13 +321,12 @@ class Http2Config:
     # Envoy's edge recommendation: 64 KiB per stream, 1 MiB per connection.
     initial_window_size: int = 65535
     connection_window_size: int = 1048576
-    # Rapid reset (CVE-2023-44487): streams the client resets, or that we
-    # refuse, within reset_window; beyond: GOAWAY ENHANCE_YOUR_CALM (Netty's).
+    # Within flood_window (beyond: GOAWAY ENHANCE_YOUR_CALM): streams the
+    # client resets or we refuse (rapid reset, CVE-2023-44487; Netty's 200
+    # per 30 s), PING and SETTINGS frames (Envoy's 1000 control frames).
     max_resets: int = 200
-    reset_window: float = 30.0
-    # PING and SETTINGS answered while the client reads none of our bytes
-    # (Envoy's max_outbound_control_frames).
-    max_pending_control_frames: int = 1000
+    max_control_frames: int = 1000
+    flood_window: float = 30.0
     # Frames with an empty payload in a row (Envoy's 1 allows no flood).
     max_empty_frames: int = 1
     # WINDOW_UPDATE frames allowed per DATA frame we sent (Envoy's 10).
@@ -960,8 +959,8 @@ def _http2(t: _Table) -> Http2Config:
             "connection_window_size", _int_in(65535, _MAX_WINDOW)
         ),
         max_resets=t.get("max_resets", _int_in(1)),
-        reset_window=t.get("reset_window", _DURATION),
-        max_pending_control_frames=t.get("max_pending_control_frames", _int_in(1)),
+        flood_window=t.get("flood_window", _DURATION),
+        max_control_frames=t.get("max_control_frames", _int_in(1)),
         max_empty_frames=t.get("max_empty_frames", _int_in(0)),
         max_window_updates_per_data_frame=t.get(
             "max_window_updates_per_data_frame", _int_in(1)

@@ -110,8 +110,8 @@ header_table_size = 8192
 initial_window_size = 131072
 connection_window_size = 2097152
 max_resets = 50
-reset_window = 10
-max_pending_control_frames = 500
+flood_window = 10
+max_control_frames = 500
 max_empty_frames = 2
 max_window_updates_per_data_frame = 5
 
@@ -238,8 +238,8 @@ FULL_EXPECTED = Config(
                 initial_window_size=131072,
                 connection_window_size=2097152,
                 max_resets=50,
-                reset_window=10.0,
-                max_pending_control_frames=500,
+                flood_window=10.0,
+                max_control_frames=500,
                 max_empty_frames=2,
                 max_window_updates_per_data_frame=5,
             ),
@@ -1490,8 +1490,8 @@ def test_http2_table_in_tcp_mode_is_refused() -> None:
             "2147483647, got 2147483648",
         ),
         (
-            "reset_window = 0",
-            "listeners[0].http2.reset_window: must be greater than 0 s, got 0",
+            "flood_window = 0",
+            "listeners[0].http2.flood_window: must be greater than 0 s, got 0",
         ),
     ],
 )
