@@ -572,8 +572,17 @@ class _H2Connection:
                 )
             )
             return
+        fields = request.headers
+        if length:
+            body = BodyKind.LENGTH
+        elif request.end_stream or length == 0:
+            body = BodyKind.NONE
+        else:
+            # As an HTTP/1.1 client would frame it: trailers can follow.
+            body = BodyKind.CHUNKED
+            fields = [*fields, (b"transfer-encoding", b"chunked")]
         headers, request_id = self.rewriter.head_fields(
-            request.headers,
+            fields,
             connection=frozenset(),
             upgrade=False,
             authority=None,
@@ -581,13 +590,6 @@ class _H2Connection:
         )
         if request_id is not None:
             stream.log.request_id = request_id.decode("ascii")
-        if length:
-            body = BodyKind.LENGTH
-        elif request.end_stream or length == 0:
-            body = BodyKind.NONE
-        else:
-            body = BodyKind.CHUNKED
-            headers.append((b"transfer-encoding", b"chunked"))
         has_body = body is not BodyKind.NONE
         exclude: Server | None = None
         fresh = retried = False

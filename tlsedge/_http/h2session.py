@@ -359,18 +359,20 @@ class H2Session:
             normalize_inbound_headers=True,
         )
         conn = h2.connection.H2Connection(config=config)
+        # The first SETTINGS holds what applies before the client's ACK too;
+        # the window and table sizes apply once ACKed (h2 tracks that).
         conn.local_settings = h2.settings.Settings(
             client=False,
-            initial_values={
-                settings.HEADER_TABLE_SIZE: limits.header_table_size,
-                settings.ENABLE_PUSH: 0,
-                settings.INITIAL_WINDOW_SIZE: limits.initial_window_size,
-                settings.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
-            },
+            initial_values={settings.MAX_HEADER_LIST_SIZE: limits.max_header_list_size},
         )
         conn.decoder.max_header_list_size = limits.max_header_list_size
-        conn.decoder.max_allowed_table_size = limits.header_table_size
         conn.initiate_connection()
+        conn.update_settings(
+            {
+                settings.HEADER_TABLE_SIZE: limits.header_table_size,
+                settings.INITIAL_WINDOW_SIZE: limits.initial_window_size,
+            }
+        )
         # Advertised here, enforced by us (REFUSED_STREAM): in h2's own
         # settings it would make an excess stream a connection error.
         extra = SettingsFrame(0)
