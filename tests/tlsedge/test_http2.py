@@ -624,3 +624,253 @@ async def test_large_upload_and_download_with_small_windows(tmp_path: Path) -> N
                 await client.send()
         assert received == 2000000
         await client.aclose()
+
+
+# -- defences: each attacked with a raw client ---------------------------------------
+
+ErrorCodes = h2.errors.ErrorCodes
+
+
+def _goaway_code(client: RawH2) -> int | None:
+    event = client.goaway()
+    return None if event is None else int(event.error_code or 0)
+
+
+async def test_streams_beyond_max_concurrent_streams_are_refused(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, http2={"max_concurrent_streams": 2}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sids = [client.request("/slow/0.3") for _ in range(4)]
+        await client.send()
+        await client.until(lambda c: _answered(c, *sids))
+        refused = [
+            e.stream_id
+            for e in client.of(h2.events.StreamReset)
+            if e.error_code == ErrorCodes.REFUSED_STREAM
+        ]
+        assert refused == sids[2:]
+        assert [client.status(sid) for sid in sids[:2]] == [200, 200]
+        # The connection goes on: a new stream is served.
+        again = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: c.ended(again))
+        assert client.status(again) == 200
+        await client.aclose()
+
+
+async def test_malformed_requests_are_stream_errors(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port, validate=False)
+        bad = [
+            client.request("/echo", headers=[("connection", "keep-alive")]),
+            client.request("/echo", headers=[("transfer-encoding", "chunked")]),
+            client.request("/echo", headers=[("te", "gzip")]),
+            client.request("/echo", headers=[("host", "other.test")]),
+            client.request("/echo", headers=[("X-Upper", "1")]),
+            client.request("/echo", headers=[(":protocol", "websocket")]),
+            client.request("no-slash"),
+        ]
+        good = client.request("/echo", headers=[("host", "LOCALHOST"), ("te", "trailers")])
+        await client.send()
+        await client.until(lambda c: _answered(c, *bad, good))
+        codes = {e.stream_id: e.error_code for e in client.of(h2.events.StreamReset)}
+        assert codes == dict.fromkeys(bad, ErrorCodes.PROTOCOL_ERROR)
+        assert client.status(good) == 200
+        headers = dict(json.loads(client.body(good))["headers"])
+        assert headers["host"] == "localhost"
+        assert "te" not in headers
+        connect = client.conn.get_next_available_stream_id()
+        client.conn.send_headers(
+            connect, [(b":method", b"CONNECT"), (b":authority", b"x.test:443")]
+        )
+        await client.send()
+        await client.until(lambda c: c.ended(connect))
+        assert client.status(connect) == 501
+        assert client.goaway() is None
+        await client.aclose()
+
+
+async def test_header_list_size_and_hpack_bomb_end_the_connection(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        # One 4000-byte field, indexed into the HPACK table, then nine
+        # references to it (a byte each): 2.5 KB on the wire, 40 KB decoded.
+        client = await RawH2.open(setup.plain_port)
+        client.request("/echo", headers=[("x-bomb", "a" * 4000)] * 10)
+        sent = client.conn.data_to_send()
+        assert len(sent) < 3000
+        await client.send(sent)
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.aclose()
+        # A table larger than the 4096 bytes we allow.
+        client = await RawH2.open(setup.plain_port)
+        await client.until(lambda c: c.of(h2.events.RemoteSettingsChanged))
+        client.conn.encoder.header_table_size = 65536
+        client.request("/echo")
+        await client.send()
+        await client.until(lambda c: c.goaway() is not None)
+        # h2 reports the size update past our SETTINGS as a PROTOCOL_ERROR.
+        assert _goaway_code(client) == ErrorCodes.PROTOCOL_ERROR
+        await client.aclose()
+
+
+async def test_rapid_reset_gets_enhance_your_calm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h2_edge(tmp_path, http2={"max_resets": 50}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        with trio.fail_after(10):
+            for _ in range(200):
+                sid = client.request("/slow/1")
+                client.conn.reset_stream(sid, ErrorCodes.CANCEL)
+                try:
+                    await client.send()
+                except trio.BrokenResourceError:
+                    break
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.until(lambda c: c.closed)
+        await client.aclose()
+    (connection,) = [r for r in access_records(caplog) if r.get("listener") == "plain" and "id" in r]
+    assert connection["termination"] == "client_error"
+    assert "rapid reset" in connection["detail"]
+
+
+async def test_continuation_flood_is_cut_off_by_a_byte_limit(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port)
+        headers = HeadersFrame(1, flags=["END_STREAM"])
+        headers.data = client.conn.encoder.encode(
+            [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/"), (b":authority", b"x")]
+        )
+        await client.send(headers.serialize())
+        sent = 0
+        with trio.fail_after(10):
+            while sent < 1 << 20:  # the edge stops us long before 1 MiB
+                continuation = ContinuationFrame(1)
+                continuation.data = b"\x00" * 1000
+                try:
+                    await client.stream.send_all(continuation.serialize())
+                except trio.BrokenResourceError:
+                    break
+                sent += 1000
+                if sent > 32768:
+                    break
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.aclose()
+
+
+@pytest.mark.parametrize("flood", ["ping", "settings", "window_update", "empty_data"])
+async def test_control_and_empty_frame_floods(tmp_path: Path, flood: str) -> None:
+    async with h2_edge(tmp_path, http2={"max_control_frames": 100}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        conn = client.conn
+        if flood == "empty_data":
+            sid = client.request("/echo", method="POST", end_stream=False)
+        with trio.fail_after(10):
+            for index in range(300):
+                if flood == "ping":
+                    conn.ping(index.to_bytes(8, "big"))
+                elif flood == "settings":
+                    conn.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: 16384})
+                elif flood == "window_update":
+                    conn.increment_flow_control_window(1)
+                else:
+                    conn.send_data(sid, b"")
+                try:
+                    await client.send()
+                except trio.BrokenResourceError:
+                    break
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.aclose()
+
+
+async def test_zero_window_stall_is_timed_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h2_edge(
+        tmp_path, listener={"idle_timeout": 0.5}, http={"keepalive_timeout": 0.5}
+    ) as setup:
+        client = await RawH2.open(
+            setup.plain_port, settings={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+        )
+        sid = client.request("/big/100000")
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        (reset,) = client.of(h2.events.StreamReset, sid)
+        assert reset.error_code == ErrorCodes.CANCEL
+        assert client.body(sid) == b""
+        # Nothing open: keepalive_timeout closes the connection.
+        await client.until(lambda c: c.closed)
+        assert _goaway_code(client) == ErrorCodes.NO_ERROR
+        await client.aclose()
+    (line,) = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert line["termination"] == "client_error"
+    assert "window" in line["detail"]
+
+
+async def test_header_timeouts_per_connection_and_per_header_block(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, http={"request_header_timeout": 0.5}) as setup:
+        # The preface and nothing more.
+        client = await RawH2.open(setup.plain_port)
+        await client.until(lambda c: c.closed)
+        assert _goaway_code(client) == ErrorCodes.NO_ERROR
+        await client.aclose()
+        # A first request served, then a header block never finished.
+        client = await RawH2.open(setup.plain_port)
+        first = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: c.ended(first))
+        headers = HeadersFrame(3, flags=["END_STREAM"])
+        headers.data = client.conn.encoder.encode([(b":method", b"GET")])
+        await client.send(headers.serialize())
+        await client.until(lambda c: c.closed)
+        assert client.goaway() is not None
+        await client.aclose()
+
+
+async def test_request_body_stall_gets_408(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, listener={"idle_timeout": 0.5}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/echo", method="POST", end_stream=False)
+        client.conn.send_data(sid, b"start")
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        assert client.status(sid) == 408
+        await client.aclose()
+
+
+async def test_drain_sends_goaway_and_lets_the_stream_in_flight_finish(
+    tmp_path: Path,
+) -> None:
+    # nghttp (nghttp2) keeps reading after a graceful GOAWAY, as browsers do;
+    # that new streams are then refused is tested on the session.
+    async with h2_edge(tmp_path) as setup:
+        async with trio.open_nursery() as nursery:
+            done: list[trio.CompletedProcess[bytes]] = []
+
+            async def fetch() -> None:
+                done.append(
+                    await trio.run_process(
+                        [
+                            require("nghttp"),
+                            "-nv",
+                            f"http://127.0.0.1:{setup.plain_port}/slow/0.5",
+                        ],
+                        capture_stdout=True,
+                        capture_stderr=True,
+                    )
+                )
+
+            nursery.start_soon(fetch)
+            await wait_until(lambda: bool(setup.backend.raw))
+            setup.edge.drain()
+        out = done[0].stdout.decode()
+    goaway = out.index("recv GOAWAY frame")
+    assert "error_code=NO_ERROR" in out[goaway:]
+    assert re.search(r"last_stream_id=(\d+)", out[goaway:]).group(1) == "13"  # type: ignore[union-attr]
+    assert ":status: 200" in out[goaway:]
+    assert "END_STREAM" in out[goaway:]
