@@ -678,35 +678,34 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         size += len(name) + len(value)
         if name[:1] == b":":
             if headers:
-                raise MalformedRequestError(
-                    f"pseudo-header {_show(name)} after a field"
-                )
+                raise _malformed(pseudo, f"pseudo-header {_show(name)} after a field")
             if name == b":protocol":
-                raise MalformedRequestError(
-                    ":protocol (extended CONNECT, RFC 8441) is not enabled"
+                raise _malformed(
+                    pseudo, ":protocol (extended CONNECT, RFC 8441) is not enabled"
                 )
             if name not in _PSEUDO:
-                raise MalformedRequestError(f"unknown pseudo-header {_show(name)}")
+                raise _malformed(pseudo, f"unknown pseudo-header {_show(name)}")
             if name in pseudo:
-                raise MalformedRequestError(f"pseudo-header {_show(name)} twice")
+                raise _malformed(pseudo, f"pseudo-header {_show(name)} twice")
             pseudo[name] = value
             continue
         if not _NAME_RE.fullmatch(name):
-            raise MalformedRequestError(
-                f"field name {_show(name)} is not a lowercase token"
+            raise _malformed(
+                pseudo, f"field name {_show(name)} is not a lowercase token"
             )
         if not _VALUE_RE.fullmatch(value):
-            raise MalformedRequestError(
+            raise _malformed(
+                pseudo,
                 f"field {_show(name)}: NUL, CR, LF or surrounding whitespace "
-                "in its value"
+                "in its value",
             )
         if name in _CONNECTION_SPECIFIC:
-            raise MalformedRequestError(
-                f"connection-specific field {_show(name)} (RFC 9113 8.2.2)"
+            raise _malformed(
+                pseudo, f"connection-specific field {_show(name)} (RFC 9113 8.2.2)"
             )
         if name == b"te":
             if value.lower() != b"trailers":
-                raise MalformedRequestError("te other than 'trailers' (RFC 9113 8.2.2)")
+                raise _malformed(pseudo, "te other than 'trailers' (RFC 9113 8.2.2)")
             continue  # hop-by-hop: not forwarded
         if name == b"host":
             hosts.append(value)
@@ -774,6 +773,11 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         size=size,
         user_agent=agent,
     )
+
+
+def _malformed(pseudo: dict[bytes, bytes], reason: str) -> MalformedRequestError:
+    """A malformed request, with its method and path when they were seen."""
+    return MalformedRequestError(reason, pseudo.get(b":method"), pseudo.get(b":path"))
 
 
 def _show(value: bytes) -> str:
