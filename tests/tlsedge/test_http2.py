@@ -27,6 +27,7 @@ from hyperframe.frame import ContinuationFrame, HeadersFrame
 
 from tests.peers import require
 from tests.tlsedge.helpers import access_records, make_config, wait_until
+from tlsedge._cli import main
 from tlsedge._server import Edge
 
 # -- the backend: h11, answering by path, keeping the raw bytes it received ---------
@@ -890,3 +891,61 @@ async def test_drain_sends_goaway_and_lets_the_stream_in_flight_finish(
     assert "last_stream_id=13" in out[goaway:]
     assert ":status: 200" in out[goaway:]
     assert "END_STREAM" in out[goaway:]
+
+
+# -- tlsedge check --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("http", '["h2", "http/1.1"]', "", None),
+        # A relay passes the ALPN through: h2 is for a backend that speaks it.
+        ("tcp", '["h2", "http/1.1"]', "", None),
+        (
+            "http",
+            '["h2"]',
+            '[listeners.http2]\ncleartext = "prior-knowledge"\n',
+            "listeners[0].http2.cleartext: 'prior-knowledge' is for plain listeners",
+        ),
+        (
+            "tcp",
+            '["h2"]',
+            '[listeners.http2]\ncleartext = "prior-knowledge"\n',
+            'listeners[0].http2: only applies with mode = "http"',
+        ),
+        (
+            "http",
+            '["h3", "h2"]',
+            "",
+            "listeners[0].tls.alpn[0]: 'h3' cannot be served in mode = \"http\"",
+        ),
+    ],
+)
+def test_tlsedge_check_accepts_h2_where_it_is_served(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: tuple[str, str, str, str | None],
+) -> None:
+    mode, alpn, http2, error = case
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "site.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "site.key"))
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        "[[listeners]]\n"
+        f'name = "web"\nbind = "127.0.0.1:0"\nmode = "{mode}"\nbackend = "app"\n'
+        f"{http2}"
+        "[listeners.tls]\n"
+        'certificates = [{ cert = "site.pem", key = "site.key" }]\n'
+        f"alpn = {alpn}\n"
+        '[[backends]]\nname = "app"\nservers = ["127.0.0.1:8080"]\n'
+    )
+    code = main(["check", str(path)])
+    captured = capsys.readouterr()
+    if error is None:
+        assert code == 0, captured.err
+    else:
+        assert code == 2
+        assert f"{path}: {error}" in captured.err
