@@ -949,3 +949,32 @@ def test_tlsedge_check_accepts_h2_where_it_is_served(
     else:
         assert code == 2
         assert f"{path}: {error}" in captured.err
+
+
+async def test_too_large_body_gets_413_and_the_rest_is_refused(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, http={"max_body_size": 1000}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request(
+            "/echo",
+            method="POST",
+            headers=[("content-length", "5000")],
+            end_stream=False,
+        )
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        assert client.status(sid) == 413
+        assert b"request body larger than 1000 bytes" in client.body(sid)
+        (reset,) = client.of(h2.events.StreamReset, sid)
+        assert reset.error_code == ErrorCodes.NO_ERROR
+        assert not setup.backend.raw
+        await client.aclose()
+
+
+async def test_response_timeout_gets_504(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, http={"response_timeout": 0.3}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/slow/2")
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        assert client.status(sid) == 504
+        await client.aclose()

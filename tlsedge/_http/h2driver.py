@@ -545,9 +545,12 @@ class _H2Connection:
         stream.response_started = True
         with trio.move_on_after(self.listener.idle_timeout):
             with contextlib.suppress(_StreamGoneError):
-                if not head_only:
-                    await self._send_body(stream, body)
-                self.session.send_end(stream.id, [], request_read=stream.request_read)
+                if head_only:
+                    self.session.send_end(stream.id, [])
+                else:
+                    await self._send_body(stream, body, end_stream=True)
+                if not stream.request_read:
+                    self.session.stop_request(stream.id)
         self._kick()
 
     def _arm(self, stream: _Stream, seconds: float, failure: _Failure) -> None:
@@ -837,21 +840,33 @@ class _H2Connection:
                 self._arm(stream, idle, stall)
                 following = await self._next_upstream_event(upstream, conn)
             if isinstance(following, Body):
-                await self._send_body(stream, following.data)
-            elif isinstance(following, EndOfBody):
-                trailers = _h2_fields(following.trailers) if trailers_ok else []
-                session.send_end(stream.id, trailers)
-                self._end_stream_sent(stream)
-                return
-            following = conn.next_event()
+                data = following.data
+                following = conn.next_event()
+                # The last piece carries END_STREAM when no trailers follow.
+                last = isinstance(following, EndOfBody) and not (
+                    trailers_ok and following.trailers
+                )
+                await self._send_body(stream, data, end_stream=last)
+                if last:
+                    self._end_stream_sent(stream)
+                    return
+                continue
+            assert isinstance(following, EndOfBody), following
+            trailers = _h2_fields(following.trailers) if trailers_ok else []
+            session.send_end(stream.id, trailers)
+            self._end_stream_sent(stream)
+            return
 
     def _end_stream_sent(self, stream: _Stream) -> None:
         if not stream.request_read:
             self.session.stop_request(stream.id)
         self._kick()
 
-    async def _send_body(self, stream: _Stream, data: bytes) -> None:
-        """Response body bytes, as the client's windows allow."""
+    async def _send_body(
+        self, stream: _Stream, data: bytes, *, end_stream: bool = False
+    ) -> None:
+        """Response body bytes, as the client's windows allow (*end_stream*:
+        the last frame ends the response)."""
         session = self.session
         view = memoryview(data)
         stalled = _Failure(
@@ -882,9 +897,9 @@ class _H2Connection:
             size = min(size, session.sendable(stream.id), len(view))
             if size <= 0:
                 continue
-            session.send_data(stream.id, bytes(view[:size]))
+            view, chunk = view[size:], bytes(view[:size])
+            session.send_data(stream.id, chunk, end_stream=end_stream and not view)
             stream.log.bytes_out += size
-            view = view[size:]
             self._kick()
 
 

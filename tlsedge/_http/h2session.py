@@ -352,11 +352,15 @@ class H2Session:
         self.limits = limits
         self.max_headers = max_headers
         settings = h2.settings.SettingCodes
+        # Inbound fields are checked by `check_request`; outbound ones are
+        # built here (lowercase names, no connection-specific field).
         config = h2.config.H2Configuration(
             client_side=False,
             header_encoding=None,
             validate_inbound_headers=False,
             normalize_inbound_headers=True,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
         )
         conn = h2.connection.H2Connection(config=config)
         # The first SETTINGS holds what applies before the client's ACK too;
@@ -590,34 +594,31 @@ class H2Session:
         if end_stream:
             self.active.discard(stream_id)
 
-    def send_data(self, stream_id: int, data: bytes) -> None:
-        """Body bytes, at most `sendable` of them."""
+    def send_data(
+        self, stream_id: int, data: bytes, *, end_stream: bool = False
+    ) -> None:
+        """Body bytes, at most `sendable` of them; *end_stream*: the last
+        (the response ends with them, without trailers)."""
         if self.open(stream_id):
             try:
-                self.conn.send_data(stream_id, data)
+                self.conn.send_data(stream_id, data, end_stream=end_stream)
             except h2.exceptions.StreamClosedError:
                 self.active.discard(stream_id)
                 return
             self.data_frames_sent += 1
+            if end_stream:
+                self.active.discard(stream_id)
 
-    def send_end(
-        self, stream_id: int, trailers: list[Header], *, request_read: bool = True
-    ) -> None:
-        """The end of the response (with trailers when there are any); when
-        the request was not *request_read* in full, RST_STREAM NO_ERROR asks
-        the client to stop sending it (RFC 9113 section 8.1)."""
+    def send_end(self, stream_id: int, trailers: list[Header]) -> None:
+        """The end of the response (with trailers when there are any)."""
         if not self.open(stream_id):
             return
         self.active.discard(stream_id)
-        try:
+        with contextlib.suppress(h2.exceptions.StreamClosedError):
             if trailers:
                 self.conn.send_headers(stream_id, trailers, end_stream=True)
             else:
                 self.conn.end_stream(stream_id)
-        except h2.exceptions.StreamClosedError:
-            return
-        if not request_read:
-            self.stop_request(stream_id)
 
     def stop_request(self, stream_id: int) -> None:
         """RST_STREAM NO_ERROR after a complete response: the rest of the
