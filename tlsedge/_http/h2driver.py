@@ -257,9 +257,10 @@ class _H2Connection:
                 try:
                     await self._read_loop(streams, initial_data)
                 finally:
+                    # Nothing more is read: a stream still open cannot finish
+                    # (the client closed, broke the protocol or sent GOAWAY).
                     for stream in list(self.streams.values()):
-                        if self.session.ended or not self.draining:
-                            stream.scope.cancel()
+                        stream.scope.cancel()
             # Every stream is done: what is queued (a GOAWAY) goes out.
             self.session.close()
             self.writer_done = True
@@ -311,13 +312,13 @@ class _H2Connection:
 
     def _read_deadline(self) -> float:
         http = self.http
+        if self.draining and not self.streams:
+            return -math.inf  # the GOAWAY went out and nothing is left
         if self.header_block_since is not None:
             return self.header_block_since + http.request_header_timeout
         if not self.any_stream:
             return self.started + http.request_header_timeout
         if not self.session.active:
-            if self.draining:
-                return -math.inf
             return self.idle_since + http.keepalive_timeout
         return math.inf
 
@@ -502,6 +503,10 @@ class _H2Connection:
             log.termination = Termination.CLIENT_ERROR
             log.detail = str(exc)
         finally:
+            # Request data never passed on still reopens the connection's window.
+            for event in stream.body:
+                if isinstance(event, RequestData):
+                    self.session.acknowledge(stream.id, event.flow_length)
             self.session.active.discard(stream.id)
             del self.streams[stream.id]
             self._kick()
@@ -612,9 +617,15 @@ class _H2Connection:
             self.result.server = log.server
             conn = UpstreamExchange(method=request.method)
             stream.clear_failure()
-            with trio.CancelScope() as scope:
-                stream.deadline = scope
-                await self._proxy(stream, upstream, conn, headers, body)
+            try:
+                with trio.CancelScope() as scope:
+                    stream.deadline = scope
+                    await self._proxy(stream, upstream, conn, headers, body)
+            except BaseException:
+                # Cancelled (the client reset the stream): the connection
+                # holds half an exchange; close it now, not with the client's.
+                await self.upstreams.release(upstream, clean=False)
+                raise
             stream.deadline = None
             if scope.cancelled_caught and stream.armed is not None:
                 stream.fail(stream.armed)
@@ -716,6 +727,12 @@ class _H2Connection:
                 raise _StreamGoneError("request body stalled for idle_timeout")
         return stream.body.popleft()
 
+    async def _send_body_upstream(self, upstream: Upstream, data: bytes) -> None:
+        with trio.move_on_after(self.listener.idle_timeout) as scope:
+            await sockio.send_all(upstream.stream, data)
+        if scope.cancelled_caught:
+            raise OSError("upstream did not read for idle_timeout")
+
     async def _pump_body(
         self,
         stream: _Stream,
@@ -724,27 +741,23 @@ class _H2Connection:
         nursery: trio.Nursery,
     ) -> None:
         """Client -> upstream, each piece acknowledged once written."""
-        idle = self.listener.idle_timeout
         try:
             while True:
                 event = await self._next_body_event(stream)
-                if isinstance(event, RequestData):
-                    data = conn.request_data(event.data)
-                    stream.log.bytes_in += len(event.data)
-                else:
-                    data = conn.request_end(
-                        self.rewriter.clean_trailers(event.trailers)
-                    )
-                with trio.move_on_after(idle) as scope:
-                    await sockio.send_all(upstream.stream, data)
-                if scope.cancelled_caught:
-                    raise OSError("upstream did not read for idle_timeout")
                 if isinstance(event, RequestEnd):
+                    trailers = self.rewriter.clean_trailers(event.trailers)
+                    await self._send_body_upstream(upstream, conn.request_end(trailers))
                     if not stream.response_started:
                         self._await_head(stream)
                     return
-                self.session.acknowledge(stream.id, event.flow_length)
-                self._kick()
+                stream.log.bytes_in += len(event.data)
+                try:
+                    data = conn.request_data(event.data)
+                    await self._send_body_upstream(upstream, data)
+                finally:
+                    # Passed on (or the stream is over): the client may send more.
+                    self.session.acknowledge(stream.id, event.flow_length)
+                    self._kick()
         except _StreamGoneError as exc:
             stream.fail(
                 _Failure(Termination.BAD_REQUEST, str(exc), 408, code=ErrorCodes.CANCEL)
