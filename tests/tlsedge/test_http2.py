@@ -23,10 +23,11 @@ import httpx
 import pytest
 import trio
 import trustme
-from hyperframe.frame import ContinuationFrame, HeadersFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
 
 from tests.peers import require
 from tests.tlsedge.helpers import access_records, make_config, wait_until
+from tests.tlsedge.test_admin import admin_address, http_get, total
 from tlsedge._cli import main
 from tlsedge._server import Edge
 
@@ -189,6 +190,7 @@ async def h2_edge(
     http2: dict[str, Any] | None = None,
     http: dict[str, Any] | None = None,
     listener: dict[str, Any] | None = None,
+    edge: dict[str, Any] | None = None,
 ) -> AsyncIterator[Setup]:
     """An edge with a TLS listener offering h2 and http/1.1 (``tls``) and a
     plain one serving h2c with prior knowledge (``plain``)."""
@@ -228,18 +230,18 @@ async def h2_edge(
                 },
             ],
             [{"name": "app", "servers": [backend.address]}],
-            {"drain_timeout": 5.0},
+            {"drain_timeout": 5.0, **(edge or {})},
         )
-        edge: Edge = await nursery.start(Edge(config).run)
+        running: Edge = await nursery.start(Edge(config).run)
         yield Setup(
-            edge,
+            running,
             backend,
-            edge.listen_addresses["tls"][0][1],
-            edge.listen_addresses["plain"][0][1],
+            running.listen_addresses["tls"][0][1],
+            running.listen_addresses["plain"][0][1],
             ca,
             tmp_path / "ca.pem",
         )
-        edge.drain()
+        running.drain()
         nursery.cancel_scope.cancel()
 
 
@@ -456,8 +458,8 @@ async def test_httpx_http2_over_tls_concurrent_requests_and_upload(
     assert len(setup.backend.raw) <= 21
 
 
-async def test_h2load_a_few_hundred_requests(tmp_path: Path) -> None:
-    async with h2_edge(tmp_path) as setup:
+async def test_h2load_a_few_hundred_requests_and_their_metrics(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, edge={"admin": "127.0.0.1:0"}) as setup:
         for url in (
             f"https://127.0.0.1:{setup.tls_port}/echo",
             f"http://127.0.0.1:{setup.plain_port}/echo",
@@ -470,6 +472,10 @@ async def test_h2load_a_few_hundred_requests(tmp_path: Path) -> None:
             out = result.stdout.decode()
             assert "300 succeeded, 0 failed, 0 errored, 0 timeout" in out, out
             assert "status codes: 300 2xx" in out, out
+        text = (await http_get(admin_address(setup.edge), "/metrics")).text
+    name = "tlsedge_http_requests_total"
+    for listener in ("tls", "plain"):
+        assert total(text, name, listener=listener, backend="app", code="2xx") == 300
 
 
 async def _tls_client(setup: Setup, alpn: str) -> trio.SSLStream[trio.SocketStream]:
@@ -708,6 +714,14 @@ async def test_header_list_size_and_hpack_bomb_end_the_connection(
         await client.until(lambda c: c.goaway() is not None)
         assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
         await client.aclose()
+        # One field larger than max_header_list_size (16384): the header block
+        # is cut off at that many bytes.
+        client = await RawH2.open(setup.plain_port)
+        client.request("/echo", headers=[("x-big", "b" * 20000)])
+        await client.send()
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.aclose()
         # A table larger than the 4096 bytes we allow.
         client = await RawH2.open(setup.plain_port)
         await client.until(lambda c: c.of(h2.events.RemoteSettingsChanged))
@@ -717,6 +731,32 @@ async def test_header_list_size_and_hpack_bomb_end_the_connection(
         await client.until(lambda c: c.goaway() is not None)
         # h2 reports the size update past our SETTINGS as a PROTOCOL_ERROR.
         assert _goaway_code(client) == ErrorCodes.PROTOCOL_ERROR
+        await client.aclose()
+
+
+async def test_h2s_own_frame_limits_hold(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        # A frame beyond SETTINGS_MAX_FRAME_SIZE (16384, h2's default).
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/echo", method="POST", end_stream=False)
+        await client.send()
+        oversized = DataFrame(sid)
+        oversized.data = b"x" * 20000
+        await client.send(oversized.serialize())
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.FRAME_SIZE_ERROR
+        await client.aclose()
+    async with h2_edge(tmp_path, http2={"initial_window_size": 1024}) as setup:
+        # DATA beyond the stream's window, once the client knows it is 1024.
+        client = await RawH2.open(setup.plain_port)
+        await client.until(lambda c: c.conn.remote_settings.initial_window_size == 1024)
+        sid = client.request("/slow/1", method="POST", end_stream=False)
+        await client.send()
+        frame = DataFrame(sid)
+        frame.data = b"x" * 4096
+        await client.send(frame.serialize())
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.FLOW_CONTROL_ERROR
         await client.aclose()
 
 
