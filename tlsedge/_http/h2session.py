@@ -510,10 +510,9 @@ class H2Session:
             out.append(WindowOpened())
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.ended = True
-            code = event.error_code
             out.append(
                 ConnectionEnded(
-                    f"client sent GOAWAY ({code!s})",
+                    f"client sent GOAWAY ({_error_name(event.error_code)})",
                     by_client=True,
                 )
             )
@@ -774,6 +773,14 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         size=size,
         user_agent=agent,
     )
+
+
+def _error_name(code: int | None) -> str:
+    """An HTTP/2 error code's name (``NO_ERROR``), or its number if unknown."""
+    try:
+        return ErrorCodes(code or 0).name
+    except ValueError:
+        return f"error code {code}"
 
 
 def _malformed(pseudo: dict[bytes, bytes], reason: str) -> MalformedRequestError:

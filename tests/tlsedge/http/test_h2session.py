@@ -349,3 +349,11 @@ def test_protocol_errors_end_the_connection() -> None:
     assert isinstance(ended, ConnectionEnded)
     assert not ended.calm
     assert pair.session.receive_data(b"more", 0.0) == []
+
+
+def test_the_clients_goaway_ends_the_connection() -> None:
+    pair = Pair()
+    pair.flush()
+    pair.client.close_connection(ErrorCodes.NO_ERROR)
+    (ended,) = pair.flush()
+    assert ended == ConnectionEnded("client sent GOAWAY (NO_ERROR)", by_client=True)
