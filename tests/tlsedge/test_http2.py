@@ -1018,3 +1018,22 @@ async def test_response_timeout_gets_504(tmp_path: Path) -> None:
         await client.until(lambda c: c.ended(sid))
         assert client.status(sid) == 504
         await client.aclose()
+
+
+async def test_a_client_gone_mid_stream_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port)
+        client.request("/slow/0.3")
+        await client.send()
+        await wait_until(lambda: bool(setup.backend.raw))
+        await client.aclose()
+        await wait_until(
+            lambda: any(r.get("type") == "http" for r in access_records(caplog))
+        )
+    (line,) = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert line["termination"] == "client_error"
+    assert line["detail"] == "the connection ended before the response did"
+    assert line["status"] is None

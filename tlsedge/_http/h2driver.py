@@ -141,10 +141,6 @@ async def sniff_preface(
     return data[: len(PREFACE)] == PREFACE, data
 
 
-class _ClientGoneError(Exception):
-    """The client connection failed or stalled: nothing more can be sent."""
-
-
 class _StreamGoneError(Exception):
     """The stream was reset or the connection ended: stop serving it."""
 
@@ -499,10 +495,15 @@ class _H2Connection:
                     )
                 else:
                     self.session.reset(stream.id, ErrorCodes.CANCEL)
-        except _ClientGoneError as exc:
-            log.termination = Termination.CLIENT_ERROR
-            log.detail = str(exc)
         finally:
+            if log.termination == Termination.OK and stream.id in self.session.active:
+                # Cancelled with the connection (closed, broken, drain deadline).
+                log.termination = (
+                    Termination.DRAINED
+                    if self.drain.is_set()
+                    else Termination.CLIENT_ERROR
+                )
+                log.detail = "the connection ended before the response did"
             # Request data never passed on still reopens the connection's window.
             for event in stream.body:
                 if isinstance(event, RequestData):
