@@ -26,7 +26,8 @@ extended CONNECT is not enabled: we never send
 SETTINGS_ENABLE_CONNECT_PROTOCOL). ``:authority`` and ``Host`` are
 reconciled as section 8.3.1 says: ``:authority`` wins, a ``Host`` that names
 another authority makes the request malformed, and the upstream gets one
-``host`` field first. More fields than ``max_headers`` get 431. h2 itself
+``host`` field first. More fields than ``max_headers`` get 431, CONNECT
+(``:method`` and ``:authority`` only) 501, as in HTTP/1.1. h2 itself
 still checks what only it can: a Content-Length that the DATA frames
 contradict, HPACK errors, the frame sizes and stream states (connection
 errors, GOAWAY).
@@ -42,8 +43,7 @@ of the bytes received (`_FrameScanner`), before h2 parses them, and each ends
 the connection with GOAWAY ENHANCE_YOUR_CALM:
 
 * rapid reset (CVE-2023-44487): more than ``max_resets`` RST_STREAM frames
-  from the client plus streams we refused, within ``flood_window`` seconds
-  (a deque of times, at most ``max_resets`` + 1 long);
+  from the client plus streams we refused, within ``flood_window`` seconds;
 * CONTINUATION flood (CVE-2024-27316): a header block (HEADERS and its
   CONTINUATION frames) of more than ``max_header_list_size`` bytes;
 * PING and SETTINGS floods: more than ``max_control_frames`` of them within
