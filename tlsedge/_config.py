@@ -116,8 +116,13 @@ BACKEND_PROTOCOLS: Final[tuple[BackendProtocol, ...]] = get_args(BackendProtocol
 HEALTH_KINDS: Final[tuple[HealthKind, ...]] = get_args(HealthKind)
 LOG_FORMATS: Final[tuple[LogFormat, ...]] = get_args(LogFormat)
 DISCOVERY_TYPES: Final[tuple[DiscoveryType, ...]] = get_args(DiscoveryType)
-# What an HTTP-mode listener can serve after the handshake (h11: HTTP/1.0 and 1.1).
-HTTP_MODE_ALPN: Final = ("http/1.1", "http/1.0")
+# What an HTTP-mode listener can serve after the handshake: HTTP/1.0 and 1.1,
+# and HTTP/2 (offering "h2" turns it on; docs/http2.md).
+HTTP_MODE_ALPN: Final = ("h2", "http/1.1", "http/1.0")
+# What the edge speaks to the servers of a backend behind an HTTP-mode listener.
+HTTP_UPSTREAM_ALPN: Final = ("http/1.1", "http/1.0")
+H2Cleartext: TypeAlias = Literal["off", "prior-knowledge"]
+H2_CLEARTEXT_MODES: Final[tuple[H2Cleartext, ...]] = get_args(H2Cleartext)
 
 # The PROXY spec: "the receiver ... should wait at least 3 seconds" so that a lost
 # segment carrying the header can be retransmitted before we give up.
@@ -297,6 +302,38 @@ class HttpConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Http2Config:
+    """HTTP/2 to clients (``[listeners.http2]``, http mode only; docs/http2.md).
+
+    Over TLS HTTP/2 is on when ``"h2"`` is in ``[listeners.tls] alpn``; on a
+    plain listener ``cleartext = "prior-knowledge"`` serves h2c to clients that
+    open with the HTTP/2 preface (others get HTTP/1.1 on the same port).
+    """
+
+    cleartext: H2Cleartext = "off"
+    # HAProxy's tune.h2.fe.max-concurrent-streams; beyond: REFUSED_STREAM.
+    max_concurrent_streams: int = 100
+    # SETTINGS_MAX_HEADER_LIST_SIZE (decoded, RFC 9113 6.5.2), and the most
+    # bytes of one header block (HEADERS + CONTINUATION); HAProxy's bufsize.
+    max_header_list_size: int = 16384
+    # SETTINGS_HEADER_TABLE_SIZE: the HPACK dynamic table we keep per connection.
+    header_table_size: int = 4096
+    # Envoy's edge recommendation: 64 KiB per stream, 1 MiB per connection.
+    initial_window_size: int = 65535
+    connection_window_size: int = 1048576
+    # Within flood_window (beyond: GOAWAY ENHANCE_YOUR_CALM): streams the
+    # client resets or we refuse (rapid reset, CVE-2023-44487; Netty's 200
+    # per 30 s), PING and SETTINGS frames (Envoy's 1000 control frames).
+    max_resets: int = 200
+    max_control_frames: int = 1000
+    flood_window: float = 30.0
+    # Frames with an empty payload in a row (Envoy's 1 allows no flood).
+    max_empty_frames: int = 1
+    # WINDOW_UPDATE frames allowed per DATA frame we sent (Envoy's 10).
+    max_window_updates_per_data_frame: int = 10
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ListenerConfig:
     """One listening socket (a ``[[listeners]]`` table)."""
 
@@ -317,6 +354,17 @@ class ListenerConfig:
     tls: TlsConfig | None = None
     forwarded: ForwardedConfig = field(default_factory=ForwardedConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    http2: Http2Config = field(default_factory=Http2Config)
+
+    @property
+    def h2_over_tls(self) -> bool:
+        """HTTP/2 is offered through ALPN."""
+        return self.mode == "http" and self.tls is not None and "h2" in self.tls.alpn
+
+    @property
+    def h2_cleartext(self) -> bool:
+        """h2c with prior knowledge is served (a plain HTTP-mode listener)."""
+        return self.mode == "http" and self.http2.cleartext == "prior-knowledge"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -894,6 +942,32 @@ def _http(t: _Table) -> HttpConfig:
     )
 
 
+# RFC 9113 6.5.2: a flow-control window is at most 2^31-1 bytes.
+_MAX_WINDOW: Final = 2**31 - 1
+
+
+def _http2(t: _Table) -> Http2Config:
+    return Http2Config(
+        cleartext=t.get("cleartext", _one_of(H2_CLEARTEXT_MODES)),
+        max_concurrent_streams=t.get("max_concurrent_streams", _int_in(1, 10000)),
+        max_header_list_size=t.get(
+            "max_header_list_size", _int_in(MIN_HEADER_BYTES, MAX_HEADER_BYTES)
+        ),
+        header_table_size=t.get("header_table_size", _int_in(0, 65536)),
+        initial_window_size=t.get("initial_window_size", _int_in(1024, _MAX_WINDOW)),
+        connection_window_size=t.get(
+            "connection_window_size", _int_in(65535, _MAX_WINDOW)
+        ),
+        max_resets=t.get("max_resets", _int_in(1)),
+        flood_window=t.get("flood_window", _DURATION),
+        max_control_frames=t.get("max_control_frames", _int_in(1)),
+        max_empty_frames=t.get("max_empty_frames", _int_in(0)),
+        max_window_updates_per_data_frame=t.get(
+            "max_window_updates_per_data_frame", _int_in(1)
+        ),
+    )
+
+
 _SCTP_REFUSED: Final = (
     "SCTP is not supported: tlsedge relays TCP streams, PROXY v2 has no SCTP "
     "transport to describe an association to the backend, and the kernels it "
@@ -911,7 +985,7 @@ def _mode(value: object, path: str) -> ListenerMode:
 
 def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
     mode = t.get("mode", _mode)
-    for http_only in ("forwarded", "http"):
+    for http_only in ("forwarded", "http", "http2"):
         if mode != "http" and http_only in t:
             raise _fail(
                 t.sub(http_only),
@@ -959,6 +1033,7 @@ def _listener(t: _Table, base_dir: Path) -> ListenerConfig:
         tls=t.opt("tls", _section(TlsConfig, partial(_tls, base_dir=base_dir))),
         forwarded=t.get("forwarded", _section(ForwardedConfig, _forwarded)),
         http=t.get("http", _section(HttpConfig, _http)),
+        http2=t.get("http2", _section(Http2Config, _http2)),
     )
 
 
@@ -1176,33 +1251,39 @@ def _check_workers_ports(config: Config) -> None:
 
 def _check_http_mode(config: Config, index: int, lst: ListenerConfig) -> None:
     """Refuse what an HTTP-mode listener cannot serve: protocols other than
-    HTTP/1.x in its ALPN, or in the ALPN of its TLS backend (the edge speaks
-    HTTP/1.1 to the servers)."""
+    HTTP/1.x and h2 in its ALPN, h2c on a TLS listener, and protocols other
+    than HTTP/1.x in the ALPN of its TLS backend (the edge speaks HTTP/1.1 to
+    the servers, also for HTTP/2 clients)."""
     if lst.mode != "http":
         return
     backend = config.backend(lst.backend)
     if backend.protocol == "tls" and backend.tls is not None:
         for position, protocol in enumerate(backend.tls.alpn):
-            if protocol not in HTTP_MODE_ALPN:
+            if protocol not in HTTP_UPSTREAM_ALPN:
                 number = next(i for i, b in enumerate(config.backends) if b is backend)
                 raise _fail(
                     f"backends[{number}].tls.alpn[{position}]",
                     f"{_show(protocol)} cannot be spoken to the servers of a "
                     f'backend behind a mode = "http" listener ({lst.name}), which '
                     f"speaks HTTP/1.1 to them: offer only "
-                    f"{_choices(HTTP_MODE_ALPN)}, or nothing",
+                    f"{_choices(HTTP_UPSTREAM_ALPN)}, or nothing",
                 )
     if lst.tls is None:
         return
+    if lst.http2.cleartext != "off":
+        raise _fail(
+            f"listeners[{index}].http2.cleartext",
+            f"{_show(lst.http2.cleartext)} is for plain listeners (h2c); a TLS "
+            "listener offers HTTP/2 through ALPN: add 'h2' to "
+            f"listeners[{index}].tls.alpn instead",
+        )
     for position, protocol in enumerate(lst.tls.alpn):
         if protocol not in HTTP_MODE_ALPN:
-            why = (
-                "HTTP/2 is not served yet" if protocol == "h2" else "it is not HTTP/1.x"
-            )
             raise _fail(
                 f"listeners[{index}].tls.alpn[{position}]",
-                f'{_show(protocol)} cannot be served in mode = "http" ({why}): '
-                f"offer only {_choices(HTTP_MODE_ALPN)}, or nothing",
+                f'{_show(protocol)} cannot be served in mode = "http" (it is not '
+                f"HTTP/1.x or HTTP/2): offer only {_choices(HTTP_MODE_ALPN)}, "
+                "or nothing",
             )
 
 

@@ -71,6 +71,7 @@ from tlsedge._config import Config, ConfigError, ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
 from tlsedge._http.driver import serve_http
+from tlsedge._http.h2driver import serve_h2, sniff_preface
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.pool import KeepAlivePool
 from tlsedge._listen import open_datagram_sockets, open_listening_sockets
@@ -917,11 +918,26 @@ class Edge:
         initial_data: bytes,
         log: ConnectionLog,
     ) -> None:
-        """HTTP mode (see `tlsedge._http.driver`)."""
+        """HTTP mode: HTTP/1.x (see `tlsedge._http.driver`), or HTTP/2 when the
+        client chose ``h2`` through ALPN or sent the h2c preface to a listener
+        that serves it (`tlsedge._http.h2driver`)."""
         backend = pool.config
+        config = state.config
         result = HttpConnectionResult()
+        serve = serve_http
+        if downstream.tls is not None:
+            if downstream.tls.alpn == "h2":
+                serve = serve_h2
+        elif config.h2_cleartext:
+            is_h2, initial_data = await sniff_preface(
+                client,
+                initial_data,
+                header_timeout=config.http.request_header_timeout,
+            )
+            if is_h2:
+                serve = serve_h2
         try:
-            await serve_http(
+            await serve(
                 client,
                 downstream,
                 listener=state.config,

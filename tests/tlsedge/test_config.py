@@ -24,6 +24,7 @@ from tlsedge._config import (
     EdgeConfig,
     ForwardedConfig,
     HealthConfig,
+    Http2Config,
     HttpConfig,
     ListenerConfig,
     ProxyProtocolConfig,
@@ -100,6 +101,19 @@ request_body_timeout = 10
 request_body_min_rate = 1000
 response_timeout = 30
 underscores_in_headers = true
+
+[listeners.http2]
+cleartext = "off"  # the default: "prior-knowledge" is for plain listeners
+max_concurrent_streams = 64
+max_header_list_size = 32768
+header_table_size = 8192
+initial_window_size = 131072
+connection_window_size = 2097152
+max_resets = 50
+flood_window = 10
+max_control_frames = 500
+max_empty_frames = 2
+max_window_updates_per_data_frame = 5
 
 [[listeners]]
 name = "relay"
@@ -217,6 +231,18 @@ FULL_EXPECTED = Config(
                 response_timeout=30.0,
                 underscores_in_headers=True,
             ),
+            http2=Http2Config(
+                max_concurrent_streams=64,
+                max_header_list_size=32768,
+                header_table_size=8192,
+                initial_window_size=131072,
+                connection_window_size=2097152,
+                max_resets=50,
+                flood_window=10.0,
+                max_control_frames=500,
+                max_empty_frames=2,
+                max_window_updates_per_data_frame=5,
+            ),
         ),
         ListenerConfig(name="relay", bind=Address(host="::", port=5432), backend="app"),
     ),
@@ -297,6 +323,7 @@ def test_full_config_sets_every_key() -> None:
         (CertificateConfig, listener["tls"]["certificates"][0]),
         (ForwardedConfig, listener["forwarded"]),
         (HttpConfig, listener["http"]),
+        (Http2Config, listener["http2"]),
         (BackendConfig, backend | {"discovery": discovered["discovery"]}),
         (DiscoveryConfig, discovered["discovery"]),
         (ServerConfig, backend["servers"][1]),
@@ -1404,15 +1431,74 @@ def test_tls_both_ways_and_tcp_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("alpn", ['["h2", "http/1.1"]', '["http/1.1", "h2"]'])
-def test_http_mode_refuses_h2_in_alpn(alpn: str) -> None:
-    position = alpn.strip("[]").split(", ").index('"h2"')
+def test_http_mode_accepts_h2_in_alpn(alpn: str) -> None:
+    config = parse(HTTP + f"[listeners.tls]\n{CERTS}alpn = {alpn}\n" + B)
+    assert config.listeners[0].h2_over_tls
+    assert not config.listeners[0].h2_cleartext
+
+
+def test_h2c_prior_knowledge_on_a_plain_http_listener() -> None:
+    config = parse(HTTP + '[listeners.http2]\ncleartext = "prior-knowledge"\n' + B)
+    assert config.listeners[0].h2_cleartext
+    assert not config.listeners[0].h2_over_tls
+    assert config.listeners[0].http2.max_concurrent_streams == 100
+
+
+def test_h2c_on_a_tls_listener_is_refused() -> None:
     with pytest.raises(ConfigError) as info:
-        parse(HTTP + f"[listeners.tls]\n{CERTS}alpn = {alpn}\n" + B)
+        parse(
+            HTTP
+            + '[listeners.http2]\ncleartext = "prior-knowledge"\n'
+            + f"[listeners.tls]\n{CERTS}"
+            + B
+        )
     assert str(info.value) == (
-        f"listeners[0].tls.alpn[{position}]: 'h2' cannot be served in "
-        "mode = \"http\" (HTTP/2 is not served yet): offer only 'http/1.1', "
-        "'http/1.0', or nothing"
+        "listeners[0].http2.cleartext: 'prior-knowledge' is for plain listeners "
+        "(h2c); a TLS listener offers HTTP/2 through ALPN: add 'h2' to "
+        "listeners[0].tls.alpn instead"
     )
+
+
+def test_http2_table_in_tcp_mode_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(L + '[listeners.http2]\ncleartext = "prior-knowledge"\n' + B)
+    assert str(info.value).startswith(
+        'listeners[0].http2: only applies with mode = "http"'
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "mystery = 1",
+            "listeners[0].http2: unknown key 'mystery'",
+        ),
+        (
+            'cleartext = "upgrade"',
+            "listeners[0].http2.cleartext: unknown cleartext 'upgrade'; choose "
+            "one of 'off', 'prior-knowledge'",
+        ),
+        (
+            "max_concurrent_streams = 0",
+            "listeners[0].http2.max_concurrent_streams: must be between 1 and "
+            "10000, got 0",
+        ),
+        (
+            "initial_window_size = 2147483648",
+            "listeners[0].http2.initial_window_size: must be between 1024 and "
+            "2147483647, got 2147483648",
+        ),
+        (
+            "flood_window = 0",
+            "listeners[0].http2.flood_window: must be greater than 0 s, got 0",
+        ),
+    ],
+)
+def test_http2_table_errors(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(HTTP + f"[listeners.http2]\n{text}\n" + B)
+    assert str(info.value).startswith(message)
 
 
 def test_http_mode_refuses_other_protocols_in_alpn() -> None:
@@ -1420,7 +1506,7 @@ def test_http_mode_refuses_other_protocols_in_alpn() -> None:
         parse(HTTP + f'[listeners.tls]\n{CERTS}alpn = ["http/1.1", "acme-tls/1"]\n' + B)
     assert str(info.value).startswith(
         "listeners[0].tls.alpn[1]: 'acme-tls/1' cannot be served in "
-        'mode = "http" (it is not HTTP/1.x)'
+        'mode = "http" (it is not HTTP/1.x or HTTP/2)'
     )
 
 

@@ -34,6 +34,7 @@ PURE = (
     "tlsedge._http.session",
     "tlsedge._http.exchange",
     "tlsedge._http.log",
+    "tlsedge._http.h2session",
 )
 
 _SCRIPT = textwrap.dedent(

@@ -33,6 +33,8 @@ connections per backend server, LIFO, checked before reuse) or is opened to the
 server the balancer picked. With ``send_proxy`` the connection is instead
 *dedicated* to this client connection: opened with the PROXY header first,
 kept across its requests, never pooled (a PROXY header describes one client).
+`tlsedge._http.upstreams.UpstreamConnections` keeps that bookkeeping (the
+HTTP/2 driver uses it too).
 To a ``protocol = "tls"`` backend the connection is a `TLSStream` whose
 handshake is part of `BackendPool.connect`. A request without a body is sent
 and answered by this task alone; with a body a child task pumps it (read one
@@ -81,7 +83,7 @@ import trio
 
 from tlsedge import _sockio as sockio
 from tlsedge._accesslog import format_address
-from tlsedge._balancer import Server, ServerLease
+from tlsedge._balancer import Server
 from tlsedge._config import HttpConfig, ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
@@ -109,9 +111,9 @@ from tlsedge._http.rules import (
     strip_hop_by_hop,
 )
 from tlsedge._http.session import ClientClosedMidRequestError, ClientSession
+from tlsedge._http.upstreams import Upstream, UpstreamConnections
 from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Termination
-from tlsedge._tls_stream import TLSStream
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
 __all__ = ["serve_http"]
@@ -149,20 +151,6 @@ class _UpstreamGoneError(Exception):
     """The upstream reset, closed or stalled while we wrote to it."""
 
 
-@dataclass(slots=True)
-class _Upstream:
-    stream: trio.abc.Stream
-    #: Held while an exchange uses the connection; a dedicated connection
-    #: waiting for its client's next request holds a released one.
-    lease: ServerLease
-    reused: bool
-    prefix: bytes = b""  # the PROXY header, sent with the first request head
-
-    @property
-    def server(self) -> Server:
-        return self.lease.server
-
-
 @dataclass(frozen=True, slots=True)
 class _Failure:
     termination: str
@@ -191,7 +179,7 @@ class _Exchange:
 
     head: RequestHead
     conn: UpstreamExchange
-    upstream: _Upstream
+    upstream: Upstream
     log: RequestLog
     started: float
     #: The exchange's deadline, first for sending the request head;
@@ -260,13 +248,11 @@ class _HttpConnection:
         self.listener = listener
         self.http: HttpConfig = listener.http
         self.backend = backend
-        self.keepalive = keepalive
         self.client_ip = downstream.client_ip
         self.client_text = format_address(downstream.client)
         ssl_info = downstream.tls
         self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
         self.sni = ssl_info.server_name if ssl_info else None
-        self.proxy_header = proxy_header
         self.drain = drain
         self.connection_id = downstream.id
         self.result = result
@@ -306,8 +292,9 @@ class _HttpConnection:
             f"no response within response_timeout ({self.http.response_timeout:g} s)",
             504,
         )
-        self.dedicated: _Upstream | None = None  # with send_proxy
-        self.in_flight: _Upstream | None = None
+        self.upstreams = UpstreamConnections(
+            backend, keepalive, self.client_ip, proxy_header
+        )
 
     # -- client I/O -------------------------------------------------------
 
@@ -597,7 +584,7 @@ class _HttpConnection:
         while True:
             connect_started = self.now()
             try:
-                upstream = await self._get_upstream(exclude, fresh=fresh)
+                upstream = await self.upstreams.acquire(exclude, fresh=fresh)
             except NoServerError as exc:
                 return await self._refuse(log, 503, str(exc), Termination.NO_SERVER)
             except ConnectFailedError as exc:
@@ -618,7 +605,6 @@ class _HttpConnection:
                 armed=_UPSTREAM_WRITE_STALLED,
                 now=self.now,
             )
-            self.in_flight = upstream
             with ex.scope:
                 await self._proxy(ex, target, headers, body)
             if ex.scope.cancelled_caught:
@@ -692,88 +678,16 @@ class _HttpConnection:
 
     # -- upstream connections ---------------------------------------------
 
-    async def _get_upstream(
-        self, exclude: Server | None, *, fresh: bool = False
-    ) -> _Upstream:
-        """A connection for the next exchange: dedicated, pooled or new.
-
-        The returned connection holds a lease on its server, given back by
-        `_finish_upstream` (or `close_upstreams`).
-
-        Raises:
-            NoServerError: no healthy server.
-            ConnectFailedError: every attempt failed.
-        """
-        if self.proxy_header is not None:
-            if self.dedicated is not None:
-                upstream, self.dedicated = self.dedicated, None
-                if self._current(upstream.stream):
-                    upstream.lease = self.backend.lease(upstream.server)
-                    upstream.reused = True
-                    return upstream
-                await trio.aclose_forcefully(upstream.stream)
-            return await self._connect(None, proxy_header=self.proxy_header)
-        server = self.backend.balancer.pick(
-            self.client_ip, exclude=(exclude,) if exclude is not None else ()
-        )
-        if server is None:
-            if exclude is None:
-                raise NoServerError(f"backend {self.backend.name}: no healthy server")
-            return await self._connect(None)
-        stream = None if fresh else await self.keepalive.acquire(server)
-        if stream is not None:
-            if self._current(stream):
-                return _Upstream(stream, self.backend.lease(server), reused=True)
-            await trio.aclose_forcefully(stream)
-        return await self._connect(server)
-
-    def _current(self, stream: trio.abc.Stream) -> bool:
-        """Whether a kept connection was made with the backend's current TLS
-        settings (none, or its client context): a reload that changed them
-        must not leave requests on connections made with the old ones."""
-        context = self.backend.tls_context
-        if isinstance(stream, TLSStream):
-            return stream.ssl_object.context is context
-        return context is None
-
-    async def _connect(
-        self, server: Server | None, *, proxy_header: bytes | None = None
-    ) -> _Upstream:
-        """Open a new upstream connection (to *server* first, if given).
-
-        `BackendPool.connect` retries as configured; to a TLS backend each
-        attempt includes the handshake, and the PROXY header goes raw before
-        it; without TLS the header goes with the first request head.
-        """
-        connected = await self.backend.connect(
-            self.client_ip, first=server, proxy_header=proxy_header or b""
-        )
-        return _Upstream(
-            connected.upstream,
-            connected.lease,
-            reused=False,
-            prefix=connected.pending,
-        )
-
     async def _finish_upstream(self, ex: _Exchange, *, reusable: bool) -> None:
         """Pool, keep (dedicated) or close the exchange's upstream connection."""
-        upstream = ex.upstream
-        self.in_flight = None
-        upstream.lease.release()
-        clean = reusable and not ex.switched and ex.conn.reusable
-        if clean and self.proxy_header is not None:
-            self.dedicated = upstream
-        elif clean:
-            await self.keepalive.release(upstream.server, upstream.stream)
-        elif not ex.switched:
-            await trio.aclose_forcefully(upstream.stream)
+        await self.upstreams.release(
+            ex.upstream,
+            clean=reusable and not ex.switched and ex.conn.reusable,
+            handed_over=ex.switched,
+        )
 
     async def close_upstreams(self) -> None:
-        for upstream in (self.in_flight, self.dedicated):
-            if upstream is not None:
-                upstream.lease.release()
-                await trio.aclose_forcefully(upstream.stream)
-        self.in_flight = self.dedicated = None
+        await self.upstreams.close()
 
     # -- proxying one exchange ----------------------------------------------
 

@@ -1,0 +1,359 @@
+"""H2Session (pure): request checks, events, limits, drain; an h2 client in memory."""
+
+from __future__ import annotations
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.settings
+import pytest
+from hyperframe.frame import ContinuationFrame, HeadersFrame
+
+from tlsedge._config import Http2Config
+from tlsedge._http.h2session import (
+    ConnectionEnded,
+    H2Session,
+    MalformedRequestError,
+    RequestData,
+    RequestEnd,
+    StreamCancelled,
+    StreamMalformed,
+    StreamOpened,
+    check_request,
+)
+
+ErrorCodes = h2.errors.ErrorCodes
+Header = tuple[bytes, bytes]
+BASE: list[Header] = [
+    (b":method", b"GET"),
+    (b":scheme", b"https"),
+    (b":authority", b"example.com"),
+    (b":path", b"/a?b=1"),
+]
+
+
+class Pair:
+    """An H2Session and an h2 client talking through memory."""
+
+    def __init__(self, **limits: object) -> None:
+        self.session = H2Session(Http2Config(**limits), max_headers=100)  # type: ignore[arg-type]
+        config = h2.config.H2Configuration(
+            client_side=True,
+            header_encoding=None,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+        )
+        self.client = h2.connection.H2Connection(config=config)
+        self.client.initiate_connection()
+        self.now = 0.0
+        self.client_events: list[h2.events.Event] = []
+
+    def flush(self) -> list[object]:
+        """Client bytes to the session, its answer back; the session's events."""
+        events = self.session.receive_data(self.client.data_to_send(), self.now)
+        self.client_events += self.client.receive_data(self.session.data_to_send())
+        return list(events)
+
+    def request(self, fields: list[Header], *, end_stream: bool = True) -> int:
+        sid = self.client.get_next_available_stream_id()
+        self.client.send_headers(sid, fields, end_stream=end_stream)
+        return sid
+
+    def resets(self) -> dict[int, int]:
+        return {
+            e.stream_id: e.error_code
+            for e in self.client_events
+            if isinstance(e, h2.events.StreamReset)
+        }
+
+    def goaway(self) -> int | None:
+        for event in self.client_events:
+            if isinstance(event, h2.events.ConnectionTerminated):
+                return int(event.error_code or 0)
+        return None
+
+
+# -- check_request -------------------------------------------------------------------
+
+
+def test_a_request_becomes_host_first_and_fields() -> None:
+    request = check_request(
+        [*BASE, (b"user-agent", b"ua"), (b"te", b"trailers"), (b"x", b"1")],
+        end_stream=True,
+    )
+    assert request.method == b"GET"
+    assert request.target == b"/a?b=1"
+    assert request.host == b"example.com"
+    assert request.headers == [
+        (b"host", b"example.com"),
+        (b"user-agent", b"ua"),
+        (b"x", b"1"),
+    ]
+    assert request.user_agent == b"ua"
+    assert request.content_length is None
+
+
+def test_host_alone_or_agreeing_with_authority() -> None:
+    no_authority = [f for f in BASE if f[0] != b":authority"]
+    assert check_request(
+        [*no_authority, (b"host", b"h.test")], end_stream=True
+    ).host == (b"h.test")
+    agreeing = check_request([*BASE, (b"host", b"EXAMPLE.com")], end_stream=True)
+    assert agreeing.headers[0] == (b"host", b"example.com")
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ([*BASE, (b"connection", b"close")], "connection-specific field 'connection'"),
+        ([*BASE, (b"keep-alive", b"1")], "connection-specific field 'keep-alive'"),
+        ([*BASE, (b"proxy-connection", b"1")], "connection-specific field"),
+        ([*BASE, (b"transfer-encoding", b"chunked")], "connection-specific field"),
+        ([*BASE, (b"upgrade", b"websocket")], "connection-specific field 'upgrade'"),
+        ([*BASE, (b"te", b"gzip")], "te other than 'trailers'"),
+        ([*BASE, (b"host", b"other.test")], "host field and :authority disagree"),
+        ([*BASE, (b"host", b"a"), (b"host", b"a")], "more than one host field"),
+        ([*BASE, (b"X-Up", b"1")], "is not a lowercase token"),
+        ([*BASE, (b"x", b" padded")], "surrounding whitespace"),
+        ([*BASE, (b"x", b"a\rb")], "NUL, CR, LF"),
+        ([*BASE, (b":protocol", b"websocket")], ":protocol (extended CONNECT"),
+        ([*BASE, (b":status", b"200")], "unknown pseudo-header ':status'"),
+        ([*BASE, (b":path", b"/again")], "pseudo-header ':path' twice"),
+        ([(b"x", b"1"), *BASE], "pseudo-header ':method' after a field"),
+        (BASE[1:], "no :method"),
+        ([f for f in BASE if f[0] != b":path"], "no :scheme or no :path"),
+        ([*BASE[:3], (b":path", b"relative")], "malformed :path 'relative'"),
+        ([*BASE[:3], (b":path", b"*")], "malformed :path '*'"),
+        ([f for f in BASE if f[0] != b":authority"], "neither :authority nor host"),
+        ([*BASE[:2], (b":authority", b"u@h"), BASE[3]], "userinfo in :authority"),
+        ([*BASE[:2], (b":authority", b"a b"), BASE[3]], "malformed :authority"),
+        ([*BASE, (b"content-length", b"1, 1")], "malformed content-length"),
+        ([(b":method", b"CONNECT"), (b":path", b"/")], "CONNECT needs :authority"),
+    ],
+)
+def test_malformed_requests(fields: list[Header], reason: str) -> None:
+    with pytest.raises(MalformedRequestError) as info:
+        check_request(fields, end_stream=True)
+    assert reason in str(info.value)
+
+
+def test_options_asterisk_and_connect_are_requests() -> None:
+    options = [(b":method", b"OPTIONS"), *BASE[1:3], (b":path", b"*")]
+    assert check_request(options, end_stream=True).target == b"*"
+    connect = check_request(
+        [(b":method", b"CONNECT"), (b":authority", b"x.test:443")], end_stream=False
+    )
+    assert connect.target == b"x.test:443"
+
+
+# -- the session ---------------------------------------------------------------------
+
+
+def test_settings_advertise_the_limits_and_no_extended_connect() -> None:
+    pair = Pair(max_concurrent_streams=7, initial_window_size=4096)
+    pair.flush()
+    remote = pair.client.remote_settings
+    assert remote.max_concurrent_streams == 7
+    assert remote.initial_window_size == 4096
+    assert remote.max_header_list_size == 16384
+    assert remote.enable_connect_protocol == 0
+    assert remote.enable_push == 0
+
+
+def test_request_body_trailers_and_acknowledgement() -> None:
+    pair = Pair()
+    pair.flush()
+    sid = pair.request([*BASE, (b"content-length", b"5")], end_stream=False)
+    pair.client.send_data(sid, b"hello")
+    pair.client.send_headers(sid, [(b"x-t", b"1")], end_stream=True)
+    opened, data, end = pair.flush()
+    assert isinstance(opened, StreamOpened)
+    assert opened.request.content_length == 5
+    assert not opened.request.end_stream
+    assert data == RequestData(sid, b"hello", 5)
+    assert end == RequestEnd(sid, [(b"x-t", b"1")])
+
+
+def test_request_data_is_acknowledged_only_when_used() -> None:
+    pair = Pair()
+    pair.flush()
+    sid = pair.request(BASE, end_stream=False)
+    for _ in range(3):
+        pair.client.send_data(sid, b"x" * 16000)
+    events = pair.flush()
+    assert sum(len(e.data) for e in events if isinstance(e, RequestData)) == 48000
+    assert pair.client.local_flow_control_window(sid) == 65535 - 48000
+    pair.session.acknowledge(sid, 48000)
+    pair.flush()
+    assert pair.client.local_flow_control_window(sid) == 65535
+
+
+def test_the_response_respects_the_client_window() -> None:
+    pair = Pair()
+    pair.client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 10})
+    pair.flush()
+    sid = pair.request(BASE)
+    pair.flush()
+    session = pair.session
+    session.send_headers(sid, 200, [(b"content-type", b"text/plain")], end_stream=False)
+    assert session.sendable(sid) == 10
+    session.send_data(sid, b"0123456789")
+    assert session.sendable(sid) == 0
+    pair.flush()
+    pair.client.increment_flow_control_window(5, stream_id=sid)
+    events = pair.flush()
+    assert any(type(e).__name__ == "WindowOpened" for e in events)
+    assert session.sendable(sid) == 5
+    session.send_end(sid, [(b"x-sum", b"1")])
+    pair.flush()
+    assert any(isinstance(e, h2.events.TrailersReceived) for e in pair.client_events)
+    assert not session.open(sid)
+
+
+def test_streams_beyond_the_limit_are_refused_and_counted_as_resets() -> None:
+    pair = Pair(max_concurrent_streams=2, max_resets=3)
+    # Sent before the client knows the limit (it may: RFC 9113 6.5.2).
+    sids = [pair.request(BASE) for _ in range(5)]
+    events = pair.flush()
+    assert [e.stream_id for e in events if isinstance(e, StreamOpened)] == sids[:2]
+    assert pair.resets() == dict.fromkeys(sids[2:], ErrorCodes.REFUSED_STREAM)
+    pair.client.reset_stream(sids[0], ErrorCodes.CANCEL)  # the fourth reset
+    (ended,) = [e for e in pair.flush() if isinstance(e, ConnectionEnded)]
+    assert ended.calm
+    assert "rapid reset" in ended.reason
+    assert pair.goaway() == ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def test_resets_older_than_the_flood_window_do_not_count() -> None:
+    pair = Pair(max_resets=2, flood_window=10.0)
+    pair.flush()
+    for _ in range(6):
+        sid = pair.request(BASE, end_stream=False)
+        pair.client.reset_stream(sid, ErrorCodes.CANCEL)
+        events = pair.flush()
+        assert StreamCancelled(sid, ErrorCodes.CANCEL) in events
+        pair.now += 6.0  # two resets per 10 s: never more
+    assert pair.goaway() is None
+
+
+def test_malformed_request_is_a_stream_error_and_the_connection_goes_on() -> None:
+    pair = Pair()
+    pair.flush()
+    bad = pair.request([*BASE, (b"connection", b"close")])
+    good = pair.request(BASE)
+    events = pair.flush()
+    (malformed,) = [e for e in events if isinstance(e, StreamMalformed)]
+    assert malformed.stream_id == bad
+    assert malformed.method == b"GET"
+    assert [e.stream_id for e in events if isinstance(e, StreamOpened)] == [good]
+    assert pair.resets() == {bad: ErrorCodes.PROTOCOL_ERROR}
+
+
+def test_too_many_fields_get_431_and_connect_501() -> None:
+    pair = Pair()
+    pair.session.max_headers = 3
+    pair.flush()
+    pair.request([*BASE, *[(b"x-%d" % i, b"v") for i in range(5)]])
+    pair.request([(b":method", b"CONNECT"), (b":authority", b"x.test:443")])
+    first, second = [e for e in pair.flush() if isinstance(e, StreamOpened)]
+    assert first.error == (431, "more than 3 header fields")
+    assert second.error == (501, "CONNECT is not supported")
+
+
+def test_continuation_flood_is_cut_at_the_header_list_size() -> None:
+    pair = Pair(max_header_list_size=4096)
+    pair.flush()
+    headers = HeadersFrame(1, flags=["END_STREAM"])
+    headers.data = pair.client.encoder.encode(BASE)
+    stream = headers.serialize()
+    events: list[object] = []
+    for _ in range(10):
+        continuation = ContinuationFrame(1)
+        continuation.data = b"\x00" * 1000
+        events += pair.session.receive_data(stream + continuation.serialize(), 0.0)
+        stream = b""
+    (ended,) = events
+    assert isinstance(ended, ConnectionEnded)
+    assert "CONTINUATION flood" in ended.reason
+    assert pair.session.in_header_block
+
+
+def test_frames_split_across_reads_are_followed() -> None:
+    pair = Pair(max_empty_frames=1)
+    pair.flush()
+    sid = pair.request(BASE, end_stream=False)
+    pair.client.send_data(sid, b"x" * 3000)
+    pair.client.send_data(sid, b"", end_stream=True)
+    data = pair.client.data_to_send()
+    events: list[object] = []
+    for index in range(0, len(data), 7):
+        events += pair.session.receive_data(data[index : index + 7], 0.0)
+    assert sum(len(e.data) for e in events if isinstance(e, RequestData)) == 3000
+    assert RequestEnd(sid, []) in events
+
+
+@pytest.mark.parametrize(
+    ("flood", "reason"),
+    [
+        ("ping", "control frame flood"),
+        ("window_update", "WINDOW_UPDATE flood"),
+        ("empty", "empty frames in a row"),
+        ("priority", "PRIORITY flood"),
+    ],
+)
+def test_floods(flood: str, reason: str) -> None:
+    pair = Pair(max_control_frames=10)
+    pair.flush()
+    sid = pair.request(BASE, end_stream=False)
+    pair.flush()
+    ended: list[ConnectionEnded] = []
+    for index in range(400):
+        if flood == "ping":
+            pair.client.ping(index.to_bytes(8, "big"))
+        elif flood == "window_update":
+            pair.client.increment_flow_control_window(1)
+        elif flood == "empty":
+            pair.client.send_data(sid, b"")
+        else:
+            pair.client.prioritize(sid, weight=16)
+        ended += [e for e in pair.flush() if isinstance(e, ConnectionEnded)]
+        if ended:
+            break
+    assert reason in ended[0].reason
+    assert pair.goaway() == ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def test_goaway_lets_open_streams_finish_and_refuses_new_ones() -> None:
+    pair = Pair()
+    pair.flush()
+    open_sid = pair.request(BASE)
+    pair.flush()
+    pair.session.goaway()
+    pair.session.goaway()  # once
+    late = pair.request(BASE)
+    assert not [e for e in pair.flush() if isinstance(e, StreamOpened)]
+    assert pair.resets() == {late: ErrorCodes.REFUSED_STREAM}
+    pair.session.send_headers(open_sid, 204, [], end_stream=True)
+    goaway = pair.session.data_to_send()
+    assert goaway  # the response after the GOAWAY
+    assert pair.session.goaway_sent == open_sid
+
+
+def test_protocol_errors_end_the_connection() -> None:
+    pair = Pair()
+    pair.flush()
+    # DATA on stream 0 is a connection error in h2's own checks.
+    events = pair.session.receive_data(b"\x00\x00\x01\x00\x00\x00\x00\x00\x00x", 0.0)
+    (ended,) = events
+    assert isinstance(ended, ConnectionEnded)
+    assert not ended.calm
+    assert pair.session.receive_data(b"more", 0.0) == []
+
+
+def test_the_clients_goaway_ends_the_connection() -> None:
+    pair = Pair()
+    pair.flush()
+    pair.client.close_connection(ErrorCodes.NO_ERROR)
+    (ended,) = pair.flush()
+    assert ended == ConnectionEnded("client sent GOAWAY (NO_ERROR)", by_client=True)

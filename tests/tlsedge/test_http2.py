@@ -1,0 +1,1039 @@
+"""HTTP/2 to clients through a running Edge: curl, httpx, h2load, raw h2 attackers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import ssl
+import subprocess
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import h11
+import httpx
+import pytest
+import trio
+import trustme
+from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
+
+from tests.peers import require
+from tests.tlsedge.helpers import access_records, make_config, wait_until
+from tests.tlsedge.test_admin import admin_address, http_get, total
+from tlsedge._cli import main
+from tlsedge._server import Edge
+
+# -- the backend: h11, answering by path, keeping the raw bytes it received ---------
+
+
+@dataclass
+class CaptureBackend:
+    """An HTTP/1.1 server that records the raw bytes of each connection.
+
+    ``/echo``: JSON of the request (head, body size and SHA-256, trailers).
+    ``/big/<n>``: *n* bytes, chunked in 16 KiB pieces. ``/trailers``: a chunked
+    body with a trailer. ``/slow/<s>``: answers after *s* seconds. ``/head``:
+    204.
+    """
+
+    raw: list[bytearray] = field(default_factory=list)  # per connection
+    received: bytearray = field(default_factory=bytearray)  # all, in order
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self, nursery: trio.Nursery) -> CaptureBackend:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, self.handle, 0, host="127.0.0.1")
+        )
+        self.port = listeners[0].socket.getsockname()[1]
+        return self
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        raw = bytearray()
+        self.raw.append(raw)
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive_some(65536)
+                    raw += data
+                    self.received += data
+                    conn.receive_data(data)
+                    continue
+                if isinstance(event, h11.ConnectionClosed | h11.PAUSED):
+                    return
+                assert isinstance(event, h11.Request), event
+                await self._answer(stream, conn, event, raw)
+                if conn.our_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except (
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+            h11.RemoteProtocolError,
+        ):
+            return
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _answer(
+        self,
+        stream: trio.SocketStream,
+        conn: h11.Connection,
+        request: h11.Request,
+        raw: bytearray,
+    ) -> None:
+        digest = hashlib.sha256()
+        size = 0
+        trailers: list[list[str]] = []
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(65536)
+                raw += data
+                self.received += data
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.Data):
+                digest.update(event.data)
+                size += len(event.data)
+                continue
+            assert isinstance(event, h11.EndOfMessage), event
+            trailers = [[n.decode(), v.decode()] for n, v in event.headers]
+            break
+        path = request.target.decode()
+
+        async def send(*events: Any) -> None:
+            for item in events:
+                await stream.send_all(conn.send(item) or b"")
+
+        if path.startswith("/big/"):
+            total = int(path.rsplit("/", 1)[1])
+            await send(h11.Response(status_code=200, headers=[("X-Big", "1")]))
+            piece = b"x" * 16384
+            sent = 0
+            while sent < total:
+                chunk = piece[: total - sent]
+                await send(h11.Data(data=chunk))
+                sent += len(chunk)
+            await send(h11.EndOfMessage())
+            return
+        if path == "/trailers":
+            await send(
+                h11.Response(
+                    status_code=200,
+                    headers=[("Transfer-Encoding", "chunked"), ("Trailer", "X-Sum")],
+                ),
+                h11.Data(data=b"part one,"),
+                h11.Data(data=b"part two"),
+                h11.EndOfMessage(headers=[("X-Sum", "42")]),
+            )
+            return
+        if path.startswith("/slow/"):
+            await trio.sleep(float(path.rsplit("/", 1)[1]))
+        if path == "/head":
+            await send(h11.Response(status_code=204, headers=[]), h11.EndOfMessage())
+            return
+        body = json.dumps(
+            {
+                "method": request.method.decode(),
+                "target": path,
+                "headers": [[n.decode(), v.decode()] for n, v in request.headers],
+                "size": size,
+                "sha256": digest.hexdigest(),
+                "trailers": trailers,
+            }
+        ).encode()
+        await send(
+            h11.Response(
+                status_code=200,
+                headers=[
+                    ("Content-Type", "application/json"),
+                    ("Content-Length", str(len(body))),
+                    ("Connection", "keep-alive"),
+                    ("Keep-Alive", "timeout=5"),
+                ],
+            ),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        )
+
+
+# -- the edge ------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    edge: Edge
+    backend: CaptureBackend
+    tls_port: int
+    plain_port: int
+    ca: trustme.CA
+    ca_file: Path
+
+
+@asynccontextmanager
+async def h2_edge(
+    tmp_path: Path,
+    http2: dict[str, Any] | None = None,
+    http: dict[str, Any] | None = None,
+    listener: dict[str, Any] | None = None,
+    edge: dict[str, Any] | None = None,
+) -> AsyncIterator[Setup]:
+    """An edge with a TLS listener offering h2 and http/1.1 (``tls``) and a
+    plain one serving h2c with prior knowledge (``plain``)."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "site.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "site.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    async with trio.open_nursery() as nursery:
+        backend = await CaptureBackend().start(nursery)
+        common = {
+            "backend": "app",
+            "mode": "http",
+            "http": http or {},
+            **(listener or {}),
+        }
+        config = make_config(
+            [
+                {
+                    "name": "tls",
+                    **common,
+                    "http2": dict(http2 or {}),
+                    "tls": {
+                        "certificates": [
+                            {
+                                "cert": str(tmp_path / "site.pem"),
+                                "key": str(tmp_path / "site.key"),
+                            }
+                        ],
+                        "alpn": ["h2", "http/1.1"],
+                    },
+                },
+                {
+                    "name": "plain",
+                    **common,
+                    "http2": {"cleartext": "prior-knowledge", **(http2 or {})},
+                },
+            ],
+            [{"name": "app", "servers": [backend.address]}],
+            {"drain_timeout": 5.0, **(edge or {})},
+        )
+        running: Edge = await nursery.start(Edge(config).run)
+        yield Setup(
+            running,
+            backend,
+            running.listen_addresses["tls"][0][1],
+            running.listen_addresses["plain"][0][1],
+            ca,
+            tmp_path / "ca.pem",
+        )
+        running.drain()
+        nursery.cancel_scope.cancel()
+
+
+async def curl(*args: str) -> tuple[str, str]:
+    """Run curl; its stdout and stderr."""
+    result = await trio.run_process(
+        [require("curl"), "-sS", "--max-time", "20", *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    return result.stdout.decode(), result.stderr.decode()
+
+
+async def test_curl_over_tls_alpn_h2_and_http11_on_the_same_port(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h2_edge(tmp_path) as setup:
+        url = f"https://localhost:{setup.tls_port}/echo?q=1"
+        resolve = ("--resolve", f"localhost:{setup.tls_port}:127.0.0.1")
+        out, _ = await curl(
+            "--http2",
+            "--cacert",
+            str(setup.ca_file),
+            *resolve,
+            "-w",
+            "\n%{http_version}",
+            url,
+        )
+        body, version = out.rsplit("\n", 1)
+        assert version == "2"
+        seen = json.loads(body)
+        assert seen["target"] == "/echo?q=1"
+        headers = {n.lower(): v for n, v in seen["headers"]}
+        assert headers["host"] == f"localhost:{setup.tls_port}"
+        assert headers["x-forwarded-proto"] == "https"
+        assert headers["x-forwarded-for"] == "127.0.0.1"
+        out, _ = await curl(
+            "--http1.1",
+            "--cacert",
+            str(setup.ca_file),
+            *resolve,
+            "-w",
+            "\n%{http_version}",
+            url,
+        )
+        assert out.rsplit("\n", 1)[1] == "1.1"
+    records = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert {r["version"] for r in records} == {"2.0", "1.1"}
+    (h2_record,) = [r for r in records if r["version"] == "2.0"]
+    assert h2_record["status"] == 200
+    assert h2_record["method"] == "GET"
+    assert h2_record["target"] == "/echo?q=1"
+    assert h2_record["termination"] == "ok"
+
+
+async def test_curl_h2c_prior_knowledge_and_http11_on_the_same_port(
+    tmp_path: Path,
+) -> None:
+    async with h2_edge(tmp_path) as setup:
+        url = f"http://127.0.0.1:{setup.plain_port}/echo"
+        # One URL per call: curl 7.88 fails a second request on a
+        # prior-knowledge connection (to nginx's h2c too).
+        out, _ = await curl("--http2-prior-knowledge", "-w", "\n%{http_version}", url)
+        assert out.endswith("\n2")
+        assert json.loads(out.rsplit("\n", 1)[0])["target"] == "/echo"
+        out, _ = await curl("--http1.1", "-w", "\n%{http_version}", url)
+        assert out.endswith("\n1.1")
+        headers = dict(json.loads(out.rsplit("\n", 1)[0])["headers"])
+        assert headers["x-forwarded-proto"] == "http"
+
+
+# -- a raw HTTP/2 client (the `h2` package over a real socket) -----------------------
+
+
+class RawH2:
+    """An h2 client connection on a plain (h2c) or TLS socket, for tests and
+    attacks: ``conn`` is the h2 state machine; `send` flushes it; `events`
+    reads until a predicate holds."""
+
+    def __init__(self, stream: trio.abc.Stream, *, validate: bool = True) -> None:
+        self.stream = stream
+        config = h2.config.H2Configuration(
+            client_side=True,
+            header_encoding=None,
+            validate_outbound_headers=validate,
+            normalize_outbound_headers=validate,
+        )
+        self.conn = h2.connection.H2Connection(config=config)
+        self.seen: list[h2.events.Event] = []
+        self.closed = False
+
+    @classmethod
+    async def open(
+        cls, port: int, *, validate: bool = True, settings: dict[int, int] | None = None
+    ) -> RawH2:
+        client = cls(await trio.open_tcp_stream("127.0.0.1", port), validate=validate)
+        client.conn.initiate_connection()
+        if settings:
+            client.conn.update_settings(settings)
+        await client.send()
+        return client
+
+    async def send(self, raw: bytes = b"") -> None:
+        await self.stream.send_all(self.conn.data_to_send() + raw)
+
+    async def read(self) -> list[h2.events.Event]:
+        """One read's events ([] and ``closed`` at EOF)."""
+        try:
+            data = await self.stream.receive_some(65536)
+        except trio.BrokenResourceError:
+            data = b""
+        if not data:
+            self.closed = True
+            return []
+        try:
+            events = self.conn.receive_data(data)
+        except h2.exceptions.ProtocolError:
+            self.closed = True
+            return []
+        self.seen += events
+        await self.send()  # ACKs
+        return events
+
+    async def until(self, done: Any) -> None:
+        """Read until ``done(self)`` is true (or EOF), for at most 10 s."""
+        with trio.fail_after(10):
+            while not done(self) and not self.closed:
+                await self.read()
+
+    def request(
+        self,
+        path: str,
+        *,
+        method: str = "GET",
+        headers: Sequence[tuple[str, str]] = (),
+        end_stream: bool = True,
+        authority: str = "localhost",
+    ) -> int:
+        sid = self.conn.get_next_available_stream_id()
+        fields = [
+            (":method", method),
+            (":scheme", "http"),
+            (":authority", authority),
+            (":path", path),
+            *headers,
+        ]
+        self.conn.send_headers(
+            sid, [(n.encode(), v.encode()) for n, v in fields], end_stream=end_stream
+        )
+        return sid
+
+    def of(self, kind: type, stream_id: int | None = None) -> list[Any]:
+        return [
+            e
+            for e in self.seen
+            if isinstance(e, kind)
+            and (stream_id is None or getattr(e, "stream_id", None) == stream_id)
+        ]
+
+    def ended(self, stream_id: int) -> bool:
+        return bool(self.of(h2.events.StreamEnded, stream_id)) or bool(
+            self.of(h2.events.StreamReset, stream_id)
+        )
+
+    def body(self, stream_id: int) -> bytes:
+        return b"".join(e.data for e in self.of(h2.events.DataReceived, stream_id))
+
+    def status(self, stream_id: int) -> int:
+        (response,) = self.of(h2.events.ResponseReceived, stream_id)
+        return int(dict(response.headers)[b":status"])
+
+    def goaway(self) -> h2.events.ConnectionTerminated | None:
+        found = self.of(h2.events.ConnectionTerminated)
+        return found[0] if found else None
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.stream)
+
+
+def _answered(client: RawH2, *sids: int) -> bool:
+    return all(client.ended(sid) for sid in sids)
+
+
+async def test_httpx_http2_over_tls_concurrent_requests_and_upload(
+    tmp_path: Path,
+) -> None:
+    async with h2_edge(tmp_path) as setup:
+        context = ssl.create_default_context(cafile=str(setup.ca_file))
+        async with httpx.AsyncClient(http2=True, verify=context) as client:
+            base = f"https://localhost:{setup.tls_port}"
+            responses: list[httpx.Response] = []
+
+            async def get(index: int) -> None:
+                responses.append(await client.get(f"{base}/echo?i={index}"))
+
+            async with trio.open_nursery() as nursery:
+                for index in range(20):
+                    nursery.start_soon(get, index)
+            assert {r.http_version for r in responses} == {"HTTP/2"}
+            assert sorted(r.json()["target"] for r in responses) == sorted(
+                f"/echo?i={i}" for i in range(20)
+            )
+            payload = bytes(range(256)) * 4096  # 1 MiB
+            posted = await client.post(f"{base}/echo", content=payload)
+            assert posted.json()["size"] == len(payload)
+            assert posted.json()["sha256"] == hashlib.sha256(payload).hexdigest()
+            big = await client.get(f"{base}/big/3000000")
+            assert big.status_code == 200
+            assert big.content == b"x" * 3000000
+    # One client connection, the upstream connections pooled and reused.
+    assert len(setup.backend.raw) <= 21
+
+
+async def test_h2load_a_few_hundred_requests_and_their_metrics(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, edge={"admin": "127.0.0.1:0"}) as setup:
+        for url in (
+            f"https://127.0.0.1:{setup.tls_port}/echo",
+            f"http://127.0.0.1:{setup.plain_port}/echo",
+        ):
+            result = await trio.run_process(
+                [require("h2load"), "-n", "300", "-c", "4", "-m", "10", url],
+                capture_stdout=True,
+                capture_stderr=True,
+            )
+            out = result.stdout.decode()
+            assert "300 succeeded, 0 failed, 0 errored, 0 timeout" in out, out
+            assert "status codes: 300 2xx" in out, out
+        text = (await http_get(admin_address(setup.edge), "/metrics")).text
+    name = "tlsedge_http_requests_total"
+    for listener in ("tls", "plain"):
+        assert total(text, name, listener=listener, backend="app", code="2xx") == 300
+
+
+async def _tls_client(setup: Setup, alpn: str) -> trio.SSLStream[trio.SocketStream]:
+    context = ssl.create_default_context(cafile=str(setup.ca_file))
+    context.set_alpn_protocols([alpn])
+    raw = await trio.open_tcp_stream("127.0.0.1", setup.tls_port)
+    stream = trio.SSLStream(raw, context, server_hostname="localhost")
+    await stream.do_handshake()
+    assert stream.selected_alpn_protocol() == alpn
+    return stream
+
+
+# The same requests, field for field, as HTTP/1.1 text and as HTTP/2 fields.
+_DIFFERENTIAL: list[
+    tuple[str, str, list[tuple[str, str]], bytes, list[tuple[str, str]]]
+] = [
+    ("GET", "/echo?a=1&b=%20", [("accept", "*/*"), ("x-custom", "v1")], b"", []),
+    (
+        "POST",
+        "/echo",
+        [("content-type", "text/plain"), ("content-length", "11")],
+        b"hello world",
+        [],
+    ),
+    # No length in HTTP/2: chunked upstream, with the trailer.
+    ("PUT", "/echo", [("content-type", "text/plain")], b"streamed", [("x-check", "7")]),
+]
+
+
+async def test_backend_gets_the_same_bytes_over_http11_and_http2(
+    tmp_path: Path,
+) -> None:
+    # Untrusted spoofed forwarding headers are stripped the same way.
+    spoof = [("x-forwarded-for", "6.6.6.6"), ("x-real-ip", "6.6.6.6")]
+    async with h2_edge(tmp_path, listener={"forwarded": {"forwarded": True}}) as setup:
+        http1 = await _tls_client(setup, "http/1.1")
+        for method, target, fields, body, trailers in _DIFFERENTIAL:
+            lines = [f"{method} {target} HTTP/1.1", f"host: localhost:{setup.tls_port}"]
+            lines += [f"{n}: {v}" for n, v in [*fields, *spoof]]
+            if trailers:
+                lines.append("transfer-encoding: chunked")
+                framed = (
+                    b"%x\r\n%s\r\n0\r\n" % (len(body), body)
+                    + b"".join(f"{n}: {v}\r\n".encode() for n, v in trailers)
+                    + b"\r\n"
+                )
+            else:
+                framed = body
+            await http1.send_all("\r\n".join(lines).encode() + b"\r\n\r\n" + framed)
+            answer = b""
+            while answer.count(b"}") < 1 or not answer.endswith(b"}"):
+                answer += await http1.receive_some(65536)
+        await http1.aclose()
+        over_http1 = bytes(setup.backend.received)
+        setup.backend.received.clear()
+
+        client = RawH2(await _tls_client(setup, "h2"))
+        client.conn.initiate_connection()
+        for method, target, fields, body, trailers in _DIFFERENTIAL:
+            sid = client.request(
+                target,
+                method=method,
+                headers=[*fields, *spoof, *([("te", "trailers")] if trailers else [])],
+                end_stream=not body,
+                authority=f"localhost:{setup.tls_port}",
+            )
+            if body:
+                client.conn.send_data(sid, body, end_stream=not trailers)
+            if trailers:
+                client.conn.send_headers(
+                    sid,
+                    [(n.encode(), v.encode()) for n, v in trailers],
+                    end_stream=True,
+                )
+            await client.send()
+            await client.until(lambda c, sid=sid: c.ended(sid))
+            assert client.status(sid) == 200
+        await client.aclose()
+        over_http2 = bytes(setup.backend.received)
+    # The client's port (in Forwarded) is the only difference: two connections.
+    port = re.compile(rb'for="127\.0\.0\.1:[0-9]+"')
+    assert port.sub(b"P", over_http2).split(b"\r\n") == port.sub(
+        b"P", over_http1
+    ).split(b"\r\n")
+    assert b"x-forwarded-for: 127.0.0.1\r\n" in over_http2.lower()
+    assert b"6.6.6.6" not in over_http2
+    assert b"\r\nx-check: 7\r\n" in over_http2
+
+
+async def test_response_trailers_and_informational_headers(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/trailers", headers=[("te", "trailers")])
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        assert client.status(sid) == 200
+        assert client.body(sid) == b"part one,part two"
+        (trailers,) = client.of(h2.events.TrailersReceived, sid)
+        assert trailers.headers == [(b"x-sum", b"42")]
+        (response,) = client.of(h2.events.ResponseReceived, sid)
+        names = [n for n, _ in response.headers]
+        assert b"transfer-encoding" not in names
+        assert b"trailer" in names
+        head = client.request("/head", method="HEAD")
+        await client.send()
+        await client.until(lambda c: c.ended(head))
+        assert client.status(head) == 204
+        await client.aclose()
+
+
+async def test_large_upload_and_download_with_small_windows(tmp_path: Path) -> None:
+    # The edge grants 4 KiB per stream; the client grants 4 KiB and opens its
+    # window only as it reads: both directions move in small steps.
+    async with h2_edge(tmp_path, http2={"initial_window_size": 4096}) as setup:
+        client = await RawH2.open(
+            setup.plain_port,
+            settings={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4096},
+        )
+        payload = hashlib.sha256(b"seed").digest() * 32768  # 1 MiB
+        sid = client.request("/echo", method="POST", end_stream=False)
+        await client.send()
+        sent = 0
+        with trio.fail_after(20):
+            while sent < len(payload):
+                window = min(
+                    client.conn.local_flow_control_window(sid),
+                    client.conn.max_outbound_frame_size,
+                )
+                if window <= 0:
+                    await client.read()
+                    continue
+                client.conn.send_data(sid, payload[sent : sent + window])
+                sent += window
+                await client.send()
+        client.conn.end_stream(sid)
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        answer = json.loads(client.body(sid))
+        assert answer["size"] == len(payload)
+        assert answer["sha256"] == hashlib.sha256(payload).hexdigest()
+
+        down = client.request("/big/2000000")
+        await client.send()
+        received = 0
+        with trio.fail_after(20):
+            while not client.ended(down):
+                for event in await client.read():
+                    if isinstance(event, h2.events.DataReceived):
+                        received += len(event.data)
+                        client.conn.acknowledge_received_data(
+                            event.flow_controlled_length, down
+                        )
+                await client.send()
+        assert received == 2000000
+        await client.aclose()
+
+
+# -- defences: each attacked with a raw client ---------------------------------------
+
+ErrorCodes = h2.errors.ErrorCodes
+
+
+def _goaway_code(client: RawH2) -> int | None:
+    event = client.goaway()
+    return None if event is None else int(event.error_code or 0)
+
+
+async def test_streams_beyond_max_concurrent_streams_are_refused(
+    tmp_path: Path,
+) -> None:
+    async with h2_edge(tmp_path, http2={"max_concurrent_streams": 2}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sids = [client.request("/slow/0.3") for _ in range(4)]
+        await client.send()
+        await client.until(lambda c: _answered(c, *sids))
+        refused = [
+            e.stream_id
+            for e in client.of(h2.events.StreamReset)
+            if e.error_code == ErrorCodes.REFUSED_STREAM
+        ]
+        assert refused == sids[2:]
+        assert [client.status(sid) for sid in sids[:2]] == [200, 200]
+        # The connection goes on: a new stream is served.
+        again = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: c.ended(again))
+        assert client.status(again) == 200
+        await client.aclose()
+
+
+async def test_malformed_requests_are_stream_errors(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port, validate=False)
+        bad = [
+            client.request("/echo", headers=[("connection", "keep-alive")]),
+            client.request("/echo", headers=[("transfer-encoding", "chunked")]),
+            client.request("/echo", headers=[("te", "gzip")]),
+            client.request("/echo", headers=[("host", "other.test")]),
+            client.request("/echo", headers=[("X-Upper", "1")]),
+            client.request("/echo", headers=[(":protocol", "websocket")]),
+            client.request("no-slash"),
+        ]
+        good = client.request(
+            "/echo", headers=[("host", "LOCALHOST"), ("te", "trailers")]
+        )
+        await client.send()
+        await client.until(lambda c: _answered(c, *bad, good))
+        codes = {e.stream_id: e.error_code for e in client.of(h2.events.StreamReset)}
+        assert codes == dict.fromkeys(bad, ErrorCodes.PROTOCOL_ERROR)
+        assert client.status(good) == 200
+        headers = dict(json.loads(client.body(good))["headers"])
+        assert headers["host"] == "localhost"
+        assert "te" not in headers
+        connect = client.conn.get_next_available_stream_id()
+        client.conn.send_headers(
+            connect, [(b":method", b"CONNECT"), (b":authority", b"x.test:443")]
+        )
+        await client.send()
+        await client.until(lambda c: c.ended(connect))
+        assert client.status(connect) == 501
+        assert client.goaway() is None
+        await client.aclose()
+
+
+async def test_header_list_size_and_hpack_bomb_end_the_connection(
+    tmp_path: Path,
+) -> None:
+    async with h2_edge(tmp_path) as setup:
+        # One 4000-byte field, indexed into the HPACK table, then nine
+        # references to it (a byte each): 2.5 KB on the wire, 40 KB decoded.
+        client = await RawH2.open(setup.plain_port)
+        client.request("/echo", headers=[("x-bomb", "a" * 4000)] * 10)
+        sent = client.conn.data_to_send()
+        assert len(sent) < 3000
+        await client.send(sent)
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.aclose()
+        # One field larger than max_header_list_size (16384): the header block
+        # is cut off at that many bytes.
+        client = await RawH2.open(setup.plain_port)
+        client.request("/echo", headers=[("x-big", "b" * 20000)])
+        await client.send()
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.aclose()
+        # A table larger than the 4096 bytes we allow.
+        client = await RawH2.open(setup.plain_port)
+        await client.until(lambda c: c.of(h2.events.RemoteSettingsChanged))
+        client.conn.encoder.header_table_size = 65536
+        client.request("/echo")
+        await client.send()
+        await client.until(lambda c: c.goaway() is not None)
+        # h2 reports the size update past our SETTINGS as a PROTOCOL_ERROR.
+        assert _goaway_code(client) == ErrorCodes.PROTOCOL_ERROR
+        await client.aclose()
+
+
+async def test_h2s_own_frame_limits_hold(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        # A frame beyond SETTINGS_MAX_FRAME_SIZE (16384, h2's default).
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/echo", method="POST", end_stream=False)
+        await client.send()
+        oversized = DataFrame(sid)
+        oversized.data = b"x" * 20000
+        await client.send(oversized.serialize())
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.FRAME_SIZE_ERROR
+        await client.aclose()
+    async with h2_edge(tmp_path, http2={"initial_window_size": 1024}) as setup:
+        # DATA beyond the stream's window, once the client knows it is 1024.
+        client = await RawH2.open(setup.plain_port)
+        await client.until(lambda c: c.conn.remote_settings.initial_window_size == 1024)
+        sid = client.request("/slow/1", method="POST", end_stream=False)
+        await client.send()
+        frame = DataFrame(sid)
+        frame.data = b"x" * 4096
+        await client.send(frame.serialize())
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.FLOW_CONTROL_ERROR
+        await client.aclose()
+
+
+async def test_rapid_reset_gets_enhance_your_calm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h2_edge(tmp_path, http2={"max_resets": 50}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        with trio.fail_after(10):
+            for _ in range(200):
+                sid = client.request("/slow/1")
+                client.conn.reset_stream(sid, ErrorCodes.CANCEL)
+                try:
+                    await client.send()
+                except trio.BrokenResourceError:
+                    break
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.until(lambda c: c.closed)
+        await client.aclose()
+    (connection,) = [
+        r for r in access_records(caplog) if r.get("listener") == "plain" and "id" in r
+    ]
+    assert connection["termination"] == "client_error"
+    assert "rapid reset" in connection["detail"]
+
+
+async def test_continuation_flood_is_cut_off_by_a_byte_limit(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port)
+        headers = HeadersFrame(1, flags=["END_STREAM"])
+        headers.data = client.conn.encoder.encode(
+            [
+                (b":method", b"GET"),
+                (b":scheme", b"http"),
+                (b":path", b"/"),
+                (b":authority", b"x"),
+            ]
+        )
+        await client.send(headers.serialize())
+        sent = 0
+        with trio.fail_after(10):
+            while sent < 1 << 20:  # the edge stops us long before 1 MiB
+                continuation = ContinuationFrame(1)
+                continuation.data = b"\x00" * 1000
+                try:
+                    await client.stream.send_all(continuation.serialize())
+                except trio.BrokenResourceError:
+                    break
+                sent += 1000
+                if sent > 32768:
+                    break
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.aclose()
+
+
+@pytest.mark.parametrize("flood", ["ping", "settings", "window_update", "empty_data"])
+async def test_control_and_empty_frame_floods(tmp_path: Path, flood: str) -> None:
+    async with h2_edge(tmp_path, http2={"max_control_frames": 100}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        conn = client.conn
+        sid = client.request("/echo", method="POST", end_stream=False)
+        with trio.fail_after(10):
+            for index in range(300):
+                if flood == "ping":
+                    conn.ping(index.to_bytes(8, "big"))
+                elif flood == "settings":
+                    conn.update_settings(
+                        {h2.settings.SettingCodes.MAX_FRAME_SIZE: 16384}
+                    )
+                elif flood == "window_update":
+                    conn.increment_flow_control_window(1)
+                else:
+                    conn.send_data(sid, b"")
+                try:
+                    await client.send()
+                except trio.BrokenResourceError:
+                    break
+        await client.until(lambda c: c.goaway() is not None)
+        assert _goaway_code(client) == ErrorCodes.ENHANCE_YOUR_CALM
+        await client.aclose()
+
+
+async def test_zero_window_stall_is_timed_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h2_edge(
+        tmp_path, listener={"idle_timeout": 0.5}, http={"keepalive_timeout": 0.5}
+    ) as setup:
+        client = await RawH2.open(
+            setup.plain_port, settings={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+        )
+        sid = client.request("/big/100000")
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        (reset,) = client.of(h2.events.StreamReset, sid)
+        assert reset.error_code == ErrorCodes.CANCEL
+        assert client.body(sid) == b""
+        # Nothing open: keepalive_timeout closes the connection.
+        await client.until(lambda c: c.closed)
+        assert _goaway_code(client) == ErrorCodes.NO_ERROR
+        await client.aclose()
+    (line,) = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert line["termination"] == "client_error"
+    assert "window" in line["detail"]
+
+
+async def test_header_timeouts_per_connection_and_per_header_block(
+    tmp_path: Path,
+) -> None:
+    async with h2_edge(tmp_path, http={"request_header_timeout": 0.5}) as setup:
+        # The preface and nothing more.
+        client = await RawH2.open(setup.plain_port)
+        await client.until(lambda c: c.closed)
+        assert _goaway_code(client) == ErrorCodes.NO_ERROR
+        await client.aclose()
+        # A first request served, then a header block never finished.
+        client = await RawH2.open(setup.plain_port)
+        first = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: c.ended(first))
+        headers = HeadersFrame(3, flags=["END_STREAM"])
+        headers.data = client.conn.encoder.encode([(b":method", b"GET")])
+        await client.send(headers.serialize())
+        await client.until(lambda c: c.closed)
+        assert client.goaway() is not None
+        await client.aclose()
+
+
+async def test_request_body_stall_gets_408(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, listener={"idle_timeout": 0.5}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/echo", method="POST", end_stream=False)
+        client.conn.send_data(sid, b"start")
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        assert client.status(sid) == 408
+        await client.aclose()
+
+
+async def test_drain_sends_goaway_and_lets_the_stream_in_flight_finish(
+    tmp_path: Path,
+) -> None:
+    # nghttp (nghttp2) keeps reading after a graceful GOAWAY, as browsers do;
+    # that new streams are then refused is tested on the session.
+    async with h2_edge(tmp_path) as setup:
+        async with trio.open_nursery() as nursery:
+            done: list[subprocess.CompletedProcess[bytes]] = []
+
+            async def fetch() -> None:
+                done.append(
+                    await trio.run_process(
+                        [
+                            require("nghttp"),
+                            "-nv",
+                            f"http://127.0.0.1:{setup.plain_port}/slow/0.5",
+                        ],
+                        capture_stdout=True,
+                        capture_stderr=True,
+                    )
+                )
+
+            nursery.start_soon(fetch)
+            await wait_until(lambda: bool(setup.backend.raw))
+            setup.edge.drain()
+        out = done[0].stdout.decode()
+    goaway = out.index("recv GOAWAY frame")
+    assert "error_code=NO_ERROR" in out[goaway:]
+    assert "last_stream_id=13" in out[goaway:]
+    assert ":status: 200" in out[goaway:]
+    assert "END_STREAM" in out[goaway:]
+
+
+# -- tlsedge check --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("http", '["h2", "http/1.1"]', "", None),
+        # A relay passes the ALPN through: h2 is for a backend that speaks it.
+        ("tcp", '["h2", "http/1.1"]', "", None),
+        (
+            "http",
+            '["h2"]',
+            '[listeners.http2]\ncleartext = "prior-knowledge"\n',
+            "listeners[0].http2.cleartext: 'prior-knowledge' is for plain listeners",
+        ),
+        (
+            "tcp",
+            '["h2"]',
+            '[listeners.http2]\ncleartext = "prior-knowledge"\n',
+            'listeners[0].http2: only applies with mode = "http"',
+        ),
+        (
+            "http",
+            '["h3", "h2"]',
+            "",
+            "listeners[0].tls.alpn[0]: 'h3' cannot be served in mode = \"http\"",
+        ),
+    ],
+)
+def test_tlsedge_check_accepts_h2_where_it_is_served(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: tuple[str, str, str, str | None],
+) -> None:
+    mode, alpn, http2, error = case
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "site.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "site.key"))
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        "[[listeners]]\n"
+        f'name = "web"\nbind = "127.0.0.1:0"\nmode = "{mode}"\nbackend = "app"\n'
+        f"{http2}"
+        "[listeners.tls]\n"
+        'certificates = [{ cert = "site.pem", key = "site.key" }]\n'
+        f"alpn = {alpn}\n"
+        '[[backends]]\nname = "app"\nservers = ["127.0.0.1:8080"]\n'
+    )
+    code = main(["check", str(path)])
+    captured = capsys.readouterr()
+    if error is None:
+        assert code == 0, captured.err
+    else:
+        assert code == 2
+        assert f"{path}: {error}" in captured.err
+
+
+async def test_too_large_body_gets_413_and_the_rest_is_refused(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, http={"max_body_size": 1000}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request(
+            "/echo",
+            method="POST",
+            headers=[("content-length", "5000")],
+            end_stream=False,
+        )
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        assert client.status(sid) == 413
+        assert b"request body larger than 1000 bytes" in client.body(sid)
+        (reset,) = client.of(h2.events.StreamReset, sid)
+        assert reset.error_code == ErrorCodes.NO_ERROR
+        assert not setup.backend.raw
+        await client.aclose()
+
+
+async def test_response_timeout_gets_504(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path, http={"response_timeout": 0.3}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/slow/2")
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        assert client.status(sid) == 504
+        await client.aclose()
+
+
+async def test_a_client_gone_mid_stream_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port)
+        client.request("/slow/0.3")
+        await client.send()
+        await wait_until(lambda: bool(setup.backend.raw))
+        await client.aclose()
+        await wait_until(
+            lambda: any(r.get("type") == "http" for r in access_records(caplog))
+        )
+    (line,) = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert line["termination"] == "client_error"
+    assert line["detail"] == "the connection ended before the response did"
+    assert line["status"] is None

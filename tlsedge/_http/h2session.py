@@ -1,0 +1,793 @@
+"""HTTP/2 to a client, server side, sans-IO: the `h2` package plus our rules.
+
+Theory of operation
+===================
+
+`H2Session` wraps an `h2.connection.H2Connection` (the framing, HPACK, the
+stream states and flow-control arithmetic) and adds what a proxy edge needs
+on top, as `tlsedge._http.session.ClientSession` does for HTTP/1.1: each
+stream's header block becomes a checked `H2Request` (or a stream error), and
+every defence HTTP/2 edges learned the hard way is enforced on the bytes
+before h2 sees them. The driver (`tlsedge._http.h2driver`) feeds it bytes
+(`receive_data`), reads its events, calls its ``send_*`` methods and writes
+`data_to_send`; nothing here does I/O or reads a clock (the driver passes
+``now``).
+
+Requests. h2's own inbound header validation is off (it makes every
+malformed request a connection error); `check_request` applies RFC 9113
+section 8 instead, and a malformed request is a stream error
+(``RST_STREAM PROTOCOL_ERROR``, section 8.1.1): field names in lowercase
+tokens, values without CR, LF, NUL or surrounding whitespace, the
+pseudo-headers known, once each, before the fields, ``:method``, ``:scheme``
+and ``:path`` present, no connection-specific field (section 8.2.2:
+``connection``, ``keep-alive``, ``proxy-connection``, ``transfer-encoding``,
+``upgrade``, and ``te`` other than ``trailers``), no ``:protocol`` (RFC 8441
+extended CONNECT is not enabled: we never send
+SETTINGS_ENABLE_CONNECT_PROTOCOL). ``:authority`` and ``Host`` are
+reconciled as section 8.3.1 says: ``:authority`` wins, a ``Host`` that names
+another authority makes the request malformed, and the upstream gets one
+``host`` field first. More fields than ``max_headers`` get 431, CONNECT
+(``:method`` and ``:authority`` only) 501, as in HTTP/1.1. h2 itself
+still checks what only it can: a Content-Length that the DATA frames
+contradict, HPACK errors, the frame sizes and stream states (connection
+errors, GOAWAY).
+
+Limits (``[listeners.http2]``, docs/http2.md). SETTINGS: our HPACK table
+(``header_table_size``), ``max_header_list_size`` (h2's HPACK decoder stops a
+decompression bomb at it: GOAWAY ENHANCE_YOUR_CALM), the stream window
+(``initial_window_size``) and a connection window of
+``connection_window_size``; ``max_concurrent_streams`` is advertised in a
+SETTINGS frame of ours and enforced here with REFUSED_STREAM (h2 would make
+an excess stream a connection error). Floods are counted on the frame headers
+of the bytes received (`_FrameScanner`), before h2 parses them, and each ends
+the connection with GOAWAY ENHANCE_YOUR_CALM:
+
+* rapid reset (CVE-2023-44487): more than ``max_resets`` RST_STREAM frames
+  from the client plus streams we refused, within ``flood_window`` seconds;
+* CONTINUATION flood (CVE-2024-27316): a header block (HEADERS and its
+  CONTINUATION frames) of more than ``max_header_list_size`` bytes;
+* PING and SETTINGS floods: more than ``max_control_frames`` of them within
+  ``flood_window`` seconds;
+* WINDOW_UPDATE floods: more than ``100 + 2 * (streams + N * DATA frames
+  sent)`` of them (N: ``max_window_updates_per_data_frame``), PRIORITY floods:
+  more than 100 per stream opened, plus 100;
+* empty frames: more than ``max_empty_frames`` frames in a row with an empty
+  payload that do not end anything (DATA without END_STREAM, HEADERS or
+  CONTINUATION without END_HEADERS).
+
+Flow control. Request DATA is acknowledged (the client's window reopened)
+only when the driver says it was written upstream (`acknowledge`), so a slow
+upstream slows the client down and at most a window of body per stream is
+held. Response DATA goes out only as far as the client's windows allow
+(`sendable`).
+
+Drain. `goaway` sends GOAWAY (NO_ERROR) with the last stream accepted; h2 has
+no graceful GOAWAY (its own closes the connection for sending), so the frame
+is made here. Streams opened after it are refused; those before it finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import deque
+from dataclasses import dataclass
+from typing import Final
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+from hyperframe.frame import GoAwayFrame, SettingsFrame
+
+from tlsedge._config import Http2Config
+from tlsedge._http.head import HOST_RE
+
+__all__ = [
+    "PREFACE",
+    "ConnectionEnded",
+    "ErrorCodes",
+    "H2Request",
+    "H2Session",
+    "RequestData",
+    "RequestEnd",
+    "StreamCancelled",
+    "StreamMalformed",
+    "StreamOpened",
+    "WindowOpened",
+]
+
+Header = tuple[bytes, bytes]
+
+#: What an HTTP/2 client sends first (RFC 9113 section 3.4).
+PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+ErrorCodes = h2.errors.ErrorCodes
+
+# Frame types and flags (RFC 9113 section 6).
+_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0, 1, 2, 3, 4
+_PING, _WINDOW_UPDATE, _CONTINUATION = 6, 8, 9
+_END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
+_FRAME_HEADER: Final = 9
+
+_PSEUDO: Final = frozenset({b":method", b":scheme", b":path", b":authority"})
+_CONNECTION_SPECIFIC: Final = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# A lowercase token (RFC 9110 section 5.6.2; HTTP/2 field names are lowercase).
+_NAME_RE: Final = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")
+# A field value: no NUL, CR or LF; no leading or trailing SP or HTAB.
+_VALUE_RE: Final = re.compile(rb"(?:[^\x00\r\n\t ](?:[^\x00\r\n]*[^\x00\r\n\t ])?)?")
+_CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
+
+
+@dataclass(frozen=True, slots=True)
+class H2Request:
+    """A checked request head from one stream.
+
+    ``headers``: the fields for the upstream (``host`` first, no
+    pseudo-headers); ``end_stream``: the request has no body.
+    """
+
+    method: bytes
+    target: bytes
+    scheme: bytes
+    host: bytes
+    headers: list[Header]
+    content_length: int | None
+    end_stream: bool
+    size: int  # the fields' bytes as decoded (names + values)
+    user_agent: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpened:
+    """A new stream with a checked request; *error*: answer it with this
+    status and reason instead of forwarding it (431)."""
+
+    stream_id: int
+    request: H2Request
+    error: tuple[int, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMalformed:
+    """A request we reset with PROTOCOL_ERROR (RFC 9113 section 8.1.1)."""
+
+    stream_id: int
+    reason: str
+    method: bytes | None
+    target: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestData:
+    """Request body bytes; `H2Session.acknowledge` *flow_length* once used."""
+
+    stream_id: int
+    data: bytes
+    flow_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEnd:
+    """The request body ended (with its trailers, if any)."""
+
+    stream_id: int
+    trailers: list[Header]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamCancelled:
+    """The client reset a stream (or it was refused): stop working on it."""
+
+    stream_id: int
+    error_code: int
+
+
+@dataclass(frozen=True, slots=True)
+class WindowOpened:
+    """The client opened flow-control windows: blocked senders may go on."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionEnded:
+    """No more frames will be read: the client sent GOAWAY, broke the
+    protocol, or tripped a defence (*calm*: GOAWAY ENHANCE_YOUR_CALM sent)."""
+
+    reason: str
+    by_client: bool = False
+    calm: bool = False
+
+
+Event = (
+    StreamOpened
+    | StreamMalformed
+    | RequestData
+    | RequestEnd
+    | StreamCancelled
+    | WindowOpened
+    | ConnectionEnded
+)
+
+
+class _Calm(Exception):
+    """A defence tripped: end the connection with ENHANCE_YOUR_CALM."""
+
+
+class _FrameScanner:
+    """Follows the frame headers of the bytes received (after the preface) and
+    keeps the counts the flood defences need (see the module docstring)."""
+
+    __slots__ = (
+        "_block",
+        "_empty",
+        "_header",
+        "_limits",
+        "_priority",
+        "_remaining",
+        "_skip",
+        "_window_updates",
+        "control",
+        "resets",
+        "streams",
+    )
+
+    def __init__(self, limits: Http2Config) -> None:
+        self._limits = limits
+        self._skip = len(PREFACE)
+        self._header = bytearray()
+        self._remaining = 0  # payload bytes of the current frame still to come
+        self._block = -1  # bytes of the header block in progress; -1: none
+        self._empty = 0
+        self._window_updates = 0
+        self._priority = 0
+        self.control = 0  # PING and SETTINGS frames in this call to scan
+        self.resets = 0  # RST_STREAM frames in this call to scan
+        self.streams = 0  # HEADERS frames that may open a stream
+
+    @property
+    def in_header_block(self) -> bool:
+        return self._block >= 0
+
+    def scan(self, data: bytes, data_frames_sent: int) -> None:
+        """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
+        self.resets = self.control = 0
+        view = memoryview(data)
+        offset = 0
+        if self._skip:
+            offset = min(self._skip, len(data))
+            self._skip -= offset
+        end = len(data)
+        while offset < end:
+            if self._remaining:
+                take = min(self._remaining, end - offset)
+                self._remaining -= take
+                offset += take
+                continue
+            need = _FRAME_HEADER - len(self._header)
+            self._header += view[offset : offset + need]
+            offset += min(need, end - offset)
+            if len(self._header) < _FRAME_HEADER:
+                return
+            header = self._header
+            length = int.from_bytes(header[:3], "big")
+            self._frame(header[3], header[4], length, data_frames_sent)
+            self._header = bytearray()
+            self._remaining = length
+
+    def _frame(self, kind: int, flags: int, length: int, data_frames_sent: int) -> None:
+        limits = self._limits
+        if kind in {_HEADERS, _CONTINUATION}:
+            if kind == _HEADERS:
+                self.streams += 1
+                self._block = 0
+            elif self._block < 0:
+                return  # h2 refuses a stray CONTINUATION
+            self._block += length
+            if self._block > limits.max_header_list_size:
+                raise _Calm(
+                    f"header block larger than max_header_list_size "
+                    f"({limits.max_header_list_size} bytes): CONTINUATION flood"
+                )
+            ends = flags & _END_HEADERS
+            if ends:
+                self._block = -1
+            empty = not length and not ends
+        elif kind == _DATA:
+            empty = not length and not flags & _END_STREAM
+        else:
+            empty = False
+            if kind in {_PING, _SETTINGS}:
+                if not flags & _ACK:
+                    self.control += 1
+            elif kind == _WINDOW_UPDATE:
+                self._window_updates += 1
+                allowed = 100 + 2 * (
+                    self.streams
+                    + limits.max_window_updates_per_data_frame * data_frames_sent
+                )
+                if self._window_updates > allowed:
+                    raise _Calm(
+                        f"{self._window_updates} WINDOW_UPDATE frames for "
+                        f"{data_frames_sent} DATA frames sent: WINDOW_UPDATE flood"
+                    )
+            elif kind == _PRIORITY:
+                self._priority += 1
+                if self._priority > 100 * (self.streams + 1):
+                    raise _Calm(
+                        f"{self._priority} PRIORITY frames for {self.streams} "
+                        "streams: PRIORITY flood"
+                    )
+            elif kind == _RST_STREAM:
+                self.resets += 1
+        if empty:
+            self._empty += 1
+            if self._empty > limits.max_empty_frames:
+                raise _Calm(
+                    f"more than {limits.max_empty_frames} empty frames in a row"
+                )
+        elif length:
+            self._empty = 0
+
+
+class H2Session:
+    """One HTTP/2 client connection, server side (see the module docstring).
+
+    Args:
+        limits: The listener's ``[listeners.http2]`` settings.
+        max_headers: Most fields in a request (``[listeners.http] max_headers``;
+            more: 431).
+    """
+
+    def __init__(self, limits: Http2Config, *, max_headers: int) -> None:
+        self.limits = limits
+        self.max_headers = max_headers
+        settings = h2.settings.SettingCodes
+        # Inbound fields are checked by `check_request`; outbound ones are
+        # built here (lowercase names, no connection-specific field).
+        config = h2.config.H2Configuration(
+            client_side=False,
+            header_encoding=None,
+            validate_inbound_headers=False,
+            normalize_inbound_headers=True,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+        )
+        conn = h2.connection.H2Connection(config=config)
+        # The first SETTINGS holds what applies before the client's ACK too;
+        # the window and table sizes apply once ACKed (h2 tracks that).
+        conn.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={settings.MAX_HEADER_LIST_SIZE: limits.max_header_list_size},
+        )
+        conn.decoder.max_header_list_size = limits.max_header_list_size
+        conn.initiate_connection()
+        conn.update_settings(
+            {
+                settings.HEADER_TABLE_SIZE: limits.header_table_size,
+                settings.INITIAL_WINDOW_SIZE: limits.initial_window_size,
+            }
+        )
+        # Advertised here, enforced by us (REFUSED_STREAM): in h2's own
+        # settings it would make an excess stream a connection error.
+        extra = SettingsFrame(0)
+        extra.settings[settings.MAX_CONCURRENT_STREAMS] = limits.max_concurrent_streams
+        self._extra = extra.serialize()
+        increment = limits.connection_window_size - 65535
+        if increment > 0:
+            conn.increment_flow_control_window(increment)
+        self.conn = conn
+        self._scanner = _FrameScanner(limits)
+        self._resets: deque[float] = deque()
+        self._control: deque[float] = deque()
+        self.active: set[int] = set()  # streams being served
+        self._trailers: dict[int, list[Header]] = {}
+        self.data_frames_sent = 0
+        self.goaway_sent: int | None = None  # the last stream id it named
+        self.ended = False
+
+    # -- input -------------------------------------------------------------
+
+    @property
+    def in_header_block(self) -> bool:
+        """A header block was started and not finished (the header timeout)."""
+        return self._scanner.in_header_block
+
+    def receive_data(self, data: bytes, now: float) -> list[Event]:
+        """Client bytes in, events out (nothing after a `ConnectionEnded`)."""
+        if self.ended:
+            return []
+        scanner = self._scanner
+        try:
+            scanner.scan(data, self.data_frames_sent)
+            self._count_resets(scanner.resets, now)
+            self._count(
+                self._control,
+                scanner.control,
+                now,
+                most=self.limits.max_control_frames,
+                what="PING and SETTINGS frames",
+                attack="control frame flood",
+            )
+        except _Calm as exc:
+            return [self._calm(str(exc))]
+        try:
+            h2_events = self.conn.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            self.ended = True  # h2 has queued its GOAWAY
+            return [ConnectionEnded(f"HTTP/2 protocol error: {exc}")]
+        events: list[Event] = []
+        for event in h2_events:
+            self._translate(event, events, now)
+            if events and isinstance(events[-1], ConnectionEnded):
+                break
+        return events
+
+    def _count_resets(self, count: int, now: float) -> None:
+        self._count(
+            self._resets,
+            count,
+            now,
+            most=self.limits.max_resets,
+            what="streams reset or refused",
+            attack="rapid reset",
+        )
+
+    def _count(
+        self,
+        times: deque[float],
+        count: int,
+        now: float,
+        *,
+        most: int,
+        what: str,
+        attack: str,
+    ) -> None:
+        """Add *count* events at *now* to *times*; more than *most* within
+        ``flood_window`` is a flood."""
+        times.extend([now] * count)
+        horizon = now - self.limits.flood_window
+        while times and times[0] < horizon:
+            times.popleft()
+        if len(times) > most:
+            raise _Calm(
+                f"more than {most} {what} within "
+                f"{self.limits.flood_window:g} s: {attack}"
+            )
+
+    def _calm(self, reason: str) -> ConnectionEnded:
+        self.ended = True
+        self.conn.close_connection(
+            ErrorCodes.ENHANCE_YOUR_CALM, additional_data=reason.encode()
+        )
+        return ConnectionEnded(reason, calm=True)
+
+    def _translate(self, event: h2.events.Event, out: list[Event], now: float) -> None:
+        if isinstance(event, h2.events.RequestReceived):
+            self._request(event, out, now)
+        elif isinstance(event, h2.events.DataReceived):
+            sid = event.stream_id
+            assert sid is not None
+            if sid in self.active and event.data:
+                out.append(RequestData(sid, event.data, event.flow_controlled_length))
+            elif event.flow_controlled_length:
+                # Padding, or a refused or answered stream's data: give the
+                # window back at once.
+                self.conn.acknowledge_received_data(event.flow_controlled_length, sid)
+        elif isinstance(event, h2.events.TrailersReceived):
+            sid = event.stream_id
+            assert sid is not None
+            if sid in self.active:
+                self._trailers[sid] = [
+                    (bytes(n), bytes(v))
+                    for n, v in event.headers or []
+                    if not bytes(n).startswith(b":")
+                ]
+        elif isinstance(event, h2.events.StreamEnded):
+            sid = event.stream_id
+            assert sid is not None
+            trailers = self._trailers.pop(sid, [])
+            if sid in self.active:
+                out.append(RequestEnd(sid, trailers))
+        elif isinstance(event, h2.events.StreamReset):
+            sid = event.stream_id
+            assert sid is not None
+            if event.remote_reset and sid in self.active:
+                self.active.discard(sid)
+                out.append(StreamCancelled(sid, int(event.error_code or 0)))
+        elif isinstance(
+            event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)
+        ):
+            out.append(WindowOpened())
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self.ended = True
+            out.append(
+                ConnectionEnded(
+                    f"client sent GOAWAY ({_error_name(event.error_code)})",
+                    by_client=True,
+                )
+            )
+
+    def _request(
+        self, event: h2.events.RequestReceived, out: list[Event], now: float
+    ) -> None:
+        sid = event.stream_id
+        assert sid is not None
+        fields = [(bytes(n), bytes(v)) for n, v in event.headers or []]
+        end_stream = event.stream_ended is not None
+        if self.goaway_sent is not None or len(self.active) >= (
+            self.limits.max_concurrent_streams
+        ):
+            self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            try:
+                self._count_resets(1, now)
+            except _Calm as exc:
+                out.append(self._calm(str(exc)))
+            return
+        try:
+            request = check_request(fields, end_stream=end_stream)
+        except MalformedRequestError as exc:
+            self.conn.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+            out.append(StreamMalformed(sid, str(exc), exc.method, exc.target))
+            return
+        self.active.add(sid)
+        error = None
+        if request.method == b"CONNECT":
+            error = (501, "CONNECT is not supported")
+        elif len(request.headers) > self.max_headers:
+            error = (431, f"more than {self.max_headers} header fields")
+        out.append(StreamOpened(sid, request, error))
+
+    def acknowledge(self, stream_id: int, flow_length: int) -> None:
+        """Request body bytes were used: the client may send that much more."""
+        if not flow_length or self.ended:
+            return
+        try:
+            self.conn.acknowledge_received_data(flow_length, stream_id)
+        except h2.exceptions.StreamClosedError:
+            # The stream is gone: the connection's window still grows.
+            self.conn.increment_flow_control_window(flow_length)
+
+    # -- output ------------------------------------------------------------
+
+    def data_to_send(self) -> bytes:
+        """The bytes to write to the client now."""
+        data = self.conn.data_to_send()
+        if self._extra:
+            data, self._extra = data + self._extra, b""
+        return data
+
+    def open(self, stream_id: int) -> bool:
+        """The stream is still ours to answer (not reset, not finished)."""
+        return stream_id in self.active and not self.ended
+
+    def sendable(self, stream_id: int) -> int:
+        """How many body bytes may go out on the stream now (one DATA frame)."""
+        if not self.open(stream_id):
+            return 0
+        conn = self.conn
+        return min(
+            conn.local_flow_control_window(stream_id), conn.max_outbound_frame_size
+        )
+
+    def send_headers(
+        self, stream_id: int, status: int, headers: list[Header], *, end_stream: bool
+    ) -> None:
+        """A response head (1xx or final) on an open stream."""
+        if not self.open(stream_id):
+            return
+        fields = [(b":status", str(status).encode()), *headers]
+        try:
+            self.conn.send_headers(stream_id, fields, end_stream=end_stream)
+        except h2.exceptions.StreamClosedError:
+            end_stream = True
+        if end_stream:
+            self.active.discard(stream_id)
+
+    def send_data(
+        self, stream_id: int, data: bytes, *, end_stream: bool = False
+    ) -> None:
+        """Body bytes, at most `sendable` of them; *end_stream*: the last
+        (the response ends with them, without trailers)."""
+        if self.open(stream_id):
+            try:
+                self.conn.send_data(stream_id, data, end_stream=end_stream)
+            except h2.exceptions.StreamClosedError:
+                self.active.discard(stream_id)
+                return
+            self.data_frames_sent += 1
+            if end_stream:
+                self.active.discard(stream_id)
+
+    def send_end(self, stream_id: int, trailers: list[Header]) -> None:
+        """The end of the response (with trailers when there are any)."""
+        if not self.open(stream_id):
+            return
+        self.active.discard(stream_id)
+        with contextlib.suppress(h2.exceptions.StreamClosedError):
+            if trailers:
+                self.conn.send_headers(stream_id, trailers, end_stream=True)
+            else:
+                self.conn.end_stream(stream_id)
+
+    def stop_request(self, stream_id: int) -> None:
+        """RST_STREAM NO_ERROR after a complete response: the rest of the
+        request is not wanted (RFC 9113 section 8.1)."""
+        if self.ended:
+            return
+        with contextlib.suppress(h2.exceptions.StreamClosedError):
+            self.conn.reset_stream(stream_id, ErrorCodes.NO_ERROR)
+
+    def reset(self, stream_id: int, code: int = ErrorCodes.INTERNAL_ERROR) -> None:
+        """Reset a stream we cannot finish (a response cut upstream, a timeout)."""
+        if not self.open(stream_id):
+            return
+        self.active.discard(stream_id)
+        self.conn.reset_stream(stream_id, code)
+
+    def goaway(self) -> None:
+        """Graceful GOAWAY (drain): streams up to the last one go on."""
+        if self.goaway_sent is not None or self.ended:
+            return
+        last = self.conn.highest_inbound_stream_id
+        self.goaway_sent = last
+        frame = GoAwayFrame(0, last_stream_id=last, error_code=ErrorCodes.NO_ERROR)
+        self._extra += frame.serialize()
+
+    def close(self, code: int = ErrorCodes.NO_ERROR, reason: str = "") -> None:
+        """End the connection with GOAWAY (nothing more is sent after it)."""
+        self.ended = True
+        if self.conn.state_machine.state is h2.connection.ConnectionState.CLOSED:
+            return
+        self.conn.close_connection(code, additional_data=reason.encode() or None)
+
+
+class MalformedRequestError(Exception):
+    """A request RFC 9113 section 8.1.1 calls malformed (RST_STREAM PROTOCOL_ERROR)."""
+
+    def __init__(
+        self, reason: str, method: bytes | None = None, target: bytes | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.method = method
+        self.target = target
+
+
+def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
+    """Check a request's decoded header block (see the module docstring).
+
+    Raises:
+        MalformedRequestError: what is wrong with it.
+    """
+    pseudo: dict[bytes, bytes] = {}
+    headers: list[Header] = []
+    hosts: list[bytes] = []
+    lengths: list[bytes] = []
+    size = 0
+    agent: bytes | None = None
+    for name, value in fields:
+        size += len(name) + len(value)
+        if name[:1] == b":":
+            if headers:
+                raise _malformed(pseudo, f"pseudo-header {_show(name)} after a field")
+            if name == b":protocol":
+                raise _malformed(
+                    pseudo, ":protocol (extended CONNECT, RFC 8441) is not enabled"
+                )
+            if name not in _PSEUDO:
+                raise _malformed(pseudo, f"unknown pseudo-header {_show(name)}")
+            if name in pseudo:
+                raise _malformed(pseudo, f"pseudo-header {_show(name)} twice")
+            pseudo[name] = value
+            continue
+        if not _NAME_RE.fullmatch(name):
+            raise _malformed(
+                pseudo, f"field name {_show(name)} is not a lowercase token"
+            )
+        if not _VALUE_RE.fullmatch(value):
+            raise _malformed(
+                pseudo,
+                f"field {_show(name)}: NUL, CR, LF or surrounding whitespace "
+                "in its value",
+            )
+        if name in _CONNECTION_SPECIFIC:
+            raise _malformed(
+                pseudo, f"connection-specific field {_show(name)} (RFC 9113 8.2.2)"
+            )
+        if name == b"te":
+            if value.lower() != b"trailers":
+                raise _malformed(pseudo, "te other than 'trailers' (RFC 9113 8.2.2)")
+            continue  # hop-by-hop: not forwarded
+        if name == b"host":
+            hosts.append(value)
+            continue
+        if name == b"content-length":
+            lengths.append(value)
+        elif name == b"user-agent":
+            agent = value
+        headers.append((name, value))
+    method = pseudo.get(b":method")
+    path = pseudo.get(b":path")
+    scheme = pseudo.get(b":scheme")
+    if method is None:
+        raise MalformedRequestError("no :method", None, path)
+    authority = pseudo.get(b":authority")
+    if method == b"CONNECT":
+        # RFC 9113 8.5: only :method and :authority. Answered 501, as in
+        # HTTP/1.1: the proxy tunnels nothing.
+        if authority is None or scheme is not None or path is not None:
+            raise MalformedRequestError(
+                "CONNECT needs :authority and no :scheme or :path", method, path
+            )
+        path = authority
+        scheme = b""
+    if scheme is None or path is None:
+        raise MalformedRequestError("no :scheme or no :path", method, path)
+    if method != b"CONNECT" and (
+        not path or (path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"))
+    ):
+        raise MalformedRequestError(
+            f"malformed :path {_show(path)}: expected '/...' (or '*' for OPTIONS)",
+            method,
+            path,
+        )
+    if not _VALUE_RE.fullmatch(path) or b" " in path:
+        raise MalformedRequestError("malformed :path", method, path)
+    if len(hosts) > 1:
+        raise MalformedRequestError("more than one host field", method, path)
+    host = hosts[0] if hosts else None
+    if authority is not None:
+        if b"@" in authority:
+            raise MalformedRequestError("userinfo in :authority", method, path)
+        if host is not None and host.lower() != authority.lower():
+            raise MalformedRequestError(
+                "host field and :authority disagree (RFC 9113 8.3.1)", method, path
+            )
+        host = authority
+    if host is None:
+        raise MalformedRequestError("neither :authority nor host", method, path)
+    if not HOST_RE.fullmatch(host) or host[:1] in {b"", b":"}:
+        raise MalformedRequestError("malformed :authority or host", method, path)
+    content_length = None
+    if lengths:
+        if len(lengths) > 1 or not _CONTENT_LENGTH_RE.fullmatch(lengths[0]):
+            raise MalformedRequestError("malformed content-length", method, path)
+        content_length = int(lengths[0])
+    return H2Request(
+        method=method,
+        target=path,
+        scheme=scheme,
+        host=host,
+        headers=[(b"host", host), *headers],
+        content_length=content_length,
+        end_stream=end_stream,
+        size=size,
+        user_agent=agent,
+    )
+
+
+def _error_name(code: int | None) -> str:
+    """An HTTP/2 error code's name (``NO_ERROR``), or its number if unknown."""
+    try:
+        return ErrorCodes(code or 0).name
+    except ValueError:
+        return f"error code {code}"
+
+
+def _malformed(pseudo: dict[bytes, bytes], reason: str) -> MalformedRequestError:
+    """A malformed request, with its method and path when they were seen."""
+    return MalformedRequestError(reason, pseudo.get(b":method"), pseudo.get(b":path"))
+
+
+def _show(value: bytes) -> str:
+    text = repr(value[:64])[2:-1]
+    return f"'{text}'"
