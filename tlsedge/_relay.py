@@ -125,6 +125,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -215,37 +216,60 @@ def set_abortive_close(stream: trio.abc.Stream) -> None:
             return
 
 
+class _Timeouts(NamedTuple):
+    """A relay's timers, in seconds (named after their config fields)."""
+
+    idle: float
+    client_fin: float
+    server_fin: float
+
+    @classmethod
+    def checked(
+        cls, idle: float, client_fin: float, server_fin: float, buffer_size: int
+    ) -> _Timeouts:
+        """The timeouts, after checking them and *buffer_size*.
+
+        Raises:
+            ValueError: A timeout is negative or NaN, or *buffer_size* < 1.
+        """
+        for name, value in (
+            ("idle_timeout", idle),
+            ("client_fin_timeout", client_fin),
+            ("server_fin_timeout", server_fin),
+        ):
+            if not value >= 0:  # also rejects NaN
+                msg = f"{name} must be >= 0, got {value!r}"
+                raise ValueError(msg)
+        if buffer_size < 1:
+            msg = f"buffer_size must be >= 1, got {buffer_size!r}"
+            raise ValueError(msg)
+        return cls(idle, client_fin, server_fin)
+
+
 class _Relay:
     """What both relay paths share: counters, the timers' timestamps, the cause."""
 
     __slots__ = (
         "client",
-        "client_fin_timeout",
         "first_eof",
-        "idle_timeout",
         "last_activity",
         "last_send",
         "server",
-        "server_fin_timeout",
         "stats",
+        "timeouts",
     )
 
     def __init__(
         self,
         client: trio.abc.Stream,
         server: trio.abc.Stream,
-        *,
         stats: RelayStats,
-        idle_timeout: float,
-        client_fin_timeout: float,
-        server_fin_timeout: float,
+        timeouts: _Timeouts,
     ) -> None:
         self.client = client
         self.server = server
         self.stats = stats
-        self.idle_timeout = idle_timeout
-        self.client_fin_timeout = client_fin_timeout
-        self.server_fin_timeout = server_fin_timeout
+        self.timeouts = timeouts
         self.last_activity = trio.current_time()
         # Last time a waiting send made progress (the reader took bytes).
         self.last_send = self.last_activity
@@ -258,19 +282,25 @@ class _Relay:
             return None  # second EOF: nothing left to wait for once it is forwarded
         self.first_eof = source
         if source is _Side.CLIENT:
-            return now + self.server_fin_timeout
-        return now + self.client_fin_timeout
+            return now + self.timeouts.server_fin
+        return now + self.timeouts.client_fin
 
     def next_deadline(self) -> tuple[float, Termination]:
         """When the relay times out if nothing happens before, and as what."""
-        idle = self.last_activity + self.idle_timeout
+        idle = self.last_activity + self.timeouts.idle
         first_eof = self.first_eof
         if first_eof is None:
             return idle, Termination.IDLE_TIMEOUT
         if first_eof is _Side.CLIENT:
-            fin_timeout, cause = self.server_fin_timeout, Termination.SERVER_FIN_TIMEOUT
+            fin_timeout, cause = (
+                self.timeouts.server_fin,
+                Termination.SERVER_FIN_TIMEOUT,
+            )
         else:
-            fin_timeout, cause = self.client_fin_timeout, Termination.CLIENT_FIN_TIMEOUT
+            fin_timeout, cause = (
+                self.timeouts.client_fin,
+                Termination.CLIENT_FIN_TIMEOUT,
+            )
         # Inactivity of the remaining direction: bytes received from its source
         # (last_activity, which the finished source no longer moves after its
         # EOF) or taken by its destination (last_send).
@@ -356,22 +386,13 @@ class _Flow(_Relay):
         self,
         client: trio.abc.Stream,
         server: trio.abc.Stream,
-        ends: _Ends,
-        *,
         stats: RelayStats,
-        idle_timeout: float,
-        client_fin_timeout: float,
-        server_fin_timeout: float,
+        timeouts: _Timeouts,
+        *,
+        ends: _Ends,
         buffer_size: int,
     ) -> None:
-        super().__init__(
-            client,
-            server,
-            stats=stats,
-            idle_timeout=idle_timeout,
-            client_fin_timeout=client_fin_timeout,
-            server_fin_timeout=server_fin_timeout,
-        )
+        super().__init__(client, server, stats, timeouts)
         self.a, self.b, self.built = ends
         self.buffer_size = buffer_size
         self.scratch = _scratch_buffer(buffer_size)
@@ -742,7 +763,7 @@ class DetachedRelays:
             TypeError: a stream is neither a `trio.SocketStream` nor an
                 established `TLSStream` over one (nothing was started).
         """
-        _check_relay_arguments(
+        timeouts = _Timeouts.checked(
             idle_timeout, client_fin_timeout, server_fin_timeout, buffer_size
         )
         ends = _reactor_ends(client, server, sockets)
@@ -753,14 +774,7 @@ class DetachedRelays:
             )
             raise TypeError(msg)
         flow = _Flow(
-            client,
-            server,
-            ends,
-            buffer_size=buffer_size,
-            stats=stats,
-            idle_timeout=idle_timeout,
-            client_fin_timeout=client_fin_timeout,
-            server_fin_timeout=server_fin_timeout,
+            client, server, stats, timeouts, ends=ends, buffer_size=buffer_size
         )
 
         def ended() -> None:
@@ -797,20 +811,10 @@ class _StreamRelay(_Relay):
         self,
         client: trio.abc.Stream,
         server: trio.abc.Stream,
-        *,
         stats: RelayStats,
-        idle_timeout: float,
-        client_fin_timeout: float,
-        server_fin_timeout: float,
+        timeouts: _Timeouts,
     ) -> None:
-        super().__init__(
-            client,
-            server,
-            stats=stats,
-            idle_timeout=idle_timeout,
-            client_fin_timeout=client_fin_timeout,
-            server_fin_timeout=server_fin_timeout,
-        )
+        super().__init__(client, server, stats, timeouts)
         self.pumps_running = 2
         # Replaced by the nursery's scope and the watcher's sleep scope.
         self.scope = self.timer_scope = _UNUSED_SCOPE
@@ -977,32 +981,19 @@ async def relay(
         trio.Cancelled: Cancelled from outside; ``stats.termination`` is then
             ``DRAINED`` unless a cause had already been recorded.
     """
-    _check_relay_arguments(
+    timeouts = _Timeouts.checked(
         idle_timeout, client_fin_timeout, server_fin_timeout, buffer_size
     )
     ends = _reactor_ends(client, server, sockets)
     try:
         if ends is not None:
-            flow = _Flow(
-                client,
-                server,
-                ends,
-                buffer_size=buffer_size,
-                stats=stats,
-                idle_timeout=idle_timeout,
-                client_fin_timeout=client_fin_timeout,
-                server_fin_timeout=server_fin_timeout,
+            await _relay_on_reactor(
+                _Flow(
+                    client, server, stats, timeouts, ends=ends, buffer_size=buffer_size
+                )
             )
-            await _relay_on_reactor(flow)
         else:
-            state = _StreamRelay(
-                client,
-                server,
-                stats=stats,
-                idle_timeout=idle_timeout,
-                client_fin_timeout=client_fin_timeout,
-                server_fin_timeout=server_fin_timeout,
-            )
+            state = _StreamRelay(client, server, stats, timeouts)
             await state.run(buffer_size)
             if stats.termination is None:
                 stats.termination = state.clean_termination()
@@ -1012,22 +1003,3 @@ async def relay(
         if stats.termination is None:
             stats.termination = Termination.DRAINED
         raise
-
-
-def _check_relay_arguments(
-    idle_timeout: float,
-    client_fin_timeout: float,
-    server_fin_timeout: float,
-    buffer_size: int,
-) -> None:
-    for name, value in (
-        ("idle_timeout", idle_timeout),
-        ("client_fin_timeout", client_fin_timeout),
-        ("server_fin_timeout", server_fin_timeout),
-    ):
-        if not value >= 0:  # also rejects NaN
-            msg = f"{name} must be >= 0, got {value!r}"
-            raise ValueError(msg)
-    if buffer_size < 1:
-        msg = f"buffer_size must be >= 1, got {buffer_size!r}"
-        raise ValueError(msg)
