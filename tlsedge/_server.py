@@ -51,7 +51,6 @@ import nothing from this module).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import ipaddress
 import logging
@@ -67,6 +66,7 @@ from proxyproto import Policy, TrustPolicy
 from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admin import AdminServer, bind_admin
 from tlsedge._admission import AccessRules
+from tlsedge._cleanup import Cleanup
 from tlsedge._config import Config, ConfigError, ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
@@ -774,10 +774,9 @@ class Edge:
         )
         self.active_connections += 1
         self._metrics.connection_opened(config.name)
-        with contextlib.ExitStack() as exits:
-            exits.callback(
-                self._connection_ended, log, trio.current_time(), limiter, token
-            )
+        with Cleanup() as exits:
+            started = trio.current_time()
+            exits.callback(lambda: self._connection_ended(log, started, limiter, token))
             # The client's socket, whatever stages wrap it (closing the wrappers
             # could send nothing more: the connection is over).
             exits.callback(stream.socket.close)
@@ -834,7 +833,7 @@ class Edge:
         pool: BackendPool,
         raw: socket.socket,
         stream: trio.SocketStream,
-        exits: contextlib.ExitStack,
+        exits: Cleanup,
         peer: tuple[str, int] | None,
         local: tuple[str, int] | None,
         log: ConnectionLog,

@@ -13,12 +13,12 @@ the exit stack held when the relay ends.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 
 import trio
 
 from tlsedge._accesslog import ConnectionLog
+from tlsedge._cleanup import Cleanup
 from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._proxy_wrap import proxy_header_for
@@ -40,7 +40,7 @@ async def serve_tcp(
     listener: ListenerConfig,
     initial_data: bytes,
     log: ConnectionLog,
-    exits: contextlib.ExitStack,
+    exits: Cleanup,
     relays: DetachedRelays,
     client_socket: socket.socket | None = None,
 ) -> None:
@@ -115,7 +115,7 @@ async def serve_tcp(
             else (client_socket, connected.raw),
         )
     except BaseException:
-        exits.push(owned)  # nothing started: the owner cleans up as before
+        exits.callback(owned.close)  # nothing started: the owner cleans up
         raise
 
 
