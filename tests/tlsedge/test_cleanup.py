@@ -10,8 +10,9 @@ from tlsedge._cleanup import Cleanup
 def test_callbacks_run_last_added_first_once() -> None:
     ran: list[int] = []
     with Cleanup() as cleanup:
-        for number in range(3):
-            cleanup.callback(lambda number=number: ran.append(number))
+        cleanup.callback(lambda: ran.append(0))
+        cleanup.callback(lambda: ran.append(1))
+        cleanup.callback(lambda: ran.append(2))
     assert ran == [2, 1, 0]
     cleanup.close()  # nothing left to run
     assert ran == [2, 1, 0]
