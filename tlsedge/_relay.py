@@ -572,6 +572,8 @@ class _Flow(_Relay):
                     eof = True
                     break
                 chunks.append(data)
+                if not tls.input_pending:
+                    break  # a further call would only raise WouldBlock
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.fail(end)
             return

@@ -434,6 +434,17 @@ class TLSStream(trio.abc.HalfCloseableStream):
         return self._outgoing.read()
 
     @property
+    def input_pending(self) -> bool:
+        """`receive_nowait` could return more without new transport data
+        (bytes received but not yet returned: a record, plaintext, an EOF)."""
+        return bool(
+            self._parked
+            or self._incoming.pending
+            or self.ssl_object.pending()
+            or (self._incoming.eof and not self._eof_received)
+        )
+
+    @property
     def established(self) -> bool:
         """The handshake is done and the stream neither broken nor closed."""
         return self._handshake_done and self._state is _State.OK
