@@ -2,6 +2,9 @@
 
 Run: ``python bench/edge.py [--quick] [--duration 10] [--reps 3] [--no-pin]``
      ``python bench/edge.py --profile bench/results/profile`` (py-spy on tlsedge)
+     ``python bench/edge.py --workers 2 --proxies tlsedge,haproxy`` (tlsedge
+     ``workers = 2`` against HAProxy ``nbthread 2``; the proxies are not pinned
+     then, and their CPU counts every worker process)
 
 Every proxy relays plain TCP (no TLS, no PROXY header) to the same backends,
 started by this script on free loopback ports:
@@ -121,13 +124,21 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of *pid* (and its reaped children)."""
+    """User + system CPU time of *pid*, its reaped children and its live
+    descendants (tlsedge's workers, with ``--workers``)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return float("nan")
     ticks = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    total = ticks / os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        total += sum(cpu_seconds(int(child)) for child in children)
+    return total
 
 
 # -- process management ------------------------------------------------------
@@ -260,12 +271,17 @@ class Proxy:
     proc: subprocess.Popen[bytes] | None = None
 
 
-def start_proxy(procs: Procs, proxy: Proxy, nginx_port: int, iperf_port: int) -> None:
+def start_proxy(
+    procs: Procs, proxy: Proxy, nginx_port: int, iperf_port: int, workers: int = 1
+) -> None:
     wd = procs.workdir
     pairs = [(proxy.http_port, nginx_port), (proxy.bulk_port, iperf_port)]
     if proxy.name.startswith("tlsedge"):
         toml = wd / f"{proxy.name}.toml"
-        parts = ["[edge]\nworkers = 1\ndrain_timeout = 1.0\nmax_connections = 20000\n"]
+        parts = [
+            f"[edge]\nworkers = {workers}\ndrain_timeout = 1.0\n"
+            "max_connections = 20000\n"
+        ]
         for i, (listen, target) in enumerate(pairs):
             parts.append(
                 f'[[listeners]]\nname = "l{i}"\nbind = "127.0.0.1:{listen}"\n'
@@ -283,7 +299,7 @@ def start_proxy(procs: Procs, proxy: Proxy, nginx_port: int, iperf_port: int) ->
             for i, (listen, target) in enumerate(pairs)
         )
         cfg.write_text(
-            "global\n    nbthread 1\n    maxconn 9000\n"
+            f"global\n    nbthread {workers}\n    maxconn 9000\n"
             "defaults\n    mode tcp\n    timeout connect 5s\n"
             "    timeout client 60s\n    timeout server 60s\n" + listens
         )
@@ -298,7 +314,9 @@ def start_proxy(procs: Procs, proxy: Proxy, nginx_port: int, iperf_port: int) ->
     else:
         raise BenchError(f"unknown proxy {proxy.name}")
     env_note = f"{proxy.name}.log"
-    proxy.proc = procs.start(proxy.name, argv, cpu=PROXY_CPU, log=env_note)
+    # Several workers/threads get both cores (and share them with the load).
+    cpu = PROXY_CPU if workers == 1 else None
+    proxy.proc = procs.start(proxy.name, argv, cpu=cpu, log=env_note)
     for listen, _ in pairs:
         wait_port(listen, proxy.proc, proxy.name)
 
@@ -489,13 +507,21 @@ def summarize_profile(path: Path, top: int = 25) -> None:
 # -- main ----------------------------------------------------------------------
 
 
+def _pinning(pin: bool, workers: int) -> str:
+    if not pin:
+        return "none"
+    if workers == 1:
+        return "proxy on CPU 1, nginx/iperf3/wrk on CPU 0"
+    return "proxy on both CPUs, nginx/iperf3/wrk on CPU 0"
+
+
 def run_benchmark(procs: Procs, args: argparse.Namespace) -> None:
     proxies = [Proxy(name, free_port(), free_port()) for name in args.proxies]
     nginx_port, iperf_port = free_port(), free_port()
     start_nginx(procs, nginx_port)
     start_iperf3_server(procs, iperf_port)
     for proxy in proxies:
-        start_proxy(procs, proxy, nginx_port, iperf_port)
+        start_proxy(procs, proxy, nginx_port, iperf_port, args.workers)
     # Warm-up: one short run through each proxy (connections, caches, JIT-less
     # but import-lazy Python code paths).
     for proxy in proxies:
@@ -570,7 +596,8 @@ def print_tables(
         row = [scenario]
         row += [f"{cpu(n, scenario):.0f}%" for n in names]
         rows.append(row)
-    print("\nProxy CPU use (median, % of one core; the proxy is pinned to one core):")
+    where = "pinned to one core" if args.workers == 1 else "on both cores"
+    print(f"\nProxy CPU use (median, % of one core; the proxy runs {where}):")
     print(render_table(["scenario", *names], rows))
 
     rows = []
@@ -607,6 +634,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="tlsedge workers = N against HAProxy nbthread N (unpinned)",
+    )
+    parser.add_argument(
         "--profile", metavar="DIR", help="py-spy record tlsedge instead of comparing"
     )
     parser.add_argument("--profile-proxy", default="tlsedge", help=argparse.SUPPRESS)
@@ -626,6 +659,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in args.scenarios:
         if s not in SCENARIOS:
             parser.error(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+    if args.workers != 1 and not set(args.proxies) <= {
+        "tlsedge",
+        "tlsedge-nolog",
+        "haproxy",
+    }:
+        parser.error("--workers compares tlsedge and haproxy only")
     for tool in ("nginx", "haproxy", "wrk", "iperf3"):
         if shutil.which(tool) is None:
             parser.error(f"{tool} is not installed")
@@ -635,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs = Procs(workdir, pin)
     print(banner("bench/edge.py: TCP relay, side by side", tools=True))
     print(
-        f"pinning: {'proxy on CPU 1, nginx/iperf3/wrk on CPU 0' if pin else 'none'}; "
+        f"pinning: {_pinning(pin, args.workers)}; workers/threads: {args.workers}; "
         f"wrk -t1 -c50 -d{args.duration:g}s; {args.reps} reps, rotating order"
     )
     print(f"workdir: {workdir}", flush=True)
