@@ -16,10 +16,10 @@ reactor pays that cost once per *batch* of ready connections instead:
   `trio.lowlevel.wait_readable`, then asks the selector for every ready
   descriptor without blocking and calls each one's handler. Handlers never
   await: they make non-blocking ``recv``/``send`` calls and change interest.
-- Timers (idle and fin timeouts) live in one heap that the same loop sweeps;
-  the wait's cancel scope has the earliest deadline. A handler only stores
-  timestamps; a timer that fires re-checks them and re-arms itself if there
-  was activity (so a busy connection never touches the heap).
+- Timers (idle and fin timeouts) live in one heap that a second task sweeps,
+  sleeping until the earliest deadline. A handler only stores timestamps; a
+  timer that fires re-checks them and re-arms itself if there was activity
+  (so a busy connection never touches the heap).
 
 trio keeps the control plane: accepting, PROXY headers, TLS handshakes,
 connecting backends, configuration, health checks and drain run in trio tasks
@@ -27,9 +27,10 @@ as before, and hand a connection to the reactor once it is established
 (`tlsedge._relay.relay`).
 
 The reactor of a trio run is made on first use (`current_reactor`) and runs as
-a trio *system* task, so library users and tests that call `relay` need no
-setup; it ends with the run. A handler that raises is a bug: it is logged and
-its handler's ``failed`` method ends that connection alone.
+a trio *system* task (its timer task a child of it), so library users and
+tests that call `relay` need no setup; it ends with the run. A handler that
+raises is a bug: it is logged and its ``failed`` method ends that connection
+alone.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import select
 import selectors
 from collections.abc import Callable
@@ -158,13 +160,15 @@ def _make_poller() -> _Poller:
 
 
 class Reactor:
-    """A selector with persistent registrations and a timer heap, one task."""
+    """A selector with persistent registrations and a timer heap."""
 
     def __init__(self) -> None:
         self._poller = _make_poller()
         self._handlers: dict[int, Handler] = {}
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()
+        # The timer task's sleep; its deadline is the earliest timer's.
+        self._timer_sleep = trio.CancelScope()
 
     # -- registrations -------------------------------------------------------
 
@@ -183,55 +187,66 @@ class Reactor:
         self._poller.unregister(fd)
 
     def call_at(self, deadline: float, callback: Callable[[], None]) -> None:
-        """Call *callback* from the reactor's task once trio's clock passes
+        """Call *callback* from the reactor once trio's clock passes
         *deadline*. There is no cancelling: a callback checks whether it is
         still wanted."""
         heapq.heappush(self._timers, (deadline, next(self._sequence), callback))
+        self._timer_sleep.deadline = min(self._timer_sleep.deadline, deadline)
 
-    # -- the loop --------------------------------------------------------------
+    # -- the loops ---------------------------------------------------------------
 
     async def run(self) -> None:
-        """Drive the registered descriptors and the timers until cancelled."""
+        """Drive the registered descriptors and the timers until cancelled.
+
+        Two tasks: this one waits for readiness without a deadline (a cancel
+        scope per wake-up would cost more than the rest of a wake-up's
+        bookkeeping), a second one sleeps until the earliest timer. A new
+        timer moves that sleep only when it is the earliest; with one idle
+        timeout for all, a new connection's timer never is.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._run_timers)
+                await self._run_io()
+        finally:
+            self._poller.close()
+
+    async def _run_io(self) -> None:
         poller = self._poller
         handlers = self._handlers
-        timers = self._timers
         selector_fd = poller.fileno()
         wait_readable = trio.lowlevel.wait_readable
-        current_time = trio.current_time
-        try:
+        while True:
+            await wait_readable(selector_fd)
             while True:
-                if timers:
-                    with trio.CancelScope(deadline=timers[0][0]):
-                        await wait_readable(selector_fd)
-                else:
-                    await wait_readable(selector_fd)
-                while True:
-                    events = poller.poll()
-                    for fd, mask in events:
-                        handler = handlers.get(fd)
-                        if handler is None:
-                            continue  # unregistered by an earlier handler
-                        try:
-                            handler.ready(fd, mask)
-                        except Exception as exc:  # a bug: logged, ends that connection
-                            LOGGER.exception("reactor: handler failed on fd %d", fd)
-                            handler.failed(exc)
-                    if timers and timers[0][0] <= current_time():
-                        self._run_timers(current_time())
-                    if len(events) < _MAX_EVENTS:
-                        break
-                    await trio.lowlevel.checkpoint()
-        finally:
-            poller.close()
+                events = poller.poll()
+                for fd, mask in events:
+                    handler = handlers.get(fd)
+                    if handler is None:
+                        continue  # unregistered by an earlier handler
+                    try:
+                        handler.ready(fd, mask)
+                    except Exception as exc:  # a bug: logged, ends that connection
+                        LOGGER.exception("reactor: handler failed on fd %d", fd)
+                        handler.failed(exc)
+                if len(events) < _MAX_EVENTS:
+                    break
+                await trio.lowlevel.checkpoint()
 
-    def _run_timers(self, now: float) -> None:
+    async def _run_timers(self) -> None:
         timers = self._timers
-        while timers and timers[0][0] <= now:
-            _, _, callback = heapq.heappop(timers)
-            try:
-                callback()
-            except Exception:
-                LOGGER.exception("reactor: timer callback failed")
+        while True:
+            with trio.CancelScope(
+                deadline=timers[0][0] if timers else math.inf
+            ) as self._timer_sleep:
+                await trio.sleep_forever()
+            now = trio.current_time()
+            while timers and timers[0][0] <= now:
+                _, _, callback = heapq.heappop(timers)
+                try:
+                    callback()
+                except Exception:
+                    LOGGER.exception("reactor: timer callback failed")
 
 
 _REACTOR: trio.lowlevel.RunVar[Reactor] = trio.lowlevel.RunVar("tlsedge_reactor")

@@ -413,6 +413,7 @@ def test_set_abortive_close_follows_transport_stream() -> None:
 @PATHS
 async def test_cancel_from_outside_records_cancelled(path: str) -> None:
     current_reactor()  # runs for the whole run: not a task left behind
+    await trio.testing.wait_all_tasks_blocked()  # its timer task started
     before = sorted(all_task_names())
     with trio.fail_after(HANG_GUARD):
         async with tcp_wiring(path) as w:
@@ -820,6 +821,7 @@ async def test_relay_tasks(path: str) -> None:
     # its own. Other streams get a pump task per direction; the timers live in
     # relay()'s own task either way.
     current_reactor()
+    await trio.testing.wait_all_tasks_blocked()  # its timer task started
     before = len(all_task_names())
     with trio.fail_after(HANG_GUARD):
         async with tcp_wiring(path) as w, trio.open_nursery() as nursery:
