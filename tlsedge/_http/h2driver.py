@@ -110,6 +110,9 @@ LOGGER = logging.getLogger("tlsedge.http")
 Header = tuple[bytes, bytes]
 
 READ_SIZE: Final = 65536
+#: Seconds without a stream after which the upstream connections the
+#: connection kept back for its next streams go to the shared pool.
+PARK_AFTER: Final = 1.0
 #: Stream tasks wait while more than this many bytes wait for the writer.
 HIGH_WATER: Final = 65536
 #: Response fields that HTTP/2 forbids (RFC 9113 section 8.2.2), beyond the
@@ -162,10 +165,17 @@ class _Stream:
     request: H2Request
     log: RequestLog
     started: float
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    #: The work in progress (an attempt, an error response), which a reset
+    #: cancels; one scope per attempt, also its deadline (`deadline`).
+    scope: trio.CancelScope | None = None
+    #: The client reset the stream, or the connection ended: stop.
+    cancelled: bool = False
     body: deque[RequestData | RequestEnd] = field(default_factory=deque)
     wakeup: trio.Event = field(default_factory=trio.Event)
     request_read: bool = False  # the client's END_STREAM arrived
+    #: The last upstream read most likely emptied the socket (or the request
+    #: just went out): the next read waits for readability first.
+    upstream_drained: bool = False
     response_started: bool = False
     failure: _Failure | None = None
     #: The deadline of the exchange in progress, and what it means.
@@ -175,6 +185,12 @@ class _Stream:
     def fail(self, failure: _Failure) -> None:
         if self.failure is None:
             self.failure = failure
+
+    def cancel(self) -> None:
+        """Stop serving the stream (reset, or the connection ended)."""
+        self.cancelled = True
+        if self.scope is not None:
+            self.scope.cancel()
 
     def clear_failure(self) -> None:
         """A new attempt (a retry) starts."""
@@ -221,8 +237,14 @@ class _H2Connection:
             ),
             underscores=self.http.underscores_in_headers,
         )
+        # The connections its streams release are kept back for its next
+        # streams (at most one per concurrent stream), until `PARK_AFTER`.
         self.upstreams = UpstreamConnections(
-            backend, keepalive, downstream.client_ip, proxy_header
+            backend,
+            keepalive,
+            downstream.client_ip,
+            proxy_header,
+            keep=listener.http2.max_concurrent_streams,
         )
         self.session = H2Session(listener.http2, max_headers=self.http.max_headers)
         self.now: Callable[[], float] = trio.lowlevel.current_clock().current_time
@@ -256,7 +278,7 @@ class _H2Connection:
                     # Nothing more is read: a stream still open cannot finish
                     # (the client closed, broke the protocol or sent GOAWAY).
                     for stream in list(self.streams.values()):
-                        stream.scope.cancel()
+                        stream.cancel()
             # Every stream is done: what is queued (a GOAWAY) goes out.
             self.session.close()
             self.writer_done = True
@@ -315,7 +337,10 @@ class _H2Connection:
         if not self.any_stream:
             return self.started + http.request_header_timeout
         if not self.session.active:
-            return self.idle_since + http.keepalive_timeout
+            deadline = self.idle_since + http.keepalive_timeout
+            if self.upstreams.kept:
+                return min(deadline, self.idle_since + PARK_AFTER)
+            return deadline
         return math.inf
 
     def _update_read_deadline(self) -> None:
@@ -351,6 +376,9 @@ class _H2Connection:
                     session.goaway()
                     self._kick()
                     continue
+                if self._park_due():
+                    await self.upstreams.park()
+                    continue
                 self._timed_out()
                 return
             if not data:
@@ -364,6 +392,15 @@ class _H2Connection:
             else:
                 self.header_block_since = None
             self._kick()
+
+    def _park_due(self) -> bool:
+        """No stream for `PARK_AFTER`: the upstream connections kept back
+        go to the shared pool."""
+        return (
+            self.upstreams.kept > 0
+            and not self.session.active
+            and self.now() >= self.idle_since + PARK_AFTER
+        )
 
     def _timed_out(self) -> None:
         if self.draining:
@@ -404,7 +441,7 @@ class _H2Connection:
                             None,
                         )
                     )
-                    stream.scope.cancel()
+                    stream.cancel()
             elif isinstance(event, StreamMalformed):
                 self._malformed(event)
             else:
@@ -478,18 +515,22 @@ class _H2Connection:
     ) -> None:
         log = stream.log
         try:
-            with stream.scope:
-                if error is not None:
-                    await self._respond_error(stream, *error, Termination.BAD_REQUEST)
-                else:
-                    await self._exchange(stream)
+            if error is not None:
+                with trio.CancelScope() as stream.scope:
+                    if not stream.cancelled:
+                        await self._respond_error(
+                            stream, *error, Termination.BAD_REQUEST
+                        )
+                stream.scope = None
+            else:
+                await self._exchange(stream)
             failure = stream.failure
             if failure is not None:
                 log.termination = failure.termination
                 log.detail = failure.detail
                 if stream.response_started:
                     self.session.reset(stream.id, failure.code)
-                elif failure.status is not None and not stream.scope.cancel_called:
+                elif failure.status is not None and not stream.cancelled:
                     await self._respond_error(
                         stream, failure.status, failure.detail, failure.termination
                     )
@@ -604,30 +645,35 @@ class _H2Connection:
         fresh = retried = False
         log = stream.log
         while True:
-            connect_started = self.now()
-            try:
-                upstream = await self.upstreams.acquire(exclude, fresh=fresh)
-            except NoServerError as exc:
-                stream.fail(_Failure(Termination.NO_SERVER, str(exc), 503))
+            if stream.cancelled:
                 return
-            except ConnectFailedError as exc:
-                stream.fail(_Failure(Termination.CONNECT_FAILED, str(exc), 502))
-                return
-            log.connect = self.now() - connect_started
-            log.server = format_address(upstream.server.address)
-            self.result.server = log.server
+            upstream: Upstream | None = None
             conn = UpstreamExchange(method=request.method)
             stream.clear_failure()
-            try:
-                with trio.CancelScope() as scope:
-                    stream.deadline = scope
+            # One scope per attempt: a reset cancels it, `_arm` sets its
+            # deadline (a timeout ends the attempt, and may retry).
+            with trio.CancelScope() as scope:
+                stream.scope = stream.deadline = scope
+                connect_started = self.now()
+                try:
+                    upstream = await self.upstreams.acquire(exclude, fresh=fresh)
+                except NoServerError as exc:
+                    stream.fail(_Failure(Termination.NO_SERVER, str(exc), 503))
+                except ConnectFailedError as exc:
+                    stream.fail(_Failure(Termination.CONNECT_FAILED, str(exc), 502))
+                else:
+                    log.connect = self.now() - connect_started
+                    log.server = format_address(upstream.server.address)
+                    self.result.server = log.server
                     await self._proxy(stream, upstream, conn, headers, body)
-            except BaseException:
-                # Cancelled (the client reset the stream): the connection
-                # holds half an exchange; close it now, not with the client's.
+            stream.scope = stream.deadline = None
+            if upstream is None:
+                return  # no connection (the failure says why), or reset
+            if stream.cancelled:
+                # The connection holds half an exchange: close it now, not
+                # with the client's.
                 await self.upstreams.release(upstream, clean=False)
-                raise
-            stream.deadline = None
+                return
             if scope.cancelled_caught and stream.armed is not None:
                 stream.fail(stream.armed)
             failure = stream.failure
@@ -681,6 +727,8 @@ class _H2Connection:
                 retryable=True,
             ),
         )
+        # Nothing to read before the upstream has the request: wait first.
+        stream.upstream_drained = True
         try:
             await sockio.send_all(upstream.stream, prefix + data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -772,14 +820,17 @@ class _H2Connection:
         nursery.cancel_scope.cancel()
 
     async def _next_upstream_event(
-        self, upstream: Upstream, conn: UpstreamExchange
+        self, stream: _Stream, upstream: Upstream, conn: UpstreamExchange
     ) -> Informational | Response | Body | EndOfBody:
         while True:
             event = conn.next_event()
             if event is not NEED_DATA:
                 return event
             try:
-                data = await sockio.receive_some(upstream.stream, READ_SIZE)
+                data = await sockio.receive_some(
+                    upstream.stream, READ_SIZE, wait_first=stream.upstream_drained
+                )
+                stream.upstream_drained = len(data) < READ_SIZE
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise UpstreamError(
                     f"upstream read failed: {exc}", empty=not conn.received
@@ -815,7 +866,7 @@ class _H2Connection:
             for n, v in stream.request.headers
         )
         while True:
-            event = await self._next_upstream_event(upstream, conn)
+            event = await self._next_upstream_event(stream, upstream, conn)
             if isinstance(event, Response):
                 break
             assert isinstance(event, Informational), event
@@ -852,7 +903,7 @@ class _H2Connection:
         while True:
             if following is NEED_DATA:
                 self._arm(stream, idle, stall)
-                following = await self._next_upstream_event(upstream, conn)
+                following = await self._next_upstream_event(stream, upstream, conn)
             if isinstance(following, Body):
                 data = following.data
                 following = conn.next_event()
