@@ -258,6 +258,29 @@ class _H2Connection:
         self.out_drained = trio.Event()
         self.window = trio.Event()
         self.read_scope: trio.CancelScope | None = None
+        # What the timeouts armed on each stream mean (`_arm`).
+        self._upstream_write_stall = _Failure(
+            Termination.SERVER_ERROR,
+            "upstream did not read for idle_timeout",
+            502,
+            retryable=True,
+        )
+        self._response_timeout = _Failure(
+            Termination.RESPONSE_TIMEOUT,
+            f"no response within response_timeout ({self.http.response_timeout:g} s)",
+            504,
+        )
+        self._upstream_read_stall = _Failure(
+            Termination.SERVER_ABORTED,
+            "upstream response stalled for idle_timeout",
+            None,
+        )
+        self._client_stall = _Failure(
+            Termination.CLIENT_ERROR,
+            "client did not read (or open its window) for idle_timeout",
+            None,
+            code=ErrorCodes.CANCEL,
+        )
         self.draining = False
         self.writer_done = False
 
@@ -285,17 +308,22 @@ class _H2Connection:
             self._kick()
 
     def _kick(self) -> None:
-        """Move what the session queued to the outbox and wake the writer."""
+        """Wake the writer: the session queued bytes (the writer takes all
+        there are when it runs, so what the streams of one scheduling round
+        queued goes out in one write)."""
+        self.out_ready.set()
+
+    def _pull(self) -> int:
+        """Move what the session queued to the outbox; the outbox's size."""
         data = self.session.data_to_send()
         if data:
             self.outbox += data
-        if self.outbox or self.writer_done:
-            self.out_ready.set()
+        return len(self.outbox)
 
     async def _writer(self, connection_scope: trio.CancelScope) -> None:
         idle_timeout = self.listener.idle_timeout
         while True:
-            if not self.outbox:
+            if not self._pull():
                 self.out_drained.set()
                 if self.writer_done:
                     return
@@ -323,7 +351,7 @@ class _H2Connection:
 
     async def _wait_writable(self) -> None:
         """Wait while the outbox is above `HIGH_WATER`."""
-        while len(self.outbox) >= HIGH_WATER:
+        while self._pull() >= HIGH_WATER:
             if self.out_drained.is_set():
                 self.out_drained = trio.Event()
             await self.out_drained.wait()
@@ -344,8 +372,11 @@ class _H2Connection:
         return math.inf
 
     def _update_read_deadline(self) -> None:
-        if self.read_scope is not None:
-            self.read_scope.deadline = self._read_deadline()
+        scope = self.read_scope
+        if scope is not None:
+            deadline = self._read_deadline()
+            if deadline != scope.deadline:  # setting it costs, even unchanged
+                scope.deadline = deadline
 
     async def _read_loop(self, nursery: trio.Nursery, initial_data: bytes) -> None:
         session = self.session
@@ -717,16 +748,7 @@ class _H2Connection:
         idle = self.listener.idle_timeout
         data = conn.request_head(stream.request.target, headers, body)
         prefix, upstream.prefix = upstream.prefix, b""
-        self._arm(
-            stream,
-            idle,
-            _Failure(
-                Termination.SERVER_ERROR,
-                "upstream did not read for idle_timeout",
-                502,
-                retryable=True,
-            ),
-        )
+        self._arm(stream, idle, self._upstream_write_stall)
         # Nothing to read before the upstream has the request: wait first.
         stream.upstream_drained = True
         try:
@@ -755,16 +777,7 @@ class _H2Connection:
                 nursery.cancel_scope.cancel()
 
     def _await_head(self, stream: _Stream) -> None:
-        timeout = self.http.response_timeout
-        self._arm(
-            stream,
-            timeout,
-            _Failure(
-                Termination.RESPONSE_TIMEOUT,
-                f"no response within response_timeout ({timeout:g} s)",
-                504,
-            ),
-        )
+        self._arm(stream, self.http.response_timeout, self._response_timeout)
 
     async def _next_body_event(self, stream: _Stream) -> RequestData | RequestEnd:
         idle = self.listener.idle_timeout
@@ -895,11 +908,7 @@ class _H2Connection:
         session.send_headers(stream.id, head.status, fields, end_stream=False)
         stream.response_started = True
         self._kick()
-        stall = _Failure(
-            Termination.SERVER_ABORTED,
-            "upstream response stalled for idle_timeout",
-            None,
-        )
+        stall = self._upstream_read_stall
         while True:
             if following is NEED_DATA:
                 self._arm(stream, idle, stall)
@@ -934,38 +943,39 @@ class _H2Connection:
         the last frame ends the response)."""
         session = self.session
         view = memoryview(data)
-        stalled = _Failure(
-            Termination.CLIENT_ERROR,
-            "client did not read (or open its window) for idle_timeout",
-            None,
-            code=ErrorCodes.CANCEL,
-        )
         while view:
-            if stream.deadline is not None:
-                self._arm(stream, self.listener.idle_timeout, stalled)
             size = session.sendable(stream.id)
             if size <= 0:
                 if not session.open(stream.id):
                     raise _StreamGoneError("the stream or the connection ended")
-                window = self.window
-                if stream.deadline is None:
-                    with trio.move_on_after(self.listener.idle_timeout) as scope:
-                        await window.wait()
-                    if scope.cancelled_caught:
-                        raise _StreamGoneError(stalled.detail)
-                else:
-                    await window.wait()
+                await self._wait_window(stream)
                 continue
-            await self._wait_writable()
-            if not session.open(stream.id):
-                raise _StreamGoneError("the stream or the connection ended")
-            size = min(size, session.sendable(stream.id), len(view))
-            if size <= 0:
-                continue
-            view, chunk = view[size:], bytes(view[:size])
+            if self._pull() >= HIGH_WATER:
+                if stream.deadline is not None:
+                    self._arm(stream, self.listener.idle_timeout, self._client_stall)
+                await self._wait_writable()
+                continue  # the windows, or the stream, may have changed meanwhile
+            if size >= len(view):
+                chunk = data if len(view) == len(data) else bytes(view)
+                view = view[len(view) :]
+            else:
+                view, chunk = view[size:], bytes(view[:size])
             session.send_data(stream.id, chunk, end_stream=end_stream and not view)
-            stream.log.bytes_out += size
+            stream.log.bytes_out += len(chunk)
             self._kick()
+
+    async def _wait_window(self, stream: _Stream) -> None:
+        """Wait until the client opens a window (`idle_timeout` at most)."""
+        idle = self.listener.idle_timeout
+        window = self.window
+        if stream.deadline is None:
+            with trio.move_on_after(idle) as scope:
+                await window.wait()
+            if scope.cancelled_caught:
+                raise _StreamGoneError(self._client_stall.detail)
+        else:
+            self._arm(stream, idle, self._client_stall)
+            await window.wait()
 
 
 def _h2_fields(
@@ -973,13 +983,14 @@ def _h2_fields(
 ) -> list[Header]:
     """Response fields for HTTP/2: no hop-by-hop or connection-specific
     field, names in lowercase."""
-    return [
-        (name.lower(), value)
-        for name, value in strip_hop_by_hop(
-            headers, keep_upgrade=False, connection=connection
-        )
-        if name.lower() not in _NOT_IN_H2
-    ]
+    fields = []
+    for name, value in strip_hop_by_hop(
+        headers, keep_upgrade=False, connection=connection
+    ):
+        lower = name.lower()
+        if lower not in _NOT_IN_H2:
+            fields.append((lower, value))
+    return fields
 
 
 async def serve_h2(
