@@ -165,9 +165,9 @@ class _Stream:
     request: H2Request
     log: RequestLog
     started: float
-    #: The work in progress (an attempt, an error response), which a reset
-    #: cancels; one scope per attempt, also its deadline (`deadline`).
-    scope: trio.CancelScope | None = None
+    #: The work in progress or next (an attempt, an error response), which
+    #: a reset cancels; one scope per attempt, also its deadline (`deadline`).
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     #: The client reset the stream, or the connection ended: stop.
     cancelled: bool = False
     body: deque[RequestData | RequestEnd] = field(default_factory=deque)
@@ -189,8 +189,7 @@ class _Stream:
     def cancel(self) -> None:
         """Stop serving the stream (reset, or the connection ended)."""
         self.cancelled = True
-        if self.scope is not None:
-            self.scope.cancel()
+        self.scope.cancel()
 
     def clear_failure(self) -> None:
         """A new attempt (a retry) starts."""
@@ -547,12 +546,8 @@ class _H2Connection:
         log = stream.log
         try:
             if error is not None:
-                with trio.CancelScope() as stream.scope:
-                    if not stream.cancelled:
-                        await self._respond_error(
-                            stream, *error, Termination.BAD_REQUEST
-                        )
-                stream.scope = None
+                with stream.scope:
+                    await self._respond_error(stream, *error, Termination.BAD_REQUEST)
             else:
                 await self._exchange(stream)
             failure = stream.failure
@@ -675,36 +670,37 @@ class _H2Connection:
         exclude: Server | None = None
         fresh = retried = False
         log = stream.log
+        # One scope per attempt, made before anything awaits (a reset cancels
+        # it, also before the attempt starts); `_arm` sets its deadline (a
+        # timeout ends the attempt, and may retry).
+        scope = stream.scope
         while True:
-            if stream.cancelled:
-                return
             upstream: Upstream | None = None
             conn = UpstreamExchange(method=request.method)
             stream.clear_failure()
-            # One scope per attempt: a reset cancels it, `_arm` sets its
-            # deadline (a timeout ends the attempt, and may retry).
-            with trio.CancelScope() as scope:
-                stream.scope = stream.deadline = scope
-                connect_started = self.now()
-                try:
-                    upstream = await self.upstreams.acquire(exclude, fresh=fresh)
-                except NoServerError as exc:
-                    stream.fail(_Failure(Termination.NO_SERVER, str(exc), 503))
-                except ConnectFailedError as exc:
-                    stream.fail(_Failure(Termination.CONNECT_FAILED, str(exc), 502))
-                else:
-                    log.connect = self.now() - connect_started
-                    log.server = format_address(upstream.server.address)
-                    self.result.server = log.server
-                    await self._proxy(stream, upstream, conn, headers, body)
-            stream.scope = stream.deadline = None
-            if upstream is None:
-                return  # no connection (the failure says why), or reset
+            with scope:
+                stream.deadline = scope
+                if not scope.cancel_called:
+                    connect_started = self.now()
+                    try:
+                        upstream = await self.upstreams.acquire(exclude, fresh=fresh)
+                    except NoServerError as exc:
+                        stream.fail(_Failure(Termination.NO_SERVER, str(exc), 503))
+                    except ConnectFailedError as exc:
+                        stream.fail(_Failure(Termination.CONNECT_FAILED, str(exc), 502))
+                    else:
+                        log.connect = self.now() - connect_started
+                        log.server = format_address(upstream.server.address)
+                        self.result.server = log.server
+                        await self._proxy(stream, upstream, conn, headers, body)
+            stream.deadline = None
             if stream.cancelled:
-                # The connection holds half an exchange: close it now, not
-                # with the client's.
-                await self.upstreams.release(upstream, clean=False)
+                if upstream is not None:
+                    # It holds half an exchange: closed now, not with the client.
+                    await self.upstreams.release(upstream, clean=False)
                 return
+            if upstream is None:
+                return  # no connection: the failure says why
             if scope.cancelled_caught and stream.armed is not None:
                 stream.fail(stream.armed)
             failure = stream.failure
@@ -719,6 +715,7 @@ class _H2Connection:
                     retried=retried,
                 )
             )
+            scope = stream.scope = trio.CancelScope()
             await self.upstreams.release(
                 upstream, clean=failure is None and conn.reusable
             )

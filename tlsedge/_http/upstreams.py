@@ -235,4 +235,5 @@ async def _usable(stream: trio.abc.Stream) -> bool:
     if not isinstance(stream, TLSStream):
         return await is_idle_and_open(stream)
     with trio.CancelScope(shield=True):
-        return await is_idle_and_open(stream)
+        usable = await is_idle_and_open(stream)
+    return usable
