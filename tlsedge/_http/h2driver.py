@@ -384,21 +384,28 @@ class _H2Connection:
             self.result.bytes_from_client += len(initial_data)
             self._dispatch(session.receive_data(initial_data, self.now()), nursery)
         while not session.ended:
+            # One scope for as many reads as come before it is cancelled (a
+            # deadline, the drain); `_update_read_deadline` moves its deadline.
             with trio.CancelScope(deadline=self._read_deadline()) as scope:
                 self.read_scope = scope
                 watch = self.drain.cancels(scope) if not self.draining else None
                 with watch or contextlib.nullcontext():
-                    try:
-                        data = await sockio.receive_some(self.client, READ_SIZE)
-                    except (
-                        trio.BrokenResourceError,
-                        trio.ClosedResourceError,
-                        OSError,
-                    ) as exc:
-                        self._end(
-                            Termination.CLIENT_ERROR, f"client read failed: {exc}"
-                        )
-                        return
+                    while not session.ended:
+                        try:
+                            data = await sockio.receive_some(self.client, READ_SIZE)
+                        except (
+                            trio.BrokenResourceError,
+                            trio.ClosedResourceError,
+                            OSError,
+                        ) as exc:
+                            self._end(
+                                Termination.CLIENT_ERROR, f"client read failed: {exc}"
+                            )
+                            return
+                        if not data:
+                            self._end(Termination.CLIENT_CLOSED)
+                            return
+                        self._received(data, nursery)
             self.read_scope = None
             if scope.cancelled_caught:
                 if self.drain.is_set() and not self.draining:
@@ -411,17 +418,19 @@ class _H2Connection:
                     continue
                 self._timed_out()
                 return
-            if not data:
-                self._end(Termination.CLIENT_CLOSED)
-                return
-            self.result.bytes_from_client += len(data)
-            self._dispatch(session.receive_data(data, self.now()), nursery)
-            if session.in_header_block:
-                if self.header_block_since is None:
-                    self.header_block_since = self.now()
-            else:
-                self.header_block_since = None
-            self._kick()
+
+    def _received(self, data: bytes, nursery: trio.Nursery) -> None:
+        """Client bytes to the session, its events dispatched."""
+        session = self.session
+        self.result.bytes_from_client += len(data)
+        self._dispatch(session.receive_data(data, self.now()), nursery)
+        if session.in_header_block:
+            if self.header_block_since is None:
+                self.header_block_since = self.now()
+        else:
+            self.header_block_since = None
+        self._update_read_deadline()
+        self._kick()
 
     def _park_due(self) -> bool:
         """No stream for `PARK_AFTER`: the upstream connections kept back
