@@ -9,15 +9,14 @@ An HTTP/1.1 connection runs one exchange at a time, so it keeps at most one
 dedicated connection; an HTTP/2 connection may keep one per concurrent stream.
 
 An HTTP/2 connection also keeps the pooled connections its streams gave back
-(*keep*: at most that many, its concurrent streams) for its next streams,
-while it has streams in flight: ``h2load -m10`` on 50 connections keeps
-500 exchanges going, and handing each connection back to the shared pool
-(``max_idle_per_server`` of them per server, the rest closed) between one
-stream and the next opened a new upstream connection for a third of the
-requests. `park` gives them to the shared pool (the driver calls it once
-the client connection has had no stream for a while), `close` when it ends;
-before reuse each is checked as the pool checks its own (not expired,
-nothing to read).
+(*keep*: at most that many, its concurrent streams) for its next streams:
+``h2load -m10`` on 50 connections keeps 500 exchanges going, and handing
+each connection back to the shared pool (``max_idle_per_server`` of them per
+server, the rest closed) between one stream and the next opened a new
+upstream connection for a third of the requests. `park` gives them to the
+shared pool (the driver calls it once the client connection has had no
+stream for a second), `close` when it ends; before reuse each is checked as
+the pool checks its own (not expired, nothing to read).
 """
 
 from __future__ import annotations
