@@ -1,6 +1,8 @@
 """HTTP/2 to clients: tlsedge vs HAProxy 2.6, ``h2load -c50 -m10`` over TLS.
 
 Run: ``python bench/http2.py [--quick] [--duration 5] [--reps 3] [--no-pin]``
+     ``python bench/http2.py --profile bench/results/profile`` (py-spy on tlsedge)
+     ``-c``/``-m``: h2load's connections and streams per connection (50, 10)
 
 Both proxies terminate TLS (the ECDSA P-256 certificate of ``tls.py``, TLS 1.3,
 ALPN ``h2,http/1.1``), take HTTP/2 from ``h2load`` (50 connections, 10
@@ -38,12 +40,14 @@ from pathlib import Path
 
 from _common import banner, fmt_ratio, median, render_table
 from edge import (
+    LOAD_CPU,
     BenchError,
     Procs,
     cpu_seconds,
     free_port,
     run_client,
     start_nginx,
+    summarize_profile,
     terminate_on_sigterm,
     wait_port,
 )
@@ -111,10 +115,27 @@ def start_proxy(
     return proc.pid
 
 
+@dataclass(frozen=True, slots=True)
+class Load:
+    """h2load's shape: *clients* connections, *streams* concurrent on each."""
+
+    clients: int = 50
+    streams: int = 10
+
+    def __str__(self) -> str:
+        return f"h2load -c{self.clients} -m{self.streams}"
+
+
 def run_h2load(
-    procs: Procs, pid: int, port: int, duration: float, requests: int | None = None
+    procs: Procs,
+    pid: int,
+    port: int,
+    duration: float,
+    *,
+    load: Load,
+    requests: int | None = None,
 ) -> Run:
-    argv = ["h2load", "-c50", "-m10"]
+    argv = ["h2load", f"-c{load.clients}", f"-m{load.streams}"]
     argv += ["-n", str(requests)] if requests else ["-D", f"{duration:g}"]
     argv.append(f"https://127.0.0.1:{port}/")
     before = cpu_seconds(pid)
@@ -129,6 +150,53 @@ def run_h2load(
     return Run(float(finished.group(1)), succeeded, failed, cpu)
 
 
+def profile_tlsedge(
+    procs: Procs,
+    args: argparse.Namespace,
+    *,
+    load: Load,
+    out_dir: Path,
+    nginx_port: int,
+    certs: tuple[Path, Path, Path],
+) -> None:
+    """py-spy record tlsedge (with its access log) under *load* (raw + svg)."""
+    if shutil.which("py-spy") is None:
+        raise BenchError("py-spy is not installed (pip install py-spy)")
+    out_dir = out_dir.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    pid = start_proxy(procs, "tlsedge", port, nginx_port, certs)
+    run_h2load(procs, pid, port, 30, load=load, requests=500)  # check and warm up
+    raw = out_dir / f"http2-c{load.clients}-m{load.streams}.txt"
+    for fmt, target in (("raw", raw), ("flamegraph", raw.with_suffix(".svg"))):
+        spy = procs.start(
+            "py-spy",
+            [
+                "py-spy",
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                "200",
+                "--duration",
+                f"{args.duration:g}",
+                "--nonblocking",
+                "--format",
+                fmt,
+                "--output",
+                str(target),
+            ],
+            cpu=LOAD_CPU,
+            log="py-spy.out",
+        )
+        time.sleep(0.5)
+        run = run_h2load(procs, pid, port, args.duration, load=load)
+        spy.wait(args.duration + 30)
+        procs.stop(spy)
+        print(f"tlsedge {load} ({fmt}): {run.rps:.0f} req/s -> {target}")
+    summarize_profile(raw)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--duration", type=float, default=5.0, help="s per run")
@@ -138,7 +206,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-pin", action="store_true", help="do not use taskset")
     parser.add_argument("--proxies", default=",".join(ALL_PROXIES))
     parser.add_argument("--keep-workdir", action="store_true")
+    parser.add_argument("-c", "--clients", type=int, default=50, help="connections")
+    parser.add_argument(
+        "-m", "--streams", type=int, default=10, help="concurrent streams each"
+    )
+    parser.add_argument(
+        "--profile", metavar="DIR", help="py-spy record tlsedge instead of comparing"
+    )
     args = parser.parse_args(argv)
+    load = Load(args.clients, args.streams)
     if args.quick:
         args.duration, args.reps = 2.0, 1
     names = [p for p in args.proxies.split(",") if p]
@@ -158,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(banner(title, tools=True))
     print(
         f"pinning: {'proxy on CPU 1, nginx/h2load on CPU 0' if pin else 'none'}; "
-        f"h2load -c50 -m10 -D {args.duration:g}; {args.reps} reps, rotating order"
+        f"{load} -D {args.duration:g}; {args.reps} reps, rotating order"
     )
     print(f"workdir: {workdir}", flush=True)
     results: dict[str, list[Run]] = {}
@@ -167,16 +243,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             certs = make_certificates(workdir)
             nginx_port = free_port()
             start_nginx(procs, nginx_port)
+            if args.profile:
+                profile_tlsedge(
+                    procs,
+                    args,
+                    load=load,
+                    out_dir=Path(args.profile),
+                    nginx_port=nginx_port,
+                    certs=certs,
+                )
+                return 0
             proxies = []
             for name in names:
                 port = free_port()
                 pid = start_proxy(procs, name, port, nginx_port, certs)
-                run_h2load(procs, pid, port, 30, requests=500)  # check and warm up
+                run_h2load(procs, pid, port, 30, load=load, requests=500)  # warm up
                 proxies.append((name, pid, port))
             for rep in range(args.reps):
                 shift = rep % len(proxies)
                 for name, pid, port in proxies[shift:] + proxies[:shift]:
-                    run = run_h2load(procs, pid, port, args.duration)
+                    run = run_h2load(procs, pid, port, args.duration, load=load)
                     results.setdefault(name, []).append(run)
                     print(
                         f"  rep {rep + 1}/{args.reps} {name:13} {run.rps:9.0f} req/s"
@@ -199,11 +285,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs.stop_all()
         if not args.keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    print_table(names, results)
+    print_table(names, results, load)
     return 0
 
 
-def print_table(names: Sequence[str], results: dict[str, list[Run]]) -> None:
+def print_table(
+    names: Sequence[str], results: dict[str, list[Run]], load: Load
+) -> None:
     ha = (
         median([r.rps for r in results.get("haproxy", [])]) if "haproxy" in names else 0
     )
@@ -220,11 +308,11 @@ def print_table(names: Sequence[str], results: dict[str, list[Run]]) -> None:
                 str(sum(r.failed for r in runs)),
             ]
         )
-    print(f"\nh2load -c50 -m10 over TLS (median of {len(results[names[0]])} runs):")
+    print(f"\n{load} over TLS (median of {len(results[names[0]])} runs):")
     print(
         render_table(["proxy", "req/s", "vs haproxy", "CPU µs/request", "failed"], rows)
     )
-    if ha and "tlsedge-nolog" in names:
+    if ha and "tlsedge-nolog" in names and load == Load():
         ratio = median([r.rps for r in results["tlsedge-nolog"]]) / ha
         print(f"goal (issue 14): tlsedge >= {GOAL}x HAProxy: {ratio:.2f}x")
 

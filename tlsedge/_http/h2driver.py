@@ -110,6 +110,9 @@ LOGGER = logging.getLogger("tlsedge.http")
 Header = tuple[bytes, bytes]
 
 READ_SIZE: Final = 65536
+#: Seconds without a stream after which the upstream connections the
+#: connection kept back for its next streams go to the shared pool.
+PARK_AFTER: Final = 1.0
 #: Stream tasks wait while more than this many bytes wait for the writer.
 HIGH_WATER: Final = 65536
 #: Response fields that HTTP/2 forbids (RFC 9113 section 8.2.2), beyond the
@@ -162,10 +165,17 @@ class _Stream:
     request: H2Request
     log: RequestLog
     started: float
+    #: The work in progress or next (an attempt, an error response), which
+    #: a reset cancels; one scope per attempt, also its deadline (`deadline`).
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    #: The client reset the stream, or the connection ended: stop.
+    cancelled: bool = False
     body: deque[RequestData | RequestEnd] = field(default_factory=deque)
     wakeup: trio.Event = field(default_factory=trio.Event)
     request_read: bool = False  # the client's END_STREAM arrived
+    #: The last upstream read most likely emptied the socket (or the request
+    #: just went out): the next read waits for readability first.
+    upstream_drained: bool = False
     response_started: bool = False
     failure: _Failure | None = None
     #: The deadline of the exchange in progress, and what it means.
@@ -175,6 +185,11 @@ class _Stream:
     def fail(self, failure: _Failure) -> None:
         if self.failure is None:
             self.failure = failure
+
+    def cancel(self) -> None:
+        """Stop serving the stream (reset, or the connection ended)."""
+        self.cancelled = True
+        self.scope.cancel()
 
     def clear_failure(self) -> None:
         """A new attempt (a retry) starts."""
@@ -221,8 +236,14 @@ class _H2Connection:
             ),
             underscores=self.http.underscores_in_headers,
         )
+        # The connections its streams release are kept back for its next
+        # streams (at most one per concurrent stream), until `PARK_AFTER`.
         self.upstreams = UpstreamConnections(
-            backend, keepalive, downstream.client_ip, proxy_header
+            backend,
+            keepalive,
+            downstream.client_ip,
+            proxy_header,
+            keep=listener.http2.max_concurrent_streams,
         )
         self.session = H2Session(listener.http2, max_headers=self.http.max_headers)
         self.now: Callable[[], float] = trio.lowlevel.current_clock().current_time
@@ -236,6 +257,29 @@ class _H2Connection:
         self.out_drained = trio.Event()
         self.window = trio.Event()
         self.read_scope: trio.CancelScope | None = None
+        # What the timeouts armed on each stream mean (`_arm`).
+        self._upstream_write_stall = _Failure(
+            Termination.SERVER_ERROR,
+            "upstream did not read for idle_timeout",
+            502,
+            retryable=True,
+        )
+        self._response_timeout = _Failure(
+            Termination.RESPONSE_TIMEOUT,
+            f"no response within response_timeout ({self.http.response_timeout:g} s)",
+            504,
+        )
+        self._upstream_read_stall = _Failure(
+            Termination.SERVER_ABORTED,
+            "upstream response stalled for idle_timeout",
+            None,
+        )
+        self._client_stall = _Failure(
+            Termination.CLIENT_ERROR,
+            "client did not read (or open its window) for idle_timeout",
+            None,
+            code=ErrorCodes.CANCEL,
+        )
         self.draining = False
         self.writer_done = False
 
@@ -256,24 +300,29 @@ class _H2Connection:
                     # Nothing more is read: a stream still open cannot finish
                     # (the client closed, broke the protocol or sent GOAWAY).
                     for stream in list(self.streams.values()):
-                        stream.scope.cancel()
+                        stream.cancel()
             # Every stream is done: what is queued (a GOAWAY) goes out.
             self.session.close()
             self.writer_done = True
             self._kick()
 
     def _kick(self) -> None:
-        """Move what the session queued to the outbox and wake the writer."""
+        """Wake the writer: the session queued bytes (the writer takes all
+        there are when it runs, so what the streams of one scheduling round
+        queued goes out in one write)."""
+        self.out_ready.set()
+
+    def _pull(self) -> int:
+        """Move what the session queued to the outbox; the outbox's size."""
         data = self.session.data_to_send()
         if data:
             self.outbox += data
-        if self.outbox or self.writer_done:
-            self.out_ready.set()
+        return len(self.outbox)
 
     async def _writer(self, connection_scope: trio.CancelScope) -> None:
         idle_timeout = self.listener.idle_timeout
         while True:
-            if not self.outbox:
+            if not self._pull():
                 self.out_drained.set()
                 if self.writer_done:
                     return
@@ -301,7 +350,7 @@ class _H2Connection:
 
     async def _wait_writable(self) -> None:
         """Wait while the outbox is above `HIGH_WATER`."""
-        while len(self.outbox) >= HIGH_WATER:
+        while self._pull() >= HIGH_WATER:
             if self.out_drained.is_set():
                 self.out_drained = trio.Event()
             await self.out_drained.wait()
@@ -315,12 +364,18 @@ class _H2Connection:
         if not self.any_stream:
             return self.started + http.request_header_timeout
         if not self.session.active:
-            return self.idle_since + http.keepalive_timeout
+            deadline = self.idle_since + http.keepalive_timeout
+            if self.upstreams.kept:
+                return min(deadline, self.idle_since + PARK_AFTER)
+            return deadline
         return math.inf
 
     def _update_read_deadline(self) -> None:
-        if self.read_scope is not None:
-            self.read_scope.deadline = self._read_deadline()
+        scope = self.read_scope
+        if scope is not None:
+            deadline = self._read_deadline()
+            if deadline != scope.deadline:  # setting it costs, even unchanged
+                scope.deadline = deadline
 
     async def _read_loop(self, nursery: trio.Nursery, initial_data: bytes) -> None:
         session = self.session
@@ -329,21 +384,28 @@ class _H2Connection:
             self.result.bytes_from_client += len(initial_data)
             self._dispatch(session.receive_data(initial_data, self.now()), nursery)
         while not session.ended:
+            # One scope for as many reads as come before it is cancelled (a
+            # deadline, the drain); `_update_read_deadline` moves its deadline.
             with trio.CancelScope(deadline=self._read_deadline()) as scope:
                 self.read_scope = scope
                 watch = self.drain.cancels(scope) if not self.draining else None
                 with watch or contextlib.nullcontext():
-                    try:
-                        data = await sockio.receive_some(self.client, READ_SIZE)
-                    except (
-                        trio.BrokenResourceError,
-                        trio.ClosedResourceError,
-                        OSError,
-                    ) as exc:
-                        self._end(
-                            Termination.CLIENT_ERROR, f"client read failed: {exc}"
-                        )
-                        return
+                    while not session.ended:
+                        try:
+                            data = await sockio.receive_some(self.client, READ_SIZE)
+                        except (
+                            trio.BrokenResourceError,
+                            trio.ClosedResourceError,
+                            OSError,
+                        ) as exc:
+                            self._end(
+                                Termination.CLIENT_ERROR, f"client read failed: {exc}"
+                            )
+                            return
+                        if not data:
+                            self._end(Termination.CLIENT_CLOSED)
+                            return
+                        self._received(data, nursery)
             self.read_scope = None
             if scope.cancelled_caught:
                 if self.drain.is_set() and not self.draining:
@@ -351,19 +413,33 @@ class _H2Connection:
                     session.goaway()
                     self._kick()
                     continue
+                if self._park_due():
+                    await self.upstreams.park()
+                    continue
                 self._timed_out()
                 return
-            if not data:
-                self._end(Termination.CLIENT_CLOSED)
-                return
-            self.result.bytes_from_client += len(data)
-            self._dispatch(session.receive_data(data, self.now()), nursery)
-            if session.in_header_block:
-                if self.header_block_since is None:
-                    self.header_block_since = self.now()
-            else:
-                self.header_block_since = None
-            self._kick()
+
+    def _received(self, data: bytes, nursery: trio.Nursery) -> None:
+        """Client bytes to the session, its events dispatched."""
+        session = self.session
+        self.result.bytes_from_client += len(data)
+        self._dispatch(session.receive_data(data, self.now()), nursery)
+        if session.in_header_block:
+            if self.header_block_since is None:
+                self.header_block_since = self.now()
+        else:
+            self.header_block_since = None
+        self._update_read_deadline()
+        self._kick()
+
+    def _park_due(self) -> bool:
+        """No stream for `PARK_AFTER`: the upstream connections kept back
+        go to the shared pool."""
+        return (
+            self.upstreams.kept > 0
+            and not self.session.active
+            and self.now() >= self.idle_since + PARK_AFTER
+        )
 
     def _timed_out(self) -> None:
         if self.draining:
@@ -404,7 +480,7 @@ class _H2Connection:
                             None,
                         )
                     )
-                    stream.scope.cancel()
+                    stream.cancel()
             elif isinstance(event, StreamMalformed):
                 self._malformed(event)
             else:
@@ -478,18 +554,18 @@ class _H2Connection:
     ) -> None:
         log = stream.log
         try:
-            with stream.scope:
-                if error is not None:
+            if error is not None:
+                with stream.scope:
                     await self._respond_error(stream, *error, Termination.BAD_REQUEST)
-                else:
-                    await self._exchange(stream)
+            else:
+                await self._exchange(stream)
             failure = stream.failure
             if failure is not None:
                 log.termination = failure.termination
                 log.detail = failure.detail
                 if stream.response_started:
                     self.session.reset(stream.id, failure.code)
-                elif failure.status is not None and not stream.scope.cancel_called:
+                elif failure.status is not None and not stream.cancelled:
                     await self._respond_error(
                         stream, failure.status, failure.detail, failure.termination
                     )
@@ -603,31 +679,37 @@ class _H2Connection:
         exclude: Server | None = None
         fresh = retried = False
         log = stream.log
+        # One scope per attempt, made before anything awaits (a reset cancels
+        # it, also before the attempt starts); `_arm` sets its deadline (a
+        # timeout ends the attempt, and may retry).
+        scope = stream.scope
         while True:
-            connect_started = self.now()
-            try:
-                upstream = await self.upstreams.acquire(exclude, fresh=fresh)
-            except NoServerError as exc:
-                stream.fail(_Failure(Termination.NO_SERVER, str(exc), 503))
-                return
-            except ConnectFailedError as exc:
-                stream.fail(_Failure(Termination.CONNECT_FAILED, str(exc), 502))
-                return
-            log.connect = self.now() - connect_started
-            log.server = format_address(upstream.server.address)
-            self.result.server = log.server
+            upstream: Upstream | None = None
             conn = UpstreamExchange(method=request.method)
             stream.clear_failure()
-            try:
-                with trio.CancelScope() as scope:
-                    stream.deadline = scope
-                    await self._proxy(stream, upstream, conn, headers, body)
-            except BaseException:
-                # Cancelled (the client reset the stream): the connection
-                # holds half an exchange; close it now, not with the client's.
-                await self.upstreams.release(upstream, clean=False)
-                raise
+            with scope:
+                stream.deadline = scope
+                if not scope.cancel_called:
+                    connect_started = self.now()
+                    try:
+                        upstream = await self.upstreams.acquire(exclude, fresh=fresh)
+                    except NoServerError as exc:
+                        stream.fail(_Failure(Termination.NO_SERVER, str(exc), 503))
+                    except ConnectFailedError as exc:
+                        stream.fail(_Failure(Termination.CONNECT_FAILED, str(exc), 502))
+                    else:
+                        log.connect = self.now() - connect_started
+                        log.server = format_address(upstream.server.address)
+                        self.result.server = log.server
+                        await self._proxy(stream, upstream, conn, headers, body)
             stream.deadline = None
+            if stream.cancelled:
+                if upstream is not None:
+                    # It holds half an exchange: closed now, not with the client.
+                    await self.upstreams.release(upstream, clean=False)
+                return
+            if upstream is None:
+                return  # no connection: the failure says why
             if scope.cancelled_caught and stream.armed is not None:
                 stream.fail(stream.armed)
             failure = stream.failure
@@ -642,6 +724,7 @@ class _H2Connection:
                     retried=retried,
                 )
             )
+            scope = stream.scope = trio.CancelScope()
             await self.upstreams.release(
                 upstream, clean=failure is None and conn.reusable
             )
@@ -671,16 +754,9 @@ class _H2Connection:
         idle = self.listener.idle_timeout
         data = conn.request_head(stream.request.target, headers, body)
         prefix, upstream.prefix = upstream.prefix, b""
-        self._arm(
-            stream,
-            idle,
-            _Failure(
-                Termination.SERVER_ERROR,
-                "upstream did not read for idle_timeout",
-                502,
-                retryable=True,
-            ),
-        )
+        self._arm(stream, idle, self._upstream_write_stall)
+        # Nothing to read before the upstream has the request: wait first.
+        stream.upstream_drained = True
         try:
             await sockio.send_all(upstream.stream, prefix + data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -707,16 +783,7 @@ class _H2Connection:
                 nursery.cancel_scope.cancel()
 
     def _await_head(self, stream: _Stream) -> None:
-        timeout = self.http.response_timeout
-        self._arm(
-            stream,
-            timeout,
-            _Failure(
-                Termination.RESPONSE_TIMEOUT,
-                f"no response within response_timeout ({timeout:g} s)",
-                504,
-            ),
-        )
+        self._arm(stream, self.http.response_timeout, self._response_timeout)
 
     async def _next_body_event(self, stream: _Stream) -> RequestData | RequestEnd:
         idle = self.listener.idle_timeout
@@ -772,14 +839,17 @@ class _H2Connection:
         nursery.cancel_scope.cancel()
 
     async def _next_upstream_event(
-        self, upstream: Upstream, conn: UpstreamExchange
+        self, stream: _Stream, upstream: Upstream, conn: UpstreamExchange
     ) -> Informational | Response | Body | EndOfBody:
         while True:
             event = conn.next_event()
             if event is not NEED_DATA:
                 return event
             try:
-                data = await sockio.receive_some(upstream.stream, READ_SIZE)
+                data = await sockio.receive_some(
+                    upstream.stream, READ_SIZE, wait_first=stream.upstream_drained
+                )
+                stream.upstream_drained = len(data) < READ_SIZE
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise UpstreamError(
                     f"upstream read failed: {exc}", empty=not conn.received
@@ -815,7 +885,7 @@ class _H2Connection:
             for n, v in stream.request.headers
         )
         while True:
-            event = await self._next_upstream_event(upstream, conn)
+            event = await self._next_upstream_event(stream, upstream, conn)
             if isinstance(event, Response):
                 break
             assert isinstance(event, Informational), event
@@ -844,15 +914,11 @@ class _H2Connection:
         session.send_headers(stream.id, head.status, fields, end_stream=False)
         stream.response_started = True
         self._kick()
-        stall = _Failure(
-            Termination.SERVER_ABORTED,
-            "upstream response stalled for idle_timeout",
-            None,
-        )
+        stall = self._upstream_read_stall
         while True:
             if following is NEED_DATA:
                 self._arm(stream, idle, stall)
-                following = await self._next_upstream_event(upstream, conn)
+                following = await self._next_upstream_event(stream, upstream, conn)
             if isinstance(following, Body):
                 data = following.data
                 following = conn.next_event()
@@ -883,38 +949,39 @@ class _H2Connection:
         the last frame ends the response)."""
         session = self.session
         view = memoryview(data)
-        stalled = _Failure(
-            Termination.CLIENT_ERROR,
-            "client did not read (or open its window) for idle_timeout",
-            None,
-            code=ErrorCodes.CANCEL,
-        )
         while view:
-            if stream.deadline is not None:
-                self._arm(stream, self.listener.idle_timeout, stalled)
             size = session.sendable(stream.id)
             if size <= 0:
                 if not session.open(stream.id):
                     raise _StreamGoneError("the stream or the connection ended")
-                window = self.window
-                if stream.deadline is None:
-                    with trio.move_on_after(self.listener.idle_timeout) as scope:
-                        await window.wait()
-                    if scope.cancelled_caught:
-                        raise _StreamGoneError(stalled.detail)
-                else:
-                    await window.wait()
+                await self._wait_window(stream)
                 continue
-            await self._wait_writable()
-            if not session.open(stream.id):
-                raise _StreamGoneError("the stream or the connection ended")
-            size = min(size, session.sendable(stream.id), len(view))
-            if size <= 0:
-                continue
-            view, chunk = view[size:], bytes(view[:size])
+            if self._pull() >= HIGH_WATER:
+                if stream.deadline is not None:
+                    self._arm(stream, self.listener.idle_timeout, self._client_stall)
+                await self._wait_writable()
+                continue  # the windows, or the stream, may have changed meanwhile
+            if size >= len(view):
+                chunk = data if len(view) == len(data) else bytes(view)
+                view = view[len(view) :]
+            else:
+                view, chunk = view[size:], bytes(view[:size])
             session.send_data(stream.id, chunk, end_stream=end_stream and not view)
-            stream.log.bytes_out += size
+            stream.log.bytes_out += len(chunk)
             self._kick()
+
+    async def _wait_window(self, stream: _Stream) -> None:
+        """Wait until the client opens a window (`idle_timeout` at most)."""
+        idle = self.listener.idle_timeout
+        window = self.window
+        if stream.deadline is None:
+            with trio.move_on_after(idle) as scope:
+                await window.wait()
+            if scope.cancelled_caught:
+                raise _StreamGoneError(self._client_stall.detail)
+        else:
+            self._arm(stream, idle, self._client_stall)
+            await window.wait()
 
 
 def _h2_fields(
@@ -922,13 +989,14 @@ def _h2_fields(
 ) -> list[Header]:
     """Response fields for HTTP/2: no hop-by-hop or connection-specific
     field, names in lowercase."""
-    return [
-        (name.lower(), value)
-        for name, value in strip_hop_by_hop(
-            headers, keep_upgrade=False, connection=connection
-        )
-        if name.lower() not in _NOT_IN_H2
-    ]
+    fields = []
+    for name, value in strip_hop_by_hop(
+        headers, keep_upgrade=False, connection=connection
+    ):
+        lower = name.lower()
+        if lower not in _NOT_IN_H2:
+            fields.append((lower, value))
+    return fields
 
 
 async def serve_h2(

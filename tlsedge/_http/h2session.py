@@ -381,10 +381,13 @@ class H2Session:
         # settings it would make an excess stream a connection error.
         extra = SettingsFrame(0)
         extra.settings[settings.MAX_CONCURRENT_STREAMS] = limits.max_concurrent_streams
-        self._extra = extra.serialize()
         increment = limits.connection_window_size - 65535
         if increment > 0:
             conn.increment_flow_control_window(increment)
+        #: Our first frames (h2's SETTINGS, then ours), and a GOAWAY made
+        #: here (`goaway`): sent before and after what h2 queued.
+        self._first = conn.data_to_send() + extra.serialize()
+        self._last = b""
         self.conn = conn
         self._scanner = _FrameScanner(limits)
         self._resets: deque[float] = deque()
@@ -562,8 +565,9 @@ class H2Session:
     def data_to_send(self) -> bytes:
         """The bytes to write to the client now."""
         data = self.conn.data_to_send()
-        if self._extra:
-            data, self._extra = data + self._extra, b""
+        if self._first or self._last:
+            data = b"".join((self._first, data, self._last))
+            self._first = self._last = b""
         return data
 
     def open(self, stream_id: int) -> bool:
@@ -641,7 +645,7 @@ class H2Session:
         last = self.conn.highest_inbound_stream_id
         self.goaway_sent = last
         frame = GoAwayFrame(0, last_stream_id=last, error_code=ErrorCodes.NO_ERROR)
-        self._extra += frame.serialize()
+        self._last += frame.serialize()
 
     def close(self, code: int = ErrorCodes.NO_ERROR, reason: str = "") -> None:
         """End the connection with GOAWAY (nothing more is sent after it)."""
