@@ -1711,8 +1711,11 @@ VALID_DOCUMENTS = {
     "edge.toml": (EXAMPLES / "edge.toml").read_text(),
     "tcp-relay.toml": (EXAMPLES / "tcp-relay.toml").read_text(),
 }
-_PATH_RE = re.compile(r"top level|[a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*")
-_STEP_RE = re.compile(r"\.?([a-z_]+)|\[(\d+)\]")
+# Key names are lowercase identifiers ("http2" has a digit).
+_PATH_RE = re.compile(
+    r"top level|[a-z_][a-z0-9_]*(?:\[\d+\])*(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])*)*"
+)
+_STEP_RE = re.compile(r"\.?([a-z_][a-z0-9_]*)|\[(\d+)\]")
 
 
 def _located(path: str, document: Any) -> bool:

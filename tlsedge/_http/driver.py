@@ -87,7 +87,6 @@ from tlsedge._balancer import Server
 from tlsedge._config import HttpConfig, ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
-from tlsedge._forwarded import ForwardingContext, is_trusted_peer
 from tlsedge._http.body import BodyKind
 from tlsedge._http.events import (
     NEED_DATA,
@@ -257,18 +256,7 @@ class _HttpConnection:
         self.connection_id = downstream.id
         self.result = result
         self.on_request = on_request
-        self.rewriter = RequestRewriter(
-            forwarded=listener.forwarded,
-            context=ForwardingContext(
-                client=downstream.client,
-                destination=downstream.destination,
-                tls=ssl_info is not None,
-                trusted=is_trusted_peer(
-                    self.client_ip, listener.forwarded.trusted_proxies
-                ),
-            ),
-            underscores=self.http.underscores_in_headers,
-        )
+        self.rewriter = RequestRewriter.for_connection(listener, downstream)
         self.session = ClientSession(
             max_header_bytes=self.http.max_header_bytes,
             max_headers=self.http.max_headers,

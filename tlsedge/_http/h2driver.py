@@ -66,7 +66,6 @@ from tlsedge._balancer import Server
 from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
-from tlsedge._forwarded import ForwardingContext, is_trusted_peer
 from tlsedge._http.body import BodyKind
 from tlsedge._http.events import (
     NEED_DATA,
@@ -224,18 +223,7 @@ class _H2Connection:
         ssl_info = downstream.tls
         self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
         self.sni = ssl_info.server_name if ssl_info else None
-        self.rewriter = RequestRewriter(
-            forwarded=listener.forwarded,
-            context=ForwardingContext(
-                client=downstream.client,
-                destination=downstream.destination,
-                tls=ssl_info is not None,
-                trusted=is_trusted_peer(
-                    downstream.client_ip, listener.forwarded.trusted_proxies
-                ),
-            ),
-            underscores=self.http.underscores_in_headers,
-        )
+        self.rewriter = RequestRewriter.for_connection(listener, downstream)
         # The connections its streams release are kept back for its next
         # streams (at most one per concurrent stream), until `PARK_AFTER`.
         self.upstreams = UpstreamConnections(

@@ -19,12 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from tlsedge._config import ForwardedConfig
+from tlsedge._config import ForwardedConfig, ListenerConfig
+from tlsedge._downstream import Downstream
 from tlsedge._forwarded import (
     FORWARDING_HEADERS,
     ForwardingContext,
     choose_request_id,
     forwarding_key,
+    is_trusted_peer,
     rewrite_forwarding_headers,
 )
 from tlsedge._http.head import HOST_RE, RequestRejectedError
@@ -239,6 +241,24 @@ class RequestRewriter:
     forwarded: ForwardedConfig
     context: ForwardingContext
     underscores: bool
+
+    @classmethod
+    def for_connection(
+        cls, listener: ListenerConfig, downstream: Downstream
+    ) -> RequestRewriter:
+        """The rewriter of one client connection of *listener* (any protocol)."""
+        return cls(
+            forwarded=listener.forwarded,
+            context=ForwardingContext(
+                client=downstream.client,
+                destination=downstream.destination,
+                tls=downstream.tls is not None,
+                trusted=is_trusted_peer(
+                    downstream.client_ip, listener.forwarded.trusted_proxies
+                ),
+            ),
+            underscores=listener.http.underscores_in_headers,
+        )
 
     @property
     def request_id_name(self) -> bytes | None:
