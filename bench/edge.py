@@ -18,7 +18,7 @@ Proxies, each a separate process with one thread/worker:
 * ``tlsedge``: ``python -m tlsedge run <toml>``, mode tcp, one worker, no PROXY,
   default log level (info: one JSON access-log line per connection, written
   to a file);
-* ``tlsedge-nolog``: the same with ``--log-level warning`` (no access log), to
+* ``tlsedge-nolog``: the same with ``access_log = "off"`` (no access log), to
   show what the log line costs;
 * ``haproxy``: ``nbthread 1``, ``mode tcp``, no logging;
 * ``proxy-protocol``: the ``proxy-protocol`` 0.11.3 package's asyncio server
@@ -281,6 +281,7 @@ def start_proxy(
         parts = [
             f"[edge]\nworkers = {workers}\ndrain_timeout = 1.0\n"
             "max_connections = 20000\n"
+            + ('access_log = "off"\n' if proxy.name == "tlsedge-nolog" else "")
         ]
         for i, (listen, target) in enumerate(pairs):
             parts.append(
@@ -289,8 +290,7 @@ def start_proxy(
                 f'[[backends]]\nname = "b{i}"\nservers = ["127.0.0.1:{target}"]\n'
             )
         toml.write_text("".join(parts))
-        level = "warning" if proxy.name == "tlsedge-nolog" else "info"
-        argv = [sys.executable, "-m", "tlsedge", "--log-level", level, "run", str(toml)]
+        argv = [sys.executable, "-m", "tlsedge", "run", str(toml)]
     elif proxy.name == "haproxy":
         cfg = wd / "haproxy.cfg"
         listens = "".join(

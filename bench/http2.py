@@ -14,7 +14,7 @@ one worker, ``return 200 "hello\\n"``, access log off), adding
 * ``tlsedge``: ``python -m tlsedge run``, ``mode = "http"``, one worker,
   ``alpn = ["h2", "http/1.1"]``, a JSON access-log line per stream (and per
   connection) to a file;
-* ``tlsedge-nolog``: the same with ``--log-level warning`` (no access log);
+* ``tlsedge-nolog``: the same with ``access_log = "off"`` (no access log);
 * ``haproxy``: ``nbthread 1``, ``mode http``, ``option forwardfor``,
   ``bind ... ssl crt <pem> alpn h2,http/1.1``, no logging.
 
@@ -86,7 +86,8 @@ def start_proxy(
         toml = wd / f"{name}.toml"
         toml.write_text(
             "[edge]\nworkers = 1\ndrain_timeout = 1.0\nmax_connections = 20000\n"
-            f'[[listeners]]\nname = "h2"\nbind = "127.0.0.1:{port}"\n'
+            + ('access_log = "off"\n' if name == "tlsedge-nolog" else "")
+            + f'[[listeners]]\nname = "h2"\nbind = "127.0.0.1:{port}"\n'
             'mode = "http"\nbackend = "nginx"\nmax_connections = 20000\n'
             "[listeners.forwarded]\nx_forwarded_for = true\n"
             "x_forwarded_proto = false\nx_forwarded_port = false\n"
@@ -95,8 +96,7 @@ def start_proxy(
             'alpn = ["h2", "http/1.1"]\n'
             f'[[backends]]\nname = "nginx"\nservers = ["127.0.0.1:{nginx_port}"]\n'
         )
-        level = "warning" if name == "tlsedge-nolog" else "info"
-        argv = [sys.executable, "-m", "tlsedge", "--log-level", level, "run", str(toml)]
+        argv = [sys.executable, "-m", "tlsedge", "run", str(toml)]
     else:
         cfg = wd / "haproxy.cfg"
         cfg.write_text(

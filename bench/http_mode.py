@@ -14,7 +14,7 @@ and HTTPS to a second nginx that speaks TLS):
   ``[listeners.forwarded]`` with only ``x_forwarded_for`` on (HAProxy's
   ``option forwardfor`` adds nothing else), default log level: one JSON
   access-log line per *request* and one per connection, written to a file;
-* ``tlsedge-nolog``: the same with ``--log-level warning`` (no access log);
+* ``tlsedge-nolog``: the same with ``access_log = "off"`` (no access log);
 * ``trio-floor`` (only ``http-keep-alive``): `trio_floor.py`, a minimal trio
   task-per-connection proxy with tlsedge's parser and socket I/O and none of
   its features: the floor of tlsedge's design on this machine;
@@ -157,14 +157,14 @@ def start_proxy(
             listeners.append(text)
         toml.write_text(
             "[edge]\nworkers = 1\ndrain_timeout = 1.0\nmax_connections = 20000\n"
+            + ('access_log = "off"\n' if proxy.name == "tlsedge-nolog" else "")
             + "".join(listeners)
             + f'[[backends]]\nname = "nginx"\nservers = ["127.0.0.1:{nginx_port}"]\n'
             + f'[[backends]]\nname = "nginx-tls"\nprotocol = "tls"\n'
             f'servers = ["127.0.0.1:{tls_nginx_port}"]\n'
             f'[backends.tls]\nca = "{ca}"\n'
         )
-        level = "warning" if proxy.name == "tlsedge-nolog" else "info"
-        argv = [sys.executable, "-m", "tlsedge", "--log-level", level, "run", str(toml)]
+        argv = [sys.executable, "-m", "tlsedge", "run", str(toml)]
     elif proxy.name == "trio-floor":
         floor = Path(__file__).with_name("trio_floor.py")
         argv = [sys.executable, str(floor), str(proxy.http_port), str(nginx_port)]

@@ -52,6 +52,7 @@ from tlsedge._termination import Termination
 
 __all__ = [
     "ACCESS_LOGGER",
+    "ACCESS_LOG_OFF",
     "BATCH_SIZE",
     "FLUSH_INTERVAL",
     "AccessLogWriter",
@@ -66,6 +67,8 @@ __all__ = [
 ]
 
 ACCESS_LOGGER = logging.getLogger("tlsedge.access")
+#: ``edge.access_log`` value that turns the access log off.
+ACCESS_LOG_OFF: Final = "off"
 #: Where write failures are reported (the process log).
 LOGGER = logging.getLogger("tlsedge.logging")
 

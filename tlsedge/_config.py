@@ -50,6 +50,8 @@ from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias, TypeVar, cast, get_args
 
+from tlsedge._accesslog import ACCESS_LOG_OFF
+
 __all__ = [
     "Address",
     "BackendConfig",
@@ -235,7 +237,8 @@ class EdgeConfig:
     max_connections: int = 10000
     admin: Address | None = None  # /metrics, /healthz, /readyz, /status
     log_format: LogFormat = "text"  # the process log; --log-format overrides it
-    access_log: str = "-"  # "-" (stderr), "stdout" or an absolute file path
+    # "-" (stderr), "stdout", an absolute file path, or "off"
+    access_log: str = "-"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -777,15 +780,17 @@ def _edge(t: _Table, base_dir: Path) -> EdgeConfig:
 
 
 def _access_log(base_dir: Path) -> Converter[str]:
-    """``"-"`` (stderr), ``"stdout"`` or a file (relative to the config's folder)."""
+    """``"-"`` (stderr), ``"stdout"``, ``"off"`` or a file (relative to the
+    config's folder)."""
 
     def convert(value: object, path: str) -> str:
         text = _string(value, path)
-        if text in {"-", "stdout"}:
+        if text in {"-", "stdout", ACCESS_LOG_OFF}:
             return text
         if not text or "\0" in text or not text.isprintable():
             raise _fail(
-                path, f"expected '-', 'stdout' or a file path, got {_show(text)}"
+                path,
+                f"expected '-', 'stdout', 'off' or a file path, got {_show(text)}",
             )
         return str(base_dir / text)
 

@@ -48,6 +48,7 @@ from typing import Final, Literal, TextIO
 import trio
 
 from tlsedge._accesslog import (
+    ACCESS_LOG_OFF,
     FLUSH_INTERVAL,
     AccessLogWriter,
     access_log_writer,
@@ -197,7 +198,7 @@ def _not_access(record: logging.LogRecord) -> bool:
 class _Installed:
     """What `setup_logging` changed, so that it can be undone."""
 
-    writer: AccessLogWriter
+    writer: AccessLogWriter | None  # None: ``access_log = "off"``
     handlers: list[tuple[logging.Logger, logging.Handler]] = field(default_factory=list)
     root_level: int = logging.WARNING
     access_level: int = logging.NOTSET
@@ -223,7 +224,8 @@ def setup_logging(
         level: ``"debug"``, ``"info"``, ``"warning"`` or ``"error"``: the root
             logger's level (the access log is always written).
         log_format: ``"text"`` or ``"json"``, for the process log.
-        access_log: ``"-"`` (stderr), ``"stdout"`` or a file path.
+        access_log: ``"-"`` (stderr), ``"stdout"``, a file path, or ``"off"``
+            (no access log: no line is even built).
         stream: Where the process log goes (default: ``sys.stderr``).
 
     Raises:
@@ -235,7 +237,8 @@ def setup_logging(
         raise ValueError(f"unknown log level {level!r}")
     if log_format not in {"text", "json"}:
         raise ValueError(f"unknown log format {log_format!r}")
-    writer = AccessLogWriter(access_log)  # may raise: before any change
+    # May raise: before any change.
+    writer = None if access_log == ACCESS_LOG_OFF else AccessLogWriter(access_log)
     shutdown_logging()
     process_handler: logging.Handler = (
         StdStreamHandler("stderr") if stream is None else logging.StreamHandler(stream)
@@ -244,15 +247,20 @@ def setup_logging(
         JsonFormatter() if log_format == "json" else EscapingFormatter(TEXT_FORMAT)
     )
     process_handler.addFilter(_not_access)
-    access_handler = AccessRecordHandler(writer)
     root = logging.getLogger()
     access = logging.getLogger(ACCESS_LOGGER_NAME)
     installed = _Installed(writer, root_level=root.level, access_level=access.level)
     root.addHandler(process_handler)
-    access.addHandler(access_handler)
-    installed.handlers = [(root, process_handler), (access, access_handler)]
+    installed.handlers = [(root, process_handler)]
     root.setLevel(numeric)
-    access.setLevel(logging.INFO)
+    if writer is None:
+        # Nothing reads access lines: `access_log_enabled` is then False.
+        access.setLevel(logging.CRITICAL + 1)
+    else:
+        access_handler = AccessRecordHandler(writer)
+        access.addHandler(access_handler)
+        installed.handlers.append((access, access_handler))
+        access.setLevel(logging.INFO)
     install_access_log_writer(writer)
     _STATE.installed = installed
 
@@ -262,7 +270,7 @@ def reopen_logs() -> None:
     logged. What is pending is written to the old file first; stderr and
     stdout are only flushed."""
     installed = _STATE.installed
-    if installed is None:
+    if installed is None or installed.writer is None:
         return
     writer = installed.writer
     try:
@@ -285,7 +293,8 @@ def shutdown_logging() -> None:
     if installed is None:
         return
     install_access_log_writer(None)
-    installed.writer.close()
+    if installed.writer is not None:
+        installed.writer.close()
     for logger, handler in installed.handlers:
         logger.removeHandler(handler)
         handler.flush()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import trio
 
+from tlsedge._accesslog import ACCESS_LOG_OFF
 from tlsedge._certs import CertificateError
 from tlsedge._config import (
     Address,
@@ -170,7 +171,7 @@ def access_log_error(path: str, exc: OSError) -> ConfigError:
 
 
 def _check_access_log(path: str) -> None:
-    if path in {"-", "stdout"}:
+    if path in {"-", "stdout", ACCESS_LOG_OFF}:
         return
     try:
         # Append mode, as the edge opens it: an absent file is created empty.

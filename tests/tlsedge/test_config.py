@@ -355,6 +355,8 @@ def test_minimal_config_gets_every_default() -> None:
     assert edge.admin is None
     assert edge.log_format == "text"
     assert edge.access_log == "-"
+    # "off" is a value, not a file name.
+    assert parse("[edge]\naccess_log = 'off'\n" + MINIMAL).edge.access_log == "off"
 
     (listener,) = config.listeners
     assert listener.name == "l"

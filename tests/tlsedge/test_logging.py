@@ -180,6 +180,28 @@ def test_process_log_and_access_log_to_stderr(
     assert json.loads(access)["id"] == "c1"
 
 
+def test_access_log_off_writes_and_builds_nothing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    setup_logging("debug", "text", "off")
+    assert not access_log_enabled()
+    assert access_log_writer() is None
+
+    def built(self: ConnectionLog) -> str:
+        raise AssertionError("a line was built with the access log off")
+
+    monkeypatch.setattr(ConnectionLog, "to_json", built)
+    emit_access()
+    flush_access_log()
+    reopen_logs()  # SIGUSR1: nothing to reopen
+    logging.getLogger("tlsedge.server").info("the process log still works")
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.endswith("INFO tlsedge.server: the process log still works\n")
+    shutdown_logging()
+    assert logging.getLogger("tlsedge.access").level == logging.NOTSET  # restored
+
+
 def test_access_log_to_stdout_at_any_level(capsys: pytest.CaptureFixture[str]) -> None:
     setup_logging("error", "text", "stdout")
     logging.getLogger("tlsedge.server").warning("below error: not shown")
