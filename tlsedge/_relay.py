@@ -91,7 +91,7 @@ The reactor path
 A `_Flow` holds two `_Endpoint` (socket, optional TLS engine, bytes owed to
 the socket). When a socket is readable the flow makes one non-blocking
 ``recv_into`` into the thread's *scratch* buffer (``buffer_size``, default
-256 KiB), decrypts if the source is TLS (`TLSStream.receive_nowait`), encrypts
+256 KiB), decrypts if the source is TLS (`TLSStream.receive_available`), encrypts
 if the destination is TLS (`TLSStream.send_nowait`), and sends at once; only what
 the destination does not take is copied into the endpoint's ``out``. While
 ``out`` holds bytes, the source is not read (its interest drops to errors only)
@@ -556,24 +556,11 @@ class _Flow(_Relay):
             else:
                 self._eof(end)
             return
-        chunks: list[bytes] = []
-        eof = False
-        transport_data: bytes | memoryview | None = None
+        transport_data: memoryview | None = None
         if sock is not None:
             transport_data = memoryview(self.scratch)[:received]
         try:
-            while True:
-                try:
-                    data = tls.receive_nowait(transport_data)
-                except trio.WouldBlock:
-                    break
-                transport_data = None
-                if not data:
-                    eof = True
-                    break
-                chunks.append(data)
-                if not tls.input_pending:
-                    break  # a further call would only raise WouldBlock
+            data, eof = tls.receive_available(transport_data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.fail(end)
             return
@@ -582,8 +569,7 @@ class _Flow(_Relay):
             self._send_raw(end, records)
             if self.done:
                 return
-        if chunks:
-            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if data:
             self._count(end, len(data))
             self._send(other, data)
             if self.done:

@@ -333,58 +333,68 @@ class TLSStream(trio.abc.HalfCloseableStream):
                 self._eof_received = True
                 return b""
 
-    def receive_nowait(self, transport_data: bytes | memoryview | None = None) -> bytes:
-        """Receive without waiting, from what the transport has delivered so far.
+    def receive_available(
+        self, transport_data: bytes | memoryview | None = None
+    ) -> tuple[bytes, bool]:
+        """Everything the engine can return now, without waiting.
 
-        For a caller that reads the transport itself when it knows a read will
-        not block (the HTTP keep-alive pool checks idle connections this way).
-        Records that carry no application data (TLS 1.3 session tickets, key
-        updates) are consumed; anything the engine has to answer is sent with
-        the next ``send_all``.
+        For a caller that reads the transport itself (the reactor's relay,
+        and the HTTP keep-alive pool, which checks idle connections this
+        way). Records without application data (TLS 1.3 session tickets, key
+        updates) are consumed; what the engine has to send meanwhile is in
+        `take_transport_data`.
 
         Args:
             transport_data: Bytes just read from the transport, given to the
                 engine first; ``b""`` for the transport's EOF; None for none.
 
         Returns:
-            Plaintext, or ``b""`` once the peer closed (close_notify or EOF).
+            The plaintext (``b""`` for none yet: nothing received, part of a
+            record, the handshake not done) and whether the peer closed
+            (close_notify or EOF) after it.
 
         Raises:
-            trio.WouldBlock: no application data yet: nothing received, part
-                of a record, only post-handshake messages, or the handshake is
-                not done.
             trio.BrokenResourceError: a TLS error (a fatal alert, a bad record).
             trio.ClosedResourceError: the stream was closed.
         """
         with self._receive_conflict:
             self._check_status()
+            incoming = self._incoming
             if transport_data is not None:
                 if transport_data:
                     self.transport_bytes_received += len(transport_data)
-                    self._incoming.write(transport_data)
+                    incoming.write(transport_data)
                 else:
-                    self._incoming.write_eof()
+                    incoming.write_eof()
             if not self._handshake_done:
-                raise trio.WouldBlock
+                return b"", False
+            chunks = []
             if self._parked:
-                data, self._parked = self._parked, b""
-                return data
-            if self._eof_received:
-                return b""
-            try:
-                data = self.ssl_object.read(DEFAULT_RECEIVE_SIZE)
-            except ssl.SSLWantReadError:
-                raise trio.WouldBlock from None
-            except ssl.SSLZeroReturnError:
-                data = b""
-            except ssl.SSLEOFError:
-                self.ragged_eof = True
-                data = b""
-            except ssl.SSLError as exc:
-                raise self._fail(exc) from exc
-            if not data:
-                self._eof_received = True
-            return data
+                chunks.append(self._parked)
+                self._parked = b""
+            ssl_object = self.ssl_object
+            # Read while the engine may have more: a read that would only
+            # fail with SSLWantReadError is skipped.
+            while not self._eof_received and (
+                incoming.pending or ssl_object.pending() or incoming.eof
+            ):
+                try:
+                    data = ssl_object.read(DEFAULT_RECEIVE_SIZE)
+                except ssl.SSLWantReadError:
+                    break
+                except ssl.SSLZeroReturnError:
+                    data = b""
+                except ssl.SSLEOFError:
+                    self.ragged_eof = True
+                    data = b""
+                except ssl.SSLError as exc:
+                    raise self._fail(exc) from exc
+                if not data:
+                    self._eof_received = True
+                else:
+                    chunks.append(data)
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return data, self._eof_received
 
     # -- driven by a caller that owns the transport (the reactor) -------------
 
@@ -432,17 +442,6 @@ class TLSStream(trio.abc.HalfCloseableStream):
         """Records the engine produced on its own while receiving (session
         tickets, key update answers), for a caller that writes the transport."""
         return self._outgoing.read()
-
-    @property
-    def input_pending(self) -> bool:
-        """`receive_nowait` could return more without new transport data
-        (bytes received but not yet returned: a record, plaintext, an EOF)."""
-        return bool(
-            self._parked
-            or self._incoming.pending
-            or self.ssl_object.pending()
-            or (self._incoming.eof and not self._eof_received)
-        )
 
     @property
     def established(self) -> bool:

@@ -182,3 +182,23 @@ async def test_handshake_failure_is_broken_resource() -> None:
     with pytest.raises(trio.BrokenResourceError):
         await server.receive_some()
     await server.aclose()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_receive_available_from_transport_bytes_fed_by_the_caller(
+    version: ssl.TLSVersion,
+) -> None:
+    # The reactor reads the socket itself and feeds the engine: a record split
+    # anywhere gives nothing until it is whole; several records and the
+    # close_notify behind them come out of one call.
+    client_transport, server_transport = trio.testing.memory_stream_pair()
+    client, server = _pair((client_transport, server_transport), version)
+    await _handshake((client, server))
+    await client.send_all(b"first")
+    await client.send_all(b"second")
+    await client.send_eof()
+    wire = bytes(await server_transport.receive_some())  # all of it, buffered
+    assert server.receive_available(wire[:3]) == (b"", False)
+    data, closed = server.receive_available(wire[3:])
+    assert (data, closed) == (b"firstsecond", True)
+    assert server.receive_available() == (b"", True)  # and it stays closed

@@ -81,12 +81,10 @@ async def is_idle_and_open(stream: trio.abc.Stream) -> bool:
     transport_data: bytes | None = None
     while True:
         try:
-            stream.receive_nowait(transport_data)
-        except trio.WouldBlock:
-            pass
+            data, closed = stream.receive_available(transport_data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False
-        else:
+        if data or closed:
             return False  # application data, close_notify or EOF
         if not _readable(sock):
             return True
