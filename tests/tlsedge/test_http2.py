@@ -512,25 +512,34 @@ async def test_streams_reuse_the_upstream_connections_earlier_streams_released(
     # 32 idle ones per server. The client connection keeps its own for its
     # next streams (no reconnect per round), gives them to the pool after
     # PARK_AFTER without a stream, and when it ends.
+    # The counts are upper bounds: streams that happen not to overlap (a busy
+    # machine) share connections and open fewer.
     async with h2_edge(tmp_path) as setup:
         pool = setup.edge._keepalive_pool("app")
         client = await RawH2.open(setup.plain_port)
-        for _ in range(3):
-            sids = [client.request("/slow/0.05") for _ in range(40)]
-            await client.send()
-            await client.until(lambda c, sids=sids: _answered(c, *sids))
-            assert {client.status(sid) for sid in sids} == {200}
-        assert len(setup.backend.raw) == 40
-        assert pool.idle_count() == 0
-        await wait_until(lambda: pool.idle_count() == 32)  # idle: parked
-        other = await RawH2.open(setup.plain_port)
-        sids = [other.request("/slow/0.05") for _ in range(40)]
-        await other.send()
-        await other.until(lambda c: _answered(c, *sids))
-        assert len(setup.backend.raw) == 48  # 32 from the pool, 8 new
-        await other.aclose()
-        await wait_until(lambda: pool.idle_count() == 32)  # closed: parked
-        await client.aclose()
+        try:
+            for _ in range(3):
+                sids = [client.request("/slow/0.05") for _ in range(40)]
+                await client.send()
+                await client.until(lambda c, sids=sids: _answered(c, *sids))
+                assert {client.status(sid) for sid in sids} == {200}
+            opened = len(setup.backend.raw)
+            assert opened <= 40  # not 56: no reconnect per round
+            assert pool.idle_count() == 0
+            parked = min(32, opened)
+            await wait_until(lambda: pool.idle_count() == parked)  # idle: parked
+            other = await RawH2.open(setup.plain_port)
+            try:
+                sids = [other.request("/slow/0.05") for _ in range(40)]
+                await other.send()
+                await other.until(lambda c: _answered(c, *sids))
+                # The parked ones are reused: only the rest is new.
+                assert len(setup.backend.raw) <= opened + 40 - parked
+            finally:
+                await other.aclose()
+            await wait_until(lambda: pool.idle_count() >= parked)  # closed: parked
+        finally:
+            await client.aclose()
 
 
 async def test_backend_gets_the_same_bytes_over_http11_and_http2(
