@@ -137,14 +137,13 @@ LOGGER = logging.getLogger("tlsedge.relay")
 
 __all__ = ["DetachedRelays", "RelayStats", "relay", "set_abortive_close"]
 
-# A pump that never has to wait (both peers fast) would otherwise never yield;
-# checkpoint after this many consecutive chunks handled without yielding. At 64 KiB
-# chunks that is one checkpoint per ~1 MiB, at 100-byte chunks one per 16 exchanges.
-_MAX_UNYIELDED_CHUNKS = 16
-
-# Each thread's shared receive buffers for the fast path, by size (see Buffers
-# in the module docstring).
+# Each thread's shared receive buffers for the reactor path, by size (see "The
+# reactor path" in the module docstring).
 _scratch = threading.local()
+
+# Most reads of one side per readiness event (a full read means more is
+# likely waiting; the bound keeps one busy connection from starving the rest).
+_READS_PER_WAKE = 16
 
 # The stream path sends a large chunk in slices of this size and counts each one
 # as progress for the fin timers (see the module docstring).
@@ -500,7 +499,11 @@ class _Flow(_Relay):
                 return
         if end.reading and not other.out and events & (READABLE | ERROR | HANGUP):
             acted = True
-            self._receive(end, end.sock)
+            # A full read means more is likely waiting: read on (up to a
+            # bound, for fairness) rather than go back to the selector.
+            for _ in range(_READS_PER_WAKE):
+                if not self._receive(end, end.sock):
+                    break
             if self.done:
                 return
         if not acted:
@@ -535,19 +538,21 @@ class _Flow(_Relay):
             self.reactor.modify(end.fd, interest)
         end.interest = interest
 
-    def _receive(self, end: _Endpoint, sock: socket.socket | None) -> None:
+    def _receive(self, end: _Endpoint, sock: socket.socket | None) -> bool:
         """Read *end* once (or only its TLS engine, without *sock*) and pass
-        what came on; an EOF starts the other side's shutdown."""
+        what came on; an EOF starts the other side's shutdown. True if the
+        read filled the buffer and everything went on: reading again is
+        worth it."""
         other = self._other(end)
         received = 0
         if sock is not None:
             try:
                 received = sock.recv_into(self.scratch)
             except BlockingIOError:
-                return
+                return False
             except OSError:
                 self.fail(end)
-                return
+                return False
         tls = end.tls
         if tls is None:
             if received:
@@ -555,7 +560,7 @@ class _Flow(_Relay):
                 self._send(other, memoryview(self.scratch)[:received])
             else:
                 self._eof(end)
-            return
+            return received == self.buffer_size and not (self.done or other.out)
         transport_data: memoryview | None = None
         if sock is not None:
             transport_data = memoryview(self.scratch)[:received]
@@ -563,19 +568,21 @@ class _Flow(_Relay):
             data, eof = tls.receive_available(transport_data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self.fail(end)
-            return
+            return False
         records = tls.take_transport_data()
         if records:
             self._send_raw(end, records)
             if self.done:
-                return
+                return False
         if data:
             self._count(end, len(data))
             self._send(other, data)
             if self.done:
-                return
+                return False
         if eof:
             self._eof(end)
+            return False
+        return received == self.buffer_size and not (self.done or other.out)
 
     def _count(self, end: _Endpoint, size: int) -> None:
         self.last_activity = trio.current_time()
