@@ -58,6 +58,7 @@ import math
 import os
 import random
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -97,7 +98,7 @@ from tlsedge._tls import ServerTLS, SSLFacts, watch_certificates
 from tlsedge._tls_accept import accept_tls
 from tlsedge._udp_mode import UdpListener
 from tlsedge._unwrap import Unwrapped, unwrap_proxy_header
-from tlsedge._upstream import BackendPool, Connected, Opening
+from tlsedge._upstream import BackendPool, Connected, Opening, set_stream_options
 from tlsedge._version import __version__
 
 __all__ = ["Edge", "serve"]
@@ -297,6 +298,9 @@ def _admission(state: _ListenerState, unwrapped: Unwrapped) -> Refused | None:
     return Refused(Termination.DENIED, verdict.reason)
 
 
+# Linux gives an accepted socket the TCP options of its listening socket.
+_INHERITED_TCP_OPTIONS = sys.platform == "linux"
+
 # Connection ids: 64 random bits, 16 hex digits. From a generator seeded from
 # os.urandom (again in a forked child): unique and unguessable enough for logs
 # and the PROXY header's unique id, without a getrandom() syscall each.
@@ -315,9 +319,10 @@ class _Connection:
 
     state: _ListenerState
     pool: BackendPool
-    #: The accepted socket, and the trio stream over it.
+    #: The accepted socket, and the trio stream over it (None where the
+    #: stages need none: `_without_waits`).
     raw: socket.socket
-    stream: trio.SocketStream
+    stream: trio.SocketStream | None
     peer: tuple[str, int] | None
     local: tuple[str, int] | None
     log: ConnectionLog
@@ -741,6 +746,10 @@ class Edge:
             return  # closed (drain, reload) before this loop started
         local = _fixed_local_address(sock)
         raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
+        if _INHERITED_TCP_OPTIONS:
+            # What trio's SocketStream sets on each connection, set once
+            # (connections relayed from their socket build no stream).
+            set_stream_options(raw)
         try:
             with listener.cancel_scope:
                 await self._accept_batches(listener, sock, raw, connections, local)
@@ -851,7 +860,17 @@ class Edge:
             peer=format_address(peer),
             start=time.time(),
         )
-        stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
+        immediate = _without_waits(state)
+        # A connection whose stages need no stream is relayed from its socket
+        # (which has the listener's TCP options where they are inherited).
+        stream = None
+        if not immediate:
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
+        elif not _INHERITED_TCP_OPTIONS:
+            raw.setblocking(False)
+            set_stream_options(raw)
+        else:
+            raw.setblocking(False)
         conn = _Connection(state, pool, raw, stream, peer, local, log, Cleanup())
         exits = conn.exits
         self.active_connections += 1
@@ -860,9 +879,9 @@ class Edge:
         exits.callback(lambda: self._connection_ended(log, started, limiter, token))
         # The client's socket, whatever stages wrap it (closing the wrappers
         # could send nothing more: the connection is over).
-        exits.callback(stream.socket.close)
+        exits.callback(raw.close if stream is None else stream.socket.close)
         begun: _Begun | None = None
-        if _without_waits(state):
+        if immediate:
             try:
                 begun = self._serve_now(conn)
             except Exception as exc:  # noqa: BLE001 (a Refused, or logged as a bug)
@@ -888,9 +907,7 @@ class Edge:
                     await self._serve(conn)
                 else:
                     downstream, connecting = begun
-                    await self._serve_tcp(
-                        conn, conn.stream, downstream, b"", connecting
-                    )
+                    await self._serve_tcp(conn, conn.raw, downstream, b"", connecting)
             except trio.Cancelled:
                 if conn.log.termination == Termination.UNKNOWN:
                     conn.log.termination = Termination.DRAINED
@@ -950,37 +967,38 @@ class Edge:
         _admitted(conn, unwrapped)
         downstream = _downstream(conn, unwrapped, None)
         begun = serve_tcp_now(
-            conn.stream,
+            conn.raw,
             downstream,
             pool=conn.pool,
             listener=conn.state.config,
             log=conn.log,
             exits=conn.exits,
             relays=self._relays,
-            client_socket=conn.raw,
+            client_socket=None,
         )
         return None if begun is None else (downstream, begun)
 
     async def _serve(self, conn: _Connection) -> None:
         """The stages: PROXY unwrap, TLS, then the mode (tcp relay or http)."""
-        state, log = conn.state, conn.log
+        state, log, stream = conn.state, conn.log, conn.stream
+        assert stream is not None  # built for every listener with waits
         config = state.config
         unwrapped = _direct(conn)
         if config.proxy_protocol is not None and state.trust is not None:
             unwrapped = await unwrap_proxy_header(
-                conn.stream,
+                stream,
                 trust=state.trust,
                 settings=config.proxy_protocol,
                 peer=conn.peer,
                 local=conn.local,
             )
         denial = _admitted(conn, unwrapped)
-        client: trio.abc.HalfCloseableStream = conn.stream
+        client: trio.abc.HalfCloseableStream = stream
         leftover = unwrapped.leftover
         tls: SSLFacts | None = None
         if state.tls is not None and config.tls is not None:
             client, tls = await accept_tls(
-                conn.stream,
+                stream,
                 state.tls,
                 initial_data=leftover,
                 handshake_timeout=config.tls.handshake_timeout,
@@ -1002,7 +1020,7 @@ class Edge:
     async def _serve_tcp(
         self,
         conn: _Connection,
-        client: trio.abc.Stream,
+        client: trio.abc.Stream | socket.socket,
         downstream: Downstream,
         leftover: bytes,
         begun: Connected | Opening | None,

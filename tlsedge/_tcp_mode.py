@@ -74,7 +74,7 @@ def _connect_now(
 
 
 def _relay_now(
-    client: trio.abc.Stream,
+    client: trio.abc.Stream | socket.socket,
     downstream: Downstream,
     connected: Connected,
     *,
@@ -116,15 +116,13 @@ def _relay_now(
     try:
         relays.start(
             client,
-            connected.upstream,
+            connected.tuned() if connected.tls is None else connected.tls,
             stats=stats,
             idle_timeout=listener.idle_timeout,
             client_fin_timeout=listener.client_fin_timeout,
             server_fin_timeout=pool.config.server_fin_timeout,
             on_done=ended,
-            sockets=None
-            if client_socket is None or connected.tls is not None
-            else (client_socket, connected.raw),
+            sockets=None if client_socket is None else (client_socket, connected.raw),
         )
     except BaseException:
         exits.callback(owned.close)  # nothing started: the owner cleans up
@@ -133,7 +131,7 @@ def _relay_now(
 
 
 def serve_tcp_now(
-    client: trio.abc.Stream,
+    client: trio.abc.Stream | socket.socket,
     downstream: Downstream,
     *,
     pool: BackendPool,
@@ -170,7 +168,7 @@ def serve_tcp_now(
 
 
 async def serve_tcp(
-    client: trio.abc.Stream,
+    client: trio.abc.Stream | socket.socket,
     downstream: Downstream,
     *,
     pool: BackendPool,
@@ -189,7 +187,8 @@ async def serve_tcp(
     closes *exits* (taken over from the caller).
 
     Args:
-        client: The client's stream after the earlier stages.
+        client: The client's stream after the earlier stages, or its socket
+            (for the reactor to drive as it is) if no stage needed a stream.
         downstream: The connection's facts (the PROXY header is built from them).
         pool: The listener's backend.
         listener: The listener's settings (timeouts).
@@ -216,7 +215,7 @@ async def serve_tcp(
             connected = await pool.connect(downstream.client_ip, opening=begun)
         except ConnectFailedError as exc:
             raise Refused(Termination.CONNECT_FAILED, str(exc)) from exc
-        exits.callback(connected.stream.socket.close)
+        exits.callback(connected.raw.close)
         exits.callback(connected.lease.release)
         log.server = str(connected.server)
     # Client bytes that came with the PROXY header or the TLS handshake. A
@@ -249,7 +248,7 @@ async def serve_tcp(
 
 
 def _send_failed(
-    client: trio.abc.Stream,
+    client: trio.abc.Stream | socket.socket,
     downstream: Downstream,
     exc: Exception,
     *,

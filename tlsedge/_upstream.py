@@ -74,26 +74,40 @@ class Connected:
     The caller owns both: it closes ``stream`` and releases the lease.
 
     Attributes:
-        stream: The socket.
+        raw: The connected non-blocking socket.
         lease: The server's lease.
         attempts: Connect attempts made.
-        tls: With a TLS backend, the TLS stream over ``stream``.
+        tls: With a TLS backend, the TLS stream over `stream`.
         pending: Bytes the caller sends before anything else, in its first
             write: the PROXY header to a plain server (to a TLS server it
             went before the handshake already).
-        raw: The stdlib socket under ``stream`` (for `tlsedge._relay.relay`).
     """
 
-    stream: trio.SocketStream
+    raw: socket.socket
     lease: ServerLease
     attempts: int
     tls: TLSStream | None
     pending: bytes
-    raw: socket.socket
+    _stream: trio.SocketStream | None = None
 
     @property
     def server(self) -> Server:
         return self.lease.server
+
+    @property
+    def stream(self) -> trio.SocketStream:
+        """The trio stream over `raw`, built when first asked for (a reactor
+        relay of a plain backend drives `raw` itself: see `tuned`)."""
+        if self._stream is None:
+            self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(self.raw))
+        return self._stream
+
+    def tuned(self) -> socket.socket:
+        """`raw`, with the options a `trio.SocketStream` would have set on it
+        (``TCP_NODELAY``, ``TCP_NOTSENT_LOWAT``) if none was built."""
+        if self._stream is None:
+            set_stream_options(self.raw)
+        return self.raw
 
     @property
     def upstream(self) -> trio.abc.Stream:
@@ -131,6 +145,19 @@ class Opening:
         self.lease.release()
         if self.sock is not None:
             self.sock.close()
+
+
+def set_stream_options(sock: socket.socket) -> None:
+    """Set what `trio.SocketStream` sets on a TCP socket: ``TCP_NODELAY``, and
+    ``TCP_NOTSENT_LOWAT`` of 16 KiB where the platform has it."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if _NOTSENT_LOWAT is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, _STREAM_LOWAT)
+
+
+#: trio's value (`trio.SocketStream`).
+_STREAM_LOWAT = 2**14
+_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 
 
 class LeaseObserver(Protocol):
@@ -418,7 +445,7 @@ class BackendPool:
         None: finish it with ``connect(opening=...)``."""
         if opening.error or self.tls_context is not None:
             return None
-        return self._succeeded(opening, _stream(opening), 1, None)
+        return self._succeeded(opening, 1, None, None)
 
     async def connect(
         self,
@@ -467,12 +494,11 @@ class BackendPool:
             if opening is None:
                 opening = self._begin(server, proxy_header)
             try:
-                stream = await self._finish_open(opening, config.connect_timeout)
-                encrypted = (
-                    None
-                    if self.tls_context is None
-                    else await self._start_tls(stream, proxy_header)
-                )
+                await self._finish_open(opening, config.connect_timeout)
+                stream = encrypted = None
+                if self.tls_context is not None:
+                    stream = _stream(opening)
+                    encrypted = await self._start_tls(stream, proxy_header)
             except (OSError, trio.TooSlowError, _TLSSetupError) as exc:
                 opening.close()
                 if isinstance(exc, trio.TooSlowError):
@@ -491,7 +517,7 @@ class BackendPool:
                 opening.close()
                 raise
             else:
-                return self._succeeded(opening, stream, attempt, encrypted)
+                return self._succeeded(opening, attempt, encrypted, stream)
             opening = None
             if attempt == attempts:
                 break
@@ -514,11 +540,12 @@ class BackendPool:
     def _succeeded(
         self,
         opening: Opening,
-        stream: trio.SocketStream,
         attempt: int,
         encrypted: TLSStream | None,
+        stream: trio.SocketStream | None,
     ) -> Connected:
-        """Count a successful attempt (health, metrics); its connection."""
+        """Count a successful attempt (health, metrics); its connection
+        (*stream*: the trio stream over its socket, if one was built)."""
         server = opening.server
         health = self._health.get(server.address)
         if health is not None:
@@ -528,7 +555,7 @@ class BackendPool:
         pending = opening.proxy_header if encrypted is None else b""
         assert opening.sock is not None  # the attempt succeeded
         return Connected(
-            stream, opening.lease, attempt, encrypted, pending, opening.sock
+            opening.sock, opening.lease, attempt, encrypted, pending, stream
         )
 
     async def _start_tls(self, stream: trio.SocketStream, prefix: bytes) -> TLSStream:
@@ -599,11 +626,9 @@ class BackendPool:
         return Opening(server, lease, sock, error, proxy_header)
 
     @staticmethod
-    async def _finish_open(
-        opening: Opening, connect_timeout: float
-    ) -> trio.SocketStream:
+    async def _finish_open(opening: Opening, connect_timeout: float) -> None:
         """Wait for the connect of *opening* to complete (within
-        *connect_timeout*); its socket's stream.
+        *connect_timeout*).
 
         Raises:
             OSError: the connect failed.
@@ -618,7 +643,6 @@ class BackendPool:
             error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if error:
             raise OSError(error, os.strerror(error))
-        return _stream(opening)
 
 
 def _stream(opening: Opening) -> trio.SocketStream:
