@@ -812,6 +812,26 @@ async def test_a_connection_needing_no_wait_gets_no_task(
     assert record["termination"] in {"client_closed", "server_closed"}
 
 
+async def test_sockets_relayed_without_streams_have_the_stream_options(
+    nursery: trio.Nursery,
+) -> None:
+    """Both sides of a relay built without trio streams have the TCP options
+    a `trio.SocketStream` sets (TCP_NODELAY, TCP_NOTSENT_LOWAT)."""
+    backend = await Backend(tag_handler("hi", hold=True)).start(nursery)
+    async with running_edge(unwrap_config(backend, send_proxy="none")) as edge:
+        client = await connect(address_of(edge, "in"))
+        assert await client.receive_some(10) == b"hi"
+        (flow,) = edge._relays._flows
+        for end in (flow.a, flow.b):
+            assert end.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            if hasattr(socket, "TCP_NOTSENT_LOWAT"):
+                lowat = end.sock.getsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT
+                )
+                assert lowat == 2**14
+        await client.aclose()
+
+
 async def test_connection_ids_are_distinct(
     nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
