@@ -13,6 +13,15 @@ once the last connection has gone. A tcp-mode connection's task ends once its
 relay runs on the reactor (`tlsedge._relay.DetachedRelays`): ``run()`` waits
 for those relays with the same deadline, then ends the rest the same way.
 
+A tcp-mode listener with no PROXY header to read and no TLS gets no task per
+connection where none is needed: the accept loop runs the stages itself
+(`Edge._accepted`, `Edge._serve_now`), with the same code as the task path,
+and the connection goes straight from ``accept()`` to the reactor when its
+backend connect completes within ``connect()`` (loopback, a fast network).
+Its sockets stay stdlib sockets: no trio stream is built for them. Only
+where something must wait (a connect in progress, a retry, a send that
+would block) does a task go on from where the accept loop stopped.
+
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
 accepting, and the kernel's backlog holds new clients (HAProxy's behaviour)
