@@ -125,7 +125,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import trio
 
@@ -190,7 +190,7 @@ _ERROR_OF = {
 }
 
 
-def set_abortive_close(stream: trio.abc.Stream) -> None:
+def set_abortive_close(stream: trio.abc.Stream | socket.socket) -> None:
     """Make the stream's eventual ``aclose()`` send an RST instead of a FIN.
 
     Sets ``SO_LINGER`` to ``(1, 0)`` on the underlying socket, found as
@@ -200,7 +200,12 @@ def set_abortive_close(stream: trio.abc.Stream) -> None:
 
     Args:
         stream: Any stream; typically the client or server side of a relay.
+            A stdlib socket (a reactor relay's plain side) gets it directly.
     """
+    if isinstance(stream, socket.socket):
+        with contextlib.suppress(OSError):
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ABORT)
+        return
     current: object = stream
     for _ in range(_MAX_TRANSPORT_DEPTH):
         if isinstance(current, trio.SocketStream):
@@ -245,6 +250,11 @@ class _Timeouts(NamedTuple):
         return cls(idle, client_fin, server_fin)
 
 
+#: A side of a relay: a stream, or (reactor relays only) a connected
+#: non-blocking stdlib socket, driven as it is and left to its owner to close.
+_Peer: TypeAlias = trio.abc.Stream | socket.socket
+
+
 class _Relay:
     """What both relay paths share: counters, the timers' timestamps, the cause."""
 
@@ -260,8 +270,8 @@ class _Relay:
 
     def __init__(
         self,
-        client: trio.abc.Stream,
-        server: trio.abc.Stream,
+        client: _Peer,
+        server: _Peer,
         stats: RelayStats,
         timeouts: _Timeouts,
     ) -> None:
@@ -383,8 +393,8 @@ class _Flow(_Relay):
 
     def __init__(
         self,
-        client: trio.abc.Stream,
-        server: trio.abc.Stream,
+        client: _Peer,
+        server: _Peer,
         stats: RelayStats,
         timeouts: _Timeouts,
         *,
@@ -673,12 +683,13 @@ _Ends = tuple[_Endpoint, _Endpoint, list[socket.socket]]
 
 
 def _reactor_ends(
-    client: trio.abc.Stream,
-    server: trio.abc.Stream,
+    client: _Peer,
+    server: _Peer,
     sockets: tuple[socket.socket, socket.socket] | None,
 ) -> _Ends | None:
     """The pair as reactor endpoints, or None if the reactor cannot drive it:
-    each must be a `trio.SocketStream`, or an established `TLSStream` over one."""
+    each must be a stdlib socket, a `trio.SocketStream`, or an established
+    `TLSStream` over one."""
     given = sockets if sockets is not None else (None, None)
     built: list[socket.socket] = []
     ends: list[_Endpoint] = []
@@ -686,6 +697,9 @@ def _reactor_ends(
         (client, _Side.CLIENT, given[0]),
         (server, _Side.SERVER, given[1]),
     ):
+        if isinstance(stream, socket.socket):
+            ends.append(_Endpoint(side, stream, None))
+            continue
         tls: TLSStream | None = None
         transport: trio.abc.Stream = stream
         sock = given_sock
@@ -736,8 +750,8 @@ class DetachedRelays:
 
     def start(
         self,
-        client: trio.abc.Stream,
-        server: trio.abc.Stream,
+        client: _Peer,
+        server: _Peer,
         *,
         stats: RelayStats,
         idle_timeout: float,
@@ -751,7 +765,8 @@ class DetachedRelays:
 
         *on_done* is called from the reactor's task once the relay ended
         (``stats.termination`` says why); it may be called before this
-        returns.
+        returns. A side may be a connected non-blocking stdlib socket (no
+        trio objects needed), driven as it is; its owner closes it.
 
         Raises:
             ValueError: as `relay`.
@@ -901,15 +916,14 @@ class _StreamRelay(_Relay):
         # else: the documented fallback, stop sending on dest but keep it open.
         self.pump_done()  # EOF_FORWARDED
 
-    async def run(self, buffer_size: int) -> None:
+    async def run(
+        self, client: trio.abc.Stream, server: trio.abc.Stream, buffer_size: int
+    ) -> None:
+        """Relay between *client* and *server* (the streams it was made with)."""
         async with trio.open_nursery() as nursery:
             self.scope = nursery.cancel_scope
-            nursery.start_soon(
-                self.pump, self.client, self.server, _Side.CLIENT, buffer_size
-            )
-            nursery.start_soon(
-                self.pump, self.server, self.client, _Side.SERVER, buffer_size
-            )
+            nursery.start_soon(self.pump, client, server, _Side.CLIENT, buffer_size)
+            nursery.start_soon(self.pump, server, client, _Side.SERVER, buffer_size)
             # This task keeps the timers while the pumps run.
             await self.watch()
 
@@ -989,7 +1003,7 @@ async def relay(
             )
         else:
             state = _StreamRelay(client, server, stats, timeouts)
-            await state.run(buffer_size)
+            await state.run(client, server, buffer_size)
             if stats.termination is None:
                 stats.termination = state.clean_termination()
     except* trio.Cancelled:

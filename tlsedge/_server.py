@@ -13,6 +13,15 @@ once the last connection has gone. A tcp-mode connection's task ends once its
 relay runs on the reactor (`tlsedge._relay.DetachedRelays`): ``run()`` waits
 for those relays with the same deadline, then ends the rest the same way.
 
+A tcp-mode listener with no PROXY header to read and no TLS gets no task per
+connection where none is needed: the accept loop runs the stages itself
+(`Edge._accepted`, `Edge._serve_now`), with the same code as the task path,
+and the connection goes straight from ``accept()`` to the reactor when its
+backend connect completes within ``connect()`` (loopback, a fast network).
+Its sockets stay stdlib sockets: no trio stream is built for them. Only
+where something must wait (a connect in progress, a retry, a send that
+would block) does a task go on from where the accept loop stopped.
+
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
 accepting, and the kernel's backlog holds new clients (HAProxy's behaviour)
@@ -56,7 +65,9 @@ import ipaddress
 import logging
 import math
 import os
+import random
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -90,13 +101,13 @@ from tlsedge._snapshot import (
     ServerSnapshot,
     Snapshot,
 )
-from tlsedge._tcp_mode import serve_tcp
+from tlsedge._tcp_mode import serve_tcp, serve_tcp_now
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, watch_certificates
 from tlsedge._tls_accept import accept_tls
 from tlsedge._udp_mode import UdpListener
 from tlsedge._unwrap import Unwrapped, unwrap_proxy_header
-from tlsedge._upstream import BackendPool
+from tlsedge._upstream import BackendPool, Connected, Opening, set_stream_options
 from tlsedge._version import __version__
 
 __all__ = ["Edge", "serve"]
@@ -294,6 +305,89 @@ def _admission(state: _ListenerState, unwrapped: Unwrapped) -> Refused | None:
     if verdict.admitted:
         return None
     return Refused(Termination.DENIED, verdict.reason)
+
+
+# Linux gives an accepted socket the TCP options of its listening socket.
+_INHERITED_TCP_OPTIONS = sys.platform == "linux"
+
+# Connection ids: 64 random bits, 16 hex digits. From a generator seeded from
+# os.urandom (again in a forked child): unique and unguessable enough for logs
+# and the PROXY header's unique id, without a getrandom() syscall each.
+_IDS = random.Random()  # noqa: S311 (not a secret)
+os.register_at_fork(after_in_child=_IDS.seed)
+
+
+def _connection_id() -> str:
+    """A new connection's id: 16 hex digits."""
+    return f"{_IDS.getrandbits(64):016x}"
+
+
+@dataclass(slots=True)
+class _Connection:
+    """One client connection while its stages run (see `Edge._accepted`)."""
+
+    state: _ListenerState
+    pool: BackendPool
+    #: The accepted socket, and the trio stream over it (None where the
+    #: stages need none: `_without_waits`).
+    raw: socket.socket
+    stream: trio.SocketStream | None
+    peer: tuple[str, int] | None
+    local: tuple[str, int] | None
+    log: ConnectionLog
+    exits: Cleanup
+
+
+#: Where `Edge._serve_now` stopped: the connection's facts, and the connect
+#: to finish (or the connection whose first bytes still wait to go).
+_Begun = tuple[Downstream, Connected | Opening]
+
+
+def _without_waits(state: _ListenerState) -> bool:
+    """Whether a connection of the listener may need no wait before its
+    relay: tcp mode, no PROXY header to read, no TLS handshake (whether its
+    backend connect completes at once is seen per connection)."""
+    config = state.config
+    return config.mode == "tcp" and config.proxy_protocol is None and state.tls is None
+
+
+def _direct(conn: _Connection) -> Unwrapped:
+    """The connection's endpoints as the socket gives them (no PROXY header)."""
+    return Unwrapped(
+        client=conn.peer, destination=conn.local, health_check=False, leftover=b""
+    )
+
+
+def _admitted(conn: _Connection, unwrapped: Unwrapped) -> Refused | None:
+    """Judge the real client (and log who it is). A denied client is refused
+    here (raised), or with ``denied = "403"`` the refusal is returned, to
+    answer after TLS."""
+    log = conn.log
+    log.client = format_address(unwrapped.client)
+    log.destination = format_address(unwrapped.destination)
+    denial = _admission(conn.state, unwrapped)
+    if denial is not None and conn.state.config.denied == "close":
+        raise denial  # before TLS: a denied client gets no ServerHello
+    return denial
+
+
+def _downstream(
+    conn: _Connection, unwrapped: Unwrapped, tls: SSLFacts | None
+) -> Downstream:
+    """What the stages learnt about the client, once admitted (and the
+    backend it goes to, in the log)."""
+    log = conn.log
+    config = conn.state.config
+    log.backend = config.backend
+    return Downstream(
+        id=log.id,
+        listener=config.name,
+        peer=conn.peer,
+        client=unwrapped.client,
+        destination=unwrapped.destination,
+        health_check=unwrapped.health_check,
+        tls=tls,
+    )
 
 
 async def _answer_forbidden(
@@ -661,6 +755,10 @@ class Edge:
             return  # closed (drain, reload) before this loop started
         local = _fixed_local_address(sock)
         raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
+        if _INHERITED_TCP_OPTIONS:
+            # What trio's SocketStream sets on each connection, set once
+            # (connections relayed from their socket build no stream).
+            set_stream_options(raw)
         try:
             with listener.cancel_scope:
                 await self._accept_batches(listener, sock, raw, connections, local)
@@ -725,77 +823,120 @@ class Edge:
                     raise
                 # The backend is looked up now: a reload may remove it while
                 # this connection still reads its PROXY header.
-                connections.start_soon(
-                    self._handle_connection,
+                self._accepted(
                     listener.state,
                     self._pools[listener.config.backend],
                     listener.limiter,
                     token,
                     conn,
-                    trio.SocketStream(trio.socket.from_stdlib_socket(conn)),
                     peer_address,
                     local,
+                    connections,
                 )
 
     # -- one connection ---------------------------------------------------
 
-    async def _handle_connection(  # noqa: PLR0917 (start_soon passes positionals)
+    def _accepted(  # noqa: PLR0917
         self,
         state: _ListenerState,
         pool: BackendPool,
         limiter: trio.CapacityLimiter,
         token: object,
         raw: socket.socket,
-        stream: trio.SocketStream,
         peer_address: object,
         local: tuple[str, int] | None,
+        connections: trio.Nursery,
     ) -> None:
-        """Own one connection: run its stages, then close and log it.
+        """Take charge of an accepted connection: count it, run the stages
+        that need no wait here, and hand the rest to a task.
 
         Everything the stages open or take (the client's socket, an upstream's
-        socket, a server's lease, the connection slots) is given back by one
-        exit stack, whichever way the connection ends. A stage that refuses the
-        connection raises `Refused`.
+        socket, a server's lease, the connection slots) is given back by the
+        connection's exit stack, whichever way it ends. A stage that refuses
+        the connection raises `Refused`.
         """
-        config = state.config
         # accept() told us who the peer is: no getpeername() (which also fails
         # once the peer reset the connection, as HAProxy's health checks do).
         peer = _socket_address(peer_address)
         if local is None:  # a wildcard bind: where did this client connect?
             try:
-                local = _socket_address(stream.socket.getsockname())
+                local = _socket_address(raw.getsockname())
             except OSError:
                 local = None
         log = ConnectionLog(
-            id=os.urandom(8).hex(),
-            listener=config.name,
+            id=_connection_id(),
+            listener=state.config.name,
             peer=format_address(peer),
             start=time.time(),
         )
+        immediate = _without_waits(state)
+        # A connection whose stages need no stream is relayed from its socket
+        # (which has the listener's TCP options where they are inherited).
+        stream = None
+        if not immediate:
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
+        elif not _INHERITED_TCP_OPTIONS:
+            raw.setblocking(False)
+            set_stream_options(raw)
+        else:
+            raw.setblocking(False)
+        conn = _Connection(state, pool, raw, stream, peer, local, log, Cleanup())
+        exits = conn.exits
         self.active_connections += 1
-        self._metrics.connection_opened(config.name)
-        with Cleanup() as exits:
-            started = trio.current_time()
-            exits.callback(lambda: self._connection_ended(log, started, limiter, token))
-            # The client's socket, whatever stages wrap it (closing the wrappers
-            # could send nothing more: the connection is over).
-            exits.callback(stream.socket.close)
+        self._metrics.connection_opened(log.listener)
+        started = trio.current_time()
+        exits.callback(lambda: self._connection_ended(log, started, limiter, token))
+        # The client's socket, whatever stages wrap it (closing the wrappers
+        # could send nothing more: the connection is over).
+        exits.callback(raw.close if stream is None else stream.socket.close)
+        begun: _Begun | None = None
+        if immediate:
             try:
-                await self._serve(state, pool, raw, stream, exits, peer, local, log)
-            except Refused as refused:
-                self._refused(log, refused)
-            except trio.Cancelled:
-                if log.termination == Termination.UNKNOWN:
-                    log.termination = Termination.DRAINED
+                begun = self._serve_now(conn)
+            except Exception as exc:  # noqa: BLE001 (a Refused, or logged as a bug)
+                self._stage_failed(conn, exc)
+            except BaseException:
+                exits.close()
                 raise
-            except Exception as exc:
-                # A bug on one connection's path must not take the edge (and
-                # every other connection) down with it: log it, close this one.
-                log.termination = Termination.INTERNAL_ERROR
-                log.detail = f"{type(exc).__name__}: {exc}"
-                LOGGER.exception(
-                    "listener %s: internal error on connection %s", config.name, log.id
-                )
+            if begun is None:  # done: the relay runs, or the connection ended
+                exits.close()
+                return
+        try:
+            connections.start_soon(self._handle_connection, conn, begun)
+        except BaseException:
+            exits.close()
+            raise
+
+    async def _handle_connection(self, conn: _Connection, begun: _Begun | None) -> None:
+        """Run the stages of *conn* (from where `_serve_now` stopped, if it
+        ran), then close and log it."""
+        with conn.exits:
+            try:
+                if begun is None:
+                    await self._serve(conn)
+                else:
+                    downstream, connecting = begun
+                    await self._serve_tcp(conn, conn.raw, downstream, b"", connecting)
+            except trio.Cancelled:
+                if conn.log.termination == Termination.UNKNOWN:
+                    conn.log.termination = Termination.DRAINED
+                raise
+            except Exception as exc:  # noqa: BLE001 (a Refused, or logged as a bug)
+                self._stage_failed(conn, exc)
+
+    def _stage_failed(self, conn: _Connection, exc: Exception) -> None:
+        """Log why a stage ended the connection: a refusal, or a bug (a bug on
+        one connection's path must not take the edge, and every other
+        connection, down with it: logged, and this connection closed)."""
+        log = conn.log
+        if isinstance(exc, Refused):
+            self._refused(log, exc)
+            return
+        log.termination = Termination.INTERNAL_ERROR
+        log.detail = f"{type(exc).__name__}: {exc}"
+        LOGGER.exception(
+            "listener %s: internal error on connection %s", log.listener, log.id
+        )
 
     def _connection_ended(
         self,
@@ -827,35 +968,40 @@ class Edge:
                 refused.detail,
             )
 
-    async def _serve(  # noqa: PLR0917
-        self,
-        state: _ListenerState,
-        pool: BackendPool,
-        raw: socket.socket,
-        stream: trio.SocketStream,
-        exits: Cleanup,
-        peer: tuple[str, int] | None,
-        local: tuple[str, int] | None,
-        log: ConnectionLog,
-    ) -> None:
-        """The stages: PROXY unwrap, TLS, then the mode (tcp relay or http)."""
-        config = state.config
-        unwrapped = Unwrapped(
-            client=peer, destination=local, health_check=False, leftover=b""
+    def _serve_now(self, conn: _Connection) -> _Begun | None:
+        """`_serve` for a connection of a listener `_without_waits`, as far
+        as it goes without waiting: None once done, else where it stopped."""
+        unwrapped = _direct(conn)
+        # tcp mode: a denied client is closed at once (the only choice there).
+        _admitted(conn, unwrapped)
+        downstream = _downstream(conn, unwrapped, None)
+        begun = serve_tcp_now(
+            conn.raw,
+            downstream,
+            pool=conn.pool,
+            listener=conn.state.config,
+            log=conn.log,
+            exits=conn.exits,
+            relays=self._relays,
+            client_socket=None,
         )
+        return None if begun is None else (downstream, begun)
+
+    async def _serve(self, conn: _Connection) -> None:
+        """The stages: PROXY unwrap, TLS, then the mode (tcp relay or http)."""
+        state, log, stream = conn.state, conn.log, conn.stream
+        assert stream is not None  # built for every listener with waits
+        config = state.config
+        unwrapped = _direct(conn)
         if config.proxy_protocol is not None and state.trust is not None:
             unwrapped = await unwrap_proxy_header(
                 stream,
                 trust=state.trust,
                 settings=config.proxy_protocol,
-                peer=peer,
-                local=local,
+                peer=conn.peer,
+                local=conn.local,
             )
-        log.client = format_address(unwrapped.client)
-        log.destination = format_address(unwrapped.destination)
-        denial = _admission(state, unwrapped)
-        if denial is not None and config.denied == "close":
-            raise denial  # before TLS: a denied client gets no ServerHello
+        denial = _admitted(conn, unwrapped)
         client: trio.abc.HalfCloseableStream = stream
         leftover = unwrapped.leftover
         tls: SSLFacts | None = None
@@ -874,30 +1020,32 @@ class Edge:
             log.bytes_from_client = len(leftover)
             await _answer_forbidden(client, log)
             raise Refused(denial.termination, f"{denial.detail}; answered 403")
-        downstream = Downstream(
-            id=log.id,
-            listener=config.name,
-            peer=peer,
-            client=unwrapped.client,
-            destination=unwrapped.destination,
-            health_check=unwrapped.health_check,
-            tls=tls,
-        )
-        log.backend = config.backend
+        downstream = _downstream(conn, unwrapped, tls)
         if config.mode == "http":
-            await self._serve_http(state, pool, client, downstream, leftover, log)
+            await self._serve_http(state, conn.pool, client, downstream, leftover, log)
         else:
-            await serve_tcp(
-                client,
-                downstream,
-                pool=pool,
-                listener=config,
-                initial_data=leftover,
-                log=log,
-                exits=exits,
-                relays=self._relays,
-                client_socket=raw if client is stream else None,
-            )
+            await self._serve_tcp(conn, client, downstream, leftover, None)
+
+    async def _serve_tcp(
+        self,
+        conn: _Connection,
+        client: trio.abc.Stream | socket.socket,
+        downstream: Downstream,
+        leftover: bytes,
+        begun: Connected | Opening | None,
+    ) -> None:
+        await serve_tcp(
+            client,
+            downstream,
+            pool=conn.pool,
+            listener=conn.state.config,
+            initial_data=leftover,
+            log=conn.log,
+            exits=conn.exits,
+            relays=self._relays,
+            client_socket=conn.raw if client is conn.stream else None,
+            begun=begun,
+        )
 
     def _keepalive_pool(self, backend: str) -> KeepAlivePool:
         """The idle upstream HTTP connections of *backend* (made on first use)."""

@@ -9,10 +9,19 @@ the client's first bytes, and hands both to the reactor (`tlsedge._relay`'s
 `DetachedRelays`), which relays with its half-close rules. The connection's
 task ends there; the reactor fills in the access-log record and closes what
 the exit stack held when the relay ends.
+
+The stage is written as two synchronous steps around the waits:
+`_connect_now` starts the first connect attempt, `_relay_now` sends what
+goes without waiting and starts the relay. Where neither has to wait (a plain
+backend on loopback or a fast network) the edge runs them from its accept
+loop (`serve_tcp_now`), with no task for the connection at all; `serve_tcp`
+is the same steps with the waits between them, and takes over from
+`serve_tcp_now` where that had to stop.
 """
 
 from __future__ import annotations
 
+import functools
 import socket
 
 import trio
@@ -24,75 +33,78 @@ from tlsedge._downstream import Downstream
 from tlsedge._proxy_wrap import proxy_header_for
 from tlsedge._relay import DetachedRelays, RelayStats, set_abortive_close
 from tlsedge._termination import Refused, Termination
-from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
+from tlsedge._upstream import (
+    BackendPool,
+    Connected,
+    ConnectFailedError,
+    NoServerError,
+    Opening,
+)
 
-__all__ = ["serve_tcp"]
+__all__ = ["serve_tcp", "serve_tcp_now"]
 
 # How a relay ends when the client side finishes first; see ``health_check``.
 _CLIENT_ENDED = frozenset({Termination.CLIENT_CLOSED, Termination.CLIENT_ERROR})
 
 
-async def serve_tcp(
-    client: trio.abc.Stream,
-    downstream: Downstream,
-    *,
-    pool: BackendPool,
-    listener: ListenerConfig,
-    initial_data: bytes,
-    log: ConnectionLog,
-    exits: Cleanup,
-    relays: DetachedRelays,
-    client_socket: socket.socket | None = None,
-) -> None:
-    """Connect a server of *pool* and hand *client* and it to the reactor.
+def _connect_now(
+    downstream: Downstream, pool: BackendPool, *, log: ConnectionLog, exits: Cleanup
+) -> Connected | Opening:
+    """Pick a server of *pool* and start connecting, without waiting.
 
-    Returns once the relay started (or the first bytes could not be sent):
-    the reactor relays until both sides are done, then fills in *log* and
-    closes *exits* (taken over from the caller).
-
-    Args:
-        client: The client's stream after the earlier stages.
-        downstream: The connection's facts (the PROXY header is built from them).
-        pool: The listener's backend.
-        listener: The listener's settings (timeouts).
-        initial_data: Client bytes an earlier stage read past its own data.
-        log: The connection's access-log record, filled in here.
-        exits: The connection's exit stack: the upstream is closed and the
-            server's lease released by it. Once the relay started, its
-            callbacks are the relay's to run (the stack is left empty).
-        relays: The edge's relays on the reactor.
-        client_socket: The stdlib socket under *client* when *client* is
-            the accepted socket's `trio.SocketStream` (the relay uses it).
+    The attempt's socket and lease go to *exits*. Returns the connection if
+    it is complete already (`BackendPool.connected_now`), else the attempt
+    for `serve_tcp` to finish.
 
     Raises:
-        Refused: ``no_server`` or ``connect_failed`` (a failed TLS handshake
-            with the server is a failed connect attempt).
+        Refused: ``no_server``.
     """
     backend = pool.config
     header = proxy_header_for(downstream, backend.send_proxy, backend.proxy_tlvs)
     try:
-        connected = await pool.connect(downstream.client_ip, proxy_header=header or b"")
+        opening = pool.open_first(downstream.client_ip, proxy_header=header or b"")
     except NoServerError as exc:
         raise Refused(Termination.NO_SERVER, str(exc)) from exc
-    except ConnectFailedError as exc:
-        raise Refused(Termination.CONNECT_FAILED, str(exc)) from exc
-    exits.callback(connected.stream.socket.close)
-    exits.callback(connected.lease.release)
+    exits.callback(opening.close)
+    connected = pool.connected_now(opening)
+    if connected is None:
+        return opening
     log.server = str(connected.server)
-    upstream = connected.upstream
-    # Client bytes that came with the PROXY header or the TLS handshake.
-    stats = RelayStats(bytes_from_client=len(initial_data))
-    # A plain backend gets our header and the first bytes in one segment, as
-    # HAProxy sends them.
-    data = connected.pending + initial_data
-    if data:
+    return connected
+
+
+def _relay_now(
+    client: trio.abc.Stream | socket.socket,
+    downstream: Downstream,
+    connected: Connected,
+    *,
+    pool: BackendPool,
+    listener: ListenerConfig,
+    stats: RelayStats,
+    log: ConnectionLog,
+    exits: Cleanup,
+    relays: DetachedRelays,
+    client_socket: socket.socket | None,
+) -> bool:
+    """Send ``connected.pending`` as far as it goes without waiting, then
+    hand *client* and the upstream to the reactor.
+
+    Returns False if bytes are left to send (in ``connected.pending``;
+    nothing else was done): the caller sends them, then calls again. True
+    once done: the relay started (the reactor fills in *log* and closes
+    *exits* at its end), or the send failed (logged in *log*).
+    """
+    if connected.pending and connected.tls is None:
         try:
-            await upstream.send_all(data)
-        except (trio.BrokenResourceError, OSError) as exc:
-            log.termination, log.detail = Termination.SERVER_ERROR, str(exc)
-            set_abortive_close(client)
-            _record(log, stats, downstream)
-            return
+            sent = connected.raw.send(connected.pending)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            _send_failed(client, downstream, exc, stats=stats, log=log)
+            return True
+        connected.pending = connected.pending[sent:]
+    if connected.pending:
+        return False
     # From here the reactor owns the connection: what the connection's exit
     # stack would close and release, it closes and releases at the end.
     owned = exits.pop_all()
@@ -104,19 +116,149 @@ async def serve_tcp(
     try:
         relays.start(
             client,
-            upstream,
+            connected.tuned() if connected.tls is None else connected.tls,
             stats=stats,
             idle_timeout=listener.idle_timeout,
             client_fin_timeout=listener.client_fin_timeout,
-            server_fin_timeout=backend.server_fin_timeout,
+            server_fin_timeout=pool.config.server_fin_timeout,
             on_done=ended,
-            sockets=None
-            if client_socket is None or connected.tls is not None
-            else (client_socket, connected.raw),
+            sockets=None if client_socket is None else (client_socket, connected.raw),
         )
     except BaseException:
         exits.callback(owned.close)  # nothing started: the owner cleans up
         raise
+    return True
+
+
+def serve_tcp_now(
+    client: trio.abc.Stream | socket.socket,
+    downstream: Downstream,
+    *,
+    pool: BackendPool,
+    listener: ListenerConfig,
+    log: ConnectionLog,
+    exits: Cleanup,
+    relays: DetachedRelays,
+    client_socket: socket.socket | None,
+) -> Connected | Opening | None:
+    """`serve_tcp` as far as it goes without waiting, for a connection with
+    no initial data (the arguments are `serve_tcp`'s).
+
+    Returns None once the stage is done (as `serve_tcp` returns), else where
+    it stopped: pass that as `serve_tcp`'s *begun* to go on.
+
+    Raises:
+        Refused: ``no_server``.
+    """
+    begun = _connect_now(downstream, pool, log=log, exits=exits)
+    if isinstance(begun, Opening) or not _relay_now(
+        client,
+        downstream,
+        begun,
+        pool=pool,
+        listener=listener,
+        stats=RelayStats(),
+        log=log,
+        exits=exits,
+        relays=relays,
+        client_socket=client_socket,
+    ):
+        return begun
+    return None
+
+
+async def serve_tcp(
+    client: trio.abc.Stream | socket.socket,
+    downstream: Downstream,
+    *,
+    pool: BackendPool,
+    listener: ListenerConfig,
+    initial_data: bytes,
+    log: ConnectionLog,
+    exits: Cleanup,
+    relays: DetachedRelays,
+    client_socket: socket.socket | None = None,
+    begun: Connected | Opening | None = None,
+) -> None:
+    """Connect a server of *pool* and hand *client* and it to the reactor.
+
+    Returns once the relay started (or the first bytes could not be sent):
+    the reactor relays until both sides are done, then fills in *log* and
+    closes *exits* (taken over from the caller).
+
+    Args:
+        client: The client's stream after the earlier stages, or its socket
+            (for the reactor to drive as it is) if no stage needed a stream.
+        downstream: The connection's facts (the PROXY header is built from them).
+        pool: The listener's backend.
+        listener: The listener's settings (timeouts).
+        initial_data: Client bytes an earlier stage read past its own data.
+        log: The connection's access-log record, filled in here.
+        exits: The connection's exit stack: the upstream is closed and the
+            server's lease released by it. Once the relay started, its
+            callbacks are the relay's to run (the stack is left empty).
+        relays: The edge's relays on the reactor.
+        client_socket: The stdlib socket under *client* when *client* is
+            the accepted socket's `trio.SocketStream` (the relay uses it).
+        begun: Where `serve_tcp_now` stopped for this connection, if it ran.
+
+    Raises:
+        Refused: ``no_server`` or ``connect_failed`` (a failed TLS handshake
+            with the server is a failed connect attempt).
+    """
+    if begun is None:
+        begun = _connect_now(downstream, pool, log=log, exits=exits)
+    if isinstance(begun, Connected):
+        connected = begun
+    else:
+        try:
+            connected = await pool.connect(downstream.client_ip, opening=begun)
+        except ConnectFailedError as exc:
+            raise Refused(Termination.CONNECT_FAILED, str(exc)) from exc
+        exits.callback(connected.raw.close)
+        exits.callback(connected.lease.release)
+        log.server = str(connected.server)
+    # Client bytes that came with the PROXY header or the TLS handshake. A
+    # plain backend gets our header and the first bytes in one segment, as
+    # HAProxy sends them.
+    stats = RelayStats(bytes_from_client=len(initial_data))
+    connected.pending += initial_data
+    start = functools.partial(
+        _relay_now,
+        client,
+        downstream,
+        connected,
+        pool=pool,
+        listener=listener,
+        stats=stats,
+        log=log,
+        exits=exits,
+        relays=relays,
+        client_socket=client_socket,
+    )
+    if start():
+        return
+    try:  # what could not go without waiting
+        await connected.upstream.send_all(connected.pending)
+    except (trio.BrokenResourceError, OSError) as exc:
+        _send_failed(client, downstream, exc, stats=stats, log=log)
+        return
+    connected.pending = b""
+    start()
+
+
+def _send_failed(
+    client: trio.abc.Stream | socket.socket,
+    downstream: Downstream,
+    exc: Exception,
+    *,
+    stats: RelayStats,
+    log: ConnectionLog,
+) -> None:
+    """The first bytes could not go to the server: reset the client, log it."""
+    log.termination, log.detail = Termination.SERVER_ERROR, str(exc)
+    set_abortive_close(client)
+    _record(log, stats, downstream)
 
 
 def _record(log: ConnectionLog, stats: RelayStats, downstream: Downstream) -> None:

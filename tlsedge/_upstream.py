@@ -44,6 +44,7 @@ __all__ = [
     "Connected",
     "LeaseObserver",
     "NoServerError",
+    "Opening",
 ]
 
 LOGGER = logging.getLogger("tlsedge.upstream")
@@ -73,31 +74,90 @@ class Connected:
     The caller owns both: it closes ``stream`` and releases the lease.
 
     Attributes:
-        stream: The socket.
+        raw: The connected non-blocking socket.
         lease: The server's lease.
         attempts: Connect attempts made.
-        tls: With a TLS backend, the TLS stream over ``stream``.
+        tls: With a TLS backend, the TLS stream over `stream`.
         pending: Bytes the caller sends before anything else, in its first
             write: the PROXY header to a plain server (to a TLS server it
             went before the handshake already).
-        raw: The stdlib socket under ``stream`` (for `tlsedge._relay.relay`).
     """
 
-    stream: trio.SocketStream
+    raw: socket.socket
     lease: ServerLease
     attempts: int
     tls: TLSStream | None
     pending: bytes
-    raw: socket.socket
+    _stream: trio.SocketStream | None = None
 
     @property
     def server(self) -> Server:
         return self.lease.server
 
     @property
+    def stream(self) -> trio.SocketStream:
+        """The trio stream over `raw`, built when first asked for (a reactor
+        relay of a plain backend drives `raw` itself: see `tuned`)."""
+        if self._stream is None:
+            self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(self.raw))
+        return self._stream
+
+    def tuned(self) -> socket.socket:
+        """`raw`, with the options a `trio.SocketStream` would have set on it
+        (``TCP_NODELAY``, ``TCP_NOTSENT_LOWAT``) if none was built."""
+        if self._stream is None:
+            set_stream_options(self.raw)
+        return self.raw
+
+    @property
     def upstream(self) -> trio.abc.Stream:
         """The stream to talk to the server over (TLS or the socket)."""
         return self.tls if self.tls is not None else self.stream
+
+
+@dataclass(slots=True)
+class Opening:
+    """A first connect attempt, started without waiting (`BackendPool.open_first`).
+
+    `BackendPool.connected_now` turns it into a `Connected` when nothing is
+    left to wait for; otherwise ``BackendPool.connect(opening=...)`` finishes
+    it (retrying as configured). Whoever holds it calls `close` when done
+    (it is idempotent): that gives back the socket and the lease unless a
+    `Connected` took them over.
+
+    Attributes:
+        server: The server of the attempt.
+        lease: The lease on it, taken before the connect.
+        sock: The non-blocking socket; None if it could not be created.
+        error: 0 (connected already), ``EINPROGRESS`` (the handshake is
+            under way), or the errno the attempt failed with.
+        proxy_header: Our PROXY header for this connection (see `connect`).
+    """
+
+    server: Server
+    lease: ServerLease
+    sock: socket.socket | None
+    error: int
+    proxy_header: bytes
+
+    def close(self) -> None:
+        """Release the lease and close the socket (again: a no-op)."""
+        self.lease.release()
+        if self.sock is not None:
+            self.sock.close()
+
+
+def set_stream_options(sock: socket.socket) -> None:
+    """Set what `trio.SocketStream` sets on a TCP socket: ``TCP_NODELAY``, and
+    ``TCP_NOTSENT_LOWAT`` of 16 KiB where the platform has it."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if _NOTSENT_LOWAT is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, _STREAM_LOWAT)
+
+
+#: trio's value (`trio.SocketStream`).
+_STREAM_LOWAT = 2**14
+_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 
 
 class LeaseObserver(Protocol):
@@ -363,12 +423,37 @@ class BackendPool:
         observer.server_leased(backend, label)
         return ServerLease(server, lambda _: observer.server_released(backend, label))
 
+    def open_first(
+        self, client_ip: str | None, *, proxy_header: bytes = b""
+    ) -> Opening:
+        """Pick a server and start the first connect attempt, without waiting.
+
+        Loopback and fast peers complete the handshake within ``connect()``:
+        `connected_now` then has the connection with no wait at all.
+
+        Raises:
+            NoServerError: no healthy server.
+        """
+        server = self.balancer.pick(client_ip)
+        if server is None:
+            raise NoServerError(f"backend {self.name}: no healthy server")
+        return self._begin(server, proxy_header)
+
+    def connected_now(self, opening: Opening) -> Connected | None:
+        """The connection of *opening* if it needs no more waiting: the connect
+        completed at once and the backend is plain (TLS needs its handshake).
+        None: finish it with ``connect(opening=...)``."""
+        if opening.error or self.tls_context is not None:
+            return None
+        return self._succeeded(opening, 1, None, None)
+
     async def connect(
         self,
         client_ip: str | None,
         *,
         first: Server | None = None,
         proxy_header: bytes = b"",
+        opening: Opening | None = None,
     ) -> Connected:
         """Pick a server and connect to it, retrying as configured.
 
@@ -385,6 +470,8 @@ class BackendPool:
                 `server_hostname`, within another ``connect_timeout``) is part
                 of each attempt, it is sent raw before the handshake; to a
                 plain one it comes back as ``pending``.
+            opening: The first attempt, started by `open_first` (its server
+                and PROXY header replace *first* and *proxy_header*).
 
         Raises:
             NoServerError: no healthy server.
@@ -394,22 +481,26 @@ class BackendPool:
         attempts = 1 + config.retries
         tried: list[Server] = []
         failures: list[str] = []
-        server = first if first is not None else self.balancer.pick(client_ip)
+        if opening is not None:
+            server: Server | None = opening.server
+            proxy_header = opening.proxy_header
+        else:
+            server = first if first is not None else self.balancer.pick(client_ip)
         for attempt in range(1, attempts + 1):
             if server is None:
                 break
             tried.append(server)
             health = self._health.get(server.address)
-            lease = self.lease(server)
+            if opening is None:
+                opening = self._begin(server, proxy_header)
             try:
-                stream, raw = await self._open(server, config.connect_timeout)
-                encrypted = (
-                    None
-                    if self.tls_context is None
-                    else await self._start_tls(stream, proxy_header)
-                )
+                await self._finish_open(opening, config.connect_timeout)
+                stream = encrypted = None
+                if self.tls_context is not None:
+                    stream = _stream(opening)
+                    encrypted = await self._start_tls(stream, proxy_header)
             except (OSError, trio.TooSlowError, _TLSSetupError) as exc:
-                lease.release()
+                opening.close()
                 if isinstance(exc, trio.TooSlowError):
                     detail = f"timeout after {config.connect_timeout:g} s"
                 elif isinstance(exc, _TLSSetupError):
@@ -423,17 +514,11 @@ class BackendPool:
                 if health is not None and not local:
                     health.connect_failed(detail)
             except BaseException:
-                lease.release()
+                opening.close()
                 raise
             else:
-                if health is not None:
-                    health.connect_succeeded()
-                if self.observer is not None:
-                    self.observer.server_connection_opened(
-                        self.name, str(server), attempt
-                    )
-                pending = proxy_header if encrypted is None else b""
-                return Connected(stream, lease, attempt, encrypted, pending, raw)
+                return self._succeeded(opening, attempt, encrypted, stream)
+            opening = None
             if attempt == attempts:
                 break
             await trio.sleep(RETRY_DELAY)
@@ -450,6 +535,27 @@ class BackendPool:
             f"backend {self.name}: {len(failures)} connect attempts failed ("
             + "; ".join(failures)
             + ")"
+        )
+
+    def _succeeded(
+        self,
+        opening: Opening,
+        attempt: int,
+        encrypted: TLSStream | None,
+        stream: trio.SocketStream | None,
+    ) -> Connected:
+        """Count a successful attempt (health, metrics); its connection
+        (*stream*: the trio stream over its socket, if one was built)."""
+        server = opening.server
+        health = self._health.get(server.address)
+        if health is not None:
+            health.connect_succeeded()
+        if self.observer is not None:
+            self.observer.server_connection_opened(self.name, str(server), attempt)
+        pending = opening.proxy_header if encrypted is None else b""
+        assert opening.sock is not None  # the attempt succeeded
+        return Connected(
+            opening.sock, opening.lease, attempt, encrypted, pending, stream
         )
 
     async def _start_tls(self, stream: trio.SocketStream, prefix: bytes) -> TLSStream:
@@ -491,19 +597,18 @@ class BackendPool:
             raise
         return tls
 
-    @staticmethod
-    async def _open(
-        server: Server, connect_timeout: float
-    ) -> tuple[trio.SocketStream, socket.socket]:
-        """A connected stream to *server*, and the stdlib socket under it."""
+    def _begin(self, server: Server, proxy_header: bytes) -> Opening:
+        """Take a lease on *server* and start connecting to it (no wait)."""
+        lease = self.lease(server)
         host, port = server.address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # A non-blocking connect on a stdlib socket: the address is numeric
         # already (trio's connect() would resolve it again and checkpoint).
         # Created non-blocking where the OS can (Linux): trio's wrapper sets
-        # O_NONBLOCK again below, one FIONBIO per connection is enough.
-        sock = socket.socket(family, socket.SOCK_STREAM | _SOCK_NONBLOCK)
+        # O_NONBLOCK again, one FIONBIO per connection is enough.
+        sock: socket.socket | None = None
         try:
+            sock = socket.socket(family, socket.SOCK_STREAM | _SOCK_NONBLOCK)
             if not _SOCK_NONBLOCK:
                 sock.setblocking(False)
             error = sock.connect_ex((host, port))
@@ -511,13 +616,36 @@ class BackendPool:
                 # Loopback (and any peer fast enough) completes the handshake
                 # within connect(): no wait, no cancel scope, no round trip.
                 error = 0
-            if error == errno.EINPROGRESS:
-                with trio.fail_after(connect_timeout):
-                    await trio.lowlevel.wait_writable(sock)
-                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if error:
-                raise OSError(error, os.strerror(error))
-            return trio.SocketStream(trio.socket.from_stdlib_socket(sock)), sock
+        except OSError as exc:
+            error = exc.errno or errno.EIO
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
+            lease.release()
             raise
+        return Opening(server, lease, sock, error, proxy_header)
+
+    @staticmethod
+    async def _finish_open(opening: Opening, connect_timeout: float) -> None:
+        """Wait for the connect of *opening* to complete (within
+        *connect_timeout*).
+
+        Raises:
+            OSError: the connect failed.
+            trio.TooSlowError: it did not complete in time.
+        """
+        sock, error = opening.sock, opening.error
+        if sock is None:
+            raise OSError(error, os.strerror(error))
+        if error == errno.EINPROGRESS:
+            with trio.fail_after(connect_timeout):
+                await trio.lowlevel.wait_writable(sock)
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            raise OSError(error, os.strerror(error))
+
+
+def _stream(opening: Opening) -> trio.SocketStream:
+    """The trio stream over the connected socket of *opening*."""
+    assert opening.sock is not None
+    return trio.SocketStream(trio.socket.from_stdlib_socket(opening.sock))

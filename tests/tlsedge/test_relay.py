@@ -407,6 +407,16 @@ def test_set_abortive_close_follows_transport_stream() -> None:
     set_abortive_close(inner)
 
 
+def test_set_abortive_close_takes_a_stdlib_socket() -> None:
+    """A reactor relay's side may be a plain socket (no stream around it)."""
+    a, b = socket.socketpair()
+    with a, b:
+        set_abortive_close(a)
+        linger = a.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)
+        assert struct.unpack("ii", linger) == (1, 0)
+    set_abortive_close(a)  # closed: silently nothing
+
+
 # -- cancellation -----------------------------------------------------------------
 
 

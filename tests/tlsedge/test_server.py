@@ -21,6 +21,7 @@ import trustme
 import tlsedge._tcp_mode
 from proxyproto import ProxyHeader, encode, encode_v2, parse
 from tests.peers import free_port
+from tests.test_faults import blackhole
 from tests.tlsedge.helpers import (
     Backend,
     address_of,
@@ -36,6 +37,7 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
+from tests.tlsedge.test_admin import total
 from tests.tlsedge.test_tls_edge import PrefixFirstSend
 from tlsedge._config import Config
 from tlsedge._proxy_wrap import proxy_header_for
@@ -732,6 +734,142 @@ async def test_idle_timeout_closes_an_idle_connection(
     assert 59.0 <= elapsed <= 61.0
     assert record["termination"] == "idle_timeout"
     await wait_until(lambda: backend.active == 0)
+
+
+# -- connections set up from the accept loop ------------------------------------
+
+
+@pytest.fixture
+def tasks_started(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The connections `Edge` started a task for (from now on)."""
+    started: list[object] = []
+    handle = Edge._handle_connection
+
+    async def counted(self: Edge, conn: Any, begun: Any) -> None:
+        started.append(conn)
+        await handle(self, conn, begun)
+
+    monkeypatch.setattr(Edge, "_handle_connection", counted)
+    return started
+
+
+def metric(edge: Edge, name: str, **labels: str) -> float:
+    """The sum of the samples of *name* whose labels include *labels*."""
+    return total(edge._metrics.exposition()[0].decode(), name, **labels)
+
+
+async def test_a_connection_needing_no_wait_gets_no_task(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+) -> None:
+    """No PROXY header, no TLS, a loopback backend: the accept loop connects
+    and hands the relay to the reactor. The connection has no task, and ends
+    as one with a task: PROXY header, log line, counters, slots, lease."""
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    async with running_edge(unwrap_config(backend)) as edge:
+        assert edge._connections is not None
+        listener = edge._listeners["in"]
+        server = edge._pools["b"].servers[0].server
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(b"hello")
+        await wait_until(lambda: backend.accepted == 1)
+        assert not tasks_started
+        assert len(edge._relays) == 1
+        assert edge.active_connections == 1
+        assert listener.limiter.borrowed_tokens == 1
+        assert server.active == 1
+        await client.send_eof()
+        answer = json.loads(await read_all(client))
+        (record,) = await wait_access_records(caplog)
+        await wait_until(lambda: edge.active_connections == 0)
+        assert listener.limiter.borrowed_tokens == 0
+        assert edge._edge_limiter.borrowed_tokens == 0
+        assert server.active == 0
+        assert metric(edge, "tlsedge_connections_total", listener="in") == 1
+        assert metric(edge, "tlsedge_connections_active", listener="in") == 0
+        assert (
+            metric(
+                edge,
+                "tlsedge_connections_closed_total",
+                listener="in",
+                termination=record["termination"],
+            )
+            == 1
+        )
+    port = client.socket.getsockname()[1]
+    peer = f"127.0.0.1:{port}"
+    assert answer["data"] == "hello"
+    assert answer["source"] == ["127.0.0.1", port]
+    assert answer["unique_id"] == record["id"]
+    assert len(record["id"]) == 16
+    int(record["id"], 16)
+    assert record["peer"] == record["client"] == peer
+    assert record["server"] == backend.address
+    assert record["backend"] == "b"
+    assert record["bytes_from_client"] == 5
+    assert record["bytes_from_server"] == len(json.dumps(answer))
+    assert record["termination"] in {"client_closed", "server_closed"}
+
+
+async def test_sockets_relayed_without_streams_have_the_stream_options(
+    nursery: trio.Nursery,
+) -> None:
+    """Both sides of a relay built without trio streams have the TCP options
+    a `trio.SocketStream` sets (TCP_NODELAY, TCP_NOTSENT_LOWAT)."""
+    backend = await Backend(tag_handler("hi", hold=True)).start(nursery)
+    async with running_edge(unwrap_config(backend, send_proxy="none")) as edge:
+        client = await connect(address_of(edge, "in"))
+        assert await client.receive_some(10) == b"hi"
+        (flow,) = edge._relays._flows
+        for end in (flow.a, flow.b):
+            assert end.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            if hasattr(socket, "TCP_NOTSENT_LOWAT"):
+                lowat = end.sock.getsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT
+                )
+                assert lowat == 2**14
+        await client.aclose()
+
+
+async def test_connection_ids_are_distinct(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = await Backend(tag_handler("hi")).start(nursery)
+    async with running_edge(unwrap_config(backend, send_proxy="none")) as edge:
+        for _ in range(20):
+            await exchange(address_of(edge, "in"))
+        records = await wait_access_records(caplog, 20)
+    assert len({r["id"] for r in records}) == 20
+
+
+async def test_a_connect_that_must_wait_goes_on_in_a_task(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+) -> None:
+    """A first connect attempt that does not complete at once (the server's
+    accept queue is full) is finished by a task, with timeouts and retries
+    as before; everything is given back at the end."""
+    with blackhole() as hole:
+        config = balanced_config([hole], retries=1, connect_timeout=0.2)
+        async with running_edge(config) as edge:
+            assert edge._connections is not None
+            server = edge._pools["b"].servers[0].server
+            client = await connect(address_of(edge, "in"))
+            await wait_until(lambda: edge.active_connections == 1)
+            assert len(tasks_started) == 1
+            assert len(edge._connections.child_tasks) == 1
+            with trio.fail_after(5):
+                assert await read_until_closed(client) == b""
+            (record,) = await wait_access_records(caplog)
+            await wait_until(lambda: edge.active_connections == 0)
+            assert not edge._connections.child_tasks
+            assert edge._listeners["in"].limiter.borrowed_tokens == 0
+            assert server.active == 0
+    assert record["termination"] == "connect_failed"
+    assert "2 connect attempts failed" in record["detail"]
+    assert "timeout after 0.2 s" in record["detail"]
 
 
 # -- max_connections ----------------------------------------------------------
