@@ -38,12 +38,22 @@ def require(program: str) -> str:
     return path
 
 
+# Ports free_port() handed out in this process: the kernel may offer a port
+# again at once, and two peers of one test must not get the same one.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for peers that need a fixed port)."""
+    """A port that was free a moment ago (for peers that need a fixed port),
+    never one this process was given before."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_for_port(
