@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
 import signal
 import socket
@@ -16,7 +17,7 @@ import trio
 
 from tests.peers import free_port, require
 from tests.tlsedge.helpers import Backend, exchange, read_all, wait_until
-from tlsedge._cli import main
+from tlsedge._cli import GC_YOUNG_THRESHOLD, main, tune_gc
 from tlsedge._version import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -430,3 +431,14 @@ async def test_run_start_failure_is_one_line_and_exit_2(
     assert len(naming) == 1, stderr
     assert naming[0].startswith(f"tlsedge: {path}: {message}"), stderr
     assert "restarting" not in stderr
+
+
+def test_tune_gc_freezes_startup_and_spaces_young_collections() -> None:
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
