@@ -169,6 +169,9 @@ class Reactor:
         self._sequence = itertools.count()
         # The timer task's sleep; its deadline is the earliest timer's.
         self._timer_sleep = trio.CancelScope()
+        #: trio's clock (``trio.current_time()`` without the run-context
+        #: lookups: handlers read it per chunk).
+        self.now: Callable[[], float] = trio.lowlevel.current_clock().current_time
 
     # -- registrations -------------------------------------------------------
 

@@ -483,7 +483,7 @@ class _Flow(_Relay):
     def _timer(self) -> None:
         if self.done:
             return
-        now = trio.current_time()
+        now = self.reactor.now()
         if self.armed <= now:
             self.armed = math.inf  # this was the earliest pending timer
         deadline, cause = self.next_deadline()
@@ -524,6 +524,13 @@ class _Flow(_Relay):
                 # Its FIN waits to be read once reading resumes; until then
                 # a level-triggered hang-up would wake us without end.
                 end.hung_up = True
+        elif (
+            end.reading
+            and other.reading
+            and not (end.out or other.out)
+            and end.interest == other.interest == READABLE
+        ):
+            return  # both still just reading (the usual case): nothing changed
         self._update(end)
         self._update(other)
 
@@ -595,7 +602,7 @@ class _Flow(_Relay):
         return received == self.buffer_size and not (self.done or other.out)
 
     def _count(self, end: _Endpoint, size: int) -> None:
-        self.last_activity = trio.current_time()
+        self.last_activity = self.reactor.now()
         if end.side is _Side.CLIENT:
             self.stats.bytes_from_client += size
         else:
@@ -638,7 +645,7 @@ class _Flow(_Relay):
             return
         del end.out[:sent]
         # The reader took bytes while we waited: progress for the fin timer.
-        self.last_send = trio.current_time()
+        self.last_send = self.reactor.now()
         if not end.out and end.shut_pending:
             self._shut(end)
 
