@@ -344,7 +344,6 @@ class _Endpoint:
         "interest",
         "out",
         "reading",
-        "shut",
         "shut_pending",
         "side",
         "sock",
@@ -364,8 +363,6 @@ class _Endpoint:
         self.reading = True
         #: The other side's EOF waits for ``out`` to drain before it is sent.
         self.shut_pending = False
-        #: The other side's EOF was forwarded to this side.
-        self.shut = False
         #: What the reactor watches this socket for; None: not registered.
         #: 0 (registered for errors only) while reading is paused, so that an
         #: RST from a side we are not reading still ends the relay.
@@ -387,6 +384,7 @@ class _Flow(_Relay):
         "on_done",
         "reactor",
         "scratch",
+        "scratch_view",
         "shut_count",
         "task",
     )
@@ -405,6 +403,7 @@ class _Flow(_Relay):
         self.a, self.b, self.built = ends
         self.buffer_size = buffer_size
         self.scratch = _scratch_buffer(buffer_size)
+        self.scratch_view = memoryview(self.scratch)
         self.reactor = current_reactor()
         #: Who learns that the relay ended: a parked task (`relay`) or a
         #: callback (`DetachedRelays.start`).
@@ -574,13 +573,13 @@ class _Flow(_Relay):
         if tls is None:
             if received:
                 self._count(end, received)
-                self._send(other, memoryview(self.scratch)[:received])
+                self._send(other, self.scratch_view[:received])
             else:
                 self._eof(end)
             return received == self.buffer_size and not (self.done or other.out)
         transport_data: memoryview | None = None
         if sock is not None:
-            transport_data = memoryview(self.scratch)[:received]
+            transport_data = self.scratch_view[:received]
         try:
             data, eof = tls.receive_available(transport_data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -678,7 +677,6 @@ class _Flow(_Relay):
             except OSError:
                 self.fail(end)
                 return
-        end.shut = True
         self.shut_count += 1
         if self.shut_count == 2:
             self._finish()

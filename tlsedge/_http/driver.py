@@ -129,18 +129,6 @@ READ_SIZE: Final = 65536
 LINGER_TIMEOUT: Final = 2.0
 LINGER_MAX_BYTES: Final = 1 << 20
 
-#: Error responses that say the backend failed: logged at WARNING. Every other
-#: error response (4xx, and 501/505 for what the client asked) is the client's
-#: doing, logged at INFO: a client must not be able to raise warnings at will.
-_BACKEND_FAILURES: Final = frozenset(
-    {
-        Termination.NO_SERVER,
-        Termination.CONNECT_FAILED,
-        Termination.SERVER_ERROR,
-        Termination.RESPONSE_TIMEOUT,
-    }
-)
-
 
 class _ClientGoneError(Exception):
     """The client reset, closed or stalled; nothing more can be sent to it."""
@@ -505,21 +493,8 @@ class _HttpConnection:
         self, log: RequestLog, status: int, reason: str, termination: str
     ) -> bool:
         """Send an error response, log it, close the connection."""
-        log.status = status
-        log.termination = termination
-        log.detail = reason
+        log.error_response(self.listener.name, status, reason, termination)
         self._end(termination, reason)
-        level = logging.WARNING if termination in _BACKEND_FAILURES else logging.INFO
-        LOGGER.log(
-            level,
-            "listener %s: client %s: %s %s -> %d: %s",
-            self.listener.name,
-            log.client,
-            log.method,
-            log.target,
-            status,
-            reason,
-        )
         with contextlib.suppress(_ClientGoneError):
             await self.send_client_bounded(self.session.send_error(status, reason), log)
             await self.linger()

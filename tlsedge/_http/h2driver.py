@@ -93,9 +93,9 @@ from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.pool import KeepAlivePool
 from tlsedge._http.rules import (
     RequestRewriter,
+    error_body,
     log_text,
     may_retry,
-    reason_phrase,
     strip_hop_by_hop,
 )
 from tlsedge._http.upstreams import Upstream, UpstreamConnections
@@ -117,14 +117,6 @@ HIGH_WATER: Final = 65536
 #: Response fields that HTTP/2 forbids (RFC 9113 section 8.2.2), beyond the
 #: hop-by-hop ones `strip_hop_by_hop` drops.
 _NOT_IN_H2: Final = frozenset({b"transfer-encoding", b"keep-alive", b"upgrade"})
-_BACKEND_FAILURES: Final = frozenset(
-    {
-        Termination.NO_SERVER,
-        Termination.CONNECT_FAILED,
-        Termination.SERVER_ERROR,
-        Termination.RESPONSE_TIMEOUT,
-    }
-)
 
 
 async def sniff_preface(
@@ -585,23 +577,8 @@ class _H2Connection:
         self, stream: _Stream, status: int, reason: str, termination: str
     ) -> None:
         """A small plain-text error response (as HTTP/1.1's, without close)."""
-        log = stream.log
-        log.status = status
-        log.termination = termination
-        log.detail = reason
-        level = logging.WARNING if termination in _BACKEND_FAILURES else logging.INFO
-        LOGGER.log(
-            level,
-            "listener %s: client %s: %s %s -> %d: %s",
-            self.listener.name,
-            log.client,
-            log.method,
-            log.target,
-            status,
-            reason,
-        )
-        phrase = reason_phrase(status, b"").decode("ascii")
-        body = f"{status} {phrase}: {reason}\n".encode()
+        stream.log.error_response(self.listener.name, status, reason, termination)
+        body = error_body(status, reason)
         head_only = stream.request.method == b"HEAD"
         self.session.send_headers(
             stream.id,

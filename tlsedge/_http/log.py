@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, fields
 from typing import Final
 
@@ -10,6 +11,20 @@ from tlsedge._accesslog import access_log_enabled, format_time, write_access_lin
 from tlsedge._termination import Termination
 
 __all__ = ["HttpConnectionResult", "RequestLog"]
+
+LOGGER = logging.getLogger("tlsedge.http")
+
+#: Error responses that say the backend failed: logged at WARNING. Every other
+#: error response (4xx, and 501/505 for what the client asked) is the client's
+#: doing, logged at INFO: a client must not be able to raise warnings at will.
+_BACKEND_FAILURES: Final = frozenset(
+    {
+        Termination.NO_SERVER,
+        Termination.CONNECT_FAILED,
+        Termination.SERVER_ERROR,
+        Termination.RESPONSE_TIMEOUT,
+    }
+)
 
 
 @dataclass(slots=True)
@@ -68,6 +83,25 @@ class RequestLog:
     request_id: str | None = None
     termination: str = Termination.OK
     detail: str | None = None
+
+    def error_response(
+        self, listener: str, status: int, reason: str, termination: str
+    ) -> None:
+        """Record that we answered *status* ourselves, and log why: at WARNING
+        when the backend failed, at INFO when the client asked for it."""
+        self.status = status
+        self.termination = termination
+        self.detail = reason
+        LOGGER.log(
+            logging.WARNING if termination in _BACKEND_FAILURES else logging.INFO,
+            "listener %s: client %s: %s %s -> %d: %s",
+            listener,
+            self.client,
+            self.method,
+            self.target,
+            status,
+            reason,
+        )
 
     def emit(self) -> None:
         """Write the line (if the access logger is enabled)."""

@@ -187,12 +187,17 @@ def error_response_bytes(
     Content-Length still that of the body a GET would get.
     """
     reason = _REASONS.get(status, b"Error")
-    body = f"{status} {reason.decode()}: {message}\n".encode()
+    body = error_body(status, message)
     head = (
         b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
         b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (status, reason, len(body))
     )
     return head if head_only else head + body
+
+
+def error_body(status: int, message: str) -> bytes:
+    """The plain-text body of our own error responses (HTTP/1.1 and HTTP/2)."""
+    return f"{status} {_REASONS.get(status, b'Error').decode()}: {message}\n".encode()
 
 
 def reason_phrase(status: int, reason: bytes) -> bytes:
