@@ -231,12 +231,14 @@ def profile_tlsedge(
     nginx_ports: tuple[int, int],
     certs: tuple[Path, Path, Path],
 ) -> None:
-    """py-spy record tlsedge under HTTPS keep-alive load (raw + svg)."""
+    """py-spy record tlsedge (the first tlsedge variant of ``--proxies``)
+    under each scenario's load (raw + svg)."""
     if shutil.which("py-spy") is None:
         raise BenchError("py-spy is not installed (pip install py-spy)")
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    proxy = Proxy("tlsedge")
+    variants = [name for name in args.proxies if name.startswith("tlsedge")]
+    proxy = Proxy(variants[0] if variants else "tlsedge")
     start_proxy(procs, proxy, nginx_ports, certs)
     for scenario in args.scenarios:
         raw = out_dir / f"http-{scenario}.txt"

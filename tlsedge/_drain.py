@@ -3,13 +3,14 @@
 Set once, when the edge drains (SIGTERM, ``Edge.drain()``). Work in flight
 reads it (``is_set``) at its next decision point: an HTTP response then
 carries ``Connection: close``. A wait that the drain must end at once (an
-HTTP connection idle between requests) registers its cancel scope while it
-waits, so that no task per connection has to sit waiting for the signal.
+HTTP connection idle between requests) registers a callback (or its cancel
+scope) while it waits, so that no task per connection has to sit waiting for
+the signal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import trio
@@ -20,36 +21,45 @@ __all__ = ["Drain"]
 class Drain:
     """A one-shot drain signal (see the module docstring)."""
 
-    __slots__ = ("_event", "_scopes")
+    __slots__ = ("_callbacks", "_event")
 
     def __init__(self) -> None:
         self._event = trio.Event()
-        self._scopes: set[trio.CancelScope] = set()
+        self._callbacks: set[Callable[[], None]] = set()
 
     def is_set(self) -> bool:
         """True once the edge drains."""
         return self._event.is_set()
 
     def set(self) -> None:
-        """Drain: wake `wait`, cancel every registered wait."""
+        """Drain: wake `wait`, end every registered wait."""
         self._event.set()
-        for scope in self._scopes:
-            scope.cancel()
-        self._scopes.clear()
+        callbacks, self._callbacks = self._callbacks, set()
+        for callback in callbacks:
+            callback()
 
     async def wait(self) -> None:
         """Return once the edge drains."""
         await self._event.wait()
 
+    def call_on_set(self, callback: Callable[[], None]) -> None:
+        """Call *callback* once when the edge drains (at once if it did),
+        unless `forget` comes first. It must not block."""
+        if self._event.is_set():
+            callback()
+        else:
+            self._callbacks.add(callback)
+
+    def forget(self, callback: Callable[[], None]) -> None:
+        """Undo `call_on_set` (nothing if *callback* was called or never set)."""
+        self._callbacks.discard(callback)
+
     @contextmanager
     def cancels(self, scope: trio.CancelScope) -> Iterator[None]:
         """Within this block, draining cancels *scope* (at once if drained)."""
-        if self._event.is_set():
-            scope.cancel()
-            yield
-            return
-        self._scopes.add(scope)
+        cancel = scope.cancel
+        self.call_on_set(cancel)
         try:
             yield
         finally:
-            self._scopes.discard(scope)
+            self.forget(cancel)

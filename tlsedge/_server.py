@@ -90,6 +90,7 @@ from tlsedge._logging import run_access_log_flusher
 from tlsedge._metrics import EdgeMetrics
 from tlsedge._preflight import load_listener_tls
 from tlsedge._proxy_wrap import proxy_header_for
+from tlsedge._reactor import current_reactor
 from tlsedge._relay import DetachedRelays
 from tlsedge._snapshot import (
     BackendSnapshot,
@@ -608,6 +609,9 @@ class Edge:
                 certificate cannot be used; the message starts with the
                 dotted path of the value at fault.
         """
+        # The worker's reactor (its epoll descriptor) exists from the start,
+        # not from the first connection on: the edge's resources at rest.
+        current_reactor()
         for index, backend in enumerate(self.config.backends):
             self._pools[backend.name] = await BackendPool.create(
                 backend, observer=self._metrics, path=f"backends[{index}]"
@@ -666,9 +670,8 @@ class Edge:
             for listener in self._listeners.values():
                 for sock in listener.sockets:
                     sock.close()
-            with trio.CancelScope(shield=True):
-                for keepalive in self._keepalive.values():
-                    await keepalive.aclose()
+            for keepalive in self._keepalive.values():
+                keepalive.close()
         LOGGER.info("all connections closed; stopped")
 
     # -- listeners --------------------------------------------------------

@@ -25,12 +25,12 @@ import trio.testing
 from hypothesis import given, strategies as st
 
 from tests.peers import free_port, nginx, require
-from tests.tlsedge.helpers import Backend, make_config
+from tests.tlsedge.helpers import Backend, make_config, wait_until
 from tlsedge._config import Config, ConfigError
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
 from tlsedge._http.body import ChunkedDecoder
-from tlsedge._http.driver import _Exchange, _HttpConnection, serve_http
+from tlsedge._http.driver import serve_http
 from tlsedge._http.head import RequestRejectedError, parse_request_head
 from tlsedge._http.log import HttpConnectionResult
 from tlsedge._http.pool import KeepAlivePool
@@ -583,7 +583,7 @@ async def running_proxy(
             )
             nursery.cancel_scope.cancel()
     finally:
-        await keepalive.aclose()
+        keepalive.close()
 
 
 # -- clients ----------------------------------------------------------------------
@@ -1003,12 +1003,14 @@ async def test_keepalive_on_both_sides() -> None:
             response = await client.request("GET", "/")
             assert response.status == 200
         await client.aclose()
-        # A second client connection reuses the pooled upstream connection.
+        # The client connection held its upstream connection; once it is
+        # gone, the next client connection reuses it from the pool.
         for _ in range(2):
+            await wait_until(lambda: proxy.keepalive.idle_count() == 1)
             response = await get(proxy.address)
         assert echo.accepted == 1
         assert [r["request"] for r in echo.requests] == [1, 2, 3, 4, 5, 6, 7]
-        assert proxy.keepalive.idle_count() == 1
+        await wait_until(lambda: proxy.keepalive.idle_count() == 1)
         # An upstream "Connection: close" is not pooled (and not passed on).
         response = await get(proxy.address, "/close")
         assert response.header(b"connection") is None
@@ -1098,24 +1100,15 @@ async def test_keepalive_survives_a_backend_answering_at_once() -> None:
     assert echo.accepted == 1
 
 
-async def test_keepalive_when_the_answer_overtakes_the_body_task(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_keepalive_when_the_answer_overtakes_the_body() -> None:
     # Found by campaigns/http_clients.py: with the backend in another process
-    # and the edge loaded, the backend's answer can be read before the edge's
-    # task that wrote the last body bytes upstream runs again. The request was
-    # read in full all the same: no "Connection: close", and the request
-    # pipelined behind it is served (it used to be dropped with the close).
-    send_upstream = _HttpConnection._send_body_upstream
-
-    async def resumes_late(self: _HttpConnection, ex: _Exchange, data: bytes) -> None:
-        await send_upstream(self, ex, data)
-        await trio.sleep(0.2)  # a busy event loop
-
-    monkeypatch.setattr(_HttpConnection, "_send_body_upstream", resumes_late)
+    # and the edge loaded, the backend's answer can be read before the edge
+    # has seen the last body bytes leave. The request was read in full all the
+    # same: no "Connection: close", and the request pipelined behind it is
+    # served (it used to be dropped with the close).
     async with echo_and_proxy() as (echo, proxy):
-        # The body comes after the head, so the body task carries it (a body
-        # that came with its head goes upstream with it, without that task).
+        # The body comes after the head, so it is pumped on its own (a body
+        # that came with its head goes upstream with it, in one write).
         out = await raw(
             proxy.address,
             b"POST /1 HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\n",
@@ -1309,15 +1302,16 @@ async def test_bad_chunked_bodies_refused_end_to_end(body: bytes) -> None:
     assert all(r["target"] != "/smuggled" for r in echo.requests)
 
 
-async def _memory_proxy(
+async def _paired_proxy(
     http: dict[str, Any], drain: Drain | None = None
-) -> tuple[trio.abc.HalfCloseableStream, Callable[[], Awaitable[HttpConnectionResult]]]:
+) -> tuple[trio.SocketStream, Callable[[], Awaitable[HttpConnectionResult]]]:
     config = make_config(
         [{"name": "web", "mode": "http", "backend": "app", "http": http}],
         [{"name": "app", "servers": ["127.0.0.1:9"], "retries": 0}],
     )
     pool = await BackendPool.create(config.backends[0])
-    client, server = trio.testing.memory_stream_pair()
+    client_sock, server_sock = trio.socket.socketpair()
+    client, server = trio.SocketStream(client_sock), trio.SocketStream(server_sock)
 
     async def run() -> HttpConnectionResult:
         try:
@@ -1352,8 +1346,8 @@ async def _read_until_eof(stream: trio.abc.ReceiveStream) -> bytes:
 async def test_request_header_timeout_408(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    client, run = await _memory_proxy({"request_header_timeout": 10.0})
-    async with trio.open_nursery() as nursery:
+    client, run = await _paired_proxy({"request_header_timeout": 10.0})
+    async with client, trio.open_nursery() as nursery:
         results: list[HttpConnectionResult] = []
 
         async def serve() -> None:
@@ -1371,8 +1365,8 @@ async def test_request_header_timeout_408(
 async def test_silent_connection_closed_quietly(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    client, run = await _memory_proxy({"request_header_timeout": 10.0})
-    async with trio.open_nursery() as nursery:
+    client, run = await _paired_proxy({"request_header_timeout": 10.0})
+    async with client, trio.open_nursery() as nursery:
         results: list[HttpConnectionResult] = []
 
         async def serve() -> None:
@@ -1390,8 +1384,8 @@ async def test_keepalive_timeout_and_drain_close_idle(
     # open; use a bad request instead to reach the idle state: not possible, so
     # check the first-request path and the drain path on an idle connection.
     drain = Drain()
-    client, run = await _memory_proxy({"keepalive_timeout": 5.0}, drain)
-    async with trio.open_nursery() as nursery:
+    client, run = await _paired_proxy({"keepalive_timeout": 5.0}, drain)
+    async with client, trio.open_nursery() as nursery:
         results: list[HttpConnectionResult] = []
 
         async def serve() -> None:
@@ -1675,7 +1669,9 @@ async def test_drain_finishes_in_flight_and_closes_idle() -> None:
             while len(proxy.results) < 2:  # noqa: ASYNC110
                 await trio.sleep(0.01)
         assert sorted(r.termination for r in proxy.results) == ["drained", "drained"]
-        assert echo.accepted == 1
+        # The idle client connection held its upstream connection (for the
+        # next request, until PARK_AFTER): the busy one opened its own.
+        assert echo.accepted == 2
 
 
 # -- real clients and servers ------------------------------------------------------

@@ -641,10 +641,10 @@ async def _acquire_after_release(
     pool = KeepAlivePool()
     server = Server(("127.0.0.1", port))
     try:
-        await pool.release(server, stream)
-        return await pool.acquire(server)
+        pool.release(server, stream)
+        return pool.acquire(server)
     finally:
-        await pool.aclose()
+        pool.close()
 
 
 async def test_session_tickets_leave_an_idle_tls_connection_reusable_nginx(

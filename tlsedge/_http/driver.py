@@ -1,4 +1,4 @@
-"""HTTP/1.1 reverse proxy mode: the trio driver of the sans-IO session and exchange.
+"""HTTP/1.1 reverse proxy mode, driven by the reactor.
 
 Theory of operation
 ===================
@@ -6,82 +6,95 @@ Theory of operation
 `serve_http` runs one client connection (after PROXY unwrap and TLS) as a loop
 of *exchanges*, one per request, answered strictly in order (pipelined requests
 wait in the session's buffer or the kernel's until the previous response is
-complete). The framing is done by two sans-IO state machines, which this
-module only feeds and drains: `tlsedge._http.session.ClientSession` (client
-bytes to checked request events, our answers to client bytes) and
+complete). Two sans-IO state machines do the framing, and this module only
+feeds and drains them: `tlsedge._http.session.ClientSession` (client bytes to
+checked request events, our answers to client bytes) and
 `tlsedge._http.exchange.UpstreamExchange` (a request to upstream bytes, the
 upstream's bytes to response events). The header rules (origin-form target,
-hop-by-hop fields, forwarding headers, trailers, retries) are pure functions
-of `tlsedge._http.rules`.
+hop-by-hop fields, forwarding headers, trailers, retries) are pure functions of
+`tlsedge._http.rules`.
 
-Timeouts. Each phase arms one deadline on the scope that covers it, named
-after its ``[listeners.http]`` field: ``keepalive_timeout`` (waiting for the
-first byte of a next request: quiet close), ``request_header_timeout`` (the
-rest of the head; for the first request counted from the start of the
-connection: 408), ``response_timeout`` (from the request fully sent upstream
-to the response head: 504), the listener's ``idle_timeout`` for each read or
-write of the response and the request body. The head and the exchange each
-have one cancel scope whose deadline moves as the phase changes (a scope per
-I/O cost more than the rest of the request's bookkeeping); when it fires, the
-failure armed with it says what timed out. A request body must also keep up an
+Who runs what. The connection is a handler of the worker's reactor
+(`tlsedge._reactor`): the reactor calls `_HttpConnection.ready` when the
+client's or the upstream's socket is ready, and everything the proxying needs
+then happens in that call, without awaiting: non-blocking reads and writes
+through `tlsedge._raw_stream.RawStream` (TLS included), the session and the
+exchange, the next request. A keep-alive request over a pooled upstream
+connection thus costs no trio task switch at all. The connection's trio task
+(the caller of `serve_http`) parks meanwhile, and runs only what must await:
+opening an upstream connection (connect, retries, a TLS handshake), and after
+an ``Upgrade`` the byte relay (`tlsedge._relay.relay`). While it does, neither
+socket is registered.
+
+States (``_HttpConnection.state``)::
+
+    HEAD --request--> EXCHANGE --response complete, keep-alive--> HEAD
+      |                 |  \\--needs a new upstream connection--> WAIT (task)
+      |                 |  \\--101--> UPGRADE --buffers flushed--> WAIT (relay)
+      +--error answer---+--> LINGER --> DONE
+
+Flow control. Bytes a socket does not take wait in its `RawStream.out`; while
+the client's does, the upstream is not read (a response is relayed no faster
+than the client reads it), and while the upstream's does, the client's body is
+not read. Between requests, the next request is read only once the previous
+response went out. During an exchange the client is read ahead by at most one
+read (a pipelined request), so a client closing early is seen.
+
+Timeouts. Reads and writes store timestamps only; one reactor timer per
+connection fires at the earliest deadline armed so far and recomputes what is
+due from the state (`_HttpConnection._deadline`), named after the
+``[listeners.http]`` fields: ``keepalive_timeout`` (waiting for the first byte
+of a next request: quiet close), ``request_header_timeout`` (the rest of the
+head; for the first request counted from the start of the connection: 408),
+``response_timeout`` (from the request fully sent upstream to the response
+head: 504), the listener's ``idle_timeout`` for a socket that does not take
+our bytes and for the response body. A request body must also keep up an
 average rate: after the grace of ``request_body_timeout`` it may take 1 s per
 ``request_body_min_rate`` bytes received (Apache's mod_reqtimeout rule), so a
 body trickled a byte at a time, never idle for long, still gets 408.
 
-One exchange. The upstream connection comes from the `KeepAlivePool` (idle
-connections per backend server, LIFO, checked before reuse) or is opened to the
-server the balancer picked. With ``send_proxy`` the connection is instead
-*dedicated* to this client connection: opened with the PROXY header first,
-kept across its requests, never pooled (a PROXY header describes one client).
-`tlsedge._http.upstreams.UpstreamConnections` keeps that bookkeeping (the
-HTTP/2 driver uses it too).
-To a ``protocol = "tls"`` backend the connection is a `TLSStream` whose
-handshake is part of `BackendPool.connect`. A request without a body is sent
-and answered by this task alone; with a body a child task pumps it (read one
-piece, send it, only then read the next: backpressure) while this task reads
-the response: 1xx are relayed (``100 Continue`` only to a client that asked
-for it), then the head, then the body, trailers included when both framings
-allow them.
+Upstream connections come from `tlsedge._http.upstreams.UpstreamConnections`:
+the backend's `KeepAlivePool` (idle connections per server, LIFO, checked
+before reuse) or, with ``send_proxy``, the connection *dedicated* to this
+client connection (opened with the PROXY header first, never pooled). One
+goes back to the pool only when its exchange is `UpstreamExchange.reusable`.
+A request's body goes upstream as it arrives; 1xx are relayed (``100
+Continue`` only to a client that asked for it), then the head, then the body,
+trailers included when both framings allow them. The client connection
+continues only when the session says so (`ClientSession.keep_alive`) and the
+edge is not draining.
 
-Reuse: the client connection continues only when the session says so
-(`ClientSession.keep_alive`: the request read in full, the response complete,
-no reason to close) and we are not draining; the upstream connection goes
-back to the pool only when its exchange is `UpstreamExchange.reusable`.
-
-Failures. No healthy server: 503. Connect failure after retries: 502.
-Upstream closed or reset before any response byte: 502, except that the
-request is sent again when `tlsedge._http.rules.may_retry` allows. No response
-head within ``response_timeout``: 504. Upstream dying after the response head
-went out: the client connection is aborted with an RST
-(`tlsedge._relay.set_abortive_close`), so a cut response never looks complete.
-Error responses are tiny plain-text bodies with ``Connection: close``, each
-with a log line saying what was wrong; after one we *linger* (FIN, then read
-and discard for a moment) so the client's unread upload does not turn our
-close into an RST that destroys the response.
+Failures. No healthy server: 503. Connect failure after retries: 502. Upstream
+closed or reset before any response byte: 502, except that the request is sent
+again when `tlsedge._http.rules.may_retry` allows. No response head within
+``response_timeout``: 504. Upstream dying after the response head went out: the
+client connection is aborted with an RST (`tlsedge._relay.set_abortive_close`),
+so a cut response never looks complete. Error responses are tiny plain-text
+bodies with ``Connection: close``, each with a log line saying what was wrong;
+after one we *linger* (FIN, then read and discard for a moment) so the client's
+unread upload does not turn our close into an RST that destroys the response.
 
 ``Upgrade``: after the upstream's ``101`` the bytes each side had buffered
 beyond the heads are forwarded first, byte-exact, then `tlsedge._relay.relay`
 carries the rest with its half-close rules. ``CONNECT`` gets 501 (this is a
 reverse proxy, not a tunnel). Drain: once ``drain`` is set, the next response
 of the connection carries ``Connection: close`` and the connection ends after
-it; a connection idle between requests is closed at once (its wait is
-registered with the `tlsedge._drain.Drain`: no task per connection watches it).
+it; a connection idle between requests is closed at once (a callback
+registered with the `tlsedge._drain.Drain` while it is idle).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Final
 
 import trio
 
-from tlsedge import _sockio as sockio
 from tlsedge._accesslog import format_address
 from tlsedge._balancer import Server
 from tlsedge._config import HttpConfig, ListenerConfig
@@ -98,9 +111,14 @@ from tlsedge._http.events import (
     Response,
 )
 from tlsedge._http.exchange import UpstreamError, UpstreamExchange
-from tlsedge._http.head import REQUEST_LINE_RE, RequestHead, RequestRejectedError
+from tlsedge._http.head import (
+    REQUEST_LINE_RE,
+    RequestHead,
+    RequestRejectedError,
+    ResponseHead,
+)
 from tlsedge._http.log import HttpConnectionResult, RequestLog
-from tlsedge._http.pool import KeepAlivePool
+from tlsedge._http.pool import KeepAlivePool, close_now
 from tlsedge._http.rules import (
     RequestRewriter,
     log_text,
@@ -109,8 +127,15 @@ from tlsedge._http.rules import (
     reason_phrase,
     strip_hop_by_hop,
 )
-from tlsedge._http.session import ClientClosedMidRequestError, ClientSession
-from tlsedge._http.upstreams import Upstream, UpstreamConnections
+from tlsedge._http.session import ClientClosedMidRequestError, ClientSession, Phase
+from tlsedge._http.upstreams import (
+    PARK_AFTER,
+    NewConnection,
+    Upstream,
+    UpstreamConnections,
+)
+from tlsedge._raw_stream import RawStream
+from tlsedge._reactor import ERROR, HANGUP, READABLE, WRITABLE, current_reactor
 from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Termination
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
@@ -121,21 +146,22 @@ LOGGER = logging.getLogger("tlsedge.http")
 
 Header = tuple[bytes, bytes]
 
-#: Largest read from either side at once.
-READ_SIZE: Final = 65536
 #: After an error response: FIN, then read and discard the client's unread data
 #: for up to this long / this much (nginx's lingering_close, much shorter), so
 #: that closing with unread data (which sends an RST) cannot destroy the answer.
 LINGER_TIMEOUT: Final = 2.0
 LINGER_MAX_BYTES: Final = 1 << 20
 
+#: What a failed read or write raises (`RawStream`).
+_IO_ERRORS: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
-class _ClientGoneError(Exception):
-    """The client reset, closed or stalled; nothing more can be sent to it."""
-
-
-class _UpstreamGoneError(Exception):
-    """The upstream reset, closed or stalled while we wrote to it."""
+# The connection's states (see the module docstring).
+_HEAD: Final = "head"
+_EXCHANGE: Final = "exchange"
+_UPGRADE: Final = "upgrade"
+_LINGER: Final = "linger"
+_WAIT: Final = "wait"
+_DONE: Final = "done"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,56 +188,48 @@ _UPSTREAM_READ_STALLED: Final = _Failure(
 
 @dataclass(slots=True)
 class _Exchange:
-    """State of one request/response exchange, shared by the two pumps."""
+    """One request and its answer; the fields after ``has_body`` describe the
+    current attempt (a retry starts them afresh)."""
 
     head: RequestHead
-    conn: UpstreamExchange
-    upstream: Upstream
     log: RequestLog
     started: float
-    #: The exchange's deadline, first for sending the request head;
-    #: `armed` is the failure when it passes.
-    scope: trio.CancelScope
-    armed: _Failure
-    now: Callable[[], float]  # the connection's clock
-    nursery_scope: trio.CancelScope | None = None
-    #: When the response head is due: ``response_timeout`` after the
-    #: request is sent (`_HttpConnection._request_sent`).
-    head_deadline: float = math.inf
-    #: Nothing to read from the upstream yet (the request was just sent, or
-    #: the last read was short): its next read waits for readability first.
-    upstream_drained: bool = True
+    target: bytes
+    headers: list[Header]
+    body: BodyKind
+    has_body: bool
+    add_host: bool
+    exclude: Server | None = None  # the server a failed first attempt used
+    fresh: bool = False  # a retry: a new connection, not a pooled one
+    retried: bool = False
+    connect_started: float = 0.0
+    upstream: Upstream | None = None
+    raw: RawStream | None = None
+    conn: UpstreamExchange | None = None
+    #: The head (and the body bytes that came with it) went out.
+    head_sent: bool = False
+    #: The whole request is written (sent, or waiting in ``raw.out``).
+    request_written: bool = False
+    #: The upstream stopped taking the body: the rest is not sent.
+    body_stopped: bool = False
+    body_started: float = 0.0
+    body_progress: float = 0.0  # the last body bytes from the client
+    upstream_progress: float = 0.0  # since when the upstream owes a write
+    read_progress: float = 0.0  # the last response bytes from the upstream
+    head_deadline: float = math.inf  # response_timeout once the request is sent
     head_received: bool = False  # the final response head has arrived
     response_started: bool = False  # ... and gone out to the client
-    response_complete: bool = False  # ... all of it
+    response_queued: bool = False  # all of it is written
+    response_complete: bool = False  # ... and the client took it
+    trailers_ok: bool = False
     switched: bool = False
-    body_started: float = 0.0  # when the request body pump started
     failure: _Failure | None = None
 
-    def fail(self, failure: _Failure) -> None:
-        if self.failure is None:
-            self.failure = failure
-
-    def arm(self, seconds: float, failure: _Failure) -> None:
-        """The deadline *seconds* from now; *failure* when it passes.
-
-        A deadline within 1/64 of *seconds* of the current one is left as it
-        is (moving a registered deadline costs more than the rest of a write):
-        a timeout may fire that much early or late.
-        """
-        self._move_deadline(self.now() + seconds, seconds)
-        self.armed = failure
-
-    def await_head(self, failure: _Failure, response_timeout: float) -> None:
-        """Arm the response head's deadline (infinite until the request is
-        sent); *failure* is the connection's response-timeout failure. As in
-        `arm`, a change smaller than 1/64 of the timeout is skipped."""
-        self._move_deadline(self.head_deadline, response_timeout)
-        self.armed = failure
-
-    def _move_deadline(self, deadline: float, timeout: float) -> None:
-        if abs(deadline - self.scope.deadline) > timeout / 64:
-            self.scope.deadline = deadline
+    def new_attempt(self) -> None:
+        self.upstream = self.raw = self.conn = None
+        self.head_sent = self.request_written = self.body_stopped = False
+        self.head_deadline = math.inf
+        self.failure = None
 
 
 class _HttpConnection:
@@ -219,7 +237,8 @@ class _HttpConnection:
 
     def __init__(
         self,
-        client: trio.abc.Stream,
+        client_stream: trio.abc.Stream,
+        client: RawStream,
         downstream: Downstream,
         *,
         listener: ListenerConfig,
@@ -231,11 +250,12 @@ class _HttpConnection:
         on_request: Callable[[RequestLog], None] | None,
         initial_data: bytes,
     ) -> None:
+        self.client_stream = client_stream
         self.client = client
         self.listener = listener
         self.http: HttpConfig = listener.http
+        self.idle_timeout = listener.idle_timeout
         self.backend = backend
-        self.client_ip = downstream.client_ip
         self.client_text = format_address(downstream.client)
         ssl_info = downstream.tls
         self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
@@ -252,169 +272,498 @@ class _HttpConnection:
             initial_data=initial_data,
         )
         result.bytes_from_client += len(initial_data)
-        # trio's clock, looked up once: ``self.now()`` costs four
-        # calls, and a request reads the clock a dozen times.
-        self.now: Callable[[], float] = trio.lowlevel.current_clock().current_time
+        self.upstreams = UpstreamConnections(
+            backend, keepalive, downstream.client_ip, proxy_header
+        )
+        self.reactor = current_reactor()
+        self.now = self.reactor.now
         self.started = self.now()
+        self.state = _HEAD
+        self.first = True  # reading the connection's first request
+        self.idle = True  # no byte of the request being read yet
         # When the request being read began (trio clock, Unix time): the
         # connection's start for the first one, its first byte for later ones.
         self.request_started = self.started
         self.request_start_time = time.time()
-        # The last read from the client was short: it most likely emptied the
-        # socket, so the next one waits for readability first.
-        self.client_drained = False
+        self.head_deadline = self.started + self.http.request_header_timeout
+        self.client_progress = 0.0  # since when the client owes a read
+        self.ex: _Exchange | None = None
+        self.log: RequestLog | None = None  # the request's, until written
+        # The upstream connection held for the next request (see Upstream
+        # connections), its socket watched, and since when.
+        self.held: Upstream | None = None
+        self.held_raw: RawStream | None = None
+        self.held_since = 0.0
+        self.linger_deadline = math.inf
+        self.lingered = 0
+        self.armed = math.inf  # the earliest pending timer of ours
+        self.job: Callable[[], Awaitable[None]] | None = None
+        self.task: trio.lowlevel.Task | None = None
         self._response_timeout_failure = _Failure(
             Termination.RESPONSE_TIMEOUT,
             f"no response within response_timeout ({self.http.response_timeout:g} s)",
             504,
         )
-        self.upstreams = UpstreamConnections(
-            backend, keepalive, self.client_ip, proxy_header
-        )
 
-    # -- client I/O -------------------------------------------------------
+    # -- the task: waits, and runs what must await -------------------------
 
-    async def receive_client(self) -> bytes:
-        """Read from the client into the session (``b""``: it closed)."""
+    async def run(self) -> None:
+        """Serve until the connection ends; see the module docstring."""
         try:
-            data = await sockio.receive_some(
-                self.client, READ_SIZE, wait_first=self.client_drained
-            )
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise _ClientGoneError(f"client read failed: {exc}") from exc
-        self.result.bytes_from_client += len(data)
-        self.client_drained = len(data) < READ_SIZE
-        self.session.receive_data(data)
-        return data
+            self._start()
+            while self.state is not _DONE:
+                job = self.job
+                if job is None:
+                    await self._park()
+                    continue
+                self.job = None
+                await job()
+                self._update_interest()
+        finally:
+            self._finish()
+            self.client.detach()
 
-    async def send_client(self, data: bytes, log: RequestLog | None = None) -> None:
-        """Write to the client; the caller's scope bounds the wait."""
-        if not data:
+    async def _park(self) -> None:
+        self.task = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def _wake(self) -> None:
+        if self.task is not None:
+            trio.lowlevel.reschedule(self.task)
+            self.task = None
+
+    def _start_job(self, job: Callable[[], Awaitable[None]]) -> None:
+        """Hand *job* to the task; the sockets rest until it is done."""
+        self.state = _WAIT
+        self.job = job
+        self._wake()
+
+    def _start(self) -> None:
+        self._arm(self.head_deadline)
+        if self.client.tls is not None:
+            # Records its engine read past the handshake.
+            self._read_client(read_socket=False)
+        if self.state is _HEAD:
+            self._advance_head()
+        self._update_interest()
+
+    def _finish(self) -> None:
+        """The connection is over: nothing registered, the request logged,
+        the task woken. Its owner closes the sockets."""
+        if self.state is _DONE:
             return
+        self.state = _DONE
+        self.drain.forget(self._drained_while_idle)
+        ex = self.ex
+        for raw in (self.client, ex.raw if ex is not None else None):
+            if raw is not None and raw.interest is not None:
+                self.reactor.unregister(raw.fd)
+                raw.interest = None
+        if ex is not None and ex.raw is not None:
+            ex.raw.detach()
+            ex.raw = None
+        self._park_held()
+        self._request_done()
+        self._wake()
+
+    # -- the reactor's calls -------------------------------------------------
+
+    def ready(self, fd: int, events: int) -> None:
+        client = self.client
+        if fd == client.fd:
+            acted = False
+            if client.out and events & (WRITABLE | ERROR | HANGUP):
+                acted = True
+                self._flush_client()
+            if (
+                self.state is not _DONE
+                and client.interest
+                and client.interest & READABLE
+                and events & (READABLE | ERROR | HANGUP)
+            ):
+                acted = True
+                self._read_client()
+            if not acted and self.state is not _DONE:
+                if events & ERROR:
+                    self._client_failed("client connection reset")
+                elif events & HANGUP:
+                    client.hung_up = True
+        elif self.held_raw is not None and fd == self.held_raw.fd:
+            # An idle connection has nothing to say: the server closed it,
+            # reset it or sent stray bytes.
+            self._drop_held()
+        else:
+            self._upstream_ready(fd, events)
+        self._update_interest()
+
+    def _upstream_ready(self, fd: int, events: int) -> None:
+        ex = self.ex
+        if ex is None or ex.raw is None or fd != ex.raw.fd:
+            return  # a stale event of an upstream already let go
+        raw = ex.raw
+        acted = False
+        if raw.out and events & (WRITABLE | ERROR | HANGUP):
+            acted = True
+            self._flush_upstream()
+            if self.ex is not ex or ex.raw is not raw:
+                return
+        if (
+            raw.interest
+            and raw.interest & READABLE
+            and events & (READABLE | ERROR | HANGUP)
+        ):
+            self._read_upstream()
+        elif not acted and events & ERROR:
+            self._upstream_failed(
+                UpstreamError(
+                    "upstream connection reset",
+                    empty=ex.conn is None or not ex.conn.received,
+                )
+            )
+        elif not acted and events & HANGUP:
+            raw.hung_up = True
+
+    def failed(self, exc: Exception) -> None:
+        """A bug (logged by the reactor): end this connection with an RST."""
+        self._end(Termination.INTERNAL_ERROR, repr(exc))
+        set_abortive_close(self.client.sock)
+        self._finish()
+
+    def _update_interest(self) -> None:
+        """Watch each socket for what its state waits for."""
+        state = self.state
+        if state is _DONE:
+            return
+        client = self.client
+        ex = self.ex
+        raw = ex.raw if ex is not None else None
+        want_client: int | None = None
+        want_upstream: int | None = None
+        if state is _HEAD:
+            want_client = WRITABLE if client.out else READABLE
+        elif state is _EXCHANGE:
+            assert ex is not None
+            if self.session.phase is Phase.BODY:
+                read = (
+                    raw is not None
+                    and ex.head_sent
+                    and not raw.out
+                    and not ex.body_stopped
+                )
+            else:  # read ahead by one read at most
+                read = not self.session.buffered and not client.out
+            want_client = (READABLE if read and not client.eof else 0) | (
+                WRITABLE if client.out else 0
+            )
+            if raw is not None:
+                # Read on after the response (anything more makes the
+                # connection unusable): no interest change per request.
+                read = not raw.eof and not client.out
+                want_upstream = (READABLE if read else 0) | (WRITABLE if raw.out else 0)
+        elif state is _LINGER:
+            read = not client.eof and not client.out
+            want_client = (READABLE if read else 0) | (WRITABLE if client.out else 0)
+        elif state is _UPGRADE:
+            want_client = WRITABLE if client.out else 0
+            if raw is not None:
+                want_upstream = WRITABLE if raw.out else 0
+        self._watch(client, want_client)
+        if raw is not None:
+            self._watch(raw, want_upstream)
+        if self.held_raw is not None:
+            self._watch(self.held_raw, READABLE)
+
+    def _watch(self, raw: RawStream, interest: int | None) -> None:
+        if interest == 0 and raw.hung_up:
+            interest = None  # a level-triggered hang-up would wake us in a loop
+        if interest == raw.interest:
+            return
+        if interest is None:
+            self.reactor.unregister(raw.fd)
+        elif raw.interest is None:
+            self.reactor.register(raw.fd, interest, self)
+        else:
+            self.reactor.modify(raw.fd, interest)
+        raw.interest = interest
+
+    # -- timers ------------------------------------------------------------
+
+    def _arm(self, deadline: float) -> None:
+        if deadline < self.armed:
+            self.armed = deadline
+            self.reactor.call_at(deadline, self._timer)
+
+    def _timer(self) -> None:
+        if self.state is _DONE:
+            return
+        now = self.now()
+        if self.armed <= now:
+            self.armed = math.inf  # this was the earliest pending timer
         try:
-            await sockio.send_all(self.client, data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise _ClientGoneError(f"client write failed: {exc}") from exc
+            deadline, expire = self._deadline()
+            if expire is not None and now >= deadline:
+                expire()
+                self._update_interest()
+                if self.state is _DONE:
+                    return
+                deadline, _ = self._deadline()
+            if deadline < math.inf:
+                self._arm(deadline)
+        except Exception as exc:  # a bug: end this connection alone
+            LOGGER.exception("listener %s: HTTP connection failed", self.listener.name)
+            self.failed(exc)
+
+    def _deadline(self) -> tuple[float, Callable[[], None] | None]:
+        """What is due next, and when (see Timeouts)."""
+        state = self.state
+        client = self.client
+        idle = self.idle_timeout
+        if state is _HEAD:
+            if client.out:
+                return self.client_progress + idle, self._client_stalled
+            if (
+                self.held is not None
+                and self.held_since + PARK_AFTER < self.head_deadline
+            ):
+                return self.held_since + PARK_AFTER, self._park_held
+            return self.head_deadline, self._head_timed_out
+        if state is _LINGER:
+            if client.out:
+                return self.client_progress + idle, self._finish
+            return self.linger_deadline, self._finish
+        ex = self.ex
+        if ex is None or (state is not _EXCHANGE and state is not _UPGRADE):
+            return math.inf, None
+        raw = ex.raw
+        if state is _UPGRADE:
+            since = min(
+                self.client_progress if client.out else math.inf,
+                ex.upstream_progress if raw is not None and raw.out else math.inf,
+            )
+            return since + idle, self._upgrade_stalled
+        due: tuple[float, Callable[[], None] | None] = (math.inf, None)
+        if client.out:
+            due = (self.client_progress + idle, self._client_stalled)
+        elif ex.head_received and not ex.response_queued:
+            due = (ex.read_progress + idle, self._response_stalled)
+        if raw is not None and raw.out and ex.upstream_progress + idle < due[0]:
+            due = (ex.upstream_progress + idle, self._upstream_write_stalled)
+        if not ex.head_received and ex.head_deadline < due[0]:
+            due = (ex.head_deadline, self._response_timed_out)
+        if self.session.phase is Phase.BODY and not ex.body_stopped:
+            body_due = self._body_deadline(ex)
+            if body_due < due[0]:
+                due = (body_due, self._body_timed_out)
+        return due
+
+    def _body_deadline(self, ex: _Exchange) -> float:
+        """When the request body is late: ``idle_timeout`` after its last
+        bytes, or behind ``request_body_min_rate``."""
+        deadline = ex.body_progress + self.idle_timeout
+        rate = self.http.request_body_min_rate
+        if rate:
+            deadline = min(
+                deadline,
+                ex.body_started
+                + self.http.request_body_timeout
+                + self.session.body_bytes / rate,
+            )
+        return deadline
+
+    def _head_timed_out(self) -> None:
+        if not self.idle:
+            self._reject_head(
+                RequestRejectedError(
+                    408, "request head not complete within request_header_timeout"
+                )
+            )
+            return
+        self._end(
+            Termination.REQUEST_HEADER_TIMEOUT
+            if self.first
+            else Termination.KEEPALIVE_TIMEOUT
+        )
+        self._finish()
+
+    def _drained_while_idle(self) -> None:
+        if self.state is _HEAD and self.idle and not self.first:
+            self._end(Termination.DRAINED)
+            self._finish()
+
+    def _client_stalled(self) -> None:
+        self._client_failed(_CLIENT_READ_STALLED.detail)
+
+    def _response_stalled(self) -> None:
+        self._fail(_UPSTREAM_READ_STALLED)
+
+    def _upstream_write_stalled(self) -> None:
+        ex = self.ex
+        assert ex is not None
+        if ex.head_sent:
+            self._body_undeliverable("upstream did not read for idle_timeout")
+        else:
+            self._fail(_UPSTREAM_WRITE_STALLED)
+
+    def _response_timed_out(self) -> None:
+        self._fail(self._response_timeout_failure)
+
+    def _body_timed_out(self) -> None:
+        ex = self.ex
+        assert ex is not None
+        rate = self.http.request_body_min_rate
+        now = self.now()
+        reason = "request body stalled for idle_timeout"
+        if rate and now >= (
+            ex.body_started
+            + self.http.request_body_timeout
+            + self.session.body_bytes / rate
+        ):
+            reason = (
+                f"request body slower than request_body_min_rate ({rate} bytes/s):"
+                f" {self.session.body_bytes} bytes in {now - ex.body_started:.1f} s"
+            )
+        self._fail(_Failure(Termination.BAD_REQUEST, reason, 408))
+
+    def _upgrade_stalled(self) -> None:
+        self._upgrade_failed("a side did not read for idle_timeout")
+
+    # -- the client ----------------------------------------------------------
+
+    def _read_client(self, *, read_socket: bool = True) -> None:
+        client = self.client
+        try:
+            data = client.receive(read_socket=read_socket)
+        except _IO_ERRORS as exc:
+            self._client_failed(f"client read failed: {exc}")
+            return
+        if data is None:
+            return
+        state = self.state
+        if state is _LINGER:
+            self.lingered += len(data)
+            if not data or self.lingered >= LINGER_MAX_BYTES:
+                self._finish()
+            return
+        self.result.bytes_from_client += len(data)
+        self.session.receive_data(data)
+        if state is _HEAD:
+            self._advance_head()
+        elif state is _EXCHANGE and self.session.phase is Phase.BODY:
+            ex = self.ex
+            assert ex is not None
+            ex.body_progress = self.now()
+            self._pump_body()
+
+    def _send_client(self, data: bytes, log: RequestLog | None = None) -> None:
+        """Write to the client (raises on failure); what it does not take now
+        waits for it, under ``idle_timeout``."""
+        client = self.client
+        if client.out:
+            client.send(data)
+        else:
+            client.send(data)
+            if client.out:
+                self.client_progress = self.now()
+                self._arm(self.client_progress + self.idle_timeout)
         self.result.bytes_to_client += len(data)
         if log is not None:
             log.bytes_out += len(data)
 
-    async def send_client_bounded(
-        self, data: bytes, log: RequestLog | None = None
-    ) -> None:
-        """`send_client` bounded by the listener's ``idle_timeout``."""
-        with trio.move_on_after(self.listener.idle_timeout) as idle_timeout_scope:
-            await self.send_client(data, log)
-        if idle_timeout_scope.cancelled_caught:
-            raise _ClientGoneError("client did not read for idle_timeout")
+    def _flush_client(self) -> None:
+        client = self.client
+        try:
+            if client.flush():
+                self.client_progress = self.now()
+        except _IO_ERRORS as exc:
+            self._client_failed(f"client write failed: {exc}")
+            return
+        if client.out:
+            return
+        state = self.state
+        if state is _HEAD:
+            self._advance_head()
+        elif state is _EXCHANGE:
+            ex = self.ex
+            assert ex is not None
+            if ex.response_queued:
+                self._response_done()
+        elif state is _LINGER:
+            if client.eof:
+                self._finish()
+        elif state is _UPGRADE:
+            self._relay_if_flushed()
 
-    async def linger(self) -> None:
-        """Half-close, then discard what the client still sends, briefly."""
-        with contextlib.suppress(
-            trio.BrokenResourceError, trio.ClosedResourceError, OSError
-        ):
-            if isinstance(self.client, trio.abc.HalfCloseableStream):
-                await self.client.send_eof()
-            discarded = 0
-            with trio.move_on_after(LINGER_TIMEOUT):
-                while discarded < LINGER_MAX_BYTES and not self.session.eof:
-                    chunk = await self.client.receive_some(READ_SIZE)
-                    if not chunk:
-                        return
-                    discarded += len(chunk)
-
-    # -- the connection loop ----------------------------------------------
-
-    async def serve_requests(self) -> None:
-        first = True
-        while True:
-            try:
-                request = await self._read_request(first=first)
-            except RequestRejectedError as exc:
-                await self._reject_head(exc)
-                return
-            except _ClientGoneError as exc:
-                self._end(Termination.CLIENT_ERROR, str(exc))
-                return
-            if request is None:
-                return
-            first = False
-            if not await self._handle_request(request):
-                return
-            self.session.start_next_cycle()
-
-    def _emit(self, log: RequestLog) -> None:
-        """The request's access-log line, and its metrics via *on_request*."""
-        log.emit()
-        if self.on_request is not None:
-            self.on_request(log)
+    def _client_failed(self, detail: str) -> None:
+        state = self.state
+        if state is _EXCHANGE:
+            self._fail(_Failure(Termination.CLIENT_ERROR, detail, None))
+        elif state is _UPGRADE:
+            self._upgrade_failed(detail)
+        elif state is _HEAD:
+            self._end(Termination.CLIENT_ERROR, detail)
+            self._finish()
+        else:
+            self._finish()
 
     def _end(self, termination: str, detail: str | None = None) -> None:
         self.result.termination = termination
         self.result.detail = detail
 
-    async def _read_request(self, *, first: bool) -> Request | None:
-        """Read until the session has a checked request head.
+    # -- reading a request head ------------------------------------------------
 
-        Returns None when the connection should end quietly (client closed,
-        keep-alive timeout, drain).
-        """
+    def _await_request(self) -> None:
+        """Between requests: the next one's first byte is due within
+        ``keepalive_timeout``, and a drain closes the connection."""
+        self.state = _HEAD
+        self.first = False
+        self.idle = True
+        self.head_deadline = self.now() + self.http.keepalive_timeout
+        self._arm(self.head_deadline)
+        self.drain.call_on_set(self._drained_while_idle)
+        if self.state is _HEAD:
+            self._advance_head()
+
+    def _request_begins(self) -> None:
+        now = self.now()
+        self.idle = False
+        self.drain.forget(self._drained_while_idle)
+        self.request_started = self.started if self.first else now
+        self.request_start_time = time.time() - (now - self.request_started)
+        self.head_deadline = self.request_started + self.http.request_header_timeout
+        self._arm(self.head_deadline)
+
+    def _advance_head(self) -> None:
+        """Take the next request from the session, if it has one whole."""
+        if self.client.out:
+            return  # the previous answer goes out first
         session = self.session
-        limits = self.http
-        idle = not session.buffered
-        if not idle:  # pipelined: the request began with the previous one's end
-            self._request_begins(first)
-            deadline = self.request_started + limits.request_header_timeout
-        elif first:
-            deadline = self.started + limits.request_header_timeout
-        else:
-            deadline = self.now() + limits.keepalive_timeout
-        with trio.CancelScope(deadline=deadline) as scope:
-            # Idle between requests, the drain closes the connection at once;
-            # waiting for the first request, or inside a head, it does not.
-            with self.drain.cancels(scope) if idle and not first else nullcontext():
-                while True:
-                    event = session.next_event()
-                    if event is not NEED_DATA or (idle and session.buffered):
-                        break
-                    await self.receive_client()
-            while event is NEED_DATA:
-                # Part of a head: the rest is due within request_header_timeout.
-                if idle:
-                    idle = False
-                    self._request_begins(first)
-                    scope.deadline = (
-                        self.request_started + limits.request_header_timeout
-                    )
-                await self.receive_client()
-                event = session.next_event()
-        if scope.cancelled_caught:
-            if not idle:
-                raise RequestRejectedError(
-                    408, "request head not complete within request_header_timeout"
-                )
-            if first:
-                self._end(Termination.REQUEST_HEADER_TIMEOUT)
-            elif self.drain.is_set():
-                self._end(Termination.DRAINED)
-            else:
-                self._end(Termination.KEEPALIVE_TIMEOUT)
-            return None
+        try:
+            event = session.next_event()
+        except RequestRejectedError as exc:
+            if self.idle:
+                self._request_begins()
+            self._reject_head(exc)
+            return
+        if event is NEED_DATA:
+            if self.idle and session.buffered:
+                self._request_begins()
+            return
         if isinstance(event, ConnectionClosed):
             detail = "EOF inside a request head" if event.in_head else None
             self._end(Termination.CLIENT_CLOSED, detail)
-            return None
+            self._finish()
+            return
         assert isinstance(event, Request), event
-        if idle:  # the whole head came in the first read
-            self._request_begins(first)
-        return event
+        if self.idle:  # the whole head came in one read
+            self._request_begins()
+        self._handle_request(event)
 
-    def _request_begins(self, first: bool) -> None:
-        now = self.now()
-        self.request_started = self.started if first else now
-        self.request_start_time = time.time() - (now - self.request_started)
-
-    async def _reject_head(self, exc: RequestRejectedError) -> None:
+    def _reject_head(self, exc: RequestRejectedError) -> None:
         """Answer a request we could not even parse, then close."""
         log = RequestLog(
             connection=self.connection_id,
@@ -445,15 +794,10 @@ class _HttpConnection:
         )
         self._end(log.termination, exc.reason)
         self.result.requests += 1
-        with contextlib.suppress(_ClientGoneError):
-            await self.send_client_bounded(
-                self.session.send_error(exc.status, exc.reason), log
-            )
-            await self.linger()
-        log.total = self.now() - self.request_started
-        self._emit(log)
+        self.log = log
+        self._answer_and_linger(exc.status, exc.reason)
 
-    # -- one request -------------------------------------------------------
+    # -- one request ---------------------------------------------------------
 
     def _new_log(self, head: RequestHead) -> RequestLog:
         agent: bytes | None = None
@@ -477,53 +821,31 @@ class _HttpConnection:
             sni=self.sni,
         )
 
-    async def _handle_request(self, request: Request) -> bool:
-        """Serve one request; True when the connection can carry on."""
+    def _handle_request(self, request: Request) -> None:
         started = self.now()
-        log = self._new_log(request.head)
+        head = request.head
+        log = self.log = self._new_log(head)
         log.bytes_in = request.size
         self.result.requests += 1
-        try:
-            return await self._exchange(request.head, log, started)
-        finally:
-            log.total = self.now() - self.request_started
-            self._emit(log)
-
-    async def _refuse(
-        self, log: RequestLog, status: int, reason: str, termination: str
-    ) -> bool:
-        """Send an error response, log it, close the connection."""
-        log.error_response(self.listener.name, status, reason, termination)
-        self._end(termination, reason)
-        with contextlib.suppress(_ClientGoneError):
-            await self.send_client_bounded(self.session.send_error(status, reason), log)
-            await self.linger()
-        return False
-
-    async def _exchange(
-        self, head: RequestHead, log: RequestLog, started: float
-    ) -> bool:
         if head.method == b"CONNECT":
-            return await self._refuse(
-                log, 501, "CONNECT is not supported", Termination.BAD_REQUEST
-            )
+            self._refuse(501, "CONNECT is not supported", Termination.BAD_REQUEST)
+            return
         try:
             target, authority = origin_form(head.method, head.target)
         except RequestRejectedError as exc:
-            return await self._refuse(
-                log, exc.status, exc.reason, Termination.BAD_REQUEST
-            )
+            self._refuse(exc.status, exc.reason, Termination.BAD_REQUEST)
+            return
         if authority is not None:
             log.host = authority.decode("ascii")
         length = head.content_length or 0
         max_body = self.http.max_body_size
         if max_body and length > max_body:
-            return await self._refuse(
-                log,
+            self._refuse(
                 413,
                 f"request body larger than {max_body} bytes",
                 Termination.BAD_REQUEST,
             )
+            return
         upgrade = head.upgrade and b"upgrade" in head.connection
         headers, request_id = self.rewriter.head_fields(
             head.headers,
@@ -541,174 +863,107 @@ class _HttpConnection:
             if length
             else BodyKind.NONE
         )
-        has_body = body is not BodyKind.NONE
-        exclude: Server | None = None
-        fresh = retried = False
-        while True:
-            connect_started = self.now()
-            try:
-                upstream = await self.upstreams.acquire(exclude, fresh=fresh)
-            except NoServerError as exc:
-                return await self._refuse(log, 503, str(exc), Termination.NO_SERVER)
-            except ConnectFailedError as exc:
-                return await self._refuse(
-                    log, 502, str(exc), Termination.CONNECT_FAILED
-                )
-            connected = self.now()
-            log.connect = connected - connect_started
-            log.server = format_address(upstream.server.address)
-            self.result.server = log.server
-            ex = _Exchange(
-                head=head,
-                conn=UpstreamExchange(method=head.method),
-                upstream=upstream,
-                log=log,
-                started=started,
-                scope=trio.CancelScope(deadline=connected + self.listener.idle_timeout),
-                armed=_UPSTREAM_WRITE_STALLED,
-                now=self.now,
-            )
-            with ex.scope:
-                await self._proxy(ex, target, headers, body)
-            if ex.scope.cancelled_caught:
-                ex.fail(ex.armed)
-            failure = ex.failure
-            retry = (
-                failure is not None
-                and failure.retryable
-                and not ex.response_started
-                and may_retry(
-                    method=head.method,
-                    has_body=has_body,
-                    reused=upstream.reused,
-                    retried=retried,
-                )
-            )
-            await self._finish_upstream(ex, reusable=failure is None and not retry)
-            if retry:
-                assert failure is not None
-                LOGGER.info(
-                    "listener %s: %s %s: retrying on a new connection: %s",
-                    self.listener.name,
-                    log.method,
-                    log.target,
-                    failure.detail,
-                )
-                fresh = True
-                if not upstream.reused:
-                    retried = True
-                    exclude = upstream.server
-                continue
-            break
-        if ex.switched:
-            return await self._relay_upgraded(ex)
-        if failure is not None:
-            return await self._after_failure(ex, failure)
-        log.termination = Termination.OK
-        if self.session.keep_alive and not self.drain.is_set():
-            return True
-        self._end(Termination.DRAINED if self.drain.is_set() else Termination.CLOSED)
-        if not self.session.request_read:
-            await self.linger()
-        return False
-
-    async def _after_failure(self, ex: _Exchange, failure: _Failure) -> bool:
-        log = ex.log
-        if failure.status is not None and not ex.response_started:
-            return await self._refuse(
-                log, failure.status, failure.detail, failure.termination
-            )
-        log.termination = failure.termination
-        log.detail = failure.detail
-        self._end(failure.termination, failure.detail)
-        if ex.response_started and not ex.response_complete:
-            # Never let a cut response look complete: reset the connection.
-            set_abortive_close(self.client)
-            if failure.termination != Termination.SERVER_ABORTED:
-                return False
-            LOGGER.warning(
-                "listener %s: client %s: %s %s: response cut, connection reset: %s",
-                self.listener.name,
-                log.client,
-                log.method,
-                log.target,
-                failure.detail,
-            )
-        elif ex.response_complete:
-            # The response went out whole; the request could not finish.
-            await self.linger()
-        return False
-
-    # -- upstream connections ---------------------------------------------
-
-    async def _finish_upstream(self, ex: _Exchange, *, reusable: bool) -> None:
-        """Pool, keep (dedicated) or close the exchange's upstream connection."""
-        await self.upstreams.release(
-            ex.upstream,
-            clean=reusable and not ex.switched and ex.conn.reusable,
-            handed_over=ex.switched,
+        self.ex = _Exchange(
+            head=head,
+            log=log,
+            started=started,
+            target=target,
+            headers=headers,
+            body=body,
+            has_body=body is not BodyKind.NONE,
+            # HTTP/1.0 without Host; HTTP/1.1 upstream needs one: the
+            # server's address, per attempt.
+            add_host=head.host is None
+            and not any(n.lower() == b"host" for n, _ in headers),
         )
+        self.state = _EXCHANGE
+        self._acquire()
 
-    async def close_upstreams(self) -> None:
-        await self.upstreams.close()
-
-    # -- proxying one exchange ----------------------------------------------
-
-    async def _send_upstream(self, ex: _Exchange, data: bytes) -> None:
-        """Write to the upstream; the caller's scope bounds the wait."""
+    def _acquire(self) -> None:
+        """Begin an attempt on a reused connection, or have the task open one."""
+        ex = self.ex
+        assert ex is not None
+        ex.connect_started = self.now()
         try:
-            await sockio.send_all(ex.upstream.stream, data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise _UpstreamGoneError(f"upstream write failed: {exc}") from exc
+            taken = self.upstreams.take(ex.exclude, fresh=ex.fresh, held=self.held)
+        except NoServerError as exc:
+            self._refuse(503, str(exc), Termination.NO_SERVER)
+            return
+        if isinstance(taken, NewConnection):
+            self._start_job(partial(self._connect, taken))
+        else:
+            self._begin(taken)
 
-    async def _proxy(
-        self, ex: _Exchange, target: bytes, headers: list[Header], body: BodyKind
-    ) -> None:
-        """Send the request and relay the response, under the exchange's scope."""
-        if ex.head.host is None and not any(n.lower() == b"host" for n, _ in headers):
-            # HTTP/1.0 without Host; HTTP/1.1 upstream needs one.
-            server_name = format_address(ex.upstream.server.address) or ""
-            headers = [*headers, (b"Host", server_name.encode("ascii"))]
-        data = ex.conn.request_head(target, headers, body)
-        complete = body is BodyKind.NONE
+    async def _connect(self, new: NewConnection) -> None:
+        try:
+            upstream = await self.upstreams.connect(new)
+        except ConnectFailedError as exc:
+            self.state = _EXCHANGE
+            self._refuse(502, str(exc), Termination.CONNECT_FAILED)
+            return
+        self.state = _EXCHANGE
+        self._begin(upstream)
+
+    def _begin(self, upstream: Upstream) -> None:
+        """Send the request head (and what the session holds of the body)."""
+        ex = self.ex
+        assert ex is not None
+        now = self.now()
+        log = ex.log
+        log.connect = now - ex.connect_started
+        log.server = format_address(upstream.server.address)
+        self.result.server = log.server
+        raw: RawStream | None
+        if upstream is self.held:
+            raw, self.held, self.held_raw = self.held_raw, None, None
+        else:
+            raw = RawStream.of(upstream.stream)
+        if raw is None:
+            msg = f"upstream stream not socket-backed: {upstream.stream!r}"
+            raise TypeError(msg)
+        ex.upstream = upstream
+        ex.raw = raw
+        ex.conn = conn = UpstreamExchange(method=ex.head.method)
+        headers = ex.headers
+        if ex.add_host:
+            headers = [*headers, (b"Host", (log.server or "").encode("ascii"))]
+        data = conn.request_head(ex.target, headers, ex.body)
+        complete = ex.body is BodyKind.NONE
         if not complete:
             try:
                 data, complete = self._take_buffered_body(ex, data)
             except RequestRejectedError as exc:
-                ex.fail(_Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
+                self._fail(_Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
                 return
             except ClientClosedMidRequestError as exc:
-                ex.fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
+                self._fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
                 return
-        prefix, ex.upstream.prefix = ex.upstream.prefix, b""
+            ex.body_started = ex.body_progress = now
+            self._arm(self._body_deadline(ex))
+        ex.request_written = complete
+        prefix, upstream.prefix = upstream.prefix, b""
         try:
-            await self._send_upstream(ex, prefix + data)
-        except _UpstreamGoneError as exc:
-            ex.fail(_Failure(Termination.SERVER_ERROR, str(exc), 502, retryable=True))
+            raw.send(prefix + data if prefix else data)
+        except _IO_ERRORS as exc:
+            self._fail(
+                _Failure(
+                    Termination.SERVER_ERROR,
+                    f"upstream write failed: {exc}",
+                    502,
+                    retryable=True,
+                )
+            )
             return
-        if complete:
-            # Nothing left to pump upstream: no second task (nor a nursery).
-            self._request_sent(ex)
-            await self._pump_response(ex)
-            return
-        async with trio.open_nursery() as nursery:
-            ex.nursery_scope = nursery.cancel_scope
-            ex.await_head(
-                self._response_timeout_failure, self.http.response_timeout
-            )  # no deadline until sent
-            nursery.start_soon(self._pump_request_body, ex)
-            await self._pump_response(ex)
-            if not self.session.request_read:
-                # Answered before the whole request arrived (an early error,
-                # or an upgrade refused): stop reading it; the connection ends.
-                # A request read in full is still delivered (bounded by
-                # idle_timeout), so the upstream never holds half of one.
-                nursery.cancel_scope.cancel()
+        if raw.out:
+            ex.upstream_progress = now
+            self._arm(now + self.idle_timeout)
+        else:
+            self._head_sent(ex)
 
     def _take_buffered_body(self, ex: _Exchange, head: bytes) -> tuple[bytes, bool]:
         """*head* and the body bytes the session already holds, framed for the
         upstream, and whether that is the whole request (a small upload
-        usually is: it then goes in one write, without the body pump)."""
+        usually is: it then goes in one write)."""
         session = self.session
         pieces = [head]
         while True:
@@ -722,242 +977,527 @@ class _HttpConnection:
 
     def _upstream_bytes(self, ex: _Exchange, event: Body | EndOfBody) -> bytes:
         """A piece of the client's body, or its end, framed for the upstream."""
+        conn = ex.conn
+        assert conn is not None
         if isinstance(event, Body):
             ex.log.bytes_in += len(event.data)
-            return ex.conn.request_data(event.data)
-        return ex.conn.request_end(self.rewriter.clean_trailers(event.trailers))
+            return conn.request_data(event.data)
+        return conn.request_end(self.rewriter.clean_trailers(event.trailers))
+
+    def _head_sent(self, ex: _Exchange) -> None:
+        ex.head_sent = True
+        if ex.request_written:
+            self._request_sent(ex)
+        else:
+            self._pump_body()
 
     def _request_sent(self, ex: _Exchange) -> None:
         """The request is upstream: its answer's head is due within
         ``response_timeout`` (unless it already came)."""
+        if ex.response_complete:
+            self._end_exchange()
+            return
         if ex.head_received:
             return
         ex.head_deadline = self.now() + self.http.response_timeout
-        ex.await_head(self._response_timeout_failure, self.http.response_timeout)
+        self._arm(ex.head_deadline)
 
-    def _body_deadline(self, ex: _Exchange) -> float:
-        """When the request body is too slow (``request_body_min_rate``)."""
-        rate = self.http.request_body_min_rate
-        if not rate:
-            return math.inf
-        return (
-            ex.body_started
-            + self.http.request_body_timeout
-            + self.session.body_bytes / rate
-        )
-
-    async def _next_body_event(self, ex: _Exchange) -> Body | EndOfBody:
+    def _pump_body(self) -> None:
+        """Client -> upstream: what the session has of the body, while the
+        upstream takes it (backpressure)."""
+        ex = self.ex
+        assert ex is not None
+        raw = ex.raw
+        assert raw is not None
         session = self.session
-        while True:
-            event = session.next_event()
-            if event is not NEED_DATA:
-                assert isinstance(event, (Body, EndOfBody)), event
-                return event
-            now = self.now()
-            body_deadline = self._body_deadline(ex)
-            with trio.move_on_at(
-                min(now + self.listener.idle_timeout, body_deadline)
-            ) as idle_timeout_scope:
-                await self.receive_client()
-            if idle_timeout_scope.cancelled_caught:
-                if self.now() >= body_deadline:
-                    raise RequestRejectedError(
-                        408,
-                        f"request body slower than request_body_min_rate"
-                        f" ({self.http.request_body_min_rate} bytes/s):"
-                        f" {session.body_bytes} bytes in"
-                        f" {self.now() - ex.body_started:.1f} s",
-                    )
-                raise RequestRejectedError(408, "request body stalled for idle_timeout")
-
-    async def _send_body_upstream(self, ex: _Exchange, data: bytes) -> None:
-        with trio.move_on_after(self.listener.idle_timeout) as idle_timeout_scope:
-            await self._send_upstream(ex, data)
-        if idle_timeout_scope.cancelled_caught:
-            raise _UpstreamGoneError("upstream did not read for idle_timeout")
-
-    async def _pump_request_body(self, ex: _Exchange) -> None:
-        """Client -> upstream: one piece at a time (backpressure)."""
-        ex.body_started = self.now()
-        try:
-            while True:
-                event = await self._next_body_event(ex)
-                # When this was the last piece, the session already says the
-                # request is read: the upstream may answer as soon as these
-                # bytes reach it, before this task runs again.
-                await self._send_body_upstream(ex, self._upstream_bytes(ex, event))
-                if isinstance(event, EndOfBody):
-                    self._request_sent(ex)
-                    return
-        except RequestRejectedError as exc:
-            ex.fail(_Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
-        except (_ClientGoneError, ClientClosedMidRequestError) as exc:
-            ex.fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
-        except _UpstreamGoneError as exc:
-            # The upstream may still have answered (e.g. 413 and close): let
-            # the response pump find out; only stop sending.
-            LOGGER.debug("request body not delivered: %s", exc)
-            if self.now() + self.http.response_timeout < ex.head_deadline:
-                self._request_sent(ex)
-            return
-        assert ex.nursery_scope is not None
-        ex.nursery_scope.cancel()
-
-    async def _next_upstream_event(
-        self, ex: _Exchange
-    ) -> Informational | Response | Body | EndOfBody:
-        conn = ex.conn
-        while True:
-            event = conn.next_event()
-            if event is not NEED_DATA:
-                return event
+        while not raw.out and not ex.request_written and not ex.body_stopped:
             try:
-                data = await sockio.receive_some(
-                    ex.upstream.stream, READ_SIZE, wait_first=ex.upstream_drained
-                )
-                ex.upstream_drained = len(data) < READ_SIZE
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise UpstreamError(
-                    f"upstream read failed: {exc}", empty=not conn.received
-                ) from exc
-            conn.receive_data(data)
+                event = session.next_event()
+            except RequestRejectedError as exc:
+                self._fail(_Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
+                return
+            except ClientClosedMidRequestError as exc:
+                self._fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
+                return
+            if event is NEED_DATA:
+                return
+            assert isinstance(event, (Body, EndOfBody)), event
+            data = self._upstream_bytes(ex, event)
+            if isinstance(event, EndOfBody):
+                ex.request_written = True
+            try:
+                raw.send(data)
+            except _IO_ERRORS as exc:
+                self._body_undeliverable(f"upstream write failed: {exc}")
+                return
+            if raw.out:
+                ex.upstream_progress = self.now()
+                self._arm(ex.upstream_progress + self.idle_timeout)
+            elif ex.request_written:
+                self._request_sent(ex)
 
-    async def _pump_response(self, ex: _Exchange) -> None:
-        """Upstream -> client: 1xx, the head, the body; or record the failure."""
-        session = self.session
+    def _body_undeliverable(self, reason: str) -> None:
+        """The upstream takes no more of the body. It may still have
+        answered (e.g. 413 and close): the response decides; only stop
+        sending."""
+        ex = self.ex
+        assert ex is not None
+        assert ex.raw is not None
+        LOGGER.debug("request body not delivered: %s", reason)
+        ex.body_stopped = True
+        ex.raw.out.clear()
+        if ex.head_deadline == math.inf:
+            self._request_sent(ex)
+        elif ex.response_complete:
+            self._end_exchange()
+
+    def _flush_upstream(self) -> None:
+        ex = self.ex
+        assert ex is not None
+        raw = ex.raw
+        assert raw is not None
         try:
-            while True:
-                event = await self._next_upstream_event(ex)
-                if isinstance(event, Response):
-                    break
-                assert isinstance(event, Informational), event
-                head = event.head
-                if head.status == 101:
-                    await self._switch(ex, head.reason, head.headers)
-                    return
-                if head.status == 100:
-                    if not session.expects_continue:
-                        continue
-                elif ex.head.version != b"1.1":
-                    continue
-                data = session.send_informational(
-                    head.status,
-                    reason_phrase(head.status, head.reason),
-                    strip_hop_by_hop(head.headers, keep_upgrade=False),
-                )
-                await self._send_client_armed(ex, data)
-                ex.await_head(
-                    self._response_timeout_failure, self.http.response_timeout
-                )
-            ex.head_received = True
-            ex.log.first_byte = self.now() - ex.started
-            await self._forward_response(ex, event)
-        except UpstreamError as exc:
-            if ex.response_started:
-                ex.fail(_Failure(Termination.SERVER_ABORTED, str(exc), None))
+            if raw.flush():
+                ex.upstream_progress = self.now()
+        except _IO_ERRORS as exc:
+            if ex.head_sent:
+                self._body_undeliverable(f"upstream write failed: {exc}")
             else:
-                ex.fail(
+                self._fail(
                     _Failure(
-                        Termination.SERVER_ERROR, str(exc), 502, retryable=exc.empty
+                        Termination.SERVER_ERROR,
+                        f"upstream write failed: {exc}",
+                        502,
+                        retryable=True,
                     )
                 )
-        except _ClientGoneError as exc:
-            ex.fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
-        if ex.failure is not None and ex.nursery_scope is not None:
-            ex.nursery_scope.cancel()
+            return
+        if raw.out:
+            return
+        if self.state is _UPGRADE:
+            self._relay_if_flushed()
+        elif not ex.head_sent:
+            self._head_sent(ex)
+        elif ex.request_written:
+            self._request_sent(ex)
+        else:
+            self._pump_body()
 
-    async def _send_client_armed(self, ex: _Exchange, data: bytes) -> None:
-        """Write to the client, the exchange's deadline set to ``idle_timeout``."""
-        if data:
-            ex.arm(self.listener.idle_timeout, _CLIENT_READ_STALLED)
-            await self.send_client(data, ex.log)
+    # -- the response --------------------------------------------------------
 
-    async def _switch(
-        self, ex: _Exchange, reason: bytes, headers: list[Header]
-    ) -> None:
-        """The upstream accepted an upgrade: tell the client, switch both sides."""
-        if not (ex.head.upgrade and b"upgrade" in ex.head.connection):
-            raise UpstreamError("unexpected 101 from upstream: no upgrade was asked")
-        data = self.session.send_informational(
-            101,
-            reason_phrase(101, reason),
-            strip_hop_by_hop(headers, keep_upgrade=True),
-        )
-        ex.log.first_byte = self.now() - ex.started
-        ex.log.status = 101
-        ex.response_started = True
-        await self._send_client_armed(ex, data)
-        ex.switched = True
+    def _read_upstream(self) -> None:
+        ex = self.ex
+        assert ex is not None
+        raw = ex.raw
+        conn = ex.conn
+        assert raw is not None
+        assert conn is not None
+        try:
+            data = raw.receive()
+        except _IO_ERRORS as exc:
+            self._upstream_failed(
+                UpstreamError(f"upstream read failed: {exc}", empty=not conn.received)
+            )
+            return
+        if data is None:
+            return
+        if ex.head_received:
+            ex.read_progress = self.now()
+        conn.receive_data(data)
+        self._pump_response(ex, conn)
 
-    async def _forward_response(self, ex: _Exchange, response: Response) -> None:
+    def _pump_response(self, ex: _Exchange, conn: UpstreamExchange) -> None:
+        """Upstream -> client: every event the exchange has, in one write."""
         session = self.session
+        pending: list[bytes] = []
+        try:
+            while True:
+                event = conn.next_event()
+                if event is NEED_DATA:
+                    break
+                if isinstance(event, Body):
+                    pending.append(session.send_data(event.data))
+                elif isinstance(event, EndOfBody):
+                    trailers = (
+                        strip_hop_by_hop(event.trailers, keep_upgrade=False)
+                        if ex.trailers_ok and event.trailers
+                        else []
+                    )
+                    pending.append(session.send_end(trailers))
+                    ex.response_queued = True
+                    break
+                elif isinstance(event, Response):
+                    ex.head_received = True
+                    ex.read_progress = self.now()
+                    ex.log.first_byte = ex.read_progress - ex.started
+                    pending.append(self._response_head(ex, event))
+                    self._arm(ex.read_progress + self.idle_timeout)
+                else:
+                    assert isinstance(event, Informational), event
+                    head = event.head
+                    if head.status == 101:
+                        self._switch(ex, head, pending)
+                        return
+                    if head.status == 100:
+                        if not session.expects_continue:
+                            continue
+                    elif ex.head.version != b"1.1":
+                        continue
+                    pending.append(
+                        session.send_informational(
+                            head.status,
+                            reason_phrase(head.status, head.reason),
+                            strip_hop_by_hop(head.headers, keep_upgrade=False),
+                        )
+                    )
+        except UpstreamError as exc:
+            if self._send_pending(ex, pending):
+                self._upstream_failed(exc)
+            return
+        if (
+            self._send_pending(ex, pending)
+            and ex.response_queued
+            and not self.client.out
+        ):
+            self._response_done()
+
+    def _send_pending(self, ex: _Exchange, pending: list[bytes]) -> bool:
+        """Write *pending* to the client; False if it failed (and the
+        exchange with it)."""
+        if not pending:
+            return True
+        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        if not data:
+            return True
+        try:
+            self._send_client(data, ex.log)
+        except _IO_ERRORS as exc:
+            self._fail(
+                _Failure(Termination.CLIENT_ERROR, f"client write failed: {exc}", None)
+            )
+            return False
+        return True
+
+    def _response_head(self, ex: _Exchange, response: Response) -> bytes:
         head = response.head
         headers = strip_hop_by_hop(
             head.headers, keep_upgrade=False, connection=head.connection
         )
         ex.log.status = head.status
-        # The backend may answer before our task forwarding the request's
-        # last bytes has run again: what counts is whether the client's
-        # request was read in full, not whether its write has returned.
-        pending = session.send_response(
+        ex.response_started = True
+        ex.trailers_ok = response.body is BodyKind.CHUNKED
+        # The backend may answer before the request's last bytes left our
+        # buffer: what counts is whether the client's request was read in
+        # full, not whether all of it went upstream yet.
+        session = self.session
+        return session.send_response(
             head.status,
             reason_phrase(head.status, head.reason),
             headers,
             response.body,
             close=self.drain.is_set() or not session.request_read,
         )
-        ex.response_started = True
-        trailers_ok = response.body is BodyKind.CHUNKED
-        conn = ex.conn
-        # What the exchange already has of the response (usually all of a
-        # small one) goes out with the head in one write; we write before
-        # every read.
-        while True:
-            try:
-                event = conn.next_event()
-            except UpstreamError:
-                await self._send_client_armed(ex, pending)
-                raise
-            if event is NEED_DATA:
-                await self._send_client_armed(ex, pending)
-                pending = b""
-                ex.arm(self.listener.idle_timeout, _UPSTREAM_READ_STALLED)
-                event = await self._next_upstream_event(ex)
-            if isinstance(event, Body):
-                pending += session.send_data(event.data)
-            elif isinstance(event, EndOfBody):
-                trailers = (
-                    strip_hop_by_hop(event.trailers, keep_upgrade=False)
-                    if trailers_ok and event.trailers
-                    else []
-                )
-                pending += session.send_end(trailers)
-                await self._send_client_armed(ex, pending)
-                ex.response_complete = True
-                return
 
-    async def _relay_upgraded(self, ex: _Exchange) -> bool:
-        """After a 101: forward what both sides buffered, then relay bytes."""
+    def _response_done(self) -> None:
+        """The client took the whole response. A request read in full is
+        still delivered upstream (under ``idle_timeout``) before the exchange
+        ends, so the upstream never holds half of one; a request not read in
+        full is not read further."""
+        ex = self.ex
+        assert ex is not None
+        ex.response_complete = True
+        raw = ex.raw
+        if (
+            self.session.request_read
+            and raw is not None
+            and not ex.body_stopped
+            and (raw.out or not ex.request_written)
+        ):
+            return
+        self._end_exchange()
+
+    def _upstream_failed(self, exc: UpstreamError) -> None:
+        ex = self.ex
+        assert ex is not None
+        if ex.response_started:
+            self._fail(_Failure(Termination.SERVER_ABORTED, str(exc), None))
+        else:
+            self._fail(
+                _Failure(Termination.SERVER_ERROR, str(exc), 502, retryable=exc.empty)
+            )
+
+    # -- the end of an exchange ------------------------------------------------
+
+    def _fail(self, failure: _Failure) -> None:
+        ex = self.ex
+        assert ex is not None
+        if ex.failure is None:
+            ex.failure = failure
+        self._end_exchange()
+
+    def _let_go(self, ex: _Exchange) -> None:
+        """Stop watching the attempt's upstream socket."""
+        raw = ex.raw
+        if raw is not None:
+            if raw.interest is not None:
+                self.reactor.unregister(raw.fd)
+            raw.detach()
+            ex.raw = None
+
+    def _hold(self, upstream: Upstream, raw: RawStream) -> None:
+        """Keep a clean upstream connection for the next request, its socket
+        registered: no pool round trip, no re-registration, and the reactor
+        tells if the server closes it meanwhile."""
+        self.upstreams.hold(upstream)
+        self.held, self.held_raw = upstream, raw
+        self.held_since = self.now()
+        self._arm(self.held_since + PARK_AFTER)
+
+    def _drop_held(self) -> None:
+        held, raw = self.held, self.held_raw
+        assert held is not None
+        assert raw is not None
+        self.held = self.held_raw = None
+        if raw.interest is not None:
+            self.reactor.unregister(raw.fd)
+        raw.detach()
+        close_now(held.stream)
+
+    def _park_held(self) -> None:
+        """Give the held connection to the shared pool (the client is idle
+        for `PARK_AFTER`, or gone)."""
+        held, raw = self.held, self.held_raw
+        if held is None or raw is None:
+            return
+        self.held = self.held_raw = None
+        if raw.interest is not None:
+            self.reactor.unregister(raw.fd)
+        raw.detach()
+        self.upstreams.park_held(held)
+
+    def _end_exchange(self) -> None:
+        ex = self.ex
+        assert ex is not None
         upstream = ex.upstream
+        failure = ex.failure
+        retry = (
+            failure is not None
+            and failure.retryable
+            and upstream is not None
+            and not ex.response_started
+            and may_retry(
+                method=ex.head.method,
+                has_body=ex.has_body,
+                reused=upstream.reused,
+                retried=ex.retried,
+            )
+        )
+        if upstream is not None:
+            raw = ex.raw
+            clean = (
+                failure is None
+                and not ex.body_stopped
+                and ex.conn is not None
+                and ex.conn.reusable
+                and raw is not None
+                and not raw.out
+            )
+            if (
+                clean
+                and raw is not None
+                and self.held is None
+                and self.upstreams.proxy_header is None
+            ):
+                self._hold(upstream, raw)
+                ex.raw = None
+            else:
+                self._let_go(ex)
+                self.upstreams.release(upstream, clean=clean)
+        if retry:
+            assert failure is not None
+            assert upstream is not None
+            LOGGER.info(
+                "listener %s: %s %s: retrying on a new connection: %s",
+                self.listener.name,
+                ex.log.method,
+                ex.log.target,
+                failure.detail,
+            )
+            if not upstream.reused:
+                ex.retried = True
+                ex.exclude = upstream.server
+            ex.fresh = True
+            ex.new_attempt()
+            self._acquire()
+            return
+        if failure is not None:
+            self._after_failure(ex, failure)
+            return
+        ex.log.termination = Termination.OK
+        session = self.session
+        self._request_done()
+        if session.keep_alive and not self.drain.is_set():
+            session.start_next_cycle()
+            self._await_request()
+            return
+        self._end(Termination.DRAINED if self.drain.is_set() else Termination.CLOSED)
+        if session.request_read:
+            self._finish()
+        else:
+            self._linger()
+
+    def _after_failure(self, ex: _Exchange, failure: _Failure) -> None:
+        log = ex.log
+        if failure.status is not None and not ex.response_started:
+            self._refuse(failure.status, failure.detail, failure.termination)
+            return
+        log.termination = failure.termination
+        log.detail = failure.detail
+        self._end(failure.termination, failure.detail)
+        self._request_done()
+        if ex.response_started and not ex.response_complete:
+            # Never let a cut response look complete: reset the connection.
+            set_abortive_close(self.client.sock)
+            if failure.termination == Termination.SERVER_ABORTED:
+                LOGGER.warning(
+                    "listener %s: client %s: %s %s: response cut, connection reset: %s",
+                    self.listener.name,
+                    log.client,
+                    log.method,
+                    log.target,
+                    failure.detail,
+                )
+            self._finish()
+        elif ex.response_complete:
+            # The response went out whole; the request could not finish.
+            self._linger()
+        else:
+            self._finish()
+
+    def _request_done(self) -> None:
+        """The request's access-log line, and its metrics via *on_request*."""
+        log = self.log
+        if log is None:
+            return
+        self.log = None
+        self.ex = None
+        log.total = self.now() - self.request_started
+        log.emit()
+        if self.on_request is not None:
+            self.on_request(log)
+
+    def _refuse(self, status: int, reason: str, termination: str) -> None:
+        """Answer with an error response, log it, close the connection."""
+        log = self.log
+        assert log is not None
+        log.error_response(self.listener.name, status, reason, termination)
+        self._end(termination, reason)
+        self._answer_and_linger(status, reason)
+
+    def _answer_and_linger(self, status: int, reason: str) -> None:
+        data = self.session.send_error(status, reason)
+        try:
+            self._send_client(data, self.log)
+        except _IO_ERRORS:
+            self._request_done()
+            self._finish()
+            return
+        self._request_done()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Half-close, then discard what the client still sends, briefly."""
+        self.state = _LINGER
+        self.ex = None
+        client = self.client
+        try:
+            client.send_eof()
+        except _IO_ERRORS:
+            self._finish()
+            return
+        if client.eof and not client.out:
+            self._finish()
+            return
+        self.lingered = 0
+        self.linger_deadline = self.now() + LINGER_TIMEOUT
+        self._arm(self.linger_deadline)
+
+    # -- Upgrade -------------------------------------------------------------
+
+    def _switch(self, ex: _Exchange, head: ResponseHead, pending: list[bytes]) -> None:
+        """The upstream accepted an upgrade: tell the client, hand over what
+        each side sent past the heads, then relay bytes."""
+        if not (ex.head.upgrade and b"upgrade" in ex.head.connection):
+            if self._send_pending(ex, pending):
+                self._upstream_failed(
+                    UpstreamError("unexpected 101 from upstream: no upgrade was asked")
+                )
+            return
+        assert ex.conn is not None
+        assert ex.raw is not None
+        pending.append(
+            self.session.send_informational(
+                101,
+                reason_phrase(101, head.reason),
+                strip_hop_by_hop(head.headers, keep_upgrade=True),
+            )
+        )
+        ex.log.first_byte = self.now() - ex.started
+        ex.log.status = 101
+        ex.response_started = True
+        if not self._send_pending(ex, pending):
+            return
+        ex.switched = True
+        self.state = _UPGRADE
+        from_upstream = ex.conn.trailing_data
+        from_client = self.session.trailing_data
+        try:
+            if from_upstream:
+                self._send_client(from_upstream, ex.log)
+            if from_client:
+                ex.raw.send(from_client)
+                if ex.raw.out:
+                    ex.upstream_progress = self.now()
+                    self._arm(ex.upstream_progress + self.idle_timeout)
+        except _IO_ERRORS as exc:
+            self._upgrade_failed(str(exc))
+            return
+        ex.log.bytes_in += len(from_client)
+        self._relay_if_flushed()
+
+    def _relay_if_flushed(self) -> None:
+        ex = self.ex
+        assert ex is not None
+        assert ex.raw is not None
+        if self.client.out or ex.raw.out:
+            return
+        self._let_go(ex)
+        self._start_job(partial(self._relay_upgraded, ex))
+
+    def _upgrade_failed(self, detail: str) -> None:
+        ex = self.ex
+        assert ex is not None
+        assert ex.upstream is not None
+        self._end(Termination.CLIENT_ERROR, detail)
+        ex.log.termination = Termination.CLIENT_ERROR
+        set_abortive_close(self.client.sock)
+        if ex.raw is not None:
+            set_abortive_close(ex.raw.sock)
+        self._let_go(ex)
+        self.upstreams.release(ex.upstream, clean=False)
+        self._finish()
+
+    async def _relay_upgraded(self, ex: _Exchange) -> None:
+        upstream = ex.upstream
+        assert upstream is not None
+        self.upstreams.release(upstream, clean=False, handed_over=True)
         stats = RelayStats()
         try:
-            from_upstream = ex.conn.trailing_data
-            from_client = self.session.trailing_data
-            try:
-                await self.send_client_bounded(from_upstream, ex.log)
-                if from_client:
-                    await self._send_body_upstream(ex, from_client)
-            except (_ClientGoneError, _UpstreamGoneError) as exc:
-                self._end(Termination.CLIENT_ERROR, str(exc))
-                set_abortive_close(self.client)
-                set_abortive_close(upstream.stream)
-                return False
-            ex.log.bytes_in += len(from_client)
             await relay(
-                self.client,
+                self.client_stream,
                 upstream.stream,
                 stats=stats,
-                idle_timeout=self.listener.idle_timeout,
+                idle_timeout=self.idle_timeout,
                 client_fin_timeout=self.listener.client_fin_timeout,
                 server_fin_timeout=self.backend.config.server_fin_timeout,
             )
@@ -969,9 +1509,8 @@ class _HttpConnection:
             cause = stats.termination or Termination.UNKNOWN
             ex.log.termination = f"{Termination.UPGRADED}:{cause}"
             self._end(ex.log.termination)
-            with trio.CancelScope(shield=True):
-                await trio.aclose_forcefully(upstream.stream)
-        return False
+            close_now(upstream.stream)
+            self._finish()
 
 
 async def serve_http(
@@ -996,7 +1535,8 @@ async def serve_http(
     in *keepalive* when it returns, also when cancelled.
 
     Args:
-        client: The client connection after PROXY unwrap and TLS.
+        client: The client connection after PROXY unwrap and TLS: a
+            `trio.SocketStream` or an established `TLSStream` over one.
         downstream: What the earlier stages learnt of it: the real client, the
             destination, its id (repeated in every request line), its TLS
             facts (``X-Forwarded-Proto``, the request lines' ``tls`` and ``sni``).
@@ -1015,11 +1555,22 @@ async def serve_http(
 
     Returns:
         Requests served, bytes each way and why the connection ended.
+
+    Raises:
+        TypeError: *client* is not socket-backed.
     """
+    raw = RawStream.of(client)
+    if raw is None:
+        msg = (
+            "serve_http needs a trio.SocketStream or an established TLSStream"
+            f" over one, not {client!r}"
+        )
+        raise TypeError(msg)
     if result is None:
         result = HttpConnectionResult()
     connection = _HttpConnection(
         client,
+        raw,
         downstream,
         listener=listener,
         backend=backend,
@@ -1031,7 +1582,7 @@ async def serve_http(
         initial_data=initial_data,
     )
     try:
-        await connection.serve_requests()
+        await connection.run()
     except Exception as exc:  # a bug must not take the edge down
         LOGGER.exception("listener %s: HTTP connection failed", listener.name)
         result.termination = Termination.INTERNAL_ERROR
@@ -1040,6 +1591,5 @@ async def serve_http(
     finally:
         if result.termination == Termination.UNKNOWN:  # cancelled: drain deadline
             result.termination = Termination.DRAINED
-        with trio.CancelScope(shield=True):
-            await connection.close_upstreams()
+        connection.upstreams.close()
     return result

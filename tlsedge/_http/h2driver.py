@@ -98,7 +98,7 @@ from tlsedge._http.rules import (
     may_retry,
     strip_hop_by_hop,
 )
-from tlsedge._http.upstreams import Upstream, UpstreamConnections
+from tlsedge._http.upstreams import PARK_AFTER, Upstream, UpstreamConnections
 from tlsedge._termination import Termination
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
@@ -109,9 +109,6 @@ LOGGER = logging.getLogger("tlsedge.http")
 Header = tuple[bytes, bytes]
 
 READ_SIZE: Final = 65536
-#: Seconds without a stream after which the upstream connections the
-#: connection kept back for its next streams go to the shared pool.
-PARK_AFTER: Final = 1.0
 #: Stream tasks wait while more than this many bytes wait for the writer.
 HIGH_WATER: Final = 65536
 #: Response fields that HTTP/2 forbids (RFC 9113 section 8.2.2), beyond the
@@ -394,7 +391,7 @@ class _H2Connection:
                     self._kick()
                     continue
                 if self._park_due():
-                    await self.upstreams.park()
+                    self.upstreams.park()
                     continue
                 self._timed_out()
                 return
@@ -671,7 +668,7 @@ class _H2Connection:
             if stream.cancelled:
                 if upstream is not None:
                     # It holds half an exchange: closed now, not with the client.
-                    await self.upstreams.release(upstream, clean=False)
+                    self.upstreams.release(upstream, clean=False)
                 return
             if upstream is None:
                 return  # no connection: the failure says why
@@ -690,9 +687,7 @@ class _H2Connection:
                 )
             )
             scope = stream.scope = trio.CancelScope()
-            await self.upstreams.release(
-                upstream, clean=failure is None and conn.reusable
-            )
+            self.upstreams.release(upstream, clean=failure is None and conn.reusable)
             if not retry:
                 return
             assert failure is not None
@@ -1006,6 +1001,5 @@ async def serve_h2(
     finally:
         if result.termination == Termination.UNKNOWN:  # cancelled: drain deadline
             result.termination = Termination.DRAINED
-        with trio.CancelScope(shield=True):
-            await connection.upstreams.close()
+        connection.upstreams.close()
     return result

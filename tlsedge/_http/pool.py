@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import select
+import socket
 from typing import Final
 
 import trio
@@ -23,6 +24,7 @@ __all__ = [
     "DEFAULT_UPSTREAM_IDLE_TIMEOUT",
     "POOL_SWEEP_INTERVAL",
     "KeepAlivePool",
+    "close_now",
     "is_idle_and_open",
 ]
 
@@ -62,7 +64,7 @@ def _readable(sock: trio.socket.SocketType) -> bool:
     return bool(poller.poll(0))
 
 
-async def is_idle_and_open(stream: trio.abc.Stream) -> bool:
+def is_idle_and_open(stream: trio.abc.Stream) -> bool:
     """False when the peer closed, reset or (unexpectedly) sent something.
 
     An idle HTTP/1.1 connection must have nothing to read: readability means a
@@ -71,7 +73,7 @@ async def is_idle_and_open(stream: trio.abc.Stream) -> bool:
     sends its session tickets after the handshake): what the socket holds is
     read without blocking and decrypted, and only application data, a
     close_notify, an EOF or a TLS error make the connection unusable. Never
-    blocks; checkpoints only over TLS with something to read.
+    blocks.
     """
     sock = _socket_of(stream)
     if sock is None:
@@ -88,13 +90,24 @@ async def is_idle_and_open(stream: trio.abc.Stream) -> bool:
             return False  # application data, close_notify or EOF
         if not _readable(sock):
             return True
+        raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
         try:
             # Readable: returns at once (data, b"" for a FIN, or the RST).
-            transport_data = bytes(
-                await stream.transport_stream.receive_some(_READ_SIZE)
-            )
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            transport_data = raw.recv(_READ_SIZE)
+        except BlockingIOError:
+            return True
+        except OSError:
             return False
+        finally:
+            raw.detach()
+
+
+def close_now(stream: trio.abc.Stream) -> None:
+    """Close *stream*'s socket at once (no close_notify, no checkpoint): for a
+    connection that is dropped, never for one whose peer awaits an answer."""
+    sock = _socket_of(stream)
+    if sock is not None:
+        sock.close()
 
 
 class KeepAlivePool:
@@ -133,53 +146,43 @@ class KeepAlivePool:
             return len(self._idle.get(server, ()))
         return sum(len(entries) for entries in self._idle.values())
 
-    async def acquire(self, server: Server) -> trio.abc.Stream | None:
-        """A usable idle connection to *server*, or None."""
+    def acquire(self, server: Server) -> trio.abc.Stream | None:
+        """A usable idle connection to *server*, or None (never blocks)."""
         entries = self._idle.get(server)
         now = trio.current_time()
         while entries:
             released, stream = entries.pop()
             if not entries:
                 del self._idle[server]
-            if now - released < self.idle_timeout and await _usable(stream):
+            if now - released < self.idle_timeout and is_idle_and_open(stream):
                 return stream
-            await trio.aclose_forcefully(stream)
+            close_now(stream)
             entries = self._idle.get(server)
         return None
 
-    async def release(self, server: Server, stream: trio.abc.Stream) -> None:
+    def release(self, server: Server, stream: trio.abc.Stream) -> None:
         """Park *stream* (its last exchange ended cleanly) for reuse."""
         if self._closed or self.max_idle_per_server == 0:
-            await trio.aclose_forcefully(stream)
+            close_now(stream)
             return
         entries = self._idle.setdefault(server, collections.deque())
         entries.append((trio.current_time(), stream))
         while len(entries) > self.max_idle_per_server:
             _, oldest = entries.popleft()
-            await trio.aclose_forcefully(oldest)
+            close_now(oldest)
 
-    async def purge(self) -> None:
+    def purge(self) -> None:
         """Close every idle connection that expired or that the server closed."""
         now = trio.current_time()
         for server in list(self._idle):
-            # Taken out while checked (a TLS check checkpoints): concurrent
-            # acquires and releases use a fresh deque meanwhile.
-            entries = self._idle.pop(server, None) or collections.deque()
+            entries = self._idle.pop(server)
             keep: collections.deque[tuple[float, trio.abc.Stream]]
             keep = collections.deque()
             for released, stream in entries:
-                if now - released < self.idle_timeout and await _usable(stream):
+                if now - released < self.idle_timeout and is_idle_and_open(stream):
                     keep.append((released, stream))
                 else:
-                    await trio.aclose_forcefully(stream)
-            keep.extend(self._idle.pop(server, ()))  # released meanwhile: newer
-            if self._closed:
-                for _, stream in keep:
-                    await trio.aclose_forcefully(stream)
-                continue
-            while len(keep) > self.max_idle_per_server:
-                _, oldest = keep.popleft()
-                await trio.aclose_forcefully(oldest)
+                    close_now(stream)
             if keep:
                 self._idle[server] = keep
 
@@ -187,24 +190,12 @@ class KeepAlivePool:
         """Sweep with `purge` every *interval* seconds until cancelled (optional)."""
         while True:
             await trio.sleep(interval)
-            await self.purge()
+            self.purge()
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         """Close every idle connection; later releases close at once."""
         self._closed = True
         idle, self._idle = self._idle, {}
         for entries in idle.values():
             for _, stream in entries:
-                await trio.aclose_forcefully(stream)
-
-
-async def _usable(stream: trio.abc.Stream) -> bool:
-    """`is_idle_and_open`, shielded where it may checkpoint (over TLS): it never
-    blocks, and a connection taken out of the pool for the check must not be
-    lost to a cancellation. A plain connection is checked without a checkpoint."""
-    if not isinstance(stream, TLSStream):
-        sock = _socket_of(stream)
-        return sock is None or not _readable(sock)
-    with trio.CancelScope(shield=True):
-        usable = await is_idle_and_open(stream)
-    return usable
+                close_now(stream)

@@ -22,15 +22,28 @@ the pool checks its own (not expired, nothing to read).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 import trio
 
 from tlsedge._balancer import Server, ServerLease
-from tlsedge._http.pool import KeepAlivePool, is_idle_and_open
+from tlsedge._http.pool import KeepAlivePool, close_now, is_idle_and_open
 from tlsedge._tls_stream import TLSStream
 from tlsedge._upstream import BackendPool, NoServerError
 
-__all__ = ["Upstream", "UpstreamConnections"]
+__all__ = ["PARK_AFTER", "NewConnection", "Upstream", "UpstreamConnections"]
+
+#: Seconds a client connection without an exchange keeps the upstream
+#: connections it holds back for its next ones; then they go to the shared pool.
+PARK_AFTER: Final = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class NewConnection:
+    """What `UpstreamConnections.take` asks for when it has no connection to
+    reuse: a new one to *server*, or to the balancer's pick when None."""
+
+    server: Server | None
 
 
 @dataclass(slots=True, eq=False)
@@ -102,39 +115,72 @@ class UpstreamConnections:
             NoServerError: no healthy server.
             ConnectFailedError: every attempt failed.
         """
-        upstream = await self._acquire(exclude, fresh=fresh)
-        self._in_use.add(upstream)
-        return upstream
+        taken = self.take(exclude, fresh=fresh)
+        if isinstance(taken, NewConnection):
+            return await self.connect(taken)
+        await trio.lowlevel.checkpoint()
+        return taken
 
-    async def _acquire(self, exclude: Server | None, *, fresh: bool) -> Upstream:
+    def take(
+        self,
+        exclude: Server | None,
+        *,
+        fresh: bool = False,
+        held: Upstream | None = None,
+    ) -> Upstream | NewConnection:
+        """`acquire` without waiting: a dedicated or pooled connection, or
+        what `connect` must open when there is none to reuse.
+
+        Args:
+            exclude: A server not to pick (a failed first attempt's).
+            fresh: Not a reused connection (a retry after one failed).
+            held: An idle connection the caller holds (`hold`), taken first
+                when the balancer picks its server; the caller watches it,
+                so it is not checked here.
+
+        Raises:
+            NoServerError: no healthy server.
+        """
         if self.proxy_header is not None:
             while self._dedicated:
                 upstream = self._dedicated.pop()
                 if self._current(upstream.stream):
                     upstream.lease = self.backend.lease(upstream.server)
                     upstream.reused = True
+                    self._in_use.add(upstream)
                     return upstream
-                await trio.aclose_forcefully(upstream.stream)
-            return await self._connect(None, proxy_header=self.proxy_header)
+                close_now(upstream.stream)
+            return NewConnection(None)
         server = self.backend.balancer.pick(
             self.client_ip, exclude=(exclude,) if exclude is not None else ()
         )
         if server is None:
             if exclude is None:
                 raise NoServerError(f"backend {self.backend.name}: no healthy server")
-            return await self._connect(None)
-        stream = None
+            return NewConnection(None)
+        if (
+            not fresh
+            and held is not None
+            and held.server is server
+            and self._current(held.stream)
+        ):
+            held.lease = self.backend.lease(server)
+            held.reused = True
+            self._in_use.add(held)
+            return held
         if not fresh:
-            stream = await self._take_kept(server)
+            stream = self._take_kept(server)
             if stream is None:
-                stream = await self.keepalive.acquire(server)
-        if stream is not None:
-            if self._current(stream):
-                return Upstream(stream, self.backend.lease(server), reused=True)
-            await trio.aclose_forcefully(stream)
-        return await self._connect(server)
+                stream = self.keepalive.acquire(server)
+            if stream is not None:
+                if self._current(stream):
+                    upstream = Upstream(stream, self.backend.lease(server), reused=True)
+                    self._in_use.add(upstream)
+                    return upstream
+                close_now(stream)
+        return NewConnection(server)
 
-    async def _take_kept(self, server: Server) -> trio.abc.Stream | None:
+    def _take_kept(self, server: Server) -> trio.abc.Stream | None:
         """The most recently kept connection to *server* that is still
         usable, or None; expired or unusable ones on the way are closed."""
         kept = self._kept
@@ -146,9 +192,9 @@ class UpstreamConnections:
                 continue
             del kept[index]
             age = trio.current_time() - released
-            if age < self.keepalive.idle_timeout and await _usable(stream):
+            if age < self.keepalive.idle_timeout and is_idle_and_open(stream):
                 return stream
-            await trio.aclose_forcefully(stream)
+            close_now(stream)
         return None
 
     def _current(self, stream: trio.abc.Stream) -> bool:
@@ -160,26 +206,29 @@ class UpstreamConnections:
             return stream.ssl_object.context is context
         return context is None
 
-    async def _connect(
-        self, server: Server | None, *, proxy_header: bytes | None = None
-    ) -> Upstream:
-        """Open a new upstream connection (to *server* first, if given).
+    async def connect(self, new: NewConnection) -> Upstream:
+        """Open the connection `take` asked for.
 
         `BackendPool.connect` retries as configured; to a TLS backend each
         attempt includes the handshake, and the PROXY header goes raw before
         it; without TLS the header goes with the first request head.
+
+        Raises:
+            ConnectFailedError: every attempt failed.
         """
         connected = await self.backend.connect(
-            self.client_ip, first=server, proxy_header=proxy_header or b""
+            self.client_ip, first=new.server, proxy_header=self.proxy_header or b""
         )
-        return Upstream(
+        upstream = Upstream(
             connected.upstream,
             connected.lease,
             reused=False,
             prefix=connected.pending,
         )
+        self._in_use.add(upstream)
+        return upstream
 
-    async def release(
+    def release(
         self, upstream: Upstream, *, clean: bool, handed_over: bool = False
     ) -> None:
         """Give a connection back after its exchange: kept (dedicated), pooled
@@ -194,45 +243,40 @@ class UpstreamConnections:
         elif clean and len(self._kept) < self.keep:
             self._kept.append((trio.current_time(), upstream.server, upstream.stream))
         elif clean:
-            await self.keepalive.release(upstream.server, upstream.stream)
+            self.keepalive.release(upstream.server, upstream.stream)
         else:
-            await trio.aclose_forcefully(upstream.stream)
+            close_now(upstream.stream)
+
+    def hold(self, upstream: Upstream) -> None:
+        """The caller keeps *upstream* idle for its next exchange (it
+        watches the socket and closes it if the server closes or sends
+        anything): its lease goes back, and `take` gets it as *held*."""
+        self._in_use.discard(upstream)
+        upstream.lease.release()
+
+    def park_held(self, upstream: Upstream) -> None:
+        """Give a connection the caller held (`hold`) to the shared pool."""
+        self.keepalive.release(upstream.server, upstream.stream)
 
     @property
     def kept(self) -> int:
         """How many idle connections are kept back (see `park`)."""
         return len(self._kept)
 
-    async def park(self) -> None:
-        """Give the connections kept back to the shared pool. Shielded: it
-        never blocks, and a connection taken out must not be lost to a
-        cancellation."""
+    def park(self) -> None:
+        """Give the connections kept back to the shared pool."""
         kept, self._kept = self._kept, []
-        if not kept:
-            return
-        with trio.CancelScope(shield=True):
-            for _, server, stream in kept:
-                await self.keepalive.release(server, stream)
+        for _, server, stream in kept:
+            self.keepalive.release(server, stream)
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Close every connection still in use or dedicated, and give those
         kept back to the shared pool (the client is gone)."""
-        await self.park()
+        self.park()
         for upstream in self._in_use:
             upstream.lease.release()
-            await trio.aclose_forcefully(upstream.stream)
+            close_now(upstream.stream)
         for upstream in self._dedicated:
-            await trio.aclose_forcefully(upstream.stream)
+            close_now(upstream.stream)
         self._in_use.clear()
         self._dedicated.clear()
-
-
-async def _usable(stream: trio.abc.Stream) -> bool:
-    """`is_idle_and_open`, shielded where it may checkpoint (over TLS): it
-    never blocks, and a connection taken out for the check must not be lost
-    to a cancellation."""
-    if not isinstance(stream, TLSStream):
-        return await is_idle_and_open(stream)
-    with trio.CancelScope(shield=True):
-        usable = await is_idle_and_open(stream)
-    return usable

@@ -53,8 +53,8 @@ async def upstreams(keep: int) -> AsyncIterator[tuple[UpstreamConnections, Accep
             backend, KeepAlivePool(idle_timeout=4.0), "127.0.0.1", None, keep=keep
         )
         yield connections, server
-        await connections.close()
-        await connections.keepalive.aclose()
+        connections.close()
+        connections.keepalive.close()
         nursery.cancel_scope.cancel()
 
 
@@ -63,7 +63,7 @@ async def test_released_connections_are_kept_reused_and_parked() -> None:
         first, second, third = [await connections.acquire(None) for _ in range(3)]
         assert await server.count() == 3
         for upstream in (first, second, third):
-            await connections.release(upstream, clean=True)
+            connections.release(upstream, clean=True)
         # Two kept back for this connection, the third in the shared pool.
         assert connections.kept == 2
         assert connections.keepalive.idle_count() == 1
@@ -77,9 +77,9 @@ async def test_released_connections_are_kept_reused_and_parked() -> None:
         assert pooled.stream is third.stream
         assert connections.kept == 0
         for upstream in (again, pooled):
-            await connections.release(upstream, clean=True)
+            connections.release(upstream, clean=True)
         assert await server.count() == 3
-        await connections.park()
+        connections.park()
         assert connections.kept == 0
         assert connections.keepalive.idle_count() == 2
 
@@ -89,7 +89,7 @@ async def test_kept_connections_expire_with_the_pools_idle_timeout(
 ) -> None:
     async with upstreams(keep=2) as (connections, server):
         upstream = await connections.acquire(None)
-        await connections.release(upstream, clean=True)
+        connections.release(upstream, clean=True)
         await trio.sleep(5)  # beyond the pool's idle_timeout of 4 s
         fresh = await connections.acquire(None)
         assert fresh.stream is not upstream.stream
@@ -100,11 +100,11 @@ async def test_kept_connections_expire_with_the_pools_idle_timeout(
 async def test_close_parks_the_kept_and_closes_those_in_use() -> None:
     async with upstreams(keep=2) as (connections, server):
         kept, busy = [await connections.acquire(None) for _ in range(2)]
-        await connections.release(kept, clean=True)
-        await connections.close()
+        connections.release(kept, clean=True)
+        connections.close()
         assert connections.kept == 0
         assert connections.keepalive.idle_count() == 1
-        pooled = await connections.keepalive.acquire(kept.server)
+        pooled = connections.keepalive.acquire(kept.server)
         assert pooled is kept.stream
         await pooled.aclose()
         assert isinstance(busy.stream, trio.SocketStream)
