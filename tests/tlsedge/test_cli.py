@@ -284,14 +284,15 @@ async def test_second_sigterm_exits_at_once(
 
 
 def three_free_ports() -> int:
-    """A port P such that P, P + 1 and P + 2 were free a moment ago."""
-    for _ in range(50):
+    """A port P such that P, P + 1 and P + 2 were free a moment ago (ports in
+    TIME_WAIT count as free: the demo binds with SO_REUSEADDR too)."""
+    for _ in range(200):
         port = free_port()
         with socket.socket() as a, socket.socket() as b, socket.socket() as c:
             try:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-                c.bind(("127.0.0.1", port + 2))
+                for offset, sock in enumerate((a, b, c)):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.bind(("127.0.0.1", port + offset))
             except OSError:
                 continue
             return port

@@ -555,7 +555,7 @@ class _HttpConnection:
             due = (ex.upstream_progress + idle, self._upstream_write_stalled)
         if not ex.head_received and ex.head_deadline < due[0]:
             due = (ex.head_deadline, self._response_timed_out)
-        if self.session.phase is Phase.BODY and not ex.body_stopped:
+        if self.session.phase is Phase.BODY and ex.head_sent and not ex.body_stopped:
             body_due = self._body_deadline(ex)
             if body_due < due[0]:
                 due = (body_due, self._body_timed_out)
@@ -938,8 +938,6 @@ class _HttpConnection:
             except ClientClosedMidRequestError as exc:
                 self._fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
                 return
-            ex.body_started = ex.body_progress = now
-            self._arm(self._body_deadline(ex))
         ex.request_written = complete
         prefix, upstream.prefix = upstream.prefix, b""
         try:
@@ -988,8 +986,12 @@ class _HttpConnection:
         ex.head_sent = True
         if ex.request_written:
             self._request_sent(ex)
-        else:
-            self._pump_body()
+            return
+        # The body's clock starts now (Timeouts): until the head went out,
+        # the client is not read.
+        ex.body_started = ex.body_progress = self.now()
+        self._arm(self._body_deadline(ex))
+        self._pump_body()
 
     def _request_sent(self, ex: _Exchange) -> None:
         """The request is upstream: its answer's head is due within
