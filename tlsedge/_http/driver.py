@@ -56,8 +56,11 @@ body trickled a byte at a time, never idle for long, still gets 408.
 Upstream connections come from `tlsedge._http.upstreams.UpstreamConnections`:
 the backend's `KeepAlivePool` (idle connections per server, LIFO, checked
 before reuse) or, with ``send_proxy``, the connection *dedicated* to this
-client connection (opened with the PROXY header first, never pooled). One
-goes back to the pool only when its exchange is `UpstreamExchange.reusable`.
+client connection (opened with the PROXY header first, never pooled). A
+connection whose exchange left it clean (`UpstreamExchange.reusable`) is
+*held* for the client's next request, its socket still registered (read on:
+anything it says while idle, a FIN or stray bytes, closes it), and goes to the
+pool once the client has had no request for `PARK_AFTER` or ends.
 A request's body goes upstream as it arrives; 1xx are relayed (``100
 Continue`` only to a client that asked for it), then the head, then the body,
 trailers included when both framings allow them. The client connection

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, fields
 from typing import Final
 
-from tlsedge._accesslog import access_log_enabled, format_time, write_access_line
+from tlsedge._accesslog import (
+    JsonLine,
+    access_log_enabled,
+    format_time,
+    write_access_line,
+)
 from tlsedge._termination import Termination
 
 __all__ = ["HttpConnectionResult", "RequestLog"]
@@ -107,17 +111,37 @@ class RequestLog:
         """Write the line (if the access logger is enabled)."""
         if not access_log_enabled():
             return
-        line: dict[str, object] = {"type": "http"}
-        for name in _REQUEST_LOG_FIELDS:
-            line[name] = getattr(self, name)
-        line["start"] = format_time(self.start)
-        for key in ("connect", "first_byte", "total"):
-            value = line[key]
-            if isinstance(value, float):
-                line[key] = round(value, 6)
-        write_access_line(_ENCODE(line))
+        connect, first_byte = self.connect, self.first_byte
+        write_access_line(
+            _LINE.encode(
+                (
+                    self.connection,
+                    self.listener,
+                    self.client,
+                    format_time(self.start),
+                    self.method,
+                    self.target,
+                    self.version,
+                    self.host,
+                    self.user_agent,
+                    self.status,
+                    self.bytes_in,
+                    self.bytes_out,
+                    round(connect, 6) if connect is not None else None,
+                    round(first_byte, 6) if first_byte is not None else None,
+                    round(self.total, 6),
+                    self.backend,
+                    self.server,
+                    self.tls,
+                    self.sni,
+                    self.request_id,
+                    self.termination,
+                    self.detail,
+                )
+            )
+        )
 
 
-_REQUEST_LOG_FIELDS: Final = tuple(f.name for f in fields(RequestLog))
-# json.dumps(obj, separators=...) builds a new JSONEncoder per call; reuse one.
-_ENCODE: Final = json.JSONEncoder(separators=(",", ":")).encode
+_LINE: Final = JsonLine(
+    tuple(f.name for f in fields(RequestLog)), first='"type":"http"'
+)
