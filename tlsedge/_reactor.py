@@ -35,6 +35,7 @@ alone.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -85,6 +86,7 @@ class _Poller(Protocol):
     def register(self, fd: int, events: int) -> None: ...
     def modify(self, fd: int, events: int) -> None: ...
     def unregister(self, fd: int) -> None: ...
+    def forget(self, fd: int) -> None: ...
     def poll(self) -> list[tuple[int, int]]: ...
     def fileno(self) -> int: ...
     def close(self) -> None: ...
@@ -104,6 +106,9 @@ class _Epoll:
 
     def unregister(self, fd: int) -> None:
         self._epoll.unregister(fd)
+
+    def forget(self, fd: int) -> None:
+        """Nothing to do: closing the descriptor removes it from the epoll."""
 
     def poll(self) -> list[tuple[int, int]]:
         return self._epoll.poll(0, _MAX_EVENTS)
@@ -135,6 +140,9 @@ class _PortableSelector:
 
     def unregister(self, fd: int) -> None:
         self._selector.unregister(fd)
+
+    def forget(self, fd: int) -> None:
+        self._selector.unregister(fd)  # its own map would keep the fd
 
     def poll(self) -> list[tuple[int, int]]:
         return [
@@ -189,12 +197,23 @@ class Reactor:
         del self._handlers[fd]
         self._poller.unregister(fd)
 
+    def forget(self, fd: int) -> None:
+        """Stop watching *fd*, which the caller closes before it returns to
+        the reactor (and no duplicate of it stays open): with epoll the close
+        removes it from the selector, an ``epoll_ctl`` less than `unregister`.
+        """
+        del self._handlers[fd]
+        self._poller.forget(fd)
+
     def call_at(self, deadline: float, callback: Callable[[], None]) -> None:
         """Call *callback* from the reactor once trio's clock passes
         *deadline*. There is no cancelling: a callback checks whether it is
         still wanted."""
         heapq.heappush(self._timers, (deadline, next(self._sequence), callback))
-        self._timer_sleep.deadline = min(self._timer_sleep.deadline, deadline)
+        # Only an earlier deadline moves the sleep (setting it costs trio a
+        # deadline-heap update even when the value stays).
+        if deadline < self._timer_sleep.deadline:  # noqa: PLR1730
+            self._timer_sleep.deadline = deadline
 
     # -- the loops ---------------------------------------------------------------
 
@@ -226,7 +245,12 @@ class Reactor:
                 for fd, mask in events:
                     handler = handlers.get(fd)
                     if handler is None:
-                        continue  # unregistered by an earlier handler
+                        # Unregistered by an earlier handler. A forgotten
+                        # descriptor its owner failed to close would be
+                        # reported again at each poll: drop it for good.
+                        with contextlib.suppress(OSError, KeyError, ValueError):
+                            poller.unregister(fd)
+                        continue
                     try:
                         handler.ready(fd, mask)
                     except Exception as exc:  # a bug: logged, ends that connection

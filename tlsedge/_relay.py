@@ -26,7 +26,9 @@ Each direction is a tiny state machine::
   taken by the destination, so when it sees EOF every byte before it has been
   delivered; the EOF is forwarded right then (``shutdown(SHUT_WR)`` on a
   socket, close_notify on TLS: a TLS 1.3 half-close). The other direction keeps
-  flowing.
+  flowing. A detached relay whose owner closes both sockets at its end
+  (`DetachedRelays.start`'s *closed_at_end*) leaves the second EOF of a plain
+  socket to that close instead (no ``shutdown``).
 * **Destination cannot half-close** (stream path: a :class:`trio.abc.Stream`
   that is not a :class:`trio.abc.HalfCloseableStream`, e.g. :class:`trio.SSLStream`):
   the EOF cannot be forwarded without closing the stream, which would also stop
@@ -380,6 +382,7 @@ class _Flow(_Relay):
         "b",
         "buffer_size",
         "built",
+        "closed_at_end",
         "done",
         "on_done",
         "reactor",
@@ -410,6 +413,8 @@ class _Flow(_Relay):
         self.task: trio.lowlevel.Task | None = None
         self.on_done: Callable[[], None] | None = None
         self.done = False
+        #: `on_done` closes both sockets (`DetachedRelays.start`).
+        self.closed_at_end = False
         self.shut_count = 0
         #: The earliest deadline a pending timer of ours will fire at.
         self.armed = math.inf
@@ -435,9 +440,11 @@ class _Flow(_Relay):
         if self.done:
             return
         self.done = True
+        # Sockets closed by on_done leave the selector with their close.
+        drop = self.reactor.forget if self.closed_at_end else self.reactor.unregister
         for end in (self.a, self.b):
             if end.interest is not None:
-                self.reactor.unregister(end.fd)
+                drop(end.fd)
                 end.interest = None
         # detach(), never close(): the descriptors belong to the streams.
         for raw in self.built:
@@ -669,15 +676,22 @@ class _Flow(_Relay):
             self._shut(other)
 
     def _shut(self, end: _Endpoint) -> None:
-        """The EOF (a FIN, or a close_notify already sent) reached *end*."""
+        """The EOF (a FIN, or a close_notify already sent) reached *end*.
+
+        With `closed_at_end` the second one needs no ``shutdown``: the relay
+        ends with it, and the owner's ``close`` right after sends the FIN
+        (HAProxy's way: a syscall less per connection). Nothing is left
+        unread on that socket (its own EOF came first), so the close cannot
+        turn into an RST.
+        """
         end.shut_pending = False
-        if end.tls is None:
+        self.shut_count += 1
+        if end.tls is None and not (self.shut_count == 2 and self.closed_at_end):
             try:
                 end.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 self.fail(end)
                 return
-        self.shut_count += 1
         if self.shut_count == 2:
             self._finish()
 
@@ -765,6 +779,7 @@ class DetachedRelays:
         on_done: Callable[[], None],
         sockets: tuple[socket.socket, socket.socket] | None = None,
         buffer_size: int = 262144,
+        closed_at_end: bool = False,
     ) -> None:
         """Start relaying as `relay` would, without waiting for the end.
 
@@ -772,6 +787,11 @@ class DetachedRelays:
         (``stats.termination`` says why); it may be called before this
         returns. A side may be a connected non-blocking stdlib socket (no
         trio objects needed), driven as it is; its owner closes it.
+
+        *closed_at_end*: *on_done* closes both sockets before it returns
+        (and no other descriptor refers to them). The relay then leaves
+        the last FIN of a clean end to that close, and their removal from
+        the reactor's selector too: two syscalls less per connection.
 
         Raises:
             ValueError: as `relay`.
@@ -799,6 +819,7 @@ class DetachedRelays:
             on_done()
 
         flow.on_done = ended
+        flow.closed_at_end = closed_at_end
         if not self._flows:
             self._empty = trio.Event()
         self._flows.add(flow)
