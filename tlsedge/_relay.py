@@ -725,7 +725,7 @@ def _reactor_ends(
         if isinstance(stream, TLSStream):
             if not stream.established:
                 break
-            tls, transport, sock = stream, stream.transport_stream, None
+            tls, transport = stream, stream.transport_stream
         if not isinstance(transport, trio.SocketStream):
             break
         if sock is None:
@@ -1007,9 +1007,10 @@ async def relay(
         server_fin_timeout: Seconds the server may take to finish after the
             client sent its EOF.
         buffer_size: Largest chunk read at once, per direction.
-        sockets: The stdlib sockets under ``client`` and ``server`` when both
-            are `trio.SocketStream` and the caller made them (saves building
-            one per side, and its ``getsockname``). They stay the caller's.
+        sockets: The stdlib sockets under ``client`` and ``server`` (under
+            their `trio.SocketStream`, the transport of a `TLSStream`) when
+            the caller made them (saves building one per side, and its
+            ``getsockname``). They stay the caller's.
 
     Raises:
         ValueError: A timeout is negative or NaN, or ``buffer_size`` < 1.

@@ -38,7 +38,17 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.test_admin import total
-from tests.tlsedge.test_tls_edge import PrefixFirstSend
+from tests.tlsedge.test_tls_edge import (
+    Pki,
+    PrefixFirstSend,
+    Seen,
+    client_context,
+    describe_ssl,
+    echo_backend,
+    edge_config,
+    round_trip,
+    tls_connect,
+)
 from tlsedge._config import Config
 from tlsedge._proxy_wrap import proxy_header_for
 from tlsedge._relay import set_abortive_close
@@ -810,6 +820,77 @@ async def test_a_connection_needing_no_wait_gets_no_task(
     assert record["bytes_from_client"] == 5
     assert record["bytes_from_server"] == len(json.dumps(answer))
     assert record["termination"] in {"client_closed", "server_closed"}
+
+
+# -- handshakes on the reactor ------------------------------------------------
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(tmp_path)
+
+
+async def test_a_tls_connection_without_proxy_header_gets_no_task(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+) -> None:
+    """No PROXY header to read: the handshake runs on the reactor from the
+    accepted socket, then the backend connect and the relay, with no task for
+    the connection; it ends as one with a task (log line, counters, PROXY
+    header with the TLS facts)."""
+    seen = Seen()
+    backend = await Backend(echo_backend(seen)).start(nursery)
+    async with running_edge(edge_config(pki, backend)) as edge:
+        client = await tls_connect(address_of(edge, "in"), client_context(pki))
+        await round_trip(client)
+        assert not tasks_started
+        assert len(edge._relays) == 1
+        assert len(edge._handshakes) == 0
+        await client.send_eof()
+        assert await read_until_closed(client) == b""
+        (record,) = await wait_access_records(caplog)
+        await wait_until(lambda: edge.active_connections == 0)
+        assert edge._listeners["in"].limiter.borrowed_tokens == 0
+        version = record["tls"].split(" ")[0]
+        assert metric(edge, "tlsedge_tls_handshakes_total", version=version) == 1
+    assert record["sni"] == "a.test"
+    assert record["termination"] in {"client_closed", "server_closed"}
+    assert record["bytes_from_client"] == record["bytes_from_server"] == 4
+    (header,) = seen.headers
+    assert describe_ssl(header)["ssl"]["version"] == version
+    assert header.authority == "a.test"
+
+
+async def test_a_tls_handshake_on_the_reactor_is_drained(
+    nursery: trio.Nursery, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that never sends its ClientHello keeps the edge at most for
+    the drain timeout; its line says drained."""
+    backend = await Backend(echo_backend(Seen())).start(nursery)
+    config = make_config(
+        [
+            {
+                "name": "in",
+                "backend": "b",
+                "tls": {"certificates": [pki.entry("default")]},
+            }
+        ],
+        [{"name": "b", "servers": [backend.address]}],
+        edge={"drain_timeout": 0.2},
+    )
+    async with trio.open_nursery() as edge_nursery:
+        edge: Edge = await edge_nursery.start(Edge(config).run)
+        client = await connect(address_of(edge, "in"))
+        await wait_until(lambda: len(edge._handshakes) == 1)
+        edge.drain()
+        with trio.fail_after(5):
+            assert await read_until_closed(client) == b""
+    (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "drained"
+    assert edge.active_connections == 0
+    assert backend.accepted == 0
 
 
 async def test_sockets_relayed_without_streams_have_the_stream_options(
