@@ -281,14 +281,18 @@ class _Relay:
         self.server = server
         self.stats = stats
         self.timeouts = timeouts
-        self.last_activity = trio.current_time()
+        self.last_activity = self.now()
         # Last time a waiting send made progress (the reader took bytes).
         self.last_send = self.last_activity
         self.first_eof: _Side | None = None
 
+    def now(self) -> float:
+        """trio's clock (a flow reads the reactor's: no run-context lookup)."""
+        return trio.current_time()
+
     def eof_received(self, source: _Side) -> float | None:
         """Note an EOF; the first one returns the deadline its fin timer sets."""
-        now = self.last_activity = trio.current_time()
+        now = self.last_activity = self.now()
         if self.first_eof is not None:
             return None  # second EOF: nothing left to wait for once it is forwarded
         self.first_eof = source
@@ -402,12 +406,12 @@ class _Flow(_Relay):
         ends: _Ends,
         buffer_size: int,
     ) -> None:
+        self.reactor = current_reactor()
         super().__init__(client, server, stats, timeouts)
         self.a, self.b, self.built = ends
         self.buffer_size = buffer_size
         self.scratch = _scratch_buffer(buffer_size)
         self.scratch_view = memoryview(self.scratch)
-        self.reactor = current_reactor()
         #: Who learns that the relay ended: a parked task (`relay`) or a
         #: callback (`DetachedRelays.start`).
         self.task: trio.lowlevel.Task | None = None
@@ -418,6 +422,9 @@ class _Flow(_Relay):
         self.shut_count = 0
         #: The earliest deadline a pending timer of ours will fire at.
         self.armed = math.inf
+
+    def now(self) -> float:
+        return self.reactor.now()
 
     # -- life cycle --------------------------------------------------------------
 

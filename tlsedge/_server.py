@@ -890,14 +890,14 @@ class Edge:
         immediate = _on_reactor(state)
         # A connection whose stages need no stream is relayed from its socket
         # (which has the listener's TCP options where they are inherited).
+        # (The TLS stream of a handshake on the reactor sets both itself.)
         stream = None
         if not immediate:
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
-        elif not _INHERITED_TCP_OPTIONS:
+        elif state.tls is None:
             raw.setblocking(False)
-            set_stream_options(raw)
-        else:
-            raw.setblocking(False)
+            if not _INHERITED_TCP_OPTIONS:
+                set_stream_options(raw)
         conn = _Connection(state, pool, raw, stream, peer, local, log, Cleanup())
         exits = conn.exits
         self.active_connections += 1
