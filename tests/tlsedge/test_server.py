@@ -953,6 +953,41 @@ async def test_a_connect_that_must_wait_goes_on_in_a_task(
     assert "timeout after 0.2 s" in record["detail"]
 
 
+async def test_a_tls_connect_that_must_wait_goes_on_in_a_task(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+) -> None:
+    """After a handshake on the reactor, a connect that does not complete at
+    once is finished by a task (here: a timeout, then the retry on the other
+    server), which relays the TLS stream the reactor handshook."""
+    seen = Seen()
+    backend = await Backend(echo_backend(seen)).start(nursery)
+    with blackhole() as hole:
+        config = edge_config(
+            pki,
+            backend,
+            backend_options={
+                "servers": [hole, backend.address],
+                "retries": 1,
+                "connect_timeout": 0.2,
+            },
+        )
+        async with running_edge(config) as edge:
+            client = await tls_connect(address_of(edge, "in"), client_context(pki))
+            await round_trip(client, b"after a retry")
+            assert len(tasks_started) == 1
+            await client.send_eof()
+            assert await read_until_closed(client) == b""
+            (record,) = await wait_access_records(caplog)
+            await wait_until(lambda: edge.active_connections == 0)
+    assert record["server"] == backend.address
+    assert record["tls"].startswith("TLSv1.3")
+    assert record["bytes_from_client"] == len(b"after a retry")
+    assert len(seen.headers) == 1
+
+
 # -- max_connections ----------------------------------------------------------
 
 
