@@ -52,6 +52,7 @@ __all__ = [
     "HANGUP",
     "READABLE",
     "WRITABLE",
+    "Cancellable",
     "Handler",
     "Reactor",
     "current_reactor",
@@ -70,6 +71,27 @@ HANGUP = 16
 #: Most events taken from the selector per wake-up (a larger batch is taken
 #: over several loop turns, with a trio checkpoint between them).
 _MAX_EVENTS = 512
+
+
+class Cancellable:
+    """A timer callback that can be called off: `Reactor.call_at` keeps what
+    it is given until the deadline, and this keeps the real callback (and
+    what that holds: a connection's streams, buffers, log record) only until
+    `cancel`. A connection that ended long before its idle deadline then
+    leaves this small object in the heap, not itself."""
+
+    __slots__ = ("_callback",)
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback: Callable[[], None] | None = callback
+
+    def __call__(self) -> None:
+        if self._callback is not None:
+            self._callback()
+
+    def cancel(self) -> None:
+        """Never call the callback (again); drop it."""
+        self._callback = None
 
 
 class Handler(Protocol):
@@ -208,7 +230,7 @@ class Reactor:
     def call_at(self, deadline: float, callback: Callable[[], None]) -> None:
         """Call *callback* from the reactor once trio's clock passes
         *deadline*. There is no cancelling: a callback checks whether it is
-        still wanted."""
+        still wanted (and a `Cancellable` lets go of what it holds)."""
         heapq.heappush(self._timers, (deadline, next(self._sequence), callback))
         # Only an earlier deadline moves the sleep (setting it costs trio a
         # deadline-heap update even when the value stays).
@@ -256,6 +278,9 @@ class Reactor:
                     except Exception as exc:  # a bug: logged, ends that connection
                         LOGGER.exception("reactor: handler failed on fd %d", fd)
                         handler.failed(exc)
+                # Not kept while waiting: it may have ended (a relay, its
+                # streams and buffers).
+                handler = None
                 if len(events) < _MAX_EVENTS:
                     break
                 await trio.lowlevel.checkpoint()

@@ -131,7 +131,14 @@ from typing import NamedTuple, TypeAlias
 
 import trio
 
-from tlsedge._reactor import ERROR, HANGUP, READABLE, WRITABLE, current_reactor
+from tlsedge._reactor import (
+    ERROR,
+    HANGUP,
+    READABLE,
+    WRITABLE,
+    Cancellable,
+    current_reactor,
+)
 from tlsedge._termination import Termination
 from tlsedge._tls_stream import TLSStream
 
@@ -394,6 +401,7 @@ class _Flow(_Relay):
         "scratch_view",
         "shut_count",
         "task",
+        "timer",
     )
 
     def __init__(
@@ -422,6 +430,9 @@ class _Flow(_Relay):
         self.shut_count = 0
         #: The earliest deadline a pending timer of ours will fire at.
         self.armed = math.inf
+        #: What the reactor's timer heap holds of this flow (let go at the
+        #: end: a flow must not live on until its idle deadline).
+        self.timer = Cancellable(self._timer)
 
     def now(self) -> float:
         return self.reactor.now()
@@ -447,6 +458,7 @@ class _Flow(_Relay):
         if self.done:
             return
         self.done = True
+        self.timer.cancel()
         # Sockets closed by on_done leave the selector with their close.
         drop = self.reactor.forget if self.closed_at_end else self.reactor.unregister
         for end in (self.a, self.b):
@@ -491,7 +503,7 @@ class _Flow(_Relay):
     def _arm(self, deadline: float) -> None:
         if deadline < self.armed:
             self.armed = deadline
-            self.reactor.call_at(deadline, self._timer)
+            self.reactor.call_at(deadline, self.timer)
 
     def _timer(self) -> None:
         if self.done:

@@ -26,7 +26,14 @@ from collections.abc import Callable
 
 import trio
 
-from tlsedge._reactor import ERROR, HANGUP, READABLE, WRITABLE, current_reactor
+from tlsedge._reactor import (
+    ERROR,
+    HANGUP,
+    READABLE,
+    WRITABLE,
+    Cancellable,
+    current_reactor,
+)
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, ssl_facts
 from tlsedge._tls_stream import TRANSPORT_RECEIVE_SIZE, TLSStream
@@ -104,6 +111,7 @@ class ReactorHandshake:
         "_out",
         "_reactor",
         "_registered",
+        "_timer",
         "done",
         "fd",
         "server_tls",
@@ -136,6 +144,8 @@ class ReactorHandshake:
         self._out = b""  # records the socket has not taken yet
         self._reactor = current_reactor()
         self._registered = 0  # the interest registered; 0: none
+        # What the timer heap holds until the timeout: let go at the end.
+        self._timer = Cancellable(self._expired)
         self.done = False
 
     def start(self) -> None:
@@ -143,7 +153,7 @@ class ReactorHandshake:
         reactor = self._reactor
         reactor.register(self.fd, READABLE, self)
         self._registered = READABLE
-        reactor.call_at(reactor.now() + self.timeout, self._expired)
+        reactor.call_at(reactor.now() + self.timeout, self._timer)
 
     def ready(self, fd: int, events: int) -> None:
         if self._out:
@@ -223,6 +233,7 @@ class ReactorHandshake:
         if self.done:
             return
         self.done = True
+        self._timer.cancel()
         if self._registered:
             self._registered = 0
             self._reactor.unregister(self.fd)

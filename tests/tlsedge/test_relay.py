@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import hashlib
 import random
 import socket
@@ -15,7 +16,13 @@ import trio.testing
 from hypothesis import given, strategies as st
 
 from tlsedge._reactor import current_reactor
-from tlsedge._relay import DetachedRelays, RelayStats, relay, set_abortive_close
+from tlsedge._relay import (
+    DetachedRelays,
+    RelayStats,
+    _Flow,
+    relay,
+    set_abortive_close,
+)
 from tlsedge._termination import Termination
 
 MIB = 1 << 20
@@ -317,6 +324,41 @@ async def test_a_detached_relay_closed_at_end_leaves_the_last_fin_to_the_close(
     else:
         assert seen_at_end == [b""]
         assert ends[0] in poller.unregistered
+
+
+async def test_an_ended_relay_is_not_kept_alive_by_its_timers() -> None:
+    """The reactor's timer heap keeps a relay's idle timer until its deadline
+    (60 s by default); the relay itself, with its streams and buffers, must
+    be let go when it ends."""
+    client_peer, relay_client = _stdlib_tcp_pair()
+    relay_server, server_peer = _stdlib_tcp_pair()
+    for sock in (relay_client, relay_server):
+        sock.setblocking(False)
+    stats = RelayStats()
+    ended = trio.Event()
+    try:
+        DetachedRelays().start(
+            relay_client,
+            relay_server,
+            stats=stats,
+            idle_timeout=3600.0,
+            client_fin_timeout=3600.0,
+            server_fin_timeout=3600.0,
+            on_done=ended.set,
+        )
+        client_peer.shutdown(socket.SHUT_WR)
+        server_peer.shutdown(socket.SHUT_WR)
+        with trio.fail_after(HANG_GUARD):
+            await ended.wait()
+    finally:
+        for sock in (client_peer, relay_client, relay_server, server_peer):
+            sock.close()
+    gc.collect()
+    assert not [
+        flow
+        for flow in gc.get_objects()
+        if isinstance(flow, _Flow) and flow.stats is stats
+    ]
 
 
 # -- half-close matrix over real loopback TCP ---------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -53,6 +54,7 @@ from tlsedge._config import Config
 from tlsedge._proxy_wrap import proxy_header_for
 from tlsedge._relay import set_abortive_close
 from tlsedge._server import Edge
+from tlsedge._tls_accept import ReactorHandshake
 from tlsedge._tls_stream import TLSStream
 
 LOOPBACK = ["127.0.0.1/32"]
@@ -855,6 +857,10 @@ async def test_a_tls_connection_without_proxy_header_gets_no_task(
         assert edge._listeners["in"].limiter.borrowed_tokens == 0
         version = record["tls"].split(" ")[0]
         assert metric(edge, "tlsedge_tls_handshakes_total", version=version) == 1
+        # Its timeout's timer is still pending: it must not keep the
+        # handshake (nor its stream) alive.
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, ReactorHandshake)]
     assert record["sni"] == "a.test"
     assert record["termination"] in {"client_closed", "server_closed"}
     assert record["bytes_from_client"] == record["bytes_from_server"] == 4
