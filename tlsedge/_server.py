@@ -12,15 +12,23 @@ open are cancelled at the deadline and logged as ``drained``. ``run()`` returns
 once the last connection has gone. A tcp-mode connection's task ends once its
 relay runs on the reactor (`tlsedge._relay.DetachedRelays`): ``run()`` waits
 for those relays with the same deadline, then ends the rest the same way.
+TLS handshakes on the reactor are waited for within the connections'
+deadline (one may still need a task of that nursery), then ended as
+``drained``.
 
-A tcp-mode listener with no PROXY header to read and no TLS gets no task per
+A tcp-mode listener with no PROXY header to read gets no task per
 connection where none is needed: the accept loop runs the stages itself
 (`Edge._accepted`, `Edge._serve_now`), with the same code as the task path,
 and the connection goes straight from ``accept()`` to the reactor when its
 backend connect completes within ``connect()`` (loopback, a fast network).
-Its sockets stay stdlib sockets: no trio stream is built for them. Only
-where something must wait (a connect in progress, a retry, a send that
-would block) does a task go on from where the accept loop stopped.
+Its sockets stay stdlib sockets: no trio stream is built for them. With TLS
+the client's handshake runs on the reactor first
+(`tlsedge._tls_accept.ReactorHandshake`, held in ``Edge._handshakes`` for
+drain), and its end goes on the same way (`Edge._handshaken`). Only where
+something must wait (a connect in progress, a retry, a send that would
+block) does a task go on from where the reactor or the accept loop stopped.
+A listener that answers denied clients 403 after TLS (``denied = "403"``)
+keeps the task path.
 
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
