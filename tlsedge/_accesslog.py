@@ -10,8 +10,8 @@ validated headers, error texts quote peer bytes with ``repr``).
 
 Cost: the line is built from the slots directly (``dataclasses.asdict`` deep-copies
 every value, ~18 us a call) and encoded by one shared :class:`json.JSONEncoder`
-(its C encoder, made once), so building a line costs a few microseconds;
-writing it is the handler's business. The output is byte-identical to
+(the C encoder), so building a line costs a few microseconds; writing it is the
+handler's business. The output is byte-identical to
 ``json.dumps(asdict(log), separators=(",", ":"))`` with ``start`` and
 ``duration`` formatted as below (``start``: `format_time`).
 
@@ -45,7 +45,6 @@ import select
 import stat
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Final, Literal, TextIO
 
@@ -146,30 +145,8 @@ class ConnectionLog:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(ConnectionLog))
-
-
-def _line_encoder() -> Callable[[dict[str, object]], str]:
-    """``json.JSONEncoder(separators=(",", ":")).encode``, without what that
-    does per call (a new C encoder, a check for cycles: a line has none)."""
-    encoder = json.JSONEncoder(separators=(",", ":"))
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:
-        return encoder.encode
-    iterencode = make(
-        None,  # markers: no cycle check
-        encoder.default,
-        json.encoder.encode_basestring_ascii,
-        None,  # indent
-        ":",
-        ",",
-        False,  # sort_keys
-        False,  # skipkeys
-        True,  # allow_nan
-    )
-    return lambda line: "".join(iterencode(line, 0))
-
-
-_ENCODE = _line_encoder()
+# json.dumps(obj, separators=...) builds a new JSONEncoder per call; reuse one.
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class AccessLogWriter:
