@@ -65,7 +65,8 @@ PROXY_CPU = "1"
 LOAD_CPU = "0"
 SCENARIOS = ("keep-alive", "handshakes")
 ALL_PROXIES = ("tlsedge", "haproxy", "proxy-protocol")
-GOALS = {"keep-alive": 0.6, "handshakes": 0.8}
+# Issue 13's goals (TLS keep-alive >= 0.75x is judged per CPU-second there).
+GOALS = {"keep-alive": 0.6, "handshakes": 0.85}
 
 
 def make_certificates(workdir: Path) -> tuple[Path, Path, Path]:
@@ -225,7 +226,7 @@ def print_tables(
             ratio = med("tlsedge", scenario) / med("haproxy", scenario)
             goal = GOALS.get(scenario, 0.0)
             verdict = "met" if ratio >= goal else "NOT met"
-            print(f"  {scenario}: {fmt_ratio(ratio)} (goal >= {goal:.1f}x): {verdict}")
+            print(f"  {scenario}: {fmt_ratio(ratio)} (goal >= {goal:.2f}x): {verdict}")
 
 
 def profile_tlsedge(procs: Procs, args: argparse.Namespace, out_dir: Path) -> None:

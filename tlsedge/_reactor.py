@@ -35,6 +35,7 @@ alone.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -51,6 +52,7 @@ __all__ = [
     "HANGUP",
     "READABLE",
     "WRITABLE",
+    "Cancellable",
     "Handler",
     "Reactor",
     "current_reactor",
@@ -71,6 +73,27 @@ HANGUP = 16
 _MAX_EVENTS = 512
 
 
+class Cancellable:
+    """A timer callback that can be called off: `Reactor.call_at` keeps what
+    it is given until the deadline, and this keeps the real callback (and
+    what that holds: a connection's streams, buffers, log record) only until
+    `cancel`. A connection that ended long before its idle deadline then
+    leaves this small object in the heap, not itself."""
+
+    __slots__ = ("_callback",)
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback: Callable[[], None] | None = callback
+
+    def __call__(self) -> None:
+        if self._callback is not None:
+            self._callback()
+
+    def cancel(self) -> None:
+        """Never call the callback (again); drop it."""
+        self._callback = None
+
+
 class Handler(Protocol):
     """What the reactor calls for a registered descriptor."""
 
@@ -85,6 +108,7 @@ class _Poller(Protocol):
     def register(self, fd: int, events: int) -> None: ...
     def modify(self, fd: int, events: int) -> None: ...
     def unregister(self, fd: int) -> None: ...
+    def forget(self, fd: int) -> None: ...
     def poll(self) -> list[tuple[int, int]]: ...
     def fileno(self) -> int: ...
     def close(self) -> None: ...
@@ -104,6 +128,9 @@ class _Epoll:
 
     def unregister(self, fd: int) -> None:
         self._epoll.unregister(fd)
+
+    def forget(self, fd: int) -> None:
+        """Nothing to do: closing the descriptor removes it from the epoll."""
 
     def poll(self) -> list[tuple[int, int]]:
         return self._epoll.poll(0, _MAX_EVENTS)
@@ -135,6 +162,9 @@ class _PortableSelector:
 
     def unregister(self, fd: int) -> None:
         self._selector.unregister(fd)
+
+    def forget(self, fd: int) -> None:
+        self._selector.unregister(fd)  # its own map would keep the fd
 
     def poll(self) -> list[tuple[int, int]]:
         return [
@@ -189,12 +219,23 @@ class Reactor:
         del self._handlers[fd]
         self._poller.unregister(fd)
 
+    def forget(self, fd: int) -> None:
+        """Stop watching *fd*, which the caller closes before it returns to
+        the reactor (and no duplicate of it stays open): with epoll the close
+        removes it from the selector, an ``epoll_ctl`` less than `unregister`.
+        """
+        del self._handlers[fd]
+        self._poller.forget(fd)
+
     def call_at(self, deadline: float, callback: Callable[[], None]) -> None:
         """Call *callback* from the reactor once trio's clock passes
         *deadline*. There is no cancelling: a callback checks whether it is
-        still wanted."""
+        still wanted (and a `Cancellable` lets go of what it holds)."""
         heapq.heappush(self._timers, (deadline, next(self._sequence), callback))
-        self._timer_sleep.deadline = min(self._timer_sleep.deadline, deadline)
+        # Only an earlier deadline moves the sleep (setting it costs trio a
+        # deadline-heap update even when the value stays).
+        if deadline < self._timer_sleep.deadline:  # noqa: PLR1730
+            self._timer_sleep.deadline = deadline
 
     # -- the loops ---------------------------------------------------------------
 
@@ -226,12 +267,20 @@ class Reactor:
                 for fd, mask in events:
                     handler = handlers.get(fd)
                     if handler is None:
-                        continue  # unregistered by an earlier handler
+                        # Unregistered by an earlier handler. A forgotten
+                        # descriptor its owner failed to close would be
+                        # reported again at each poll: drop it for good.
+                        with contextlib.suppress(OSError, KeyError, ValueError):
+                            poller.unregister(fd)
+                        continue
                     try:
                         handler.ready(fd, mask)
                     except Exception as exc:  # a bug: logged, ends that connection
                         LOGGER.exception("reactor: handler failed on fd %d", fd)
                         handler.failed(exc)
+                # Not kept while waiting: it may have ended (a relay, its
+                # streams and buffers).
+                handler = None
                 if len(events) < _MAX_EVENTS:
                     break
                 await trio.lowlevel.checkpoint()

@@ -12,15 +12,23 @@ open are cancelled at the deadline and logged as ``drained``. ``run()`` returns
 once the last connection has gone. A tcp-mode connection's task ends once its
 relay runs on the reactor (`tlsedge._relay.DetachedRelays`): ``run()`` waits
 for those relays with the same deadline, then ends the rest the same way.
+TLS handshakes on the reactor are waited for within the connections'
+deadline (one may still need a task of that nursery), then ended as
+``drained``.
 
-A tcp-mode listener with no PROXY header to read and no TLS gets no task per
+A tcp-mode listener with no PROXY header to read gets no task per
 connection where none is needed: the accept loop runs the stages itself
 (`Edge._accepted`, `Edge._serve_now`), with the same code as the task path,
 and the connection goes straight from ``accept()`` to the reactor when its
 backend connect completes within ``connect()`` (loopback, a fast network).
-Its sockets stay stdlib sockets: no trio stream is built for them. Only
-where something must wait (a connect in progress, a retry, a send that
-would block) does a task go on from where the accept loop stopped.
+Its sockets stay stdlib sockets: no trio stream is built for them. With TLS
+the client's handshake runs on the reactor first
+(`tlsedge._tls_accept.ReactorHandshake`, held in ``Edge._handshakes`` for
+drain), and its end goes on the same way (`Edge._handshaken`). Only where
+something must wait (a connect in progress, a retry, a send that would
+block) does a task go on from where the reactor or the accept loop stopped.
+A listener that answers denied clients 403 after TLS (``denied = "403"``)
+keeps the task path.
 
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
@@ -69,6 +77,7 @@ import random
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -105,7 +114,7 @@ from tlsedge._snapshot import (
 from tlsedge._tcp_mode import serve_tcp, serve_tcp_now
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, watch_certificates
-from tlsedge._tls_accept import accept_tls
+from tlsedge._tls_accept import HandshakeResult, ReactorHandshakes, accept_tls
 from tlsedge._udp_mode import UdpListener
 from tlsedge._unwrap import Unwrapped, unwrap_proxy_header
 from tlsedge._upstream import BackendPool, Connected, Opening, set_stream_options
@@ -339,17 +348,23 @@ class _Connection:
     exits: Cleanup
 
 
-#: Where `Edge._serve_now` stopped: the connection's facts, and the connect
-#: to finish (or the connection whose first bytes still wait to go).
-_Begun = tuple[Downstream, Connected | Opening]
+#: Where `Edge._serve_now` stopped: the connection's facts, the client (its
+#: socket, or its TLS stream), and the connect to finish (or the connection
+#: whose first bytes still wait to go).
+_Begun = tuple[Downstream, trio.abc.Stream | socket.socket, Connected | Opening]
 
 
-def _without_waits(state: _ListenerState) -> bool:
-    """Whether a connection of the listener may need no wait before its
-    relay: tcp mode, no PROXY header to read, no TLS handshake (whether its
-    backend connect completes at once is seen per connection)."""
+def _on_reactor(state: _ListenerState) -> bool:
+    """Whether a connection of the listener is served with no task until
+    something must wait (`Edge._serve_now`): tcp mode with no PROXY header
+    to read. Its TLS handshake, if any, runs on the reactor; a denied client
+    answered 403 after TLS (``denied = "403"``) needs the task path."""
     config = state.config
-    return config.mode == "tcp" and config.proxy_protocol is None and state.tls is None
+    return (
+        config.mode == "tcp"
+        and config.proxy_protocol is None
+        and (state.tls is None or state.access is None or config.denied == "close")
+    )
 
 
 def _direct(conn: _Connection) -> Unwrapped:
@@ -463,6 +478,8 @@ class Edge:
         # tcp-mode connections whose relay the reactor runs (their tasks
         # ended), and when they are cut at the latest (set by drain/stop).
         self._relays = DetachedRelays()
+        # TLS handshakes on the reactor (no task yet): see `_serve_now`.
+        self._handshakes = ReactorHandshakes()
         self._relays_deadline = math.inf
         self._background_scope = trio.CancelScope()
         self._services: trio.Nursery | None = None
@@ -522,6 +539,7 @@ class Edge:
         if self._connections is not None:
             self._connections.cancel_scope.cancel()
         self._relays_deadline = -math.inf
+        self._handshakes.drain_all()
         self._relays.drain_all()
 
     async def reload(self, config: Config) -> None:
@@ -659,13 +677,21 @@ class Edge:
                         )
                     task_status.started(self)
                     await self._drain_event.wait()
+                    # A handshake on the reactor may still go on in a task
+                    # of this nursery: within its deadline, like the tasks.
+                    try:
+                        await self._handshakes.wait_empty()
+                    finally:
+                        self._handshakes.drain_all()
                 # Relays on the reactor get the rest of the drain timeout.
                 with trio.move_on_at(self._relays_deadline):
                     await self._relays.wait_empty()
                 self._relays.drain_all()
                 services.cancel_scope.cancel()
         finally:
-            self._relays.drain_all()  # cancelled from outside: close them now
+            # Cancelled from outside: close them now.
+            self._handshakes.drain_all()
+            self._relays.drain_all()
             self._services = None
             for listener in self._listeners.values():
                 for sock in listener.sockets:
@@ -872,17 +898,17 @@ class Edge:
             peer=format_address(peer),
             start=time.time(),
         )
-        immediate = _without_waits(state)
+        immediate = _on_reactor(state)
         # A connection whose stages need no stream is relayed from its socket
         # (which has the listener's TCP options where they are inherited).
+        # (The TLS stream of a handshake on the reactor sets both itself.)
         stream = None
         if not immediate:
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
-        elif not _INHERITED_TCP_OPTIONS:
+        elif state.tls is None:
             raw.setblocking(False)
-            set_stream_options(raw)
-        else:
-            raw.setblocking(False)
+            if not _INHERITED_TCP_OPTIONS:
+                set_stream_options(raw)
         conn = _Connection(state, pool, raw, stream, peer, local, log, Cleanup())
         exits = conn.exits
         self.active_connections += 1
@@ -892,20 +918,35 @@ class Edge:
         # The client's socket, whatever stages wrap it (closing the wrappers
         # could send nothing more: the connection is over).
         exits.callback(raw.close if stream is None else stream.socket.close)
-        begun: _Begun | None = None
         if immediate:
-            try:
-                begun = self._serve_now(conn)
-            except Exception as exc:  # noqa: BLE001 (a Refused, or logged as a bug)
-                self._stage_failed(conn, exc)
-            except BaseException:
-                exits.close()
-                raise
-            if begun is None:  # done: the relay runs, or the connection ended
-                exits.close()
-                return
+            self._go_on(conn, self._serve_now)
+            return
         try:
-            connections.start_soon(self._handle_connection, conn, begun)
+            connections.start_soon(self._handle_connection, conn, None)
+        except BaseException:
+            exits.close()
+            raise
+
+    def _go_on(
+        self, conn: _Connection, step: Callable[[_Connection], _Begun | None]
+    ) -> None:
+        """Run *step*, stages of *conn* that do not wait; a task goes on
+        from where it stopped if it had to (`_handle_connection`)."""
+        exits = conn.exits
+        begun: _Begun | None = None
+        try:
+            begun = step(conn)
+        except Exception as exc:  # noqa: BLE001 (a Refused, or logged as a bug)
+            self._stage_failed(conn, exc)
+        except BaseException:
+            exits.close()
+            raise
+        if begun is None:  # done: the reactor has it, or the connection ended
+            exits.close()
+            return
+        assert self._connections is not None
+        try:
+            self._connections.start_soon(self._handle_connection, conn, begun)
         except BaseException:
             exits.close()
             raise
@@ -918,8 +959,8 @@ class Edge:
                 if begun is None:
                     await self._serve(conn)
                 else:
-                    downstream, connecting = begun
-                    await self._serve_tcp(conn, conn.raw, downstream, b"", connecting)
+                    downstream, client, connecting = begun
+                    await self._serve_tcp(conn, client, downstream, b"", connecting)
             except trio.Cancelled:
                 if conn.log.termination == Termination.UNKNOWN:
                     conn.log.termination = Termination.DRAINED
@@ -972,23 +1013,69 @@ class Edge:
             )
 
     def _serve_now(self, conn: _Connection) -> _Begun | None:
-        """`_serve` for a connection of a listener `_without_waits`, as far
-        as it goes without waiting: None once done, else where it stopped."""
+        """`_serve` for a connection of a listener `_on_reactor`, as far as
+        it goes without waiting: None once done (or handed to the reactor's
+        TLS handshake), else where it stopped."""
         unwrapped = _direct(conn)
-        # tcp mode: a denied client is closed at once (the only choice there).
+        # A denied client is closed at once (no 403 answer on this path).
         _admitted(conn, unwrapped)
-        downstream = _downstream(conn, unwrapped, None)
+        state = conn.state
+        if state.tls is None:
+            return self._serve_tcp_now(conn, unwrapped, conn.raw, None)
+        assert state.config.tls is not None
+        # The handshake's end takes over what the connection gives back.
+        owned = conn.exits.pop_all()
+
+        def handshaken(result: HandshakeResult) -> None:
+            conn.exits = owned
+            self._go_on(conn, lambda conn: self._handshaken(conn, unwrapped, result))
+
+        try:
+            self._handshakes.start(
+                conn.raw,
+                state.tls,
+                handshake_timeout=state.config.tls.handshake_timeout,
+                on_done=handshaken,
+            )
+        except BaseException:
+            conn.exits.callback(owned.close)  # nothing started: the owner cleans up
+            raise
+        return None
+
+    def _handshaken(
+        self, conn: _Connection, unwrapped: Unwrapped, result: HandshakeResult
+    ) -> _Begun | None:
+        """Go on from the end of a `_serve_now` TLS handshake."""
+        if result is None:  # the edge stopped meanwhile
+            if conn.log.termination == Termination.UNKNOWN:
+                conn.log.termination = Termination.DRAINED
+            return None
+        if isinstance(result, Exception):
+            raise result  # a Refused (or a bug, logged as one)
+        client, tls = result
+        conn.log.tls = f"{tls.version} {tls.cipher}"
+        conn.log.sni = tls.server_name
+        return self._serve_tcp_now(conn, unwrapped, client, tls)
+
+    def _serve_tcp_now(
+        self,
+        conn: _Connection,
+        unwrapped: Unwrapped,
+        client: trio.abc.Stream | socket.socket,
+        tls: SSLFacts | None,
+    ) -> _Begun | None:
+        downstream = _downstream(conn, unwrapped, tls)
         begun = serve_tcp_now(
-            conn.raw,
+            client,
             downstream,
             pool=conn.pool,
             listener=conn.state.config,
             log=conn.log,
             exits=conn.exits,
             relays=self._relays,
-            client_socket=None,
+            client_socket=None if client is conn.raw else conn.raw,
         )
-        return None if begun is None else (downstream, begun)
+        return None if begun is None else (downstream, client, begun)
 
     async def _serve(self, conn: _Connection) -> None:
         """The stages: PROXY unwrap, TLS, then the mode (tcp relay or http)."""
@@ -1046,7 +1133,9 @@ class Edge:
             log=conn.log,
             exits=conn.exits,
             relays=self._relays,
-            client_socket=conn.raw if client is conn.stream else None,
+            # The socket under the client's stream, TLS or not (a client
+            # given as its socket is relayed as it is).
+            client_socket=None if client is conn.raw else conn.raw,
             begun=begun,
         )
 

@@ -110,8 +110,10 @@ def _relay_now(
     owned = exits.pop_all()
 
     def ended() -> None:
-        _record(log, stats, downstream)
-        owned.close()
+        try:
+            _record(log, stats, downstream)
+        finally:
+            owned.close()  # closes both sockets: see closed_at_end
 
     try:
         relays.start(
@@ -123,6 +125,7 @@ def _relay_now(
             server_fin_timeout=pool.config.server_fin_timeout,
             on_done=ended,
             sockets=None if client_socket is None else (client_socket, connected.raw),
+            closed_at_end=True,
         )
     except BaseException:
         exits.callback(owned.close)  # nothing started: the owner cleans up

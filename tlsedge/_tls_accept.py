@@ -4,17 +4,43 @@ Bytes that came after a PROXY header are fed to the handshake first (never
 over-read, never dropped). A connection that described no client in its PROXY
 header and closes without a byte of TLS is the load balancer's check, not a
 failed handshake.
+
+Two ways to run it, with the same outcomes (the same `Refused` causes and
+details, the same alert sent on a failure):
+
+* `accept_tls`, in the connection's task (after a PROXY header, or where a
+  denied client is answered 403 after TLS);
+* `ReactorHandshake`, driven by the reactor from the accepted socket with no
+  task at all (a listener with no PROXY header): each readiness event is one
+  ``recv``, the engine's step (`TLSStream.handshake_nowait`) and one ``send``
+  of what it produced; a reactor timer keeps the handshake timeout.
+  `ReactorHandshakes` holds those in progress, for drain.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+
 import trio
 
+from tlsedge._reactor import (
+    ERROR,
+    HANGUP,
+    READABLE,
+    WRITABLE,
+    Cancellable,
+    current_reactor,
+)
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, ssl_facts
-from tlsedge._tls_stream import TLSStream
+from tlsedge._tls_stream import TRANSPORT_RECEIVE_SIZE, TLSStream
 
-__all__ = ["accept_tls"]
+__all__ = ["HandshakeResult", "ReactorHandshake", "ReactorHandshakes", "accept_tls"]
+
+LOGGER = logging.getLogger("tlsedge.tls")
 
 
 async def accept_tls(
@@ -41,14 +67,224 @@ async def accept_tls(
         try:
             await tls_stream.do_handshake()
         except trio.BrokenResourceError as exc:
-            detail = str(exc.__cause__ or exc)
-            if health_check and tls_stream.transport_bytes_received == 0:
-                # The load balancer's check: connect, header, close.
-                raise Refused(Termination.HEALTH_CHECK, detail) from exc
-            raise Refused(Termination.TLS_ERROR, detail) from exc
+            raise _failure(exc, tls_stream, health_check=health_check) from exc
     if handshake_timeout_scope.cancelled_caught:
-        raise Refused(
-            Termination.TLS_HANDSHAKE_TIMEOUT,
-            f"no TLS handshake within {handshake_timeout:g} s",
-        )
+        raise _timed_out(handshake_timeout)
     return tls_stream, ssl_facts(tls_stream.ssl_object, server_tls)
+
+
+def _failure(
+    exc: trio.BrokenResourceError, tls_stream: TLSStream, *, health_check: bool
+) -> Refused:
+    """The refusal of a handshake that failed with *exc*."""
+    detail = str(exc.__cause__ or exc)
+    if health_check and tls_stream.transport_bytes_received == 0:
+        # The load balancer's check: connect, header, close.
+        return Refused(Termination.HEALTH_CHECK, detail)
+    return Refused(Termination.TLS_ERROR, detail)
+
+
+def _timed_out(handshake_timeout: float) -> Refused:
+    return Refused(
+        Termination.TLS_HANDSHAKE_TIMEOUT,
+        f"no TLS handshake within {handshake_timeout:g} s",
+    )
+
+
+#: How a `ReactorHandshake` ended: the stream and its facts; the refusal
+#: (or, for a bug, the exception); None when drained.
+HandshakeResult = tuple[TLSStream, SSLFacts] | Exception | None
+
+
+class ReactorHandshake:
+    """The server side of a client's handshake, driven by the reactor.
+
+    The socket stays registered with the reactor until the handshake ends:
+    for reading while the engine waits for the client, for writing while
+    records wait to go. *on_done* gets the result from the reactor's task,
+    once: the caller owns the socket throughout (and closes it after a
+    refusal).
+    """
+
+    __slots__ = (
+        "_on_done",
+        "_out",
+        "_reactor",
+        "_registered",
+        "_timer",
+        "done",
+        "fd",
+        "server_tls",
+        "sock",
+        "stream",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        server_tls: ServerTLS,
+        *,
+        handshake_timeout: float,
+        on_done: Callable[[HandshakeResult], None],
+    ) -> None:
+        """*sock*: the accepted, non-blocking socket."""
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.server_tls = server_tls
+        self.timeout = handshake_timeout
+        # The trio stream is the TLS stream's transport for whoever uses it
+        # after the handshake; nothing here waits on it.
+        self.stream = TLSStream(
+            trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
+            server_tls.context,
+            server_side=True,
+        )
+        self._on_done = on_done
+        self._out = b""  # records the socket has not taken yet
+        self._reactor = current_reactor()
+        self._registered = 0  # the interest registered; 0: none
+        # What the timer heap holds until the timeout: let go at the end.
+        self._timer = Cancellable(self._expired)
+        self.done = False
+
+    def start(self) -> None:
+        """Wait for the ClientHello (and arm the handshake timeout)."""
+        reactor = self._reactor
+        reactor.register(self.fd, READABLE, self)
+        self._registered = READABLE
+        reactor.call_at(reactor.now() + self.timeout, self._timer)
+
+    def ready(self, fd: int, events: int) -> None:
+        if self._out:
+            self._send(self._out)
+            if self.done or self._out:
+                return
+            if self.stream.established:
+                self._end(self._facts())
+                return
+        if not events & (READABLE | ERROR | HANGUP):
+            return
+        try:
+            data = self.sock.recv(TRANSPORT_RECEIVE_SIZE)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._end(Refused(Termination.TLS_ERROR, f"socket read failed: {exc}"))
+            return
+        try:
+            finished = self.stream.handshake_nowait(data)
+        except trio.BrokenResourceError as exc:
+            self._send_alert()
+            self._end(_failure(exc, self.stream, health_check=False))
+            return
+        records = self.stream.take_transport_data()
+        if records:
+            self._send(records)
+            if self.done:
+                return
+        if finished and not self._out:
+            self._end(self._facts())
+
+    def failed(self, exc: Exception) -> None:
+        """A bug in `ready` (logged by the reactor): end the handshake."""
+        self._end(exc)
+
+    def drain(self) -> None:
+        """End now (the edge stops): the result is None."""
+        self._end(None)
+
+    # -- internals -----------------------------------------------------------
+
+    def _facts(self) -> tuple[TLSStream, SSLFacts]:
+        return self.stream, ssl_facts(self.stream.ssl_object, self.server_tls)
+
+    def _send(self, records: bytes) -> None:
+        """Send *records* (behind none owed); what the socket does not take
+        waits for writability."""
+        try:
+            sent = self.sock.send(records)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._end(Refused(Termination.TLS_ERROR, f"socket write failed: {exc}"))
+            return
+        self._out = records[sent:]
+        self._watch(WRITABLE if self._out else READABLE)
+
+    def _send_alert(self) -> None:
+        """Best effort: the alert of a failed handshake, if the socket takes
+        it at once (a few bytes)."""
+        alert = self._out + self.stream.take_transport_data()
+        if alert:
+            with contextlib.suppress(OSError):
+                self.sock.send(alert)
+
+    def _watch(self, interest: int) -> None:
+        if interest != self._registered:
+            self._reactor.modify(self.fd, interest)
+            self._registered = interest
+
+    def _expired(self) -> None:
+        if not self.done:
+            self._end(_timed_out(self.timeout))
+
+    def _end(self, result: HandshakeResult) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._timer.cancel()
+        if self._registered:
+            self._registered = 0
+            self._reactor.unregister(self.fd)
+        try:
+            self._on_done(result)
+        except Exception:
+            LOGGER.exception("TLS handshake: the callback at its end failed")
+
+
+class ReactorHandshakes:
+    """The `ReactorHandshake` in progress, so that drain can wait for them
+    and end the rest."""
+
+    def __init__(self) -> None:
+        self._running: set[ReactorHandshake] = set()
+        self._empty = trio.Event()
+        self._empty.set()
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def start(
+        self,
+        sock: socket.socket,
+        server_tls: ServerTLS,
+        *,
+        handshake_timeout: float,
+        on_done: Callable[[HandshakeResult], None],
+    ) -> None:
+        """Start a `ReactorHandshake` (its arguments); *on_done* is called
+        once it ended (maybe before this returns)."""
+
+        def ended(result: HandshakeResult) -> None:
+            self._running.discard(handshake)
+            if not self._running:
+                self._empty.set()
+            on_done(result)
+
+        handshake = ReactorHandshake(
+            sock, server_tls, handshake_timeout=handshake_timeout, on_done=ended
+        )
+        if not self._running:
+            self._empty = trio.Event()
+        self._running.add(handshake)
+        handshake.start()
+
+    async def wait_empty(self) -> None:
+        """Wait until every handshake started here has ended."""
+        await self._empty.wait()
+
+    def drain_all(self) -> None:
+        """End every handshake still running (their result is None)."""
+        for handshake in list(self._running):
+            handshake.drain()

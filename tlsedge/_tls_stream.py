@@ -263,6 +263,49 @@ class TLSStream(trio.abc.HalfCloseableStream):
             self._handshake_done = True
             await self._flush()
 
+    def handshake_nowait(
+        self, transport_data: bytes | memoryview | None = None
+    ) -> bool:
+        """Run the handshake as far as it goes without waiting.
+
+        For a caller that reads and writes the transport itself (the
+        reactor, `tlsedge._tls_accept.ReactorHandshake`): what the engine
+        has to send (also a failed handshake's alert) is in
+        `take_transport_data`.
+
+        Args:
+            transport_data: Bytes just read from the transport, given to the
+                engine first; ``b""`` for the transport's EOF; None for none.
+
+        Returns:
+            Whether the handshake is done.
+
+        Raises:
+            trio.BrokenResourceError: the handshake failed, as `do_handshake`
+                raises it (the cause, an ``ssl.SSLError``, is the ``__cause__``).
+            trio.ClosedResourceError: the stream was closed.
+        """
+        self._check_status()
+        if self._handshake_done:
+            return True
+        incoming = self._incoming
+        if transport_data is not None:
+            if transport_data:
+                self.transport_bytes_received += len(transport_data)
+                incoming.write(transport_data)
+            else:
+                incoming.write_eof()
+        try:
+            self.ssl_object.do_handshake()
+        except ssl.SSLWantReadError:
+            if incoming.eof:
+                raise self._fail(EOFError("peer closed during the handshake")) from None
+            return False
+        except ssl.SSLError as exc:
+            raise self._fail(exc) from exc
+        self._handshake_done = True
+        return True
+
     async def _ensure_handshake(self, *, schedule: bool = True) -> None:
         """Run the handshake if it has not run; otherwise a checkpoint, or
         only a cancel point without *schedule* (`receive_some` and `send_all`

@@ -96,6 +96,39 @@ async def test_a_failing_handler_ends_only_its_own_connection(
         bad_theirs.close()
 
 
+class _Counting:
+    def __init__(self) -> None:
+        self.called = trio.Event()
+
+    def ready(self, fd: int, events: int) -> None:
+        self.called.set()
+
+    def failed(self, exc: Exception) -> None:
+        raise AssertionError(exc)
+
+
+async def test_a_forgotten_descriptor_left_open_is_dropped_by_the_selector() -> None:
+    """`Reactor.forget` leaves the removal to the descriptor's close. One its
+    owner did not close would be reported at every poll: the reactor
+    unregisters it the first time (no handler is called, no busy loop)."""
+    reactor = current_reactor()
+    ours, theirs = socket.socketpair()
+    try:
+        handler = _Counting()
+        reactor.register(ours.fileno(), READABLE, handler)
+        reactor.forget(ours.fileno())
+        theirs.send(b"x")  # readable from now on (level-triggered)
+        await trio.sleep(0.05)
+        # Registering it again works: it is out of the selector.
+        reactor.register(ours.fileno(), READABLE, handler)
+        with trio.fail_after(HANG_GUARD):
+            await handler.called.wait()
+        reactor.unregister(ours.fileno())
+    finally:
+        ours.close()
+        theirs.close()
+
+
 async def test_portable_selector_relays_with_half_close(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

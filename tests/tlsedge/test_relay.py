@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import hashlib
 import random
 import socket
@@ -15,7 +16,13 @@ import trio.testing
 from hypothesis import given, strategies as st
 
 from tlsedge._reactor import current_reactor
-from tlsedge._relay import RelayStats, relay, set_abortive_close
+from tlsedge._relay import (
+    DetachedRelays,
+    RelayStats,
+    _Flow,
+    relay,
+    set_abortive_close,
+)
 from tlsedge._termination import Termination
 
 MIB = 1 << 20
@@ -239,6 +246,119 @@ async def test_relay_pumps_over_the_callers_sockets_and_leaves_them_attached() -
     finally:
         for stream in streams:
             await trio.aclose_forcefully(stream)
+
+
+class _RecordingPoller:
+    """The reactor's selector, with a log of the descriptors unregistered."""
+
+    def __init__(self, poller: Any) -> None:
+        self._poller = poller
+        self.unregistered: list[int] = []
+
+    def unregister(self, fd: int) -> None:
+        self.unregistered.append(fd)
+        self._poller.unregister(fd)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._poller, name)
+
+
+@pytest.mark.parametrize("closed_at_end", [True, False])
+async def test_a_detached_relay_closed_at_end_leaves_the_last_fin_to_the_close(
+    closed_at_end: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``closed_at_end`` (the owner closes both sockets in on_done), the
+    last EOF is not ``shutdown``: it goes with the close, as a FIN, and the
+    closed descriptors leave the selector without an ``epoll_ctl``."""
+    client_peer, relay_client = _stdlib_tcp_pair()
+    relay_server, server_peer = _stdlib_tcp_pair()
+    for sock in (relay_client, relay_server):
+        sock.setblocking(False)
+    reactor = current_reactor()
+    poller = _RecordingPoller(reactor._poller)
+    monkeypatch.setattr(reactor, "_poller", poller)
+    ends = (relay_client.fileno(), relay_server.fileno())
+    seen_at_end: list[bytes | None] = []
+    ended = trio.Event()
+
+    def on_done() -> None:
+        # The server's EOF came first: the client got its FIN by shutdown;
+        # the server's comes now, with the close (or came by shutdown).
+        try:
+            seen_at_end.append(server_peer.recv(100, socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            seen_at_end.append(None)
+        relay_client.close()
+        relay_server.close()
+        ended.set()
+
+    relays = DetachedRelays()
+    stats = RelayStats()
+    try:
+        relays.start(
+            relay_client,
+            relay_server,
+            stats=stats,
+            idle_timeout=3600.0,
+            client_fin_timeout=3600.0,
+            server_fin_timeout=3600.0,
+            on_done=on_done,
+            closed_at_end=closed_at_end,
+        )
+        with trio.fail_after(HANG_GUARD):
+            server_peer.sendall(b"pong")
+            server_peer.shutdown(socket.SHUT_WR)
+            await trio.to_thread.run_sync(client_peer.recv, 100)  # b"pong"
+            assert await trio.to_thread.run_sync(client_peer.recv, 100) == b""
+            client_peer.shutdown(socket.SHUT_WR)
+            await ended.wait()
+            assert await trio.to_thread.run_sync(server_peer.recv, 100) == b""
+    finally:
+        for sock in (client_peer, relay_client, relay_server, server_peer):
+            sock.close()
+    assert stats.termination is Termination.SERVER_CLOSED
+    if closed_at_end:
+        assert seen_at_end == [None]  # no FIN before the close
+        assert ends[0] not in poller.unregistered  # the close took it out
+    else:
+        assert seen_at_end == [b""]
+        assert ends[0] in poller.unregistered
+
+
+async def test_an_ended_relay_is_not_kept_alive_by_its_timers() -> None:
+    """The reactor's timer heap keeps a relay's idle timer until its deadline
+    (60 s by default); the relay itself, with its streams and buffers, must
+    be let go when it ends."""
+    client_peer, relay_client = _stdlib_tcp_pair()
+    relay_server, server_peer = _stdlib_tcp_pair()
+    for sock in (relay_client, relay_server):
+        sock.setblocking(False)
+    stats = RelayStats()
+    ended = trio.Event()
+    try:
+        DetachedRelays().start(
+            relay_client,
+            relay_server,
+            stats=stats,
+            idle_timeout=3600.0,
+            client_fin_timeout=3600.0,
+            server_fin_timeout=3600.0,
+            on_done=ended.set,
+        )
+        client_peer.shutdown(socket.SHUT_WR)
+        server_peer.shutdown(socket.SHUT_WR)
+        with trio.fail_after(HANG_GUARD):
+            await ended.wait()
+    finally:
+        for sock in (client_peer, relay_client, relay_server, server_peer):
+            sock.close()
+    gc.collect()
+    assert not [
+        flow
+        for flow in gc.get_objects()
+        if isinstance(flow, _Flow) and flow.stats is stats
+    ]
 
 
 # -- half-close matrix over real loopback TCP ---------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -38,11 +39,22 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.test_admin import total
-from tests.tlsedge.test_tls_edge import PrefixFirstSend
+from tests.tlsedge.test_tls_edge import (
+    Pki,
+    PrefixFirstSend,
+    Seen,
+    client_context,
+    describe_ssl,
+    echo_backend,
+    edge_config,
+    round_trip,
+    tls_connect,
+)
 from tlsedge._config import Config
 from tlsedge._proxy_wrap import proxy_header_for
 from tlsedge._relay import set_abortive_close
 from tlsedge._server import Edge
+from tlsedge._tls_accept import ReactorHandshake
 from tlsedge._tls_stream import TLSStream
 
 LOOPBACK = ["127.0.0.1/32"]
@@ -812,6 +824,81 @@ async def test_a_connection_needing_no_wait_gets_no_task(
     assert record["termination"] in {"client_closed", "server_closed"}
 
 
+# -- handshakes on the reactor ------------------------------------------------
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(tmp_path)
+
+
+async def test_a_tls_connection_without_proxy_header_gets_no_task(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+) -> None:
+    """No PROXY header to read: the handshake runs on the reactor from the
+    accepted socket, then the backend connect and the relay, with no task for
+    the connection; it ends as one with a task (log line, counters, PROXY
+    header with the TLS facts)."""
+    seen = Seen()
+    backend = await Backend(echo_backend(seen)).start(nursery)
+    async with running_edge(edge_config(pki, backend)) as edge:
+        client = await tls_connect(address_of(edge, "in"), client_context(pki))
+        await round_trip(client)
+        assert not tasks_started
+        assert len(edge._relays) == 1
+        assert len(edge._handshakes) == 0
+        await client.send_eof()
+        assert await read_until_closed(client) == b""
+        (record,) = await wait_access_records(caplog)
+        await wait_until(lambda: edge.active_connections == 0)
+        assert edge._listeners["in"].limiter.borrowed_tokens == 0
+        version = record["tls"].split(" ")[0]
+        assert metric(edge, "tlsedge_tls_handshakes_total", version=version) == 1
+        # Its timeout's timer is still pending: it must not keep the
+        # handshake (nor its stream) alive.
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, ReactorHandshake)]
+    assert record["sni"] == "a.test"
+    assert record["termination"] in {"client_closed", "server_closed"}
+    assert record["bytes_from_client"] == record["bytes_from_server"] == 4
+    (header,) = seen.headers
+    assert describe_ssl(header)["ssl"]["version"] == version
+    assert header.authority == "a.test"
+
+
+async def test_a_tls_handshake_on_the_reactor_is_drained(
+    nursery: trio.Nursery, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that never sends its ClientHello keeps the edge at most for
+    the drain timeout; its line says drained."""
+    backend = await Backend(echo_backend(Seen())).start(nursery)
+    config = make_config(
+        [
+            {
+                "name": "in",
+                "backend": "b",
+                "tls": {"certificates": [pki.entry("default")]},
+            }
+        ],
+        [{"name": "b", "servers": [backend.address]}],
+        edge={"drain_timeout": 0.2},
+    )
+    async with trio.open_nursery() as edge_nursery:
+        edge: Edge = await edge_nursery.start(Edge(config).run)
+        client = await connect(address_of(edge, "in"))
+        await wait_until(lambda: len(edge._handshakes) == 1)
+        edge.drain()
+        with trio.fail_after(5):
+            assert await read_until_closed(client) == b""
+    (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "drained"
+    assert edge.active_connections == 0
+    assert backend.accepted == 0
+
+
 async def test_sockets_relayed_without_streams_have_the_stream_options(
     nursery: trio.Nursery,
 ) -> None:
@@ -870,6 +957,41 @@ async def test_a_connect_that_must_wait_goes_on_in_a_task(
     assert record["termination"] == "connect_failed"
     assert "2 connect attempts failed" in record["detail"]
     assert "timeout after 0.2 s" in record["detail"]
+
+
+async def test_a_tls_connect_that_must_wait_goes_on_in_a_task(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+) -> None:
+    """After a handshake on the reactor, a connect that does not complete at
+    once is finished by a task (here: a timeout, then the retry on the other
+    server), which relays the TLS stream the reactor handshook."""
+    seen = Seen()
+    backend = await Backend(echo_backend(seen)).start(nursery)
+    with blackhole() as hole:
+        config = edge_config(
+            pki,
+            backend,
+            backend_options={
+                "servers": [hole, backend.address],
+                "retries": 1,
+                "connect_timeout": 0.2,
+            },
+        )
+        async with running_edge(config) as edge:
+            client = await tls_connect(address_of(edge, "in"), client_context(pki))
+            await round_trip(client, b"after a retry")
+            assert len(tasks_started) == 1
+            await client.send_eof()
+            assert await read_until_closed(client) == b""
+            (record,) = await wait_access_records(caplog)
+            await wait_until(lambda: edge.active_connections == 0)
+    assert record["server"] == backend.address
+    assert record["tls"].startswith("TLSv1.3")
+    assert record["bytes_from_client"] == len(b"after a retry")
+    assert len(seen.headers) == 1
 
 
 # -- max_connections ----------------------------------------------------------

@@ -202,3 +202,43 @@ async def test_receive_available_from_transport_bytes_fed_by_the_caller(
     data, closed = server.receive_available(wire[3:])
     assert (data, closed) == (b"firstsecond", True)
     assert server.receive_available() == (b"", True)  # and it stays closed
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_handshake_nowait_is_driven_by_the_caller(
+    version: ssl.TLSVersion,
+) -> None:
+    """The server's handshake driven without waiting (the reactor's way): the
+    caller moves the bytes; the stream is established at the end and carries
+    data like one that ran `do_handshake`."""
+    near, far = trio.testing.memory_stream_pair()
+    client, server = _pair((near, far), version)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.do_handshake)
+        done = False
+        while not done:
+            done = server.handshake_nowait(bytes(await far.receive_some()))
+            assert server.established is done
+            if records := server.take_transport_data():
+                await far.send_all(records)
+    assert server.handshake_nowait() is True  # done stays done
+    await client.send_all(b"ping")
+    data, eof = server.receive_available(bytes(await far.receive_some()))
+    assert (data, eof) == (b"ping", False)
+
+
+async def test_handshake_nowait_fails_with_an_alert_to_send() -> None:
+    """Garbage instead of a ClientHello: BrokenResourceError with the TLS
+    error as its cause, and the alert left for the caller to send; the
+    transport's EOF mid-handshake fails it too."""
+    server_ctx, _ = _contexts(ssl.TLSVersion.TLSv1_3)
+    near, far = trio.testing.memory_stream_pair()
+    server = TLSStream(far, server_ctx, server_side=True)
+    with pytest.raises(trio.BrokenResourceError) as failed:
+        server.handshake_nowait(b"\x16\x03\x01\x00\x05hello-this-is-not-tls")
+    assert isinstance(failed.value.__cause__, ssl.SSLError)
+    assert server.take_transport_data()[:1] == b"\x15"  # an alert record
+    quiet = TLSStream(near, server_ctx, server_side=True)
+    assert quiet.handshake_nowait(None) is False
+    with pytest.raises(trio.BrokenResourceError):
+        quiet.handshake_nowait(b"")
