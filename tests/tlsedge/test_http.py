@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ from tlsedge._config import Config, ConfigError
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
 from tlsedge._http.body import ChunkedDecoder
-from tlsedge._http.driver import serve_http
+from tlsedge._http.driver import _HttpConnection, serve_http
 from tlsedge._http.head import RequestRejectedError, parse_request_head
 from tlsedge._http.log import HttpConnectionResult
 from tlsedge._http.pool import KeepAlivePool
@@ -1016,6 +1017,24 @@ async def test_keepalive_on_both_sides() -> None:
         assert response.header(b"connection") is None
         await get(proxy.address)
         assert echo.accepted == 2
+
+
+async def test_an_ended_connection_is_not_kept_alive_by_its_timers() -> None:
+    # The reactor's timer heap keeps what it is given until the deadline
+    # (keepalive_timeout: an hour here); the connection itself, with its
+    # session, buffers and log record, must be let go when it ends.
+    async with echo_and_proxy(http={"keepalive_timeout": 3600.0}) as (_, proxy):
+        client = await Client.open(proxy.address)
+        assert (await client.request("GET", "/")).status == 200
+        await client.aclose()
+        await wait_until(lambda: len(proxy.results) == 1)
+        gc.collect()
+        assert not [
+            connection
+            for connection in gc.get_objects()
+            if isinstance(connection, _HttpConnection)
+            and connection.result is proxy.results[0]
+        ]
 
 
 async def test_pipelined_requests_answered_in_order() -> None:

@@ -138,7 +138,14 @@ from tlsedge._http.upstreams import (
     UpstreamConnections,
 )
 from tlsedge._raw_stream import RawStream
-from tlsedge._reactor import ERROR, HANGUP, READABLE, WRITABLE, current_reactor
+from tlsedge._reactor import (
+    ERROR,
+    HANGUP,
+    READABLE,
+    WRITABLE,
+    Cancellable,
+    current_reactor,
+)
 from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Termination
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
@@ -300,6 +307,9 @@ class _HttpConnection:
         self.linger_deadline = math.inf
         self.lingered = 0
         self.armed = math.inf  # the earliest pending timer of ours
+        # Cancelled at the end: the reactor's heap keeps what it is given
+        # until the deadline, and this connection must not live that long.
+        self.timer = Cancellable(self._timer)
         self.job: Callable[[], Awaitable[None]] | None = None
         self.task: trio.lowlevel.Task | None = None
         self._response_timeout_failure = _Failure(
@@ -361,6 +371,7 @@ class _HttpConnection:
         if self.state is _DONE:
             return
         self.state = _DONE
+        self.timer.cancel()
         self.drain.forget(self._drained_while_idle)
         ex = self.ex
         for raw in (self.client, ex.raw if ex is not None else None):
@@ -499,7 +510,7 @@ class _HttpConnection:
     def _arm(self, deadline: float) -> None:
         if deadline < self.armed:
             self.armed = deadline
-            self.reactor.call_at(deadline, self._timer)
+            self.reactor.call_at(deadline, self.timer)
 
     def _timer(self) -> None:
         if self.state is _DONE:
