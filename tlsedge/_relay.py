@@ -1,20 +1,17 @@
-"""Bidirectional byte relay with exact half-close semantics.
+"""Bidirectional byte relay with exact half-close semantics, on the reactor.
 
 Theory of operation
 ===================
 
-:func:`relay` copies bytes between two already-connected streams, ``client`` (the
-peer that connected to us) and ``server`` (the backend we connected to), until
-both directions are finished. There are two ways to drive it, with the same rules:
-
-* **The reactor path** (every socket-backed pair: `trio.SocketStream`, or an
-  established `TLSStream` over one): the pair is registered with the run's
-  reactor (`tlsedge._reactor`), which calls `_Flow.ready` when a socket is
-  ready; the caller's task parks until the end. `DetachedRelays.start` does the
-  same without a waiting task and calls back at the end (tcp mode).
-* **The stream path** (any other `trio.abc.Stream`, e.g. memory streams in
-  tests): a pump task per direction, and :func:`relay`'s own task keeps the
-  timers.
+:func:`relay` copies bytes between two already-connected sockets, ``client``
+(the peer that connected to us) and ``server`` (the backend we connected to),
+until both directions are finished. Each side is a `trio.SocketStream`, an
+established `TLSStream` over one, or (`DetachedRelays.start`) a connected
+non-blocking stdlib socket; anything else is refused with `TypeError` before
+anything starts. The pair is registered with the run's reactor
+(`tlsedge._reactor`), which calls `_Flow.ready` when a socket is ready;
+:func:`relay`'s task parks until the end. `DetachedRelays.start` does the same
+without a waiting task and calls back at the end (tcp mode).
 
 Each direction is a tiny state machine::
 
@@ -29,34 +26,26 @@ Each direction is a tiny state machine::
   flowing. A detached relay whose owner closes both sockets at its end
   (`DetachedRelays.start`'s *closed_at_end*) leaves the second EOF of a plain
   socket to that close instead (no ``shutdown``).
-* **Destination cannot half-close** (stream path: a :class:`trio.abc.Stream`
-  that is not a :class:`trio.abc.HalfCloseableStream`, e.g. :class:`trio.SSLStream`):
-  the EOF cannot be forwarded without closing the stream, which would also stop
-  us reading it. So we stop sending on it, keep reading it until the other
-  direction ends or the fin timeout fires, and count the direction as
-  EOF_FORWARDED. Our `TLSStream` does half-close, so the reactor never needs this.
 * The relay returns when both directions are EOF_FORWARDED. Termination is
   ``CLIENT_CLOSED`` if the client's EOF came first, else ``SERVER_CLOSED``.
-* **Errors** (:class:`trio.BrokenResourceError`, :class:`OSError` such as
-  ECONNRESET/EPIPE, a TLS error) on either side: the failing side is recorded
+* **Errors** (``ECONNRESET``, ``EPIPE`` and other :class:`OSError`, a TLS
+  error) on either side: the failing side is recorded
   (``CLIENT_ERROR``/``SERVER_ERROR``; a receive error blames the source, a send
   error the destination), :func:`set_abortive_close` is applied to *both*
-  streams (so the caller's close sends an RST, like Envoy's AbortReset and
-  HAProxy's ``nolinger``), and the relay ends. On the reactor a socket whose
-  reading is paused (backpressure) stays registered for errors, so an RST from
-  it ends the relay at once. On the stream path a socket reports an RST's error
-  only once: if one pump consumed it, the other's next ``recv`` returns 0, which
-  looks like a FIN; so a pump checks for cancellation before forwarding an EOF
-  and never turns an abort into a FIN.
+  sides (so the caller's close sends an RST, like Envoy's AbortReset and
+  HAProxy's ``nolinger``), and the relay ends. A socket whose reading is paused
+  (backpressure) stays registered for errors, so an RST from it ends the relay
+  at once. A side with nothing left to do (its EOF came and nothing is owed to
+  it) is no longer watched: an RST from it is seen when the relay next writes
+  to it, or a timer ends the relay first.
 
-Timeouts. Reads and writes only store timestamps (``trio.current_time()``): the
-last byte received from either side, and the last time a blocked destination
-took bytes. One timer per relay (a reactor timer, or a sleep in :func:`relay`'s
-task on the stream path) waits until the earliest deadline those timestamps
-allow, re-checks when it fires (activity since then moves the deadline), and
-once a deadline really passed records the cause and ends the relay. The first
-EOF arms an earlier timer if a fin timer would fire before the idle timer. The
-timers, named after their config fields:
+Timeouts. Reads and writes only store timestamps (the reactor's clock, trio's):
+the last byte received from either side, and the last time a blocked
+destination took bytes. One reactor timer per relay waits until the earliest
+deadline those timestamps allow, re-checks when it fires (activity since then
+moves the deadline), and once a deadline really passed records the cause and
+ends the relay. The first EOF arms an earlier timer if a fin timer would fire
+before the idle timer. The timers, named after their config fields:
 
 * ``idle_timeout``: no byte received from either side for that long, in any state
   (an EOF counts as received).
@@ -76,19 +65,17 @@ timers, named after their config fields:
   *Progress* is a byte received from the remaining direction's source, or its
   destination taking bytes while it was blocked (a slow reader that keeps reading
   keeps the connection; one that stops is attributed to the side we were waiting
-  for). The stream path sends large chunks in 64 KiB slices so that progress is
-  seen at that granularity. Both timers run at once in the half-closed state;
-  the earlier one fires.
+  for). Both timers run at once in the half-closed state; the earlier one fires.
 
 A timeout ends the relay normally with the cause in ``stats.termination``, with
-both streams set to close with an RST, as after an error: a timeout can cut a
+both sides set to close with an RST, as after an error: a timeout can cut a
 transfer in the middle (a backend that stalls mid-response), and a FIN would let
 a client of a close-delimited protocol take the truncated stream for a complete
 one. Cancellation from outside (the drain deadline; `DetachedRelays.drain_all`)
 records ``DRAINED`` (unless a cause was already recorded).
 
-The reactor path
-================
+Buffers and backpressure
+========================
 
 A `_Flow` holds two `_Endpoint` (socket, optional TLS engine, bytes owed to
 the socket). When a socket is readable the flow makes one non-blocking
@@ -108,9 +95,8 @@ it waits for the socket.
 
 Measured (``python bench/edge.py --duration 5 --reps 2``, 2026-11-24): TCP
 keep-alive at 36,211 requests per proxy CPU-second, 0.67x HAProxy's in the
-same run (the two-pump path's last recorded figure: 0.42x); the profile is then
-dominated by the kernel's ``send``. bench/README.md has the history and the TLS
-figures.
+same run; the profile is then dominated by the kernel's ``send``.
+bench/README.md has the history and the TLS figures.
 
 The scratch buffer is per thread because ``recv_into`` releases the GIL: two trio
 runs in two threads must not share one.
@@ -146,17 +132,13 @@ LOGGER = logging.getLogger("tlsedge.relay")
 
 __all__ = ["DetachedRelays", "RelayStats", "relay", "set_abortive_close"]
 
-# Each thread's shared receive buffers for the reactor path, by size (see "The
-# reactor path" in the module docstring).
+# Each thread's shared receive buffers, by size (see "Buffers and backpressure"
+# in the module docstring).
 _scratch = threading.local()
 
 # Most reads of one side per readiness event (a full read means more is
 # likely waiting; the bound keeps one busy connection from starving the rest).
 _READS_PER_WAKE = 16
-
-# The stream path sends a large chunk in slices of this size and counts each one
-# as progress for the fin timers (see the module docstring).
-_STREAM_SEND_SLICE = 65536
 
 # How deep set_abortive_close follows ``transport_stream`` (SSLStream over a
 # PrefixedStream over a SocketStream is 3); a bound guards against cycles.
@@ -164,9 +146,6 @@ _MAX_TRANSPORT_DEPTH = 8
 
 # struct linger {int l_onoff; int l_linger;}: on, 0 seconds -> close() sends RST.
 _LINGER_ABORT = struct.pack("ii", 1, 0)
-
-# What a peer can make a stream raise. ssl.SSLError is an OSError.
-_PEER_ERRORS = (trio.BrokenResourceError, OSError)
 
 
 @dataclass(slots=True)
@@ -259,93 +238,9 @@ class _Timeouts(NamedTuple):
         return cls(idle, client_fin, server_fin)
 
 
-#: A side of a relay: a stream, or (reactor relays only) a connected
-#: non-blocking stdlib socket, driven as it is and left to its owner to close.
+#: A side of a relay: a stream, or a connected non-blocking stdlib socket,
+#: driven as it is and left to its owner to close.
 _Peer: TypeAlias = trio.abc.Stream | socket.socket
-
-
-class _Relay:
-    """What both relay paths share: counters, the timers' timestamps, the cause."""
-
-    __slots__ = (
-        "client",
-        "first_eof",
-        "last_activity",
-        "last_send",
-        "server",
-        "stats",
-        "timeouts",
-    )
-
-    def __init__(
-        self,
-        client: _Peer,
-        server: _Peer,
-        stats: RelayStats,
-        timeouts: _Timeouts,
-    ) -> None:
-        self.client = client
-        self.server = server
-        self.stats = stats
-        self.timeouts = timeouts
-        self.last_activity = self.now()
-        # Last time a waiting send made progress (the reader took bytes).
-        self.last_send = self.last_activity
-        self.first_eof: _Side | None = None
-
-    def now(self) -> float:
-        """trio's clock (a flow reads the reactor's: no run-context lookup)."""
-        return trio.current_time()
-
-    def eof_received(self, source: _Side) -> float | None:
-        """Note an EOF; the first one returns the deadline its fin timer sets."""
-        now = self.last_activity = self.now()
-        if self.first_eof is not None:
-            return None  # second EOF: nothing left to wait for once it is forwarded
-        self.first_eof = source
-        if source is _Side.CLIENT:
-            return now + self.timeouts.server_fin
-        return now + self.timeouts.client_fin
-
-    def next_deadline(self) -> tuple[float, Termination]:
-        """When the relay times out if nothing happens before, and as what."""
-        idle = self.last_activity + self.timeouts.idle
-        first_eof = self.first_eof
-        if first_eof is None:
-            return idle, Termination.IDLE_TIMEOUT
-        if first_eof is _Side.CLIENT:
-            fin_timeout, cause = (
-                self.timeouts.server_fin,
-                Termination.SERVER_FIN_TIMEOUT,
-            )
-        else:
-            fin_timeout, cause = (
-                self.timeouts.client_fin,
-                Termination.CLIENT_FIN_TIMEOUT,
-            )
-        # Inactivity of the remaining direction: bytes received from its source
-        # (last_activity, which the finished source no longer moves after its
-        # EOF) or taken by its destination (last_send).
-        fin = max(self.last_activity, self.last_send) + fin_timeout
-        if fin <= idle:
-            return fin, cause
-        return idle, Termination.IDLE_TIMEOUT
-
-    def abort(self, cause: Termination) -> None:
-        """Record *cause* (unless one was) and make both sides close with an RST."""
-        if self.stats.termination is None:
-            self.stats.termination = cause
-        set_abortive_close(self.client)
-        set_abortive_close(self.server)
-
-    def clean_termination(self) -> Termination:
-        """The cause once both directions finished (timeouts record their own)."""
-        if self.first_eof is _Side.CLIENT:
-            return Termination.CLIENT_CLOSED
-        return Termination.SERVER_CLOSED
-
-
-# -- the reactor path -----------------------------------------------------------
 
 
 class _Endpoint:
@@ -384,8 +279,8 @@ class _Endpoint:
         self.hung_up = False
 
 
-class _Flow(_Relay):
-    """One relay driven by the reactor (see "The reactor path" above)."""
+class _Flow:
+    """One relay driven by the reactor (see "Buffers and backpressure" above)."""
 
     __slots__ = (
         "a",
@@ -393,14 +288,21 @@ class _Flow(_Relay):
         "b",
         "buffer_size",
         "built",
+        "client",
         "closed_at_end",
         "done",
+        "first_eof",
+        "last_activity",
+        "last_send",
         "on_done",
         "reactor",
         "scratch",
         "scratch_view",
+        "server",
         "shut_count",
+        "stats",
         "task",
+        "timeouts",
         "timer",
     )
 
@@ -415,7 +317,14 @@ class _Flow(_Relay):
         buffer_size: int,
     ) -> None:
         self.reactor = current_reactor()
-        super().__init__(client, server, stats, timeouts)
+        self.client = client
+        self.server = server
+        self.stats = stats
+        self.timeouts = timeouts
+        self.last_activity = self.reactor.now()
+        # Last time a waiting send made progress (the reader took bytes).
+        self.last_send = self.last_activity
+        self.first_eof: _Side | None = None
         self.a, self.b, self.built = ends
         self.buffer_size = buffer_size
         self.scratch = _scratch_buffer(buffer_size)
@@ -433,9 +342,6 @@ class _Flow(_Relay):
         #: What the reactor's timer heap holds of this flow (let go at the
         #: end: a flow must not live on until its idle deadline).
         self.timer = Cancellable(self._timer)
-
-    def now(self) -> float:
-        return self.reactor.now()
 
     # -- life cycle --------------------------------------------------------------
 
@@ -498,7 +404,54 @@ class _Flow(_Relay):
         self.abort(Termination.INTERNAL_ERROR)
         self._finish()
 
+    def abort(self, cause: Termination) -> None:
+        """Record *cause* (unless one was) and make both sides close with an RST."""
+        if self.stats.termination is None:
+            self.stats.termination = cause
+        set_abortive_close(self.client)
+        set_abortive_close(self.server)
+
+    def clean_termination(self) -> Termination:
+        """The cause once both directions finished (timeouts record their own)."""
+        if self.first_eof is _Side.CLIENT:
+            return Termination.CLIENT_CLOSED
+        return Termination.SERVER_CLOSED
+
     # -- timers ------------------------------------------------------------------
+
+    def eof_received(self, source: _Side) -> float | None:
+        """Note an EOF; the first one returns the deadline its fin timer sets."""
+        now = self.last_activity = self.reactor.now()
+        if self.first_eof is not None:
+            return None  # second EOF: nothing left to wait for once it is forwarded
+        self.first_eof = source
+        if source is _Side.CLIENT:
+            return now + self.timeouts.server_fin
+        return now + self.timeouts.client_fin
+
+    def next_deadline(self) -> tuple[float, Termination]:
+        """When the relay times out if nothing happens before, and as what."""
+        idle = self.last_activity + self.timeouts.idle
+        first_eof = self.first_eof
+        if first_eof is None:
+            return idle, Termination.IDLE_TIMEOUT
+        if first_eof is _Side.CLIENT:
+            fin_timeout, cause = (
+                self.timeouts.server_fin,
+                Termination.SERVER_FIN_TIMEOUT,
+            )
+        else:
+            fin_timeout, cause = (
+                self.timeouts.client_fin,
+                Termination.CLIENT_FIN_TIMEOUT,
+            )
+        # Inactivity of the remaining direction: bytes received from its source
+        # (last_activity, which the finished source no longer moves after its
+        # EOF) or taken by its destination (last_send).
+        fin = max(self.last_activity, self.last_send) + fin_timeout
+        if fin <= idle:
+            return fin, cause
+        return idle, Termination.IDLE_TIMEOUT
 
     def _arm(self, deadline: float) -> None:
         if deadline < self.armed:
@@ -724,10 +677,14 @@ def _reactor_ends(
     client: _Peer,
     server: _Peer,
     sockets: tuple[socket.socket, socket.socket] | None,
-) -> _Ends | None:
-    """The pair as reactor endpoints, or None if the reactor cannot drive it:
-    each must be a stdlib socket, a `trio.SocketStream`, or an established
-    `TLSStream` over one."""
+) -> _Ends:
+    """The pair as reactor endpoints.
+
+    Raises:
+        TypeError: A side is not a stdlib socket, a `trio.SocketStream` or an
+            established `TLSStream` over one (the sockets built for the
+            other side are detached again: nothing is left behind).
+    """
     given = sockets if sockets is not None else (None, None)
     built: list[socket.socket] = []
     ends: list[_Endpoint] = []
@@ -740,25 +697,37 @@ def _reactor_ends(
             continue
         tls: TLSStream | None = None
         transport: trio.abc.Stream = stream
-        sock = given_sock
-        if isinstance(stream, TLSStream):
-            if not stream.established:
-                break
+        if isinstance(stream, TLSStream) and stream.established:
             tls, transport = stream, stream.transport_stream
         if not isinstance(transport, trio.SocketStream):
-            break
+            for raw in built:
+                raw.detach()
+            raise TypeError(_cannot_drive(side, stream))
+        sock = given_sock
         if sock is None:
             sock = _raw_socket(transport)
             built.append(sock)
         ends.append(_Endpoint(side, sock, tls))
-    else:
-        return ends[0], ends[1], built
-    for sock in built:
-        sock.detach()
-    return None
+    return ends[0], ends[1], built
+
+
+def _cannot_drive(side: _Side, stream: trio.abc.Stream) -> str:
+    """The message for a side the reactor cannot drive: what it needs, what came."""
+    seen = type(stream).__name__
+    if isinstance(stream, TLSStream):
+        if stream.established:
+            seen = f"a TLSStream over {type(stream.transport_stream).__name__}"
+        else:
+            seen = "a TLSStream whose handshake is not done"
+    return (
+        f"relay: the {side.value} side must be a trio.SocketStream, an "
+        f"established TLSStream over one, or a connected stdlib socket; got {seen}"
+    )
 
 
 async def _relay_on_reactor(flow: _Flow) -> None:
+    """Start *flow* and park this task until it ends; a cancellation from
+    outside ends it as ``DRAINED`` (unless a cause was recorded)."""
     flow.start()
     if flow.done:
         await trio.lowlevel.checkpoint()
@@ -814,19 +783,12 @@ class DetachedRelays:
 
         Raises:
             ValueError: as `relay`.
-            TypeError: a stream is neither a `trio.SocketStream` nor an
-                established `TLSStream` over one (nothing was started).
+            TypeError: as `relay`.
         """
         timeouts = _Timeouts.checked(
             idle_timeout, client_fin_timeout, server_fin_timeout, buffer_size
         )
         ends = _reactor_ends(client, server, sockets)
-        if ends is None:
-            msg = (
-                f"the reactor cannot drive {type(client).__name__} and "
-                f"{type(server).__name__}: relay() them instead"
-            )
-            raise TypeError(msg)
         flow = _Flow(
             client, server, stats, timeouts, ends=ends, buffer_size=buffer_size
         )
@@ -854,127 +816,8 @@ class DetachedRelays:
             flow.drain()
 
 
-# -- the stream path ------------------------------------------------------------
-
-
-class _StreamRelay(_Relay):
-    """A relay over any two trio streams: a pump task per direction."""
-
-    __slots__ = ("pumps_running", "scope", "timer_scope")
-
-    def __init__(
-        self,
-        client: trio.abc.Stream,
-        server: trio.abc.Stream,
-        stats: RelayStats,
-        timeouts: _Timeouts,
-    ) -> None:
-        super().__init__(client, server, stats, timeouts)
-        self.pumps_running = 2
-        # Replaced by the nursery's scope and the watcher's sleep scope.
-        self.scope = self.timer_scope = _UNUSED_SCOPE
-
-    def pump_eof(self, source: _Side) -> None:
-        """Start the fin timer of the side we now wait for."""
-        fin_deadline = self.eof_received(source)
-        if fin_deadline is not None:
-            # The watcher sleeps until the idle deadline; wake it earlier if
-            # the fin timer would fire first (one deadline-heap update).
-            self.timer_scope.deadline = min(self.timer_scope.deadline, fin_deadline)
-
-    def pump_done(self) -> None:
-        """One direction reached EOF_FORWARDED; the last one stops the watcher."""
-        self.pumps_running -= 1
-        if self.pumps_running == 0:
-            self.scope.cancel()
-
-    def failed(self, side: _Side) -> None:
-        """Abort both sides because ``side`` had a read or write error."""
-        self.abort(_ERROR_OF[side])
-        self.scope.cancel()
-
-    async def watch(self) -> None:
-        """Sleep until the next deadline; cancel the relay once one really passed.
-
-        Runs in :func:`relay`'s own task (the nursery body) until the last pump
-        finishes or a pump fails, either of which cancels it with the nursery.
-        """
-        while True:
-            deadline, cause = self.next_deadline()
-            if trio.current_time() >= deadline:
-                self.abort(cause)
-                self.scope.cancel()
-                return
-            # The pumps only store timestamps; re-checked when this wakes up.
-            with trio.CancelScope(deadline=deadline) as self.timer_scope:
-                await trio.sleep_forever()
-
-    async def pump(
-        self,
-        source: trio.abc.Stream,
-        dest: trio.abc.Stream,
-        source_side: _Side,
-        buffer_size: int,
-    ) -> None:
-        """Copy ``source`` to ``dest`` through the trio stream API."""
-        dest_side = _Side.SERVER if source_side is _Side.CLIENT else _Side.CLIENT
-        stats = self.stats
-        from_client = source_side is _Side.CLIENT
-        while True:
-            try:
-                data = await source.receive_some(buffer_size)
-            except _PEER_ERRORS:
-                self.failed(source_side)
-                return
-            if not data:
-                break
-            self.last_activity = trio.current_time()
-            if from_client:
-                stats.bytes_from_client += len(data)
-            else:
-                stats.bytes_from_server += len(data)
-            try:
-                if len(data) <= _STREAM_SEND_SLICE:
-                    await dest.send_all(data)
-                else:
-                    # Slices, so that a slow reader's progress is seen by the
-                    # fin timer (a whole 256 KiB chunk can take a while).
-                    view = memoryview(data)
-                    for start in range(0, len(data), _STREAM_SEND_SLICE):
-                        await dest.send_all(view[start : start + _STREAM_SEND_SLICE])
-                        self.last_send = trio.current_time()
-            except _PEER_ERRORS:
-                self.failed(dest_side)
-                return
-            self.last_send = trio.current_time()
-        # EOF_RECEIVED: everything before it has been sent by the loop above. A
-        # stream reports an RST's error once: if the other pump consumed it and
-        # aborted, this receive returned b"". Never turn that into an EOF.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self.pump_eof(source_side)
-        if isinstance(dest, trio.abc.HalfCloseableStream):
-            try:
-                await dest.send_eof()
-            except _PEER_ERRORS:
-                self.failed(dest_side)
-                return
-        # else: the documented fallback, stop sending on dest but keep it open.
-        self.pump_done()  # EOF_FORWARDED
-
-    async def run(
-        self, client: trio.abc.Stream, server: trio.abc.Stream, buffer_size: int
-    ) -> None:
-        """Relay between *client* and *server* (the streams it was made with)."""
-        async with trio.open_nursery() as nursery:
-            self.scope = nursery.cancel_scope
-            nursery.start_soon(self.pump, client, server, _Side.CLIENT, buffer_size)
-            nursery.start_soon(self.pump, server, client, _Side.SERVER, buffer_size)
-            # This task keeps the timers while the pumps run.
-            await self.watch()
-
-
 def _scratch_buffer(size: int) -> bytearray:
-    """This thread's shared receive buffer of ``size`` bytes (see Buffers)."""
+    """This thread's shared receive buffer of ``size`` bytes."""
     buffers: dict[int, bytearray] | None = getattr(_scratch, "buffers", None)
     if buffers is None:
         buffers = _scratch.buffers = {}
@@ -982,10 +825,6 @@ def _scratch_buffer(size: int) -> bytearray:
     if buffer is None:
         buffer = buffers[size] = bytearray(size)
     return buffer
-
-
-# Placeholder until relay() enters the real scopes; never entered.
-_UNUSED_SCOPE = trio.CancelScope()
 
 
 def _raw_socket(stream: trio.SocketStream) -> socket.socket:
@@ -1033,6 +872,8 @@ async def relay(
 
     Raises:
         ValueError: A timeout is negative or NaN, or ``buffer_size`` < 1.
+        TypeError: A side is not a `trio.SocketStream` or an established
+            `TLSStream` over one (nothing was started).
         trio.Cancelled: Cancelled from outside; ``stats.termination`` is then
             ``DRAINED`` unless a cause had already been recorded.
     """
@@ -1040,21 +881,6 @@ async def relay(
         idle_timeout, client_fin_timeout, server_fin_timeout, buffer_size
     )
     ends = _reactor_ends(client, server, sockets)
-    try:
-        if ends is not None:
-            await _relay_on_reactor(
-                _Flow(
-                    client, server, stats, timeouts, ends=ends, buffer_size=buffer_size
-                )
-            )
-        else:
-            state = _StreamRelay(client, server, stats, timeouts)
-            await state.run(client, server, buffer_size)
-            if stats.termination is None:
-                stats.termination = state.clean_termination()
-    except* trio.Cancelled:
-        # Only a cancellation from outside gets here (all of ours are caught by the
-        # nursery's scope); the nursery delivers it inside an exception group.
-        if stats.termination is None:
-            stats.termination = Termination.DRAINED
-        raise
+    await _relay_on_reactor(
+        _Flow(client, server, stats, timeouts, ends=ends, buffer_size=buffer_size)
+    )

@@ -1,10 +1,10 @@
 """The reactor, and relays it drives over real sockets (plain and TLS).
 
 `tests/tlsedge/test_relay.py` and `test_relay_stateful.py` hold the relay's
-half-close, timeout and error rules on the reactor path (their "fast" cases);
-this file holds what is the reactor's own: its timers, its isolation of a
-failing handler, the portable selector, backpressure, an RST on a side that is
-not being read, and TLS streams whose engine already holds bytes.
+half-close, timeout and error rules; this file holds what is the reactor's
+own: its timers, its isolation of a failing handler, the portable selector,
+backpressure, an RST on a side that is not being read, and TLS streams whose
+engine already holds bytes.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ async def test_a_failing_handler_ends_only_its_own_connection(
         reactor.unregister(bad_ours.fileno())
         assert "handler failed" in caplog.text
         # The reactor still relays for everyone else.
-        async with tcp_wiring("fast") as w, trio.open_nursery() as nursery:
+        async with tcp_wiring() as w, trio.open_nursery() as nursery:
             nursery.start_soon(w.run_relay)
             await w.client_peer.send_all(b"ping")
             assert await w.server_peer.receive_some() == b"ping"
@@ -138,7 +138,7 @@ async def test_portable_selector_relays_with_half_close(
     assert isinstance(current_reactor()._poller, _reactor._PortableSelector)
     upload, download = payload(3 * MIB, 1), payload(2 * MIB, 2)
     with trio.fail_after(HANG_GUARD):
-        async with tcp_wiring("fast") as w, trio.open_nursery() as nursery:
+        async with tcp_wiring() as w, trio.open_nursery() as nursery:
             got: dict[str, bytes] = {}
 
             async def server() -> None:
@@ -166,7 +166,7 @@ async def test_a_slow_reader_stops_the_relay_reading_its_source() -> None:
     # server that does not read stops the relay from reading the client.
     buffer_size = 65536
     with trio.fail_after(HANG_GUARD):
-        async with tcp_wiring("fast") as w, trio.open_nursery() as nursery:
+        async with tcp_wiring() as w, trio.open_nursery() as nursery:
             for stream in (
                 w.client_peer,
                 w.relay_client,
@@ -215,7 +215,7 @@ async def test_an_rst_on_a_side_not_being_read_ends_the_relay() -> None:
     # The client is not read while the server does not take its bytes; its
     # RST still ends the relay at once, blamed on the client.
     with trio.fail_after(HANG_GUARD):
-        async with tcp_wiring("fast") as w, trio.open_nursery() as nursery:
+        async with tcp_wiring() as w, trio.open_nursery() as nursery:
             for stream in (
                 w.client_peer,
                 w.relay_client,
@@ -308,7 +308,7 @@ async def test_tls_bytes_the_engine_already_holds_are_relayed_first() -> None:
 async def test_a_finished_relay_leaves_nothing_registered() -> None:
     reactor = current_reactor()
     with trio.fail_after(HANG_GUARD):
-        async with tcp_wiring("fast") as w, trio.open_nursery() as nursery:
+        async with tcp_wiring() as w, trio.open_nursery() as nursery:
             nursery.start_soon(w.run_relay)
             await w.client_peer.send_all(b"ping")
             assert await w.server_peer.receive_some() == b"ping"

@@ -18,13 +18,13 @@ rules of ``_relay.py``'s docstring say:
 * a FIN is forwarded as soon as every byte before it was delivered (the reader gets
   the bytes, then EOF), the other direction keeps flowing, and the relay returns when
   both directions ended, as ``CLIENT_CLOSED``/``SERVER_CLOSED`` after whichever EOF
-  came first; a destination that cannot half-close (TLS-like) gets no FIN until the
-  relay returns;
+  came first;
 * an RST from a side the relay is still reading ends the relay (``*_ERROR``) and the
   other side gets an RST after the bytes already delivered, never a clean EOF
   (unless it had already received a FIN, which stays a clean end of that direction);
 * an RST from a side whose direction had already ended is only noticed when the
-  relay next writes to it (documented: only the pumps detect errors);
+  relay next writes to it (documented: a side with nothing left to do is no longer
+  watched);
 * ``idle_timeout`` and the fin timers (inactivity of the half-closed state) fire at
   exactly the model's deadline, and the relay's sockets then close with an RST, as
   after an error (a peer that already got a forwarded FIN keeps its clean EOF).
@@ -63,7 +63,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tests.tlsedge.test_relay import NoHalfClose, Passthrough
 from tlsedge._relay import RelayStats, relay
 from tlsedge._termination import Termination
 
@@ -87,7 +86,6 @@ _LINGER_ABORT = struct.pack("ii", 1, 0)
 _OPEN_STATES = frozenset({1, 4, 5})
 
 Side = Literal["client", "server"]
-Wiring = Literal["fast", "stream", "tls_like_client"]
 _CLEAN = {Termination.CLIENT_CLOSED, Termination.SERVER_CLOSED}
 
 F = TypeVar("F", bound=Callable[..., None])
@@ -128,13 +126,11 @@ class RelayThread:
         client_sock: socket.socket,
         server_sock: socket.socket,
         *,
-        wiring: Wiring,
         buffer_size: int,
         timeouts: RelayTimeouts,
     ) -> None:
         self._client_sock = client_sock
         self._server_sock = server_sock
-        self._wiring = wiring
         self._buffer_size = buffer_size
         self._timeouts = timeouts
         self.clock = trio.testing.MockClock()  # rate 0: time moves only by jump()
@@ -158,20 +154,10 @@ class RelayThread:
         finally:
             self._started.set()
 
-    def _wrap(self, sock: socket.socket, *, side: Side) -> trio.abc.Stream:
-        stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
-        if self._wiring == "stream" or (
-            self._wiring == "tls_like_client" and side == "server"
-        ):
-            return Passthrough(stream)
-        if self._wiring == "tls_like_client":
-            return NoHalfClose(stream)
-        return stream
-
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
-        client = self._wrap(self._client_sock, side="client")
-        server = self._wrap(self._server_sock, side="server")
+        client = trio.SocketStream(trio.socket.from_stdlib_socket(self._client_sock))
+        server = trio.SocketStream(trio.socket.from_stdlib_socket(self._server_sock))
         with trio.CancelScope() as self._scope:
             self._started.set()
             try:
@@ -315,7 +301,7 @@ def _guarded(method: F) -> F:
 
 
 sizes = st.integers(1, 2048) | st.sampled_from([16383, 16384, 16385, 40000])
-"""Send sizes: small, around the fast path's initial 16 KiB buffer, and bulk."""
+"""Send sizes: small, around the 16 KiB relay buffer (one of those drawn), and bulk."""
 
 
 class RelayMachine(RuleBasedStateMachine):
@@ -325,7 +311,6 @@ class RelayMachine(RuleBasedStateMachine):
         self.relay: RelayThread | None = None
         self.peers: dict[Side, Peer] = {}
         self.sockets: list[socket.socket] = []
-        self.wiring: Wiring = "fast"
         self.buffer_size = 0
         self.timeouts = RelayTimeouts(IDLE_TIMEOUT, IDLE_TIMEOUT, IDLE_TIMEOUT)
         # Model of relay()'s timers, in mock seconds.
@@ -338,16 +323,12 @@ class RelayMachine(RuleBasedStateMachine):
     # -- setup -----------------------------------------------------------------
 
     @initialize(
-        wiring=st.sampled_from(["fast", "stream", "tls_like_client"]),
         buffer_size=st.sampled_from([64, 4096, 16384, 262144]),
         client_fin=st.sampled_from([10.0, 50.0, 150.0]),
         server_fin=st.sampled_from([10.0, 50.0, 150.0]),
     )
     @_guarded
-    def start(
-        self, wiring: Wiring, buffer_size: int, client_fin: float, server_fin: float
-    ) -> None:
-        self.wiring = wiring
+    def start(self, buffer_size: int, client_fin: float, server_fin: float) -> None:
         self.buffer_size = buffer_size
         self.timeouts = RelayTimeouts(IDLE_TIMEOUT, client_fin, server_fin)
         client_peer, relay_client = tcp_pair()
@@ -363,7 +344,6 @@ class RelayMachine(RuleBasedStateMachine):
         self.relay = RelayThread(
             relay_client,
             relay_server,
-            wiring=wiring,
             buffer_size=buffer_size,
             timeouts=self.timeouts,
         )
@@ -387,9 +367,6 @@ class RelayMachine(RuleBasedStateMachine):
     def _other(self, side: Side) -> Peer:
         return self.peers["server" if side == "client" else "client"]
 
-    def _half_closeable(self, side: Side) -> bool:
-        return not (self.wiring == "tls_like_client" and side == "client")
-
     def _end(self, termination: Termination) -> None:
         if self.termination is None:
             self.termination = termination
@@ -400,7 +377,7 @@ class RelayMachine(RuleBasedStateMachine):
         )
 
     def _next_deadline(self) -> tuple[float, Termination]:
-        """Mirror of _Relay.next_deadline (no send ever blocks here)."""
+        """Mirror of _Flow.next_deadline (no send ever blocks here)."""
         idle = self.last_activity + self.timeouts.idle
         if self.first_eof is None:
             return idle, Termination.IDLE_TIMEOUT
@@ -444,12 +421,10 @@ class RelayMachine(RuleBasedStateMachine):
         self.last_activity = self.now
         if self.first_eof is None:
             self.first_eof = side
-        if self._half_closeable(other.side):
-            if other.reset:
-                self._end(self._error_of(other.side))  # shutdown() fails: ENOTCONN
-            else:
-                other.fin_from_relay = True
-        # else: the documented fallback, no FIN until relay() returns.
+        if other.reset:
+            self._end(self._error_of(other.side))  # shutdown() fails: ENOTCONN
+        else:
+            other.fin_from_relay = True
         if other.shut:
             self._end(
                 Termination.CLIENT_CLOSED
@@ -728,7 +703,6 @@ class RelayMachine(RuleBasedStateMachine):
                     self.relay_matches_model()
         assert self.termination is not None, "model: relay should have ended"
         event(f"termination: {self.termination.value}")
-        event(f"wiring: {self.wiring}")
         self.relay_matches_model()
         for side, peer in self.peers.items():
             if peer.live and not peer.saw_end:
