@@ -210,6 +210,20 @@ class Reactor:
         self._poller.register(fd, events)
         self._handlers[fd] = handler
 
+    def watch(
+        self, fd: int, current: int | None, wanted: int | None, handler: Handler
+    ) -> int | None:
+        """Move *fd*'s registration from *current* to *wanted* (None: not
+        registered) with the one call that takes; returns *wanted*."""
+        if wanted != current:
+            if wanted is None:
+                self.unregister(fd)
+            elif current is None:
+                self.register(fd, wanted, handler)
+            else:
+                self.modify(fd, wanted)
+        return wanted
+
     def modify(self, fd: int, events: int) -> None:
         """Change what a registered *fd* is watched for."""
         self._poller.modify(fd, events)

@@ -523,15 +523,7 @@ class _Flow:
             )
             if interest == 0 and end.hung_up:
                 interest = None
-        if interest == end.interest:
-            return
-        if interest is None:
-            self.reactor.unregister(end.fd)
-        elif end.interest is None:
-            self.reactor.register(end.fd, interest, self)
-        else:
-            self.reactor.modify(end.fd, interest)
-        end.interest = interest
+        end.interest = self.reactor.watch(end.fd, end.interest, interest, self)
 
     def _receive(self, end: _Endpoint, sock: socket.socket | None) -> bool:
         """Read *end* once (or only its TLS engine, without *sock*) and pass

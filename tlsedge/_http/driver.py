@@ -495,15 +495,7 @@ class _HttpConnection:
     def _watch(self, raw: RawStream, interest: int | None) -> None:
         if interest == 0 and raw.hung_up:
             interest = None  # a level-triggered hang-up would wake us in a loop
-        if interest == raw.interest:
-            return
-        if interest is None:
-            self.reactor.unregister(raw.fd)
-        elif raw.interest is None:
-            self.reactor.register(raw.fd, interest, self)
-        else:
-            self.reactor.modify(raw.fd, interest)
-        raw.interest = interest
+        raw.interest = self.reactor.watch(raw.fd, raw.interest, interest, self)
 
     # -- timers ------------------------------------------------------------
 
@@ -957,20 +949,25 @@ class _HttpConnection:
         try:
             raw.send(prefix + data if prefix else data)
         except _IO_ERRORS as exc:
-            self._fail(
-                _Failure(
-                    Termination.SERVER_ERROR,
-                    f"upstream write failed: {exc}",
-                    502,
-                    retryable=True,
-                )
-            )
+            self._head_not_sent(exc)
             return
         if raw.out:
             ex.upstream_progress = now
             self._arm(now + self.idle_timeout)
         else:
             self._head_sent(ex)
+
+    def _head_not_sent(self, exc: Exception) -> None:
+        """The upstream failed before it took the request head: nothing was
+        answered yet, so the request may go again (`may_retry`)."""
+        self._fail(
+            _Failure(
+                Termination.SERVER_ERROR,
+                f"upstream write failed: {exc}",
+                502,
+                retryable=True,
+            )
+        )
 
     def _take_buffered_body(self, ex: _Exchange, head: bytes) -> tuple[bytes, bool]:
         """*head* and the body bytes the session already holds, framed for the
@@ -1079,14 +1076,7 @@ class _HttpConnection:
             if ex.head_sent:
                 self._body_undeliverable(f"upstream write failed: {exc}")
             else:
-                self._fail(
-                    _Failure(
-                        Termination.SERVER_ERROR,
-                        f"upstream write failed: {exc}",
-                        502,
-                        retryable=True,
-                    )
-                )
+                self._head_not_sent(exc)
             return
         if raw.out:
             return
