@@ -263,6 +263,16 @@ class TLSStream(trio.abc.HalfCloseableStream):
             self._handshake_done = True
             await self._flush()
 
+    def _give_engine(self, transport_data: bytes | memoryview | None) -> None:
+        """Give the engine bytes the caller read from the transport (``b""``:
+        its EOF; None: nothing)."""
+        if transport_data is not None:
+            if transport_data:
+                self.transport_bytes_received += len(transport_data)
+                self._incoming.write(transport_data)
+            else:
+                self._incoming.write_eof()
+
     def handshake_nowait(
         self, transport_data: bytes | memoryview | None = None
     ) -> bool:
@@ -288,17 +298,11 @@ class TLSStream(trio.abc.HalfCloseableStream):
         self._check_status()
         if self._handshake_done:
             return True
-        incoming = self._incoming
-        if transport_data is not None:
-            if transport_data:
-                self.transport_bytes_received += len(transport_data)
-                incoming.write(transport_data)
-            else:
-                incoming.write_eof()
+        self._give_engine(transport_data)
         try:
             self.ssl_object.do_handshake()
         except ssl.SSLWantReadError:
-            if incoming.eof:
+            if self._incoming.eof:
                 raise self._fail(EOFError("peer closed during the handshake")) from None
             return False
         except ssl.SSLError as exc:
@@ -402,15 +406,10 @@ class TLSStream(trio.abc.HalfCloseableStream):
         """
         with self._receive_conflict:
             self._check_status()
-            incoming = self._incoming
-            if transport_data is not None:
-                if transport_data:
-                    self.transport_bytes_received += len(transport_data)
-                    incoming.write(transport_data)
-                else:
-                    incoming.write_eof()
+            self._give_engine(transport_data)
             if not self._handshake_done:
                 return b"", False
+            incoming = self._incoming
             chunks = []
             if self._parked:
                 chunks.append(self._parked)
