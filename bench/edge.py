@@ -39,7 +39,13 @@ the proxies rotates each repetition; the table shows medians):
 * ``keep-alive``: requests/s over 50 persistent connections;
 * ``new-conn``: ``-H "Connection: close"``, one connection per request
   (nginx closes, the proxy must pass the FIN on);
-* ``bulk``: ``iperf3 -c 127.0.0.1 -p <proxy> -t <duration>``, Gbit/s received.
+* ``bulk``: ``iperf3 -c 127.0.0.1 -p <proxy> -t <duration>``, Gbit/s received;
+* ``new-conn-proxy`` (not run by default: ``--scenarios new-conn-proxy``):
+  ``new-conn`` with a PROXY v2 header on each connection, as behind a cloud
+  load balancer: wrk goes through a front HAProxy (``nbthread 1``, on the
+  load's CPU, ``send-proxy-v2``) to a listener of the proxy under test that
+  reads the header (tlsedge ``proxy_protocol``, HAProxy ``accept-proxy``);
+  proxies that cannot read one are left out of it.
 
 Pinning (unless ``--no-pin``): the proxy under test runs on CPU 1 (``taskset
 -c 1``), nginx, iperf3 and wrk on CPU 0. So on a 2-core machine the client
@@ -78,11 +84,19 @@ from _common import banner, fmt_ratio, median, render_table
 REPO = Path(__file__).resolve().parent.parent
 PROXY_CPU = "1"
 LOAD_CPU = "0"
-SCENARIOS = ("keep-alive", "new-conn", "bulk")
+SCENARIOS = ("keep-alive", "new-conn", "bulk", "new-conn-proxy")
+DEFAULT_SCENARIOS = ("keep-alive", "new-conn", "bulk")
 ALL_PROXIES = ("tlsedge", "tlsedge-nolog", "haproxy", "proxy-protocol", "naive-trio")
+# The proxies with a listener that reads a PROXY header (``new-conn-proxy``).
+READS_PROXY = ("tlsedge", "tlsedge-nolog", "haproxy")
 # Issue 13's goals for new connections (keep-alive and bulk: earlier ones).
-GOALS = {"keep-alive": 0.9, "new-conn": 0.75, "bulk": 1.0}
-UNITS = {"keep-alive": "req/s", "new-conn": "req/s", "bulk": "Gbit/s"}
+GOALS = {"keep-alive": 0.9, "new-conn": 0.75, "bulk": 1.0, "new-conn-proxy": 0.75}
+UNITS = {
+    "keep-alive": "req/s",
+    "new-conn": "req/s",
+    "bulk": "Gbit/s",
+    "new-conn-proxy": "req/s",
+}
 
 
 class BenchError(Exception):
@@ -264,12 +278,16 @@ def start_iperf3_server(procs: Procs, port: int) -> None:
 
 @dataclass
 class Proxy:
-    """A proxy under test: one listening port per backend."""
+    """A proxy under test: one listening port per backend, and for
+    ``new-conn-proxy`` one reading a PROXY header (to nginx) and the front
+    HAProxy's port that sends it there."""
 
     name: str
     http_port: int
     bulk_port: int
     proc: subprocess.Popen[bytes] | None = None
+    proxied_port: int = field(default_factory=free_port)
+    front_port: int = field(default_factory=free_port)
 
 
 def start_proxy(
@@ -290,6 +308,11 @@ def start_proxy(
                 f'mode = "tcp"\nbackend = "b{i}"\nmax_connections = 20000\n'
                 f'[[backends]]\nname = "b{i}"\nservers = ["127.0.0.1:{target}"]\n'
             )
+        parts.append(
+            f'[[listeners]]\nname = "proxied"\nbind = "127.0.0.1:{proxy.proxied_port}"'
+            '\nmode = "tcp"\nbackend = "b0"\nmax_connections = 20000\n'
+            'proxy_protocol = { trusted = ["127.0.0.1/32"] }\n'
+        )
         toml.write_text("".join(parts))
         argv = [sys.executable, "-m", "tlsedge", "run", str(toml)]
     elif proxy.name == "haproxy":
@@ -298,6 +321,10 @@ def start_proxy(
             f"listen l{i}\n    bind 127.0.0.1:{listen}\n"
             f"    server s{i} 127.0.0.1:{target}\n"
             for i, (listen, target) in enumerate(pairs)
+        )
+        listens += (
+            f"listen proxied\n    bind 127.0.0.1:{proxy.proxied_port} accept-proxy\n"
+            f"    server s 127.0.0.1:{nginx_port}\n"
         )
         cfg.write_text(
             f"global\n    nbthread {workers}\n    maxconn 9000\n"
@@ -320,6 +347,27 @@ def start_proxy(
     proxy.proc = procs.start(proxy.name, argv, cpu=cpu, log=env_note)
     for listen, _ in pairs:
         wait_port(listen, proxy.proc, proxy.name)
+
+
+def start_front(procs: Procs, proxies: Sequence[Proxy]) -> None:
+    """The load balancer of ``new-conn-proxy``: a HAProxy on the load's CPU
+    sending a PROXY v2 header to each proxy's PROXY listener."""
+    cfg = procs.workdir / "front.cfg"
+    listens = "".join(
+        f"listen front-{proxy.name}\n    bind 127.0.0.1:{proxy.front_port}\n"
+        f"    server s 127.0.0.1:{proxy.proxied_port} send-proxy-v2\n"
+        for proxy in proxies
+    )
+    cfg.write_text(
+        "global\n    nbthread 1\n    maxconn 9000\n"
+        "defaults\n    mode tcp\n    timeout connect 5s\n"
+        "    timeout client 60s\n    timeout server 60s\n" + listens
+    )
+    proc = procs.start(
+        "front", ["haproxy", "-db", "-f", str(cfg)], cpu=LOAD_CPU, log="front.log"
+    )
+    for proxy in proxies:
+        wait_port(proxy.front_port, proc, "front haproxy")
 
 
 # -- the naive trio relay (runs in a child process) ----------------------------
@@ -429,6 +477,8 @@ def measure(procs: Procs, proxy: Proxy, scenario: str, duration: float) -> Measu
     pid = proxy.proc.pid
     if scenario == "bulk":
         return run_iperf(procs, proxy.bulk_port, duration, proxy_pid=pid)
+    if scenario == "new-conn-proxy":
+        return run_wrk(procs, proxy.front_port, duration, close=True, proxy_pid=pid)
     return run_wrk(
         procs, proxy.http_port, duration, close=scenario == "new-conn", proxy_pid=pid
     )
@@ -523,6 +573,8 @@ def run_benchmark(procs: Procs, args: argparse.Namespace) -> None:
     start_iperf3_server(procs, iperf_port)
     for proxy in proxies:
         start_proxy(procs, proxy, nginx_port, iperf_port, args.workers)
+    if "new-conn-proxy" in args.scenarios:
+        start_front(procs, [p for p in proxies if p.name in READS_PROXY])
     # Warm-up: one short run through each proxy (connections, caches, JIT-less
     # but import-lazy Python code paths).
     for proxy in proxies:
@@ -533,6 +585,8 @@ def run_benchmark(procs: Procs, args: argparse.Namespace) -> None:
             shift = rep % len(proxies)
             order = proxies[shift:] + proxies[:shift]
             for proxy in order:
+                if scenario == "new-conn-proxy" and proxy.name not in READS_PROXY:
+                    continue
                 m = measure(procs, proxy, scenario, args.duration)
                 results.setdefault((proxy.name, scenario), []).append(m)
                 extra = f"  [{m.errors}]" if m.errors else ""
@@ -613,6 +667,14 @@ def print_tables(
         rows.append(row)
     print("\nEfficiency: work per CPU-second of the proxy process (median):")
     print(render_table(headers[: 1 + len(names) + len(ratio_names)], rows))
+    rows = [
+        [scenario, *[f"{1e6 / eff(n, scenario):.0f}" for n in names]]
+        for scenario in args.scenarios
+        if scenario != "bulk"
+    ]
+    if rows:
+        print("\nProxy CPU per request (us; new-conn*: per connection; median):")
+        print(render_table(["scenario", *names], rows))
     errors = [
         f"{name} {scenario}: {m.errors}"
         for (name, scenario), ms in results.items()
@@ -633,7 +695,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--proxies", default=",".join(ALL_PROXIES), help="comma-separated subset"
     )
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(DEFAULT_SCENARIOS),
+        help=f"comma-separated, of {', '.join(SCENARIOS)}",
+    )
     parser.add_argument(
         "--workers",
         type=int,

@@ -12,23 +12,26 @@ open are cancelled at the deadline and logged as ``drained``. ``run()`` returns
 once the last connection has gone. A tcp-mode connection's task ends once its
 relay runs on the reactor (`tlsedge._relay.DetachedRelays`): ``run()`` waits
 for those relays with the same deadline, then ends the rest the same way.
-TLS handshakes on the reactor are waited for within the connections'
-deadline (one may still need a task of that nursery), then ended as
-``drained``.
+PROXY header reads and TLS handshakes on the reactor are waited for within
+the connections' deadline (one may still need a task of that nursery), then
+ended as ``drained``.
 
-A tcp-mode listener with no PROXY header to read gets no task per
-connection where none is needed: the accept loop runs the stages itself
-(`Edge._accepted`, `Edge._serve_now`), with the same code as the task path,
-and the connection goes straight from ``accept()`` to the reactor when its
-backend connect completes within ``connect()`` (loopback, a fast network).
-Its sockets stay stdlib sockets: no trio stream is built for them. With TLS
-the client's handshake runs on the reactor first
-(`tlsedge._tls_accept.ReactorHandshake`, held in ``Edge._handshakes`` for
-drain), and its end goes on the same way (`Edge._handshaken`). Only where
-something must wait (a connect in progress, a retry, a send that would
-block) does a task go on from where the reactor or the accept loop stopped.
-A listener that answers denied clients 403 after TLS (``denied = "403"``)
-keeps the task path.
+A tcp-mode listener gets no task per connection where none is needed: the
+accept loop runs the stages itself (`Edge._accepted`, `Edge._serve_now`),
+with the same code as the task path, and the connection goes straight from
+``accept()`` to the reactor when its backend connect completes within
+``connect()`` (loopback, a fast network). Its sockets stay stdlib sockets:
+no trio stream is built for them. With ``proxy_protocol`` the reactor reads
+the header first (`tlsedge._unwrap.ReactorHeaderRead`, held in
+``Edge._header_reads`` for drain) and its end goes on with admission
+(`Edge._unwrapped`); with TLS the client's handshake runs on the reactor
+next, from the bytes that came after the header
+(`tlsedge._tls_accept.ReactorHandshake`, held in ``Edge._handshakes``), and
+its end goes on the same way (`Edge._handshaken`). Only where something
+must wait (a connect in progress, a retry, a send that would block) does a
+task go on from where the reactor or the accept loop stopped. A listener
+that answers denied clients 403 after TLS (``denied = "403"``) keeps the
+task path, as HTTP mode does.
 
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
@@ -79,6 +82,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -114,9 +118,14 @@ from tlsedge._snapshot import (
 from tlsedge._tcp_mode import serve_tcp, serve_tcp_now
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, watch_certificates
-from tlsedge._tls_accept import HandshakeResult, ReactorHandshakes, accept_tls
+from tlsedge._tls_accept import HandshakeResult, ReactorHandshake, accept_tls
 from tlsedge._udp_mode import UdpListener
-from tlsedge._unwrap import Unwrapped, unwrap_proxy_header
+from tlsedge._unwrap import (
+    ReactorHeaderRead,
+    Unwrapped,
+    UnwrapResult,
+    unwrap_proxy_header,
+)
 from tlsedge._upstream import BackendPool, Connected, Opening, set_stream_options
 from tlsedge._version import __version__
 
@@ -349,22 +358,63 @@ class _Connection:
 
 
 #: Where `Edge._serve_now` stopped: the connection's facts, the client (its
-#: socket, or its TLS stream), and the connect to finish (or the connection
-#: whose first bytes still wait to go).
-_Begun = tuple[Downstream, trio.abc.Stream | socket.socket, Connected | Opening]
+#: socket, or its TLS stream), the connect to finish (or the connection
+#: whose first bytes still wait to go), and the client's first bytes (read
+#: past its PROXY header; `serve_tcp_now` says when they are queued).
+_Begun = tuple[Downstream, trio.abc.Stream | socket.socket, Connected | Opening, bytes]
 
 
 def _on_reactor(state: _ListenerState) -> bool:
     """Whether a connection of the listener is served with no task until
-    something must wait (`Edge._serve_now`): tcp mode with no PROXY header
-    to read. Its TLS handshake, if any, runs on the reactor; a denied client
-    answered 403 after TLS (``denied = "403"``) needs the task path."""
+    something must wait (`Edge._serve_now`): tcp mode. Its PROXY header and
+    its TLS handshake, if any, are read and run on the reactor; a denied
+    client answered 403 after TLS (``denied = "403"``) needs the task path."""
     config = state.config
-    return (
-        config.mode == "tcp"
-        and config.proxy_protocol is None
-        and (state.tls is None or state.access is None or config.denied == "close")
+    return config.mode == "tcp" and (
+        state.tls is None or state.access is None or config.denied == "close"
     )
+
+
+class _Stage(Protocol):
+    """A stage the reactor runs with no task (`ReactorHeaderRead`,
+    `ReactorHandshake`)."""
+
+    def start(self) -> None: ...
+    def drain(self) -> None: ...
+
+
+class _ReactorStages:
+    """The stages of one kind the reactor runs for connections with no task,
+    so that drain can wait for them and end the rest (their result is None)."""
+
+    def __init__(self) -> None:
+        self._running: set[_Stage] = set()
+        self._empty = trio.Event()
+        self._empty.set()
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def start(self, stage: _Stage) -> None:
+        """Start *stage*, whose end (maybe before this returns) calls `ended`."""
+        if not self._running:
+            self._empty = trio.Event()
+        self._running.add(stage)
+        stage.start()
+
+    def ended(self, stage: _Stage) -> None:
+        self._running.discard(stage)
+        if not self._running:
+            self._empty.set()
+
+    async def wait_empty(self) -> None:
+        """Wait until every stage started here has ended."""
+        await self._empty.wait()
+
+    def drain_all(self) -> None:
+        """End every stage still running."""
+        for stage in list(self._running):
+            stage.drain()
 
 
 def _direct(conn: _Connection) -> Unwrapped:
@@ -478,8 +528,10 @@ class Edge:
         # tcp-mode connections whose relay the reactor runs (their tasks
         # ended), and when they are cut at the latest (set by drain/stop).
         self._relays = DetachedRelays()
-        # TLS handshakes on the reactor (no task yet): see `_serve_now`.
-        self._handshakes = ReactorHandshakes()
+        # PROXY header reads and TLS handshakes on the reactor (no task
+        # yet): see `_serve_now`.
+        self._header_reads = _ReactorStages()
+        self._handshakes = _ReactorStages()
         self._relays_deadline = math.inf
         self._background_scope = trio.CancelScope()
         self._services: trio.Nursery | None = None
@@ -539,7 +591,7 @@ class Edge:
         if self._connections is not None:
             self._connections.cancel_scope.cancel()
         self._relays_deadline = -math.inf
-        self._handshakes.drain_all()
+        self._drain_stages()
         self._relays.drain_all()
 
     async def reload(self, config: Config) -> None:
@@ -677,12 +729,14 @@ class Edge:
                         )
                     task_status.started(self)
                     await self._drain_event.wait()
-                    # A handshake on the reactor may still go on in a task
-                    # of this nursery: within its deadline, like the tasks.
+                    # A header read or handshake on the reactor may still go
+                    # on in a task of this nursery: within its deadline, like
+                    # the tasks. (A header read may start a handshake.)
                     try:
+                        await self._header_reads.wait_empty()
                         await self._handshakes.wait_empty()
                     finally:
-                        self._handshakes.drain_all()
+                        self._drain_stages()
                 # Relays on the reactor get the rest of the drain timeout.
                 with trio.move_on_at(self._relays_deadline):
                     await self._relays.wait_empty()
@@ -690,7 +744,7 @@ class Edge:
                 services.cancel_scope.cancel()
         finally:
             # Cancelled from outside: close them now.
-            self._handshakes.drain_all()
+            self._drain_stages()
             self._relays.drain_all()
             self._services = None
             for listener in self._listeners.values():
@@ -699,6 +753,12 @@ class Edge:
             for keepalive in self._keepalive.values():
                 keepalive.close()
         LOGGER.info("all connections closed; stopped")
+
+    def _drain_stages(self) -> None:
+        """End the header reads and handshakes on the reactor (a header
+        read ended so starts no handshake)."""
+        self._header_reads.drain_all()
+        self._handshakes.drain_all()
 
     # -- listeners --------------------------------------------------------
 
@@ -905,7 +965,7 @@ class Edge:
         stream = None
         if not immediate:
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
-        elif state.tls is None:
+        elif state.tls is None or state.config.proxy_protocol is not None:
             raw.setblocking(False)
             if not _INHERITED_TCP_OPTIONS:
                 set_stream_options(raw)
@@ -959,8 +1019,10 @@ class Edge:
                 if begun is None:
                     await self._serve(conn)
                 else:
-                    downstream, client, connecting = begun
-                    await self._serve_tcp(conn, client, downstream, b"", connecting)
+                    downstream, client, connecting, leftover = begun
+                    await self._serve_tcp(
+                        conn, client, downstream, leftover, connecting
+                    )
             except trio.Cancelled:
                 if conn.log.termination == Termination.UNKNOWN:
                     conn.log.termination = Termination.DRAINED
@@ -1015,28 +1077,73 @@ class Edge:
     def _serve_now(self, conn: _Connection) -> _Begun | None:
         """`_serve` for a connection of a listener `_on_reactor`, as far as
         it goes without waiting: None once done (or handed to the reactor's
-        TLS handshake), else where it stopped."""
-        unwrapped = _direct(conn)
+        PROXY header read or TLS handshake), else where it stopped."""
+        state = conn.state
+        config = state.config
+        if config.proxy_protocol is None or state.trust is None:
+            return self._admit_now(conn, _direct(conn))
+        # The header's end takes over what the connection gives back.
+        owned = conn.exits.pop_all()
+
+        def unwrapped(result: UnwrapResult) -> None:
+            self._header_reads.ended(read)
+            conn.exits = owned
+            self._go_on(conn, lambda conn: self._unwrapped(conn, result))
+
+        read = ReactorHeaderRead(
+            conn.raw,
+            trust=state.trust,
+            settings=config.proxy_protocol,
+            peer=conn.peer,
+            local=conn.local,
+            on_done=unwrapped,
+        )
+        try:
+            self._header_reads.start(read)
+        except BaseException:
+            conn.exits.callback(owned.close)  # nothing started: the owner cleans up
+            raise
+        return None
+
+    def _unwrapped(self, conn: _Connection, result: UnwrapResult) -> _Begun | None:
+        """Go on from the end of a `_serve_now` PROXY header read."""
+        if result is None:  # the edge stopped meanwhile
+            if conn.log.termination == Termination.UNKNOWN:
+                conn.log.termination = Termination.DRAINED
+            return None
+        if isinstance(result, Exception):
+            raise result  # a Refused (or a bug, logged as one)
+        return self._admit_now(conn, result)
+
+    def _admit_now(self, conn: _Connection, unwrapped: Unwrapped) -> _Begun | None:
+        """From admission on, for `_serve_now`: the client's first bytes
+        (past its PROXY header) go to the backend, or to the handshake."""
         # A denied client is closed at once (no 403 answer on this path).
         _admitted(conn, unwrapped)
         state = conn.state
         if state.tls is None:
-            return self._serve_tcp_now(conn, unwrapped, conn.raw, None)
+            return self._serve_tcp_now(
+                conn, unwrapped, conn.raw, None, unwrapped.leftover
+            )
         assert state.config.tls is not None
         # The handshake's end takes over what the connection gives back.
         owned = conn.exits.pop_all()
 
         def handshaken(result: HandshakeResult) -> None:
+            self._handshakes.ended(handshake)
             conn.exits = owned
             self._go_on(conn, lambda conn: self._handshaken(conn, unwrapped, result))
 
+        handshake = ReactorHandshake(
+            conn.raw,
+            state.tls,
+            initial_data=unwrapped.leftover,
+            handshake_timeout=state.config.tls.handshake_timeout,
+            health_check=unwrapped.health_check,
+            on_done=handshaken,
+        )
         try:
-            self._handshakes.start(
-                conn.raw,
-                state.tls,
-                handshake_timeout=state.config.tls.handshake_timeout,
-                on_done=handshaken,
-            )
+            self._handshakes.start(handshake)
         except BaseException:
             conn.exits.callback(owned.close)  # nothing started: the owner cleans up
             raise
@@ -1055,7 +1162,7 @@ class Edge:
         client, tls = result
         conn.log.tls = f"{tls.version} {tls.cipher}"
         conn.log.sni = tls.server_name
-        return self._serve_tcp_now(conn, unwrapped, client, tls)
+        return self._serve_tcp_now(conn, unwrapped, client, tls, b"")
 
     def _serve_tcp_now(
         self,
@@ -1063,6 +1170,7 @@ class Edge:
         unwrapped: Unwrapped,
         client: trio.abc.Stream | socket.socket,
         tls: SSLFacts | None,
+        leftover: bytes,
     ) -> _Begun | None:
         downstream = _downstream(conn, unwrapped, tls)
         begun = serve_tcp_now(
@@ -1070,12 +1178,13 @@ class Edge:
             downstream,
             pool=conn.pool,
             listener=conn.state.config,
+            initial_data=leftover,
             log=conn.log,
             exits=conn.exits,
             relays=self._relays,
             client_socket=None if client is conn.raw else conn.raw,
         )
-        return None if begun is None else (downstream, client, begun)
+        return None if begun is None else (downstream, client, begun, leftover)
 
     async def _serve(self, conn: _Connection) -> None:
         """The stages: PROXY unwrap, TLS, then the mode (tcp relay or http)."""

@@ -139,28 +139,34 @@ def serve_tcp_now(
     *,
     pool: BackendPool,
     listener: ListenerConfig,
+    initial_data: bytes,
     log: ConnectionLog,
     exits: Cleanup,
     relays: DetachedRelays,
     client_socket: socket.socket | None,
 ) -> Connected | Opening | None:
-    """`serve_tcp` as far as it goes without waiting, for a connection with
-    no initial data (the arguments are `serve_tcp`'s).
+    """`serve_tcp` as far as it goes without waiting (the arguments are
+    `serve_tcp`'s).
 
     Returns None once the stage is done (as `serve_tcp` returns), else where
-    it stopped: pass that as `serve_tcp`'s *begun* to go on.
+    it stopped: pass that as `serve_tcp`'s *begun* to go on, with the same
+    *initial_data* (a `Connected` has them queued already, in its
+    ``pending``; an `Opening` not yet).
 
     Raises:
         Refused: ``no_server``.
     """
     begun = _connect_now(downstream, pool, log=log, exits=exits)
-    if isinstance(begun, Opening) or not _relay_now(
+    if isinstance(begun, Opening):
+        return begun
+    begun.pending += initial_data
+    if not _relay_now(
         client,
         downstream,
         begun,
         pool=pool,
         listener=listener,
-        stats=RelayStats(),
+        stats=RelayStats(bytes_from_client=len(initial_data)),
         log=log,
         exits=exits,
         relays=relays,
@@ -203,12 +209,14 @@ async def serve_tcp(
         relays: The edge's relays on the reactor.
         client_socket: The stdlib socket under *client* when *client* is
             the accepted socket's `trio.SocketStream` (the relay uses it).
-        begun: Where `serve_tcp_now` stopped for this connection, if it ran.
+        begun: Where `serve_tcp_now` stopped for this connection, if it ran
+            (a `Connected` has *initial_data* queued already).
 
     Raises:
         Refused: ``no_server`` or ``connect_failed`` (a failed TLS handshake
             with the server is a failed connect attempt).
     """
+    queued = isinstance(begun, Connected)  # by serve_tcp_now
     if begun is None:
         begun = _connect_now(downstream, pool, log=log, exits=exits)
     if isinstance(begun, Connected):
@@ -225,7 +233,8 @@ async def serve_tcp(
     # plain backend gets our header and the first bytes in one segment, as
     # HAProxy sends them.
     stats = RelayStats(bytes_from_client=len(initial_data))
-    connected.pending += initial_data
+    if not queued:
+        connected.pending += initial_data
     start = functools.partial(
         _relay_now,
         client,

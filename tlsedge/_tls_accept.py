@@ -8,13 +8,13 @@ failed handshake.
 Two ways to run it, with the same outcomes (the same `Refused` causes and
 details, the same alert sent on a failure):
 
-* `accept_tls`, in the connection's task (after a PROXY header, or where a
-  denied client is answered 403 after TLS);
+* `accept_tls`, in the connection's task (HTTP mode, or where a denied
+  client is answered 403 after TLS);
 * `ReactorHandshake`, driven by the reactor from the accepted socket with no
-  task at all (a listener with no PROXY header): each readiness event is one
-  ``recv``, the engine's step (`TLSStream.handshake_nowait`) and one ``send``
-  of what it produced; a reactor timer keeps the handshake timeout.
-  `ReactorHandshakes` holds those in progress, for drain.
+  task at all (tcp mode, after the PROXY header if one was read on the
+  reactor): each readiness event is one ``recv``, the engine's step
+  (`TLSStream.handshake_nowait`) and one ``send`` of what it produced; a
+  reactor timer keeps the handshake timeout.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, ssl_facts
 from tlsedge._tls_stream import TRANSPORT_RECEIVE_SIZE, TLSStream
 
-__all__ = ["HandshakeResult", "ReactorHandshake", "ReactorHandshakes", "accept_tls"]
+__all__ = ["HandshakeResult", "ReactorHandshake", "accept_tls"]
 
 LOGGER = logging.getLogger("tlsedge.tls")
 
@@ -77,7 +77,11 @@ def _failure(
     exc: trio.BrokenResourceError, tls_stream: TLSStream, *, health_check: bool
 ) -> Refused:
     """The refusal of a handshake that failed with *exc*."""
-    detail = str(exc.__cause__ or exc)
+    return _refusal(str(exc.__cause__ or exc), tls_stream, health_check=health_check)
+
+
+def _refusal(detail: str, tls_stream: TLSStream, *, health_check: bool) -> Refused:
+    """The refusal of a handshake that failed (*detail* says how)."""
     if health_check and tls_stream.transport_bytes_received == 0:
         # The load balancer's check: connect, header, close.
         return Refused(Termination.HEALTH_CHECK, detail)
@@ -114,6 +118,7 @@ class ReactorHandshake:
         "_timer",
         "done",
         "fd",
+        "health_check",
         "server_tls",
         "sock",
         "stream",
@@ -125,20 +130,25 @@ class ReactorHandshake:
         sock: socket.socket,
         server_tls: ServerTLS,
         *,
+        initial_data: bytes = b"",
         handshake_timeout: float,
+        health_check: bool = False,
         on_done: Callable[[HandshakeResult], None],
     ) -> None:
-        """*sock*: the accepted, non-blocking socket."""
+        """*sock*: the accepted, non-blocking socket; the other arguments
+        are `accept_tls`'s."""
         self.sock = sock
         self.fd = sock.fileno()
         self.server_tls = server_tls
         self.timeout = handshake_timeout
+        self.health_check = health_check
         # The trio stream is the TLS stream's transport for whoever uses it
         # after the handshake; nothing here waits on it.
         self.stream = TLSStream(
             trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
             server_tls.context,
             server_side=True,
+            initial_data=initial_data,
         )
         self._on_done = on_done
         self._out = b""  # records the socket has not taken yet
@@ -149,11 +159,14 @@ class ReactorHandshake:
         self.done = False
 
     def start(self) -> None:
-        """Wait for the ClientHello (and arm the handshake timeout)."""
+        """Wait for the ClientHello (and arm the handshake timeout); with
+        initial data, take the engine's first step on it now."""
         reactor = self._reactor
         reactor.register(self.fd, READABLE, self)
         self._registered = READABLE
         reactor.call_at(reactor.now() + self.timeout, self._timer)
+        if self.stream.transport_bytes_received:
+            self._step(None)
 
     def ready(self, fd: int, events: int) -> None:
         if self._out:
@@ -170,21 +183,10 @@ class ReactorHandshake:
         except BlockingIOError:
             return
         except OSError as exc:
-            self._end(Refused(Termination.TLS_ERROR, f"socket read failed: {exc}"))
+            detail = f"socket read failed: {exc}"
+            self._end(_refusal(detail, self.stream, health_check=self.health_check))
             return
-        try:
-            finished = self.stream.handshake_nowait(data)
-        except trio.BrokenResourceError as exc:
-            self._send_alert()
-            self._end(_failure(exc, self.stream, health_check=False))
-            return
-        records = self.stream.take_transport_data()
-        if records:
-            self._send(records)
-            if self.done:
-                return
-        if finished and not self._out:
-            self._end(self._facts())
+        self._step(data)
 
     def failed(self, exc: Exception) -> None:
         """A bug in `ready` (logged by the reactor): end the handshake."""
@@ -195,6 +197,23 @@ class ReactorHandshake:
         self._end(None)
 
     # -- internals -----------------------------------------------------------
+
+    def _step(self, data: bytes | None) -> None:
+        """The engine's step on *data* (read from the socket; None: none),
+        and the send of what it produced."""
+        try:
+            finished = self.stream.handshake_nowait(data)
+        except trio.BrokenResourceError as exc:
+            self._send_alert()
+            self._end(_failure(exc, self.stream, health_check=self.health_check))
+            return
+        records = self.stream.take_transport_data()
+        if records:
+            self._send(records)
+            if self.done:
+                return
+        if finished and not self._out:
+            self._end(self._facts())
 
     def _facts(self) -> tuple[TLSStream, SSLFacts]:
         return self.stream, ssl_facts(self.stream.ssl_object, self.server_tls)
@@ -241,50 +260,3 @@ class ReactorHandshake:
             self._on_done(result)
         except Exception:
             LOGGER.exception("TLS handshake: the callback at its end failed")
-
-
-class ReactorHandshakes:
-    """The `ReactorHandshake` in progress, so that drain can wait for them
-    and end the rest."""
-
-    def __init__(self) -> None:
-        self._running: set[ReactorHandshake] = set()
-        self._empty = trio.Event()
-        self._empty.set()
-
-    def __len__(self) -> int:
-        return len(self._running)
-
-    def start(
-        self,
-        sock: socket.socket,
-        server_tls: ServerTLS,
-        *,
-        handshake_timeout: float,
-        on_done: Callable[[HandshakeResult], None],
-    ) -> None:
-        """Start a `ReactorHandshake` (its arguments); *on_done* is called
-        once it ended (maybe before this returns)."""
-
-        def ended(result: HandshakeResult) -> None:
-            self._running.discard(handshake)
-            if not self._running:
-                self._empty.set()
-            on_done(result)
-
-        handshake = ReactorHandshake(
-            sock, server_tls, handshake_timeout=handshake_timeout, on_done=ended
-        )
-        if not self._running:
-            self._empty = trio.Event()
-        self._running.add(handshake)
-        handshake.start()
-
-    async def wait_empty(self) -> None:
-        """Wait until every handshake started here has ended."""
-        await self._empty.wait()
-
-    def drain_all(self) -> None:
-        """End every handshake still running (their result is None)."""
-        for handshake in list(self._running):
-            handshake.drain()

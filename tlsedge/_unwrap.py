@@ -1,24 +1,52 @@
 """Stage: the PROXY header of a trusted load balancer (``proxy_protocol``).
 
-The bridge from `proxyproto` (the codec and its trio adapter) to the edge: the
-trust policy decides from the peer address, before any byte is read, whether a
+The bridge from `proxyproto` (the sans-IO codec) to the edge: the trust
+policy decides from the peer address, before any byte is read, whether a
 header must come; the header must arrive within ``timeout``; what it says
 replaces the socket's endpoints. Bytes that came after the header are handed
 to the next stage as they are.
+
+Two ways to read it, with the same outcomes (the same `Unwrapped`, the same
+`Refused` causes, reasons and details; the pure parts are shared):
+
+* `unwrap_proxy_header`, in the connection's task (HTTP mode, ``denied =
+  "403"``);
+* `ReactorHeaderRead`, driven by the reactor from the accepted non-blocking
+  socket with no task at all (tcp mode): each readiness event is one
+  ``recv`` given to the codec; a reactor timer keeps the header timeout.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
-from proxyproto import Command, Family, RemoteProtocolError, TrustPolicy
-from proxyproto.trio import read_proxy_header
+from proxyproto import (
+    NEED_DATA,
+    Command,
+    Family,
+    HeaderReader,
+    Policy,
+    ProxyHeader,
+    RemoteProtocolError,
+    TrustPolicy,
+)
+from proxyproto._adapters import inet_address, select_addresses
 from tlsedge._config import ProxyProtocolConfig
+from tlsedge._reactor import READABLE, Cancellable, current_reactor
 from tlsedge._termination import Refused, Termination
 
-__all__ = ["Unwrapped", "unwrap_proxy_header"]
+__all__ = ["ReactorHeaderRead", "UnwrapResult", "Unwrapped", "unwrap_proxy_header"]
+
+LOGGER = logging.getLogger("tlsedge.unwrap")
+
+#: How many bytes one read may take while looking for the header. Bytes past
+#: the header are not lost: they are the next stage's.
+_READ_SIZE = 65536
 
 #: `RemoteProtocolError.reason` values with a termination of their own.
 _TERMINATIONS = {
@@ -45,6 +73,81 @@ class Unwrapped:
     leftover: bytes
 
 
+#: How a `ReactorHeaderRead` ended: what it found; the refusal (or, for a
+#: bug, the exception); None when drained.
+UnwrapResult = Unwrapped | Exception | None
+
+
+# -- the pure parts, shared by both ways ------------------------------------
+
+
+def _reader_for(
+    trust: TrustPolicy,
+    settings: ProxyProtocolConfig,
+    peer: tuple[str, int] | None,
+    local: tuple[str, int] | None,
+) -> tuple[Policy, HeaderReader | None]:
+    """The policy for *peer*, and the reader of its header (None: SKIP,
+    nothing to read).
+
+    Raises:
+        Refused: ``rejected`` (the policy refuses the peer).
+    """
+    policy = trust.decide(peer, local)
+    if policy is Policy.REJECT:
+        raise _refusal(
+            RemoteProtocolError(
+                f"peer {peer} may not connect here (trust policy REJECT)",
+                reason="rejected",
+            )
+        )
+    if policy is Policy.SKIP:
+        return policy, None
+    reader = HeaderReader(versions=settings.versions, optional=policy is Policy.USE)
+    return policy, reader
+
+
+def _refusal(exc: RemoteProtocolError) -> Refused:
+    """The refusal of a header the codec (or the policy) refused."""
+    termination = _TERMINATIONS.get(exc.reason, Termination.HEADER_ERROR)
+    return Refused(termination, str(exc), reason=exc.reason)
+
+
+def _timed_out(settings: ProxyProtocolConfig, peer: tuple[str, int] | None) -> Refused:
+    return _refusal(
+        RemoteProtocolError(
+            f"no complete PROXY header from {peer} within {settings.timeout} s",
+            reason="timeout",
+        )
+    )
+
+
+def _unwrapped(
+    event: object,
+    leftover: bytes,
+    policy: Policy,
+    peer: tuple[str, int] | None,
+    local: tuple[str, int] | None,
+) -> Unwrapped:
+    """What the reader's final *event* (a header, or NO_HEADER) says."""
+    header = event if isinstance(event, ProxyHeader) else None
+    client, destination = select_addresses(header, policy, peer, local, inet_address)
+    return Unwrapped(
+        client=client or peer,
+        destination=destination or local,
+        health_check=header is not None
+        and (header.command is Command.LOCAL or header.family is Family.UNSPEC),
+        leftover=leftover,
+    )
+
+
+def _direct(peer: tuple[str, int] | None, local: tuple[str, int] | None) -> Unwrapped:
+    return Unwrapped(client=peer, destination=local, health_check=False, leftover=b"")
+
+
+# -- in a task -----------------------------------------------------------------
+
+
 async def unwrap_proxy_header(
     stream: trio.SocketStream,
     *,
@@ -60,24 +163,139 @@ async def unwrap_proxy_header(
             ``header_error`` (with the codec's reason for metrics), or
             ``client_error`` (the peer broke the connection first).
     """
-    try:
-        proxy_stream = await read_proxy_header(
-            stream,
-            policy=trust.decide(peer, local),
-            header_timeout=settings.timeout,
-            versions=settings.versions,
-        )
-    except RemoteProtocolError as exc:
-        termination = _TERMINATIONS.get(exc.reason, Termination.HEADER_ERROR)
-        raise Refused(termination, str(exc), reason=exc.reason) from exc
-    except trio.BrokenResourceError as exc:
-        raise Refused(Termination.CLIENT_ERROR, str(exc)) from exc
-    received = proxy_stream.header
-    _, leftover = proxy_stream.detach()
-    return Unwrapped(
-        client=proxy_stream.client_address or peer,
-        destination=proxy_stream.server_address or local,
-        health_check=received is not None
-        and (received.command is Command.LOCAL or received.family is Family.UNSPEC),
-        leftover=leftover,
+    policy, reader = _reader_for(trust, settings, peer, local)
+    if reader is None:
+        await trio.lowlevel.checkpoint()
+        return _direct(peer, local)
+    with trio.move_on_after(settings.timeout) as header_timeout_scope:
+        try:
+            while (event := reader.next_event()) is NEED_DATA:
+                reader.receive_data(await stream.receive_some(_READ_SIZE))
+        except RemoteProtocolError as exc:
+            raise _refusal(exc) from exc
+        except trio.BrokenResourceError as exc:
+            raise Refused(Termination.CLIENT_ERROR, str(exc)) from exc
+    if header_timeout_scope.cancelled_caught:
+        raise _timed_out(settings, peer)
+    return _unwrapped(event, reader.trailing_data, policy, peer, local)
+
+
+# -- on the reactor --------------------------------------------------------------
+
+
+class ReactorHeaderRead:
+    """A client's PROXY header, read by the reactor from its socket.
+
+    *on_done* gets the result once, from the reactor's task (or at once from
+    `start` if the policy reads nothing): the caller owns the socket
+    throughout (and closes it after a refusal).
+    """
+
+    __slots__ = (
+        "_on_done",
+        "_policy",
+        "_reactor",
+        "_reader",
+        "_timer",
+        "done",
+        "fd",
+        "local",
+        "peer",
+        "settings",
+        "sock",
+        "trust",
     )
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        trust: TrustPolicy,
+        settings: ProxyProtocolConfig,
+        peer: tuple[str, int] | None,
+        local: tuple[str, int] | None,
+        on_done: Callable[[UnwrapResult], None],
+    ) -> None:
+        """*sock*: the accepted, non-blocking socket; the other arguments
+        are `unwrap_proxy_header`'s."""
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.trust = trust
+        self.settings = settings
+        self.peer = peer
+        self.local = local
+        self._on_done = on_done
+        self._reactor = current_reactor()
+        self._policy = Policy.SKIP
+        # The codec while the socket is registered with the reactor.
+        self._reader: HeaderReader | None = None
+        # What the timer heap holds until the timeout: let go at the end.
+        self._timer = Cancellable(self._expired)
+        self.done = False
+
+    def start(self) -> None:
+        """Decide the policy; wait for the header (and arm its timeout)."""
+        try:
+            self._policy, reader = _reader_for(
+                self.trust, self.settings, self.peer, self.local
+            )
+        except Refused as exc:
+            self._end(exc)
+            return
+        if reader is None:
+            self._end(_direct(self.peer, self.local))
+            return
+        reactor = self._reactor
+        reactor.register(self.fd, READABLE, self)
+        self._reader = reader
+        reactor.call_at(reactor.now() + self.settings.timeout, self._timer)
+
+    def ready(self, fd: int, events: int) -> None:
+        """One readiness event: one ``recv``, given to the codec."""
+        reader = self._reader
+        assert reader is not None  # registered only while reading
+        try:
+            data = self.sock.recv(_READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            # Worded as trio words it for the task's path.
+            broken = f"socket connection broken: {exc}"
+            self._end(Refused(Termination.CLIENT_ERROR, broken))
+            return
+        try:
+            reader.receive_data(data)
+            event = reader.next_event()
+        except RemoteProtocolError as exc:
+            self._end(_refusal(exc))
+            return
+        if event is not NEED_DATA:
+            leftover = reader.trailing_data
+            self._end(_unwrapped(event, leftover, self._policy, self.peer, self.local))
+
+    def failed(self, exc: Exception) -> None:
+        """A bug in `ready` (logged by the reactor): end the read."""
+        self._end(exc)
+
+    def drain(self) -> None:
+        """End now (the edge stops): the result is None."""
+        self._end(None)
+
+    # -- internals -----------------------------------------------------------
+
+    def _expired(self) -> None:
+        if not self.done:
+            self._end(_timed_out(self.settings, self.peer))
+
+    def _end(self, result: UnwrapResult) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._timer.cancel()
+        if self._reader is not None:
+            self._reader = None
+            self._reactor.unregister(self.fd)
+        try:
+            self._on_done(result)
+        except Exception:
+            LOGGER.exception("PROXY header: the callback at its end failed")

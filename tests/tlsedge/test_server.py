@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -56,6 +57,7 @@ from tlsedge._relay import set_abortive_close
 from tlsedge._server import Edge
 from tlsedge._tls_accept import ReactorHandshake
 from tlsedge._tls_stream import TLSStream
+from tlsedge._unwrap import ReactorHeaderRead
 
 LOOPBACK = ["127.0.0.1/32"]
 ELSEWHERE = ["10.0.0.0/8"]
@@ -899,6 +901,234 @@ async def test_a_tls_handshake_on_the_reactor_is_drained(
     assert backend.accepted == 0
 
 
+# -- PROXY headers on the reactor ------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [1, 2])
+async def test_a_proxy_connection_needing_no_wait_gets_no_task(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+    version: int,
+) -> None:
+    """The PROXY header is read on the reactor from the accepted socket; the
+    bytes that came with it in one segment are the backend's first, and the
+    connection has no task."""
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_protocol={"trusted": LOOPBACK})
+    header = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION, version=version))
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(header + b"hello")  # one segment
+        await wait_until(lambda: backend.accepted == 1)
+        assert not tasks_started
+        assert len(edge._relays) == 1
+        assert len(edge._header_reads) == 0
+        await client.send_eof()
+        answer = json.loads(await read_all(client))
+        (record,) = await wait_access_records(caplog)
+        await wait_until(lambda: edge.active_connections == 0)
+        assert edge._listeners["in"].limiter.borrowed_tokens == 0
+        # Its timeout's timer is still pending: it must not keep the read
+        # (nor its socket) alive.
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, ReactorHeaderRead)]
+    assert answer["source"] == list(CLIENT)
+    assert answer["destination"] == list(DESTINATION)
+    assert answer["data"] == "hello"
+    assert record["client"] == "203.0.113.7:40000"
+    assert record["bytes_from_client"] == 5
+    assert record["termination"] in {"client_closed", "server_closed"}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+async def test_a_tls_connection_after_a_proxy_header_gets_no_task(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+    version: int,
+) -> None:
+    """The header and the ClientHello in one segment: the header is read on
+    the reactor, the handshake starts from the bytes after it, and the
+    connection has no task."""
+    seen = Seen()
+    backend = await Backend(echo_backend(seen)).start(nursery)
+    config = edge_config(
+        pki, backend, listener={"proxy_protocol": {"trusted": LOOPBACK}}
+    )
+    header = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION, version=version))
+    async with running_edge(config) as edge:
+        tcp = await connect(address_of(edge, "in"))
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        transport = PrefixFirstSend(tcp, header)
+        client = TLSStream(
+            transport, client_context(pki), server_side=False, server_hostname="a.test"
+        )
+        with trio.fail_after(10):
+            await client.do_handshake()
+        assert transport.first_send is not None
+        assert transport.first_send[len(header)] == 0x16  # a TLS handshake record
+        await round_trip(client)
+        assert not tasks_started
+        assert len(edge._header_reads) == len(edge._handshakes) == 0
+        await client.send_eof()
+        assert await read_until_closed(client) == b""
+        (record,) = await wait_access_records(caplog)
+    (received,) = seen.headers
+    assert received.source is not None
+    assert str(received.source.host) == CLIENT[0]  # type: ignore[union-attr]
+    assert record["client"] == "203.0.113.7:40000"
+    assert record["sni"] == "a.test"
+
+
+#: A listener's ``proxy_protocol``, what its client sends, and the
+#: termination and metric reason it ends with.
+_REFUSED_HEADERS: dict[str, tuple[dict[str, Any], bytes, str, str]] = {
+    "bad-header": (
+        {"trusted": LOOPBACK},
+        b"PROXY GARBAGE\r\n",
+        "header_error",
+        "bad_v1_protocol",
+    ),
+    "eof-inside": ({"trusted": LOOPBACK}, b"PROXY TCP4 ", "header_error", "eof"),
+    "rejected": (
+        {"trusted": ELSEWHERE, "untrusted": "reject"},
+        b"PROXY UNKNOWN\r\n",
+        "rejected",
+        "rejected",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_REFUSED_HEADERS))
+async def test_a_refused_proxy_header_on_the_reactor(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+    case: str,
+) -> None:
+    """A refused header ends the connection from the reactor, with no task:
+    the same termination, metric reason and detail as the task's path."""
+    proxy_protocol, data, termination, reason = _REFUSED_HEADERS[case]
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_protocol=proxy_protocol)
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        # A rejected peer may be closed before it sent a byte.
+        with contextlib.suppress(trio.BrokenResourceError):
+            await client.send_all(data)
+            await client.send_eof()
+        with trio.fail_after(5):
+            assert await read_until_closed(client) == b""
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+        errors = metric(edge, "tlsedge_proxy_header_errors_total", reason=reason)
+    assert not tasks_started
+    assert backend.accepted == 0
+    assert record["termination"] == termination
+    assert record["detail"]
+    assert errors == 1
+
+
+async def test_a_silent_client_times_out_on_the_reactor(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    autojump_clock: trio.testing.MockClock,
+    tasks_started: list[object],
+) -> None:
+    """The header timeout is a reactor timer: the connection has no task."""
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(
+        backend, proxy_protocol={"trusted": LOOPBACK, "timeout": 4.0}
+    )
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(b"PROXY TCP4 ")  # a start, never finished
+        assert await read_until_closed(client) == b""
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+        errors = metric(edge, "tlsedge_proxy_header_errors_total", reason="timeout")
+    assert not tasks_started
+    assert record["termination"] == "header_timeout"
+    assert record["detail"].startswith("no complete PROXY header from ")
+    assert record["detail"].endswith(" within 4.0 s")
+    assert errors == 1
+
+
+async def test_a_local_header_on_the_reactor_is_a_health_check(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+) -> None:
+    """A load balancer's check (LOCAL header, then a reset) has no task and
+    is logged as a health check."""
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = unwrap_config(backend, proxy_protocol={"trusted": LOOPBACK})
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(encode_v2(ProxyHeader.local()))
+        await wait_until(lambda: backend.accepted == 1)
+        set_abortive_close(client)
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert not tasks_started
+    assert record["termination"] == "health_check", record
+    assert record["bytes_from_client"] == 0
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["fin", "rst"])
+async def test_a_local_header_before_tls_on_the_reactor_is_a_health_check(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+    reset: bool,
+) -> None:
+    """A LOCAL header, then a close (or a reset, as HAProxy's checks do)
+    without a byte of TLS: a health check, not a failed handshake (with no
+    task)."""
+    backend = await Backend(echo_backend(Seen())).start(nursery)
+    config = edge_config(
+        pki, backend, listener={"proxy_protocol": {"trusted": LOOPBACK}}
+    )
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(encode_v2(ProxyHeader.local()))
+        await wait_until(lambda: len(edge._handshakes) == 1)
+        if reset:
+            set_abortive_close(client)
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert not tasks_started
+    assert record["termination"] == "health_check", record
+    assert backend.accepted == 0
+
+
+async def test_a_proxy_header_read_on_the_reactor_is_drained(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that never sends its header keeps the edge at most for the
+    drain timeout; its line says drained."""
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    config = make_config(
+        [{"name": "in", "backend": "b", "proxy_protocol": {"trusted": LOOPBACK}}],
+        [{"name": "b", "servers": [backend.address]}],
+        edge={"drain_timeout": 0.2},
+    )
+    async with trio.open_nursery() as edge_nursery:
+        edge: Edge = await edge_nursery.start(Edge(config).run)
+        client = await connect(address_of(edge, "in"))
+        await wait_until(lambda: len(edge._header_reads) == 1)
+        edge.drain()
+        with trio.fail_after(5):
+            assert await read_until_closed(client) == b""
+    (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "drained"
+    assert edge.active_connections == 0
+    assert backend.accepted == 0
+
+
 async def test_sockets_relayed_without_streams_have_the_stream_options(
     nursery: trio.Nursery,
 ) -> None:
@@ -992,6 +1222,39 @@ async def test_a_tls_connect_that_must_wait_goes_on_in_a_task(
     assert record["tls"].startswith("TLSv1.3")
     assert record["bytes_from_client"] == len(b"after a retry")
     assert len(seen.headers) == 1
+
+
+async def test_bytes_after_a_proxy_header_wait_for_a_connect_in_a_task(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    tasks_started: list[object],
+) -> None:
+    """After a header read on the reactor, a connect that does not complete
+    at once goes on in a task (a timeout, then the retry on the other
+    server): the bytes that came with the header are the backend's first."""
+    backend = await Backend(proxy_echo_handler()).start(nursery)
+    with blackhole() as hole:
+        config = unwrap_config(
+            backend,
+            proxy_protocol={"trusted": LOOPBACK},
+            servers=[hole, backend.address],
+            retries=1,
+            connect_timeout=0.2,
+        )
+        header = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION))
+        async with running_edge(config) as edge:
+            client = await connect(address_of(edge, "in"))
+            await client.send_all(header + b"first")  # one segment
+            await wait_until(lambda: backend.accepted == 1)
+            assert len(tasks_started) == 1
+            await client.send_all(b"-then")
+            await client.send_eof()
+            answer = json.loads(await read_all(client))
+            (record,) = await wait_access_records(caplog)
+    assert answer["data"] == "first-then"
+    assert answer["source"] == list(CLIENT)
+    assert record["server"] == backend.address
+    assert record["bytes_from_client"] == len(b"first-then")
 
 
 # -- max_connections ----------------------------------------------------------
