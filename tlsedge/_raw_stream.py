@@ -17,7 +17,7 @@ from typing import Final
 
 import trio
 
-from tlsedge._relay import _raw_socket, _scratch_buffer
+from tlsedge._relay import _scratch_buffer, _stdlib_socket
 from tlsedge._tls_stream import TLSStream
 
 __all__ = ["READ_SIZE", "RawStream"]
@@ -75,12 +75,8 @@ class RawStream:
             tls, transport = stream, stream.transport_stream
         if not isinstance(transport, trio.SocketStream):
             return None
-        # The stdlib socket trio's socket wraps: building another one on the
-        # descriptor costs a getsockname() per call.
-        own = getattr(transport.socket, "_sock", None)
-        if type(own) is socket.socket:
-            return cls(own, tls, built=False)
-        return cls(_raw_socket(transport), tls)
+        sock, built = _stdlib_socket(transport)
+        return cls(sock, tls, built=built)
 
     def receive(self, *, read_socket: bool = True) -> bytes | None:
         """What arrived: plaintext, ``b""`` at the peer's EOF, or None when

@@ -697,8 +697,9 @@ def _reactor_ends(
             raise TypeError(_cannot_drive(side, stream))
         sock = given_sock
         if sock is None:
-            sock = _raw_socket(transport)
-            built.append(sock)
+            sock, made = _stdlib_socket(transport)
+            if made:
+                built.append(sock)
         ends.append(_Endpoint(side, sock, tls))
     return ends[0], ends[1], built
 
@@ -819,12 +820,21 @@ def _scratch_buffer(size: int) -> bytearray:
     return buffer
 
 
-def _raw_socket(stream: trio.SocketStream) -> socket.socket:
-    """A stdlib socket object sharing ``stream``'s descriptor; caller must detach."""
+def _stdlib_socket(stream: trio.SocketStream) -> tuple[socket.socket, bool]:
+    """The stdlib socket under *stream*, and whether it was built for the
+    caller (who must then ``detach`` it, never close it).
+
+    trio's socket wraps one (``_sock``): using it costs nothing, where
+    building another object on the descriptor costs a ``getsockname()``.
+    """
     trio_sock = stream.socket
-    return socket.socket(
+    own = getattr(trio_sock, "_sock", None)
+    if type(own) is socket.socket:
+        return own, False
+    built = socket.socket(
         trio_sock.family, trio_sock.type, trio_sock.proto, fileno=trio_sock.fileno()
     )
+    return built, True
 
 
 async def relay(
