@@ -29,9 +29,11 @@ next, from the bytes that came after the header
 (`tlsedge._tls_accept.ReactorHandshake`, held in ``Edge._handshakes``), and
 its end goes on the same way (`Edge._handshaken`). Only where something
 must wait (a connect in progress, a retry, a send that would block) does a
-task go on from where the reactor or the accept loop stopped. A listener
-that answers denied clients 403 after TLS (``denied = "403"``) keeps the
-task path, as HTTP mode does.
+task go on from where the reactor or the accept loop stopped. An http-mode
+listener reads the PROXY header and runs the handshake the same way, then
+starts the connection's task with the client's stream (`_serve_http`). A
+listener that answers denied clients 403 (``denied = "403"``) keeps the
+task path.
 
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
@@ -359,20 +361,21 @@ class _Connection:
 
 #: Where `Edge._serve_now` stopped: the connection's facts, the client (its
 #: socket, or its TLS stream), the connect to finish (or the connection
-#: whose first bytes still wait to go), and the client's first bytes (read
-#: past its PROXY header; `serve_tcp_now` says when they are queued).
-_Begun = tuple[Downstream, trio.abc.Stream | socket.socket, Connected | Opening, bytes]
+#: whose first bytes still wait to go; None in http mode, whose task serves
+#: the client's stream), and the client's first bytes (read past its PROXY
+#: header; `serve_tcp_now` says when they are queued).
+_Begun = tuple[
+    Downstream, trio.abc.Stream | socket.socket, Connected | Opening | None, bytes
+]
 
 
 def _on_reactor(state: _ListenerState) -> bool:
     """Whether a connection of the listener is served with no task until
-    something must wait (`Edge._serve_now`): tcp mode. Its PROXY header and
-    its TLS handshake, if any, are read and run on the reactor; a denied
-    client answered 403 after TLS (``denied = "403"``) needs the task path."""
-    config = state.config
-    return config.mode == "tcp" and (
-        state.tls is None or state.access is None or config.denied == "close"
-    )
+    something must wait (`Edge._serve_now`): tcp and http mode. Its PROXY
+    header and its TLS handshake, if any, are read and run on the reactor
+    (an HTTP connection's task starts after them); a denied client answered
+    403 (``denied = "403"``, http mode) needs the task path."""
+    return state.access is None or state.config.denied == "close"
 
 
 class _Stage(Protocol):
@@ -1020,9 +1023,20 @@ class Edge:
                     await self._serve(conn)
                 else:
                     downstream, client, connecting, leftover = begun
-                    await self._serve_tcp(
-                        conn, client, downstream, leftover, connecting
-                    )
+                    if connecting is None:  # http mode: the client is a stream
+                        assert isinstance(client, trio.abc.Stream)
+                        await self._serve_http(
+                            conn.state,
+                            conn.pool,
+                            client,
+                            downstream,
+                            leftover,
+                            conn.log,
+                        )
+                    else:
+                        await self._serve_tcp(
+                            conn, client, downstream, leftover, connecting
+                        )
             except trio.Cancelled:
                 if conn.log.termination == Termination.UNKNOWN:
                     conn.log.termination = Termination.DRAINED
@@ -1117,11 +1131,20 @@ class Edge:
 
     def _admit_now(self, conn: _Connection, unwrapped: Unwrapped) -> _Begun | None:
         """From admission on, for `_serve_now`: the client's first bytes
-        (past its PROXY header) go to the backend, or to the handshake."""
+        (past its PROXY header) go to the handshake, or to the backend (to
+        the task's HTTP session in http mode)."""
         # A denied client is closed at once (no 403 answer on this path).
         _admitted(conn, unwrapped)
         state = conn.state
         if state.tls is None:
+            if state.config.mode == "http":
+                client = trio.SocketStream(trio.socket.from_stdlib_socket(conn.raw))
+                return (
+                    _downstream(conn, unwrapped, None),
+                    client,
+                    None,
+                    unwrapped.leftover,
+                )
             return self._serve_tcp_now(
                 conn, unwrapped, conn.raw, None, unwrapped.leftover
             )
@@ -1162,6 +1185,8 @@ class Edge:
         client, tls = result
         conn.log.tls = f"{tls.version} {tls.cipher}"
         conn.log.sni = tls.server_name
+        if conn.state.config.mode == "http":
+            return (_downstream(conn, unwrapped, tls), client, None, b"")
         return self._serve_tcp_now(conn, unwrapped, client, tls, b"")
 
     def _serve_tcp_now(

@@ -40,6 +40,7 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.test_admin import total
+from tests.tlsedge.test_http import Client, EchoBackend as H11Backend
 from tests.tlsedge.test_tls_edge import (
     Pki,
     PrefixFirstSend,
@@ -980,6 +981,182 @@ async def test_a_tls_connection_after_a_proxy_header_gets_no_task(
     assert str(received.source.host) == CLIENT[0]  # type: ignore[union-attr]
     assert record["client"] == "203.0.113.7:40000"
     assert record["sni"] == "a.test"
+
+
+# -- HTTP mode: its task starts after the reactor's stages -------------------
+
+
+@pytest.fixture
+def tasks_begun(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Where the reactor stopped (``begun``) for each connection `Edge`
+    started a task for: None if the task runs every stage."""
+    started: list[object] = []
+    handle = Edge._handle_connection
+
+    async def counted(self: Edge, conn: Any, begun: Any) -> None:
+        started.append(begun)
+        await handle(self, conn, begun)
+
+    monkeypatch.setattr(Edge, "_handle_connection", counted)
+    return started
+
+
+def https_config(
+    pki: Pki, app: H11Backend, tls: dict[str, Any] | None = None, **listener: Any
+) -> Config:
+    """An http-mode listener "in" with TLS in front of the h11 backend "b"."""
+    certificates = [pki.entry("default"), pki.entry("a")]
+    return make_config(
+        [
+            {
+                "name": "in",
+                "backend": "b",
+                "mode": "http",
+                "tls": {"certificates": certificates, **(tls or {})},
+                **listener,
+            }
+        ],
+        [{"name": "b", "servers": [app.address]}],
+    )
+
+
+async def test_an_https_connection_gets_its_task_after_the_handshake(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    tasks_begun: list[object],
+) -> None:
+    """An http-mode listener runs the handshake on the reactor: a client
+    that sent nothing yet has no task; once the handshake is done the task
+    starts with the TLS stream and serves the request."""
+    app = await H11Backend().start(nursery)
+    async with running_edge(https_config(pki, app)) as edge:
+        tcp = await connect(address_of(edge, "in"))
+        await wait_until(lambda: len(edge._handshakes) == 1)
+        assert not tasks_begun
+        stream = TLSStream(
+            tcp, client_context(pki), server_side=False, server_hostname="a.test"
+        )
+        with trio.fail_after(10):
+            await stream.do_handshake()
+        client = Client(stream)  # type: ignore[arg-type]
+        response = await client.request("GET", "/page")
+        assert len(edge._handshakes) == 0
+        (begun,) = tasks_begun
+        assert isinstance(begun, tuple)
+        assert isinstance(begun[1], TLSStream)
+        await client.aclose()
+        _, record = await wait_access_records(caplog, 2)  # request, connection
+    assert response.status == 200
+    assert response.json()["target"] == "/page"
+    assert record["sni"] == "a.test"
+    assert record["tls"]
+    assert record["requests"] == 1
+    assert record["termination"] == "client_closed"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+async def test_https_after_a_proxy_header_gets_its_task_after_the_handshake(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    tasks_begun: list[object],
+    version: int,
+) -> None:
+    """The header and the ClientHello in one segment to an http-mode
+    listener: both are read on the reactor, and the task starts with the
+    TLS stream; the request goes out with the client of the header."""
+    app = await H11Backend().start(nursery)
+    config = https_config(pki, app, proxy_protocol={"trusted": LOOPBACK})
+    header = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION, version=version))
+    async with running_edge(config) as edge:
+        tcp = await connect(address_of(edge, "in"))
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        transport = PrefixFirstSend(tcp, header)
+        stream = TLSStream(
+            transport, client_context(pki), server_side=False, server_hostname="a.test"
+        )
+        with trio.fail_after(10):
+            await stream.do_handshake()
+        assert transport.first_send is not None
+        assert transport.first_send[len(header)] == 0x16  # a TLS handshake record
+        client = Client(stream)  # type: ignore[arg-type]
+        response = await client.request("GET", "/")
+        (begun,) = tasks_begun
+        assert isinstance(begun, tuple)
+        assert isinstance(begun[1], TLSStream)
+        assert len(edge._header_reads) == len(edge._handshakes) == 0
+        await client.aclose()
+        _, record = await wait_access_records(caplog, 2)  # request, connection
+    assert response.status == 200
+    headers = dict(response.json()["headers"])
+    assert headers["x-forwarded-for"] == CLIENT[0]
+    assert headers["x-forwarded-proto"] == "https"
+    assert record["client"] == "203.0.113.7:40000"
+    assert record["sni"] == "a.test"
+    assert record["requests"] == 1
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_local_header_to_an_http_listener_is_a_health_check(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    tasks_begun: list[object],
+    tls: bool,
+) -> None:
+    """A LOCAL header read on the reactor, then a close: a health check
+    (over TLS the handshake on the reactor ends it, with no task; in plain
+    the task starts after the header and sees the client end)."""
+    app = await H11Backend().start(nursery)
+    config = https_config(pki, app, proxy_protocol={"trusted": LOOPBACK})
+    if not tls:
+        config = make_config(
+            [
+                {
+                    "name": "in",
+                    "backend": "b",
+                    "mode": "http",
+                    "proxy_protocol": {"trusted": LOOPBACK},
+                }
+            ],
+            [{"name": "b", "servers": [app.address]}],
+        )
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        await client.send_all(encode_v2(ProxyHeader.local()))
+        await wait_until(lambda: bool(edge._handshakes) or bool(tasks_begun))
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert record["termination"] == "health_check", record
+    assert record["bytes_from_client"] == 0
+    assert app.accepted == 0
+    if tls:
+        assert not tasks_begun
+    else:
+        (begun,) = tasks_begun
+        assert isinstance(begun, tuple)
+
+
+async def test_an_https_handshake_times_out_on_the_reactor(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    autojump_clock: trio.testing.MockClock,
+    tasks_begun: list[object],
+) -> None:
+    """A client that never finishes its handshake to an http-mode listener
+    ends as ``tls_handshake_timeout``, with no task."""
+    app = await H11Backend().start(nursery)
+    config = https_config(pki, app, tls={"handshake_timeout": 3.0})
+    async with running_edge(config) as edge:
+        client = await connect(address_of(edge, "in"))
+        assert await read_until_closed(client) == b""
+        await client.aclose()
+        (record,) = await wait_access_records(caplog)
+    assert not tasks_begun
+    assert record["termination"] == "tls_handshake_timeout"
+    assert app.accepted == 0
 
 
 #: A listener's ``proxy_protocol``, what its client sends, and the
