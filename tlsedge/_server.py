@@ -84,7 +84,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import trio
 
@@ -121,11 +121,11 @@ from tlsedge._tcp_mode import serve_tcp, serve_tcp_now
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, watch_certificates
 from tlsedge._tls_accept import HandshakeResult, ReactorHandshake, accept_tls
+from tlsedge._tls_stream import TLSStream
 from tlsedge._udp_mode import UdpListener
 from tlsedge._unwrap import (
     ReactorHeaderRead,
     Unwrapped,
-    UnwrapResult,
     unwrap_proxy_header,
 )
 from tlsedge._upstream import BackendPool, Connected, Opening, set_stream_options
@@ -359,6 +359,9 @@ class _Connection:
     exits: Cleanup
 
 
+#: What a reactor stage hands on (`Edge._run_stage`).
+_T = TypeVar("_T")
+
 #: Where `Edge._serve_now` stopped: the connection's facts, the client (its
 #: socket, or its TLS stream), the connect to finish (or the connection
 #: whose first bytes still wait to go; None in http mode, whose task serves
@@ -418,6 +421,21 @@ class _ReactorStages:
         """End every stage still running."""
         for stage in list(self._running):
             stage.drain()
+
+
+def _stage_result(
+    conn: _Connection,
+    result: _T | Exception | None,
+    then: Callable[[_Connection, _T], _Begun | None],
+) -> _Begun | None:
+    """Go on from a reactor stage's *result* (see `Edge._run_stage`)."""
+    if result is None:  # the edge stopped meanwhile
+        if conn.log.termination == Termination.UNKNOWN:
+            conn.log.termination = Termination.DRAINED
+        return None
+    if isinstance(result, Exception):
+        raise result  # a Refused (or a bug, logged as one)
+    return then(conn, result)
 
 
 def _direct(conn: _Connection) -> Unwrapped:
@@ -1096,38 +1114,47 @@ class Edge:
         config = state.config
         if config.proxy_protocol is None or state.trust is None:
             return self._admit_now(conn, _direct(conn))
-        # The header's end takes over what the connection gives back.
+        trust, settings = state.trust, config.proxy_protocol
+        self._run_stage(
+            conn,
+            self._header_reads,
+            lambda on_done: ReactorHeaderRead(
+                conn.raw,
+                trust=trust,
+                settings=settings,
+                peer=conn.peer,
+                local=conn.local,
+                on_done=on_done,
+            ),
+            self._admit_now,
+        )
+        return None
+
+    def _run_stage(
+        self,
+        conn: _Connection,
+        stages: _ReactorStages,
+        make: Callable[[Callable[[_T | Exception | None], None]], _Stage],
+        then: Callable[[_Connection, _T], _Begun | None],
+    ) -> None:
+        """Run a reactor stage of *conn* (*make* builds it around its end's
+        callback), then go on with *then* from its result. The stage's end
+        takes over what the connection gives back; its end goes on like
+        `_go_on`: an exception (a `Refused`, or a bug) ends the connection,
+        None (the edge stopped) ends it as ``drained``."""
         owned = conn.exits.pop_all()
 
-        def unwrapped(result: UnwrapResult) -> None:
-            self._header_reads.ended(read)
+        def ended(result: _T | Exception | None) -> None:
+            stages.ended(stage)
             conn.exits = owned
-            self._go_on(conn, lambda conn: self._unwrapped(conn, result))
+            self._go_on(conn, lambda conn: _stage_result(conn, result, then))
 
-        read = ReactorHeaderRead(
-            conn.raw,
-            trust=state.trust,
-            settings=config.proxy_protocol,
-            peer=conn.peer,
-            local=conn.local,
-            on_done=unwrapped,
-        )
+        stage = make(ended)
         try:
-            self._header_reads.start(read)
+            stages.start(stage)
         except BaseException:
             conn.exits.callback(owned.close)  # nothing started: the owner cleans up
             raise
-        return None
-
-    def _unwrapped(self, conn: _Connection, result: UnwrapResult) -> _Begun | None:
-        """Go on from the end of a `_serve_now` PROXY header read."""
-        if result is None:  # the edge stopped meanwhile
-            if conn.log.termination == Termination.UNKNOWN:
-                conn.log.termination = Termination.DRAINED
-            return None
-        if isinstance(result, Exception):
-            raise result  # a Refused (or a bug, logged as one)
-        return self._admit_now(conn, result)
 
     def _admit_now(self, conn: _Connection, unwrapped: Unwrapped) -> _Begun | None:
         """From admission on, for `_serve_now`: the client's first bytes
@@ -1149,39 +1176,33 @@ class Edge:
                 conn, unwrapped, conn.raw, None, unwrapped.leftover
             )
         assert state.config.tls is not None
-        # The handshake's end takes over what the connection gives back.
-        owned = conn.exits.pop_all()
+        server_tls, timeout = state.tls, state.config.tls.handshake_timeout
 
-        def handshaken(result: HandshakeResult) -> None:
-            self._handshakes.ended(handshake)
-            conn.exits = owned
-            self._go_on(conn, lambda conn: self._handshaken(conn, unwrapped, result))
+        def handshake(on_done: Callable[[HandshakeResult], None]) -> _Stage:
+            return ReactorHandshake(
+                conn.raw,
+                server_tls,
+                initial_data=unwrapped.leftover,
+                handshake_timeout=timeout,
+                health_check=unwrapped.health_check,
+                on_done=on_done,
+            )
 
-        handshake = ReactorHandshake(
-            conn.raw,
-            state.tls,
-            initial_data=unwrapped.leftover,
-            handshake_timeout=state.config.tls.handshake_timeout,
-            health_check=unwrapped.health_check,
-            on_done=handshaken,
-        )
-        try:
-            self._handshakes.start(handshake)
-        except BaseException:
-            conn.exits.callback(owned.close)  # nothing started: the owner cleans up
-            raise
+        def handshaken(
+            conn: _Connection, result: tuple[TLSStream, SSLFacts]
+        ) -> _Begun | None:
+            return self._handshaken(conn, unwrapped, result)
+
+        self._run_stage(conn, self._handshakes, handshake, handshaken)
         return None
 
     def _handshaken(
-        self, conn: _Connection, unwrapped: Unwrapped, result: HandshakeResult
+        self,
+        conn: _Connection,
+        unwrapped: Unwrapped,
+        result: tuple[TLSStream, SSLFacts],
     ) -> _Begun | None:
         """Go on from the end of a `_serve_now` TLS handshake."""
-        if result is None:  # the edge stopped meanwhile
-            if conn.log.termination == Termination.UNKNOWN:
-                conn.log.termination = Termination.DRAINED
-            return None
-        if isinstance(result, Exception):
-            raise result  # a Refused (or a bug, logged as one)
         client, tls = result
         conn.log.tls = f"{tls.version} {tls.cipher}"
         conn.log.sni = tls.server_name

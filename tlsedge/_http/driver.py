@@ -232,7 +232,6 @@ class _Exchange:
     response_queued: bool = False  # all of it is written
     response_complete: bool = False  # ... and the client took it
     trailers_ok: bool = False
-    switched: bool = False
     failure: _Failure | None = None
 
     def new_attempt(self) -> None:
@@ -1494,7 +1493,6 @@ class _HttpConnection:
         ex.response_started = True
         if not self._send_pending(ex, pending):
             return
-        ex.switched = True
         self.state = _UPGRADE
         from_upstream = ex.conn.trailing_data
         from_client = self.session.trailing_data
