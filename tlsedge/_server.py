@@ -120,13 +120,12 @@ from tlsedge._snapshot import (
 from tlsedge._tcp_mode import serve_tcp, serve_tcp_now
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, watch_certificates
-from tlsedge._tls_accept import HandshakeResult, ReactorHandshake, accept_tls
+from tlsedge._tls_accept import HandshakeResult, ReactorHandshake
 from tlsedge._tls_stream import TLSStream
 from tlsedge._udp_mode import UdpListener
 from tlsedge._unwrap import (
     ReactorHeaderRead,
     Unwrapped,
-    unwrap_proxy_header,
 )
 from tlsedge._upstream import BackendPool, Connected, Opening, set_stream_options
 from tlsedge._version import __version__
@@ -349,10 +348,8 @@ class _Connection:
 
     state: _ListenerState
     pool: BackendPool
-    #: The accepted socket, and the trio stream over it (None where the
-    #: stages need none: `_without_waits`).
+    #: The accepted socket.
     raw: socket.socket
-    stream: trio.SocketStream | None
     peer: tuple[str, int] | None
     local: tuple[str, int] | None
     log: ConnectionLog
@@ -363,22 +360,17 @@ class _Connection:
 _T = TypeVar("_T")
 
 #: Where `Edge._serve_now` stopped: the connection's facts, the client (its
-#: socket, or its TLS stream), the connect to finish (or the connection
-#: whose first bytes still wait to go; None in http mode, whose task serves
-#: the client's stream), and the client's first bytes (read past its PROXY
-#: header; `serve_tcp_now` says when they are queued).
+#: socket, or its TLS stream), what the task goes on with: the connect to
+#: finish (or the connection whose first bytes still wait to go), or in http
+#: mode the client's stream (None) or the refusal of a client denied with
+#: ``denied = "403"`` (answered by the task), and the client's first bytes
+#: (read past its PROXY header; `serve_tcp_now` says when they are queued).
 _Begun = tuple[
-    Downstream, trio.abc.Stream | socket.socket, Connected | Opening | None, bytes
+    Downstream,
+    trio.abc.Stream | socket.socket,
+    Connected | Opening | Refused | None,
+    bytes,
 ]
-
-
-def _on_reactor(state: _ListenerState) -> bool:
-    """Whether a connection of the listener is served with no task until
-    something must wait (`Edge._serve_now`): tcp and http mode. Its PROXY
-    header and its TLS handshake, if any, are read and run on the reactor
-    (an HTTP connection's task starts after them); a denied client answered
-    403 (``denied = "403"``, http mode) needs the task path."""
-    return state.access is None or state.config.denied == "close"
 
 
 class _Stage(Protocol):
@@ -979,18 +971,14 @@ class Edge:
             peer=format_address(peer),
             start=time.time(),
         )
-        immediate = _on_reactor(state)
-        # A connection whose stages need no stream is relayed from its socket
-        # (which has the listener's TCP options where they are inherited).
-        # (The TLS stream of a handshake on the reactor sets both itself.)
-        stream = None
-        if not immediate:
-            stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
-        elif state.tls is None or state.config.proxy_protocol is not None:
+        # The stages read and relay from the socket itself (which has the
+        # listener's TCP options where they are inherited). (The TLS stream of
+        # a handshake sets both itself.)
+        if state.tls is None or state.config.proxy_protocol is not None:
             raw.setblocking(False)
             if not _INHERITED_TCP_OPTIONS:
                 set_stream_options(raw)
-        conn = _Connection(state, pool, raw, stream, peer, local, log, Cleanup())
+        conn = _Connection(state, pool, raw, peer, local, log, Cleanup())
         exits = conn.exits
         self.active_connections += 1
         self._metrics.connection_opened(log.listener)
@@ -998,15 +986,8 @@ class Edge:
         exits.callback(lambda: self._connection_ended(log, started, limiter, token))
         # The client's socket, whatever stages wrap it (closing the wrappers
         # could send nothing more: the connection is over).
-        exits.callback(raw.close if stream is None else stream.socket.close)
-        if immediate:
-            self._go_on(conn, self._serve_now)
-            return
-        try:
-            connections.start_soon(self._handle_connection, conn, None)
-        except BaseException:
-            exits.close()
-            raise
+        exits.callback(raw.close)
+        self._go_on(conn, self._serve_now)
 
     def _go_on(
         self, conn: _Connection, step: Callable[[_Connection], _Begun | None]
@@ -1032,29 +1013,28 @@ class Edge:
             exits.close()
             raise
 
-    async def _handle_connection(self, conn: _Connection, begun: _Begun | None) -> None:
-        """Run the stages of *conn* (from where `_serve_now` stopped, if it
-        ran), then close and log it."""
+    async def _handle_connection(self, conn: _Connection, begun: _Begun) -> None:
+        """Go on with *conn* from where `_serve_now` stopped, then close and
+        log it."""
         with conn.exits:
             try:
-                if begun is None:
-                    await self._serve(conn)
+                downstream, client, connecting, leftover = begun
+                if isinstance(connecting, Refused):  # denied = "403"
+                    assert isinstance(client, trio.abc.HalfCloseableStream)
+                    conn.log.bytes_from_client = len(leftover)
+                    await _answer_forbidden(client, conn.log)
+                    raise Refused(
+                        connecting.termination, f"{connecting.detail}; answered 403"
+                    )
+                if connecting is None:  # http mode: the client is a stream
+                    assert isinstance(client, trio.abc.Stream)
+                    await self._serve_http(
+                        conn.state, conn.pool, client, downstream, leftover, conn.log
+                    )
                 else:
-                    downstream, client, connecting, leftover = begun
-                    if connecting is None:  # http mode: the client is a stream
-                        assert isinstance(client, trio.abc.Stream)
-                        await self._serve_http(
-                            conn.state,
-                            conn.pool,
-                            client,
-                            downstream,
-                            leftover,
-                            conn.log,
-                        )
-                    else:
-                        await self._serve_tcp(
-                            conn, client, downstream, leftover, connecting
-                        )
+                    await self._serve_tcp(
+                        conn, client, downstream, leftover, connecting
+                    )
             except trio.Cancelled:
                 if conn.log.termination == Termination.UNKNOWN:
                     conn.log.termination = Termination.DRAINED
@@ -1107,9 +1087,10 @@ class Edge:
             )
 
     def _serve_now(self, conn: _Connection) -> _Begun | None:
-        """`_serve` for a connection of a listener `_on_reactor`, as far as
-        it goes without waiting: None once done (or handed to the reactor's
-        PROXY header read or TLS handshake), else where it stopped."""
+        """The stages of *conn* (PROXY unwrap, admission, TLS, then the mode:
+        tcp relay or http), as far as they go without waiting: None once done
+        (or handed to the reactor's PROXY header read or TLS handshake), else
+        where the connection's task goes on (`_handle_connection`)."""
         state = conn.state
         config = state.config
         if config.proxy_protocol is None or state.trust is None:
@@ -1160,8 +1141,7 @@ class Edge:
         """From admission on, for `_serve_now`: the client's first bytes
         (past its PROXY header) go to the handshake, or to the backend (to
         the task's HTTP session in http mode)."""
-        # A denied client is closed at once (no 403 answer on this path).
-        _admitted(conn, unwrapped)
+        denial = _admitted(conn, unwrapped)
         state = conn.state
         if state.tls is None:
             if state.config.mode == "http":
@@ -1169,7 +1149,7 @@ class Edge:
                 return (
                     _downstream(conn, unwrapped, None),
                     client,
-                    None,
+                    denial,
                     unwrapped.leftover,
                 )
             return self._serve_tcp_now(
@@ -1191,7 +1171,7 @@ class Edge:
         def handshaken(
             conn: _Connection, result: tuple[TLSStream, SSLFacts]
         ) -> _Begun | None:
-            return self._handshaken(conn, unwrapped, result)
+            return self._handshaken(conn, unwrapped, denial, result)
 
         self._run_stage(conn, self._handshakes, handshake, handshaken)
         return None
@@ -1200,6 +1180,7 @@ class Edge:
         self,
         conn: _Connection,
         unwrapped: Unwrapped,
+        denial: Refused | None,
         result: tuple[TLSStream, SSLFacts],
     ) -> _Begun | None:
         """Go on from the end of a `_serve_now` TLS handshake."""
@@ -1207,7 +1188,7 @@ class Edge:
         conn.log.tls = f"{tls.version} {tls.cipher}"
         conn.log.sni = tls.server_name
         if conn.state.config.mode == "http":
-            return (_downstream(conn, unwrapped, tls), client, None, b"")
+            return (_downstream(conn, unwrapped, tls), client, denial, b"")
         return self._serve_tcp_now(conn, unwrapped, client, tls, b"")
 
     def _serve_tcp_now(
@@ -1231,45 +1212,6 @@ class Edge:
             client_socket=None if client is conn.raw else conn.raw,
         )
         return None if begun is None else (downstream, client, begun, leftover)
-
-    async def _serve(self, conn: _Connection) -> None:
-        """The stages: PROXY unwrap, TLS, then the mode (tcp relay or http)."""
-        state, log, stream = conn.state, conn.log, conn.stream
-        assert stream is not None  # built for every listener with waits
-        config = state.config
-        unwrapped = _direct(conn)
-        if config.proxy_protocol is not None and state.trust is not None:
-            unwrapped = await unwrap_proxy_header(
-                stream,
-                trust=state.trust,
-                settings=config.proxy_protocol,
-                peer=conn.peer,
-                local=conn.local,
-            )
-        denial = _admitted(conn, unwrapped)
-        client: trio.abc.HalfCloseableStream = stream
-        leftover = unwrapped.leftover
-        tls: SSLFacts | None = None
-        if state.tls is not None and config.tls is not None:
-            client, tls = await accept_tls(
-                stream,
-                state.tls,
-                initial_data=leftover,
-                handshake_timeout=config.tls.handshake_timeout,
-                health_check=unwrapped.health_check,
-            )
-            leftover = b""
-            log.tls = f"{tls.version} {tls.cipher}"
-            log.sni = tls.server_name
-        if denial is not None:
-            log.bytes_from_client = len(leftover)
-            await _answer_forbidden(client, log)
-            raise Refused(denial.termination, f"{denial.detail}; answered 403")
-        downstream = _downstream(conn, unwrapped, tls)
-        if config.mode == "http":
-            await self._serve_http(state, conn.pool, client, downstream, leftover, log)
-        else:
-            await self._serve_tcp(conn, client, downstream, leftover, None)
 
     async def _serve_tcp(
         self,

@@ -448,6 +448,42 @@ async def test_the_trusted_proxy_header_decides_and_an_untrusted_one_cannot(
     assert clients["127.0.0.3"]["detail"] == "client 127.0.0.3 is in no allow network"
 
 
+async def test_403_behind_a_proxy_header_judges_the_client_it_names(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = await Backend(http_app).start(nursery)
+    config = make_config(
+        [
+            {
+                "name": "web",
+                "backend": "b",
+                "mode": "http",
+                "allow": ["10.0.0.0/8"],
+                "denied": "403",
+                "proxy_protocol": {"trusted": ["127.0.0.2"]},
+            }
+        ],
+        [{"name": "b", "servers": [backend.address]}],
+    )
+    destination = ("192.0.2.1", 80)
+    request = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
+    inside = encode_v2(ProxyHeader.from_addresses(("10.1.2.3", 4000), destination))
+    outside = encode_v2(ProxyHeader.from_addresses(("192.0.2.50", 4001), destination))
+    async with running_edge(config) as edge:
+        address = address_of(edge, "web")
+        allowed = await exchange_from("127.0.0.2", address, inside + request)
+        refused = await exchange_from("127.0.0.2", address, outside + request)
+        await wait_access_records(caplog, 2)
+    assert allowed.startswith(b"HTTP/1.1 200 ")
+    assert refused.startswith(b"HTTP/1.1 403 Forbidden\r\n")
+    assert backend.accepted == 1
+    record = by_client(caplog)["192.0.2.50"]
+    assert record["termination"] == "denied"
+    assert record["detail"].endswith("; answered 403")
+    # The request read with the header counts as the client's bytes.
+    assert record["bytes_from_client"] == len(request)
+
+
 HAPROXY_FRONTENDS = """\
 frontend office
     bind 127.0.0.1:{office}
