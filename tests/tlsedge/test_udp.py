@@ -46,7 +46,7 @@ from tlsedge._config import ConfigError
 from tlsedge._reactor import current_reactor
 from tlsedge._server import Edge
 from tlsedge._udp_flows import DropLog, FlowTable
-from tlsedge._udp_mode import _Flow
+from tlsedge._udp_mode import UdpListener, _Flow
 
 REPLY_WITHIN = 5.0
 
@@ -420,6 +420,50 @@ async def test_server_gone_mid_flow_ends_it_and_releases_everything(
             assert len(udp.flows) == 0
             closed = samples(edge, "tlsedge_connections_closed_total")
             assert closed == {(("listener", "dns"), ("termination", "server_error")): 1}
+
+
+async def test_a_bug_relaying_replies_ends_that_flow_alone(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken_flows: list[_Flow] = []
+
+    def broken(listener: UdpListener, flow: _Flow) -> None:
+        broken_flows.append(flow)
+        raise RuntimeError("broken relay")
+
+    async with servers("") as (echo,), running_edge(udp_config([echo])) as edge:
+        address = address_of(edge, "dns")
+        async with Client() as client:
+            with monkeypatch.context() as patch:
+                patch.setattr(UdpListener, "_replies", broken)
+                await client.sock.sendto(b"lost", address)
+                (record,) = await wait_access_records(caplog, 1)
+            assert record["termination"] == "internal_error"
+            assert record["detail"] == "RuntimeError: broken relay"
+            assert_released(edge, broken_flows)
+            # The next datagram of that client makes a new flow.
+            assert await client.ask(address, b"again") == b"again"
+
+
+async def test_a_bug_on_one_datagram_costs_that_datagram_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    datagram = UdpListener._datagram
+
+    def broken_once(listener: UdpListener, *args: Any) -> bool:
+        patch.undo()
+        raise RuntimeError("broken datagram")
+
+    async with servers("") as (echo,), running_edge(udp_config([echo])) as edge:
+        address = address_of(edge, "dns")
+        async with Client() as client:
+            with monkeypatch.context() as patch:
+                patch.setattr(UdpListener, "_datagram", broken_once)
+                await client.sock.sendto(b"lost", address)
+                assert await client.quiet()
+            assert UdpListener._datagram is datagram
+            assert await client.ask(address, b"served") == b"served"
+        assert len(echo.sources) == 1  # the second datagram only
 
 
 async def test_unreachable_server_is_marked_down_by_traffic() -> None:
