@@ -797,11 +797,11 @@ class Edge:
                 listener.limiter,
                 self._edge_limiter,
                 self._metrics,
-                self._connections,
                 self._count_flows,
             )
             self._configure_udp(listener)
-            self._services.start_soon(listener.udp.run)
+            # Among the connections: drain waits for its flows.
+            self._connections.start_soon(listener.udp.run)
             return
         for sock in listener.sockets:
             self._services.start_soon(self._accept_loop, listener, sock)

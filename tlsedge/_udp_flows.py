@@ -3,8 +3,8 @@ and the throttle for drop warnings.
 
 A *flow* is the datagrams of one client address (and, behind a trusted load
 balancer, of one peer and the client its headers name) to one backend server.
-`tlsedge._udp_mode` owns the sockets and tasks; what it decides per datagram
-lives here, as plain functions and records, so it can move to another driver.
+`tlsedge._udp_mode` owns the sockets and drives them on the reactor; what it
+decides per datagram lives here, as plain functions and records.
 
 Expiry: `FlowTable` keeps its flows in the order of their last datagram
 (either way): touching a flow moves it to the end (``OrderedDict.move_to_end``,

@@ -1,24 +1,32 @@
-"""``mode = "udp"`` listeners: datagrams relayed per flow, on trio.
+"""``mode = "udp"`` listeners: datagrams relayed per flow, on the reactor.
 
 Theory of operation
 -------------------
-A `UdpListener` owns the bound UDP sockets of one listener. One task per
-socket receives datagrams (a batch per wake-up, as the TCP accept loop
+A `UdpListener` owns the bound UDP sockets of one listener. Each socket is
+registered with the worker's reactor (`tlsedge._reactor`) for as long as it
+is open, and takes a batch of datagrams per wake-up (as the TCP accept loop
 accepts). The datagrams of one client address form a *flow* (see
 `tlsedge._udp_flows`): the first one picks a healthy server with the
 backend's balancer (source-ip affinity as for TCP), takes a lease on it and
-opens a connected UDP socket to it; the rest go out on that socket. One task
-per flow receives the server's replies and sends them to the client **from the
-listener's socket**, so the client hears back from the address it sent to.
+opens a connected UDP socket to it; the rest go out on that socket. The flow
+is the reactor's handler for that socket: it receives the server's replies (a
+batch per wake-up) and sends them to the client **from the listener's
+socket**, so the client hears back from the address it sent to. No trio task
+runs per flow or per socket: the listener's one task (`UdpListener.run`, in
+the edge's connections nursery) only waits for the listener's end.
 
 A flow ends when no datagram went either way for the listener's
-``idle_timeout`` (one expiry task per listener, `FlowTable` keeps the order),
-when the server's side fails (an ICMP port unreachable comes back as
-ECONNREFUSED on the connected socket: ``server_error``, which counts against
-the server's health as a failed connect does in tcp mode, while a flow's first
-reply counts as a connect that succeeded), or at the drain
-deadline (``drained``). Each end writes one access-log line (bytes each way;
-``requests`` holds the datagrams from the client).
+``idle_timeout`` (one reactor timer per listener, due when the least recently
+used flow expires: `FlowTable` keeps the order), when the server's side fails
+(an ICMP port unreachable comes back as ECONNREFUSED on the connected socket:
+``server_error``, which counts against the server's health as a failed
+connect does in tcp mode, while a flow's first reply counts as a connect that
+succeeded), or at the drain deadline (``drained``: the edge cancels the
+listener's task). The end is handled where it happens, in the reactor's
+callback or the listener's task: the upstream socket leaves the reactor and
+closes, the server's lease and the flow's ``max_connections`` tokens are
+released, and the flow's metrics and its one access-log line (bytes each way;
+``requests`` holds the datagrams from the client) are written.
 
 The listener's ``max_connections`` (and the edge's) counts flows: a new
 client beyond it is dropped, as are clients that ``allow``/``deny`` refuse,
@@ -34,7 +42,7 @@ as the client expects on a host with several addresses.
 
 Drain (and a reload that moves the listener) takes no new flows but keeps the
 sockets open, as the flows still send their replies through them; the sockets
-close when the last flow has ended.
+close when the last flow has ended, and the listener's task returns.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from tlsedge._admission import AccessRules
 from tlsedge._config import ListenerConfig
 from tlsedge._health import ServerHealth
 from tlsedge._metrics import EdgeMetrics
+from tlsedge._reactor import READABLE, Cancellable, current_reactor
 from tlsedge._termination import Termination
 from tlsedge._udp_flows import (
     MAX_DATAGRAM,
@@ -70,28 +79,30 @@ __all__ = ["UdpListener"]
 
 LOGGER = logging.getLogger("tlsedge.udp")
 
-#: Datagrams handled per wake-up at most, each way: a burst costs one
-#: scheduler round trip, and other tasks still run between bursts.
+#: Datagrams handled per reactor wake-up at most, each way: a burst costs
+#: one wake-up, and the reactor's other handlers still run between bursts.
 _BATCH = 64
 
 
 class _Flow:
-    """One client's datagrams to one server."""
+    """One client's datagrams to one server: the reactor's handler for the
+    connected socket to the server while the flow lives."""
 
     __slots__ = (
         "datagrams_from_client",
         "datagrams_from_server",
         "ended",
+        "fd",
         "header",
         "health",
         "key",
         "last_seen",
         "lease",
+        "listener",
         "log",
         "out",
         "reply_from",
         "reply_to",
-        "scope",
         "started",
         "token",
         "upstream",
@@ -99,6 +110,7 @@ class _Flow:
 
     def __init__(  # noqa: PLR0917
         self,
+        listener: UdpListener,
         key: Hashable,
         reply: tuple[tuple[Any, ...], socket.socket, _Ancillary | None],
         upstream: socket.socket,
@@ -106,12 +118,14 @@ class _Flow:
         log: ConnectionLog,
         token: object,
     ) -> None:
+        self.listener = listener
         self.key = key
         # The peer's address as recvfrom gave it, the listener's socket the
         # client sent to, and (on a wildcard address) the IP_PKTINFO that
         # makes a reply leave from the address the client sent to.
         self.reply_to, self.out, self.reply_from = reply
         self.upstream = upstream
+        self.fd = upstream.fileno()
         self.header = header  # PROXY v2 header before each datagram, or b""
         self.log = log
         self.last_seen = 0.0
@@ -119,12 +133,45 @@ class _Flow:
         self.datagrams_from_client = 0
         self.datagrams_from_server = 0
         self.ended = False
-        self.scope = trio.CancelScope()
         self.token = token  # held in the listener's and the edge's limiters
         self.lease: Callable[[], None] | None = None
         # The server's passive health: a first reply counts as a connect
         # that succeeded, a port unreachable as one that failed.
         self.health: ServerHealth | None = None
+
+    def ready(self, fd: int, events: int) -> None:
+        """Replies (or an ICMP error) from the server."""
+        self.listener._replies(self)
+
+    def failed(self, exc: Exception) -> None:
+        """A bug while relaying (the reactor logged it): end this flow."""
+        self.listener._end(
+            self, Termination.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"
+        )
+
+
+class _Receiver:
+    """The reactor's handler for one of a listener's sockets: datagrams from
+    clients. *raw* is a stdlib object on the socket's descriptor (detached,
+    never closed): its calls do not go through trio."""
+
+    __slots__ = ("fd", "listener", "local", "raw", "wildcard")
+
+    def __init__(self, listener: UdpListener, sock: trio.socket.SocketType) -> None:
+        self.listener = listener
+        self.fd = sock.fileno()
+        self.local = _address(sock.getsockname())
+        self.raw = socket.socket(sock.family, sock.type, sock.proto, fileno=self.fd)
+        self.wildcard = self.local[0] in _WILDCARDS
+        if self.wildcard:
+            _ask_destinations(self.raw)
+
+    def ready(self, fd: int, events: int) -> None:
+        self.listener._receive_batch(self)
+
+    def failed(self, exc: Exception) -> None:
+        """A bug while handling a datagram (the reactor logged it): that
+        datagram is lost; the socket stays registered for the next ones."""
 
 
 def _address(address: object) -> tuple[str, int]:
@@ -200,30 +247,30 @@ class UdpListener:
         limiter: The listener's ``max_connections`` (a token per flow).
         edge_limiter: The edge's ``max_connections`` (a token per flow).
         metrics: The edge's metrics.
-        flows: The nursery flows run in (the edge's connections nursery, whose
-            deadline is the drain deadline).
         on_flows: Told +1 / -1 as flows open and end (the edge's count).
     """
 
-    def __init__(  # noqa: PLR0917
+    def __init__(
         self,
         sockets: list[trio.socket.SocketType],
         limiter: trio.CapacityLimiter,
         edge_limiter: trio.CapacityLimiter,
         metrics: EdgeMetrics,
-        flows: trio.Nursery,
         on_flows: Callable[[int], None],
     ) -> None:
         self._sockets = sockets
         self._limiter = limiter
         self._edge_limiter = edge_limiter
         self._metrics = metrics
-        self._nursery = flows
         self._on_flows = on_flows
+        self._reactor = current_reactor()
         self.flows: FlowTable[_Flow] = FlowTable()
         self.closing = False
-        self._scope = trio.CancelScope()
-        self._wake = trio.Event()
+        self._receivers: list[_Receiver] = []
+        self._closed = trio.Event()
+        # The expiry timer: the earliest deadline it is due at (inf: none).
+        self._expiry_due = math.inf
+        self._expiry = Cancellable(self._expire)
         self._drops = DropLog()
         self._config: ListenerConfig | None = None
         self._trust: TrustPolicy | None = None
@@ -243,7 +290,7 @@ class UdpListener:
         self._trust = trust
         self._access = access
         self._pool = pool
-        self._wake.set()  # the expiry task re-reads idle_timeout
+        self._arm_expiry()
 
     def close(self) -> None:
         """Take no new flows; close the sockets once the last flow ended."""
@@ -252,51 +299,45 @@ class UdpListener:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
-        self._scope.cancel()
+        if self._closed.is_set():
+            return
+        self._expiry.cancel()
+        for receiver in self._receivers:
+            self._reactor.unregister(receiver.fd)
+            receiver.raw.detach()
+        self._receivers = []
         for sock in self._sockets:
             sock.close()
+        self._closed.set()
 
     async def run(self) -> None:
-        """Receive on every socket and expire idle flows, until closed."""
-        with self._scope:
-            async with trio.open_nursery() as nursery:
-                for sock in self._sockets:
-                    nursery.start_soon(self._receive, sock)
-                nursery.start_soon(self._expire)
+        """Receive on every socket until the listener is closed and its last
+        flow has ended. Flows still open when this is cancelled (the drain
+        deadline, a stop) end as ``drained``, and the sockets close."""
+        if self._closed.is_set():
+            return
+        try:
+            for sock in self._sockets:
+                receiver = _Receiver(self, sock)
+                self._receivers.append(receiver)
+                self._reactor.register(receiver.fd, READABLE, receiver)
+            await self._closed.wait()
+        finally:
+            self.closing = True
+            for flow in self.flows.values():
+                self._end(flow, Termination.DRAINED)
+            self._close_sockets()
 
     # -- datagrams from clients ---------------------------------------------
 
-    async def _receive(self, sock: trio.socket.SocketType) -> None:
-        if sock.fileno() == -1:
-            return
-        local = _address(sock.getsockname())
-        # A stdlib object on the same descriptor (detached, never closed):
-        # its recvfrom() does not checkpoint, so one wake-up takes a batch.
-        raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
-        wildcard = local[0] in _WILDCARDS
-        if wildcard:
-            _ask_destinations(raw)
-        try:
-            while True:
-                try:
-                    await trio.lowlevel.wait_readable(sock)
-                except trio.ClosedResourceError:
-                    return
-                if sock.fileno() == -1:
-                    return
-                self._receive_batch(raw, local, wildcard=wildcard)
-        finally:
-            raw.detach()
-
-    def _receive_batch(
-        self, raw: socket.socket, local: tuple[str, int], *, wildcard: bool
-    ) -> None:
-        now = trio.current_time()
+    def _receive_batch(self, receiver: _Receiver) -> None:
+        raw, local = receiver.raw, receiver.local
+        now = self._reactor.now()
         count = 0
         here, reply_from = local, None
         for _ in range(_BATCH):
             try:
-                if wildcard:
+                if receiver.wildcard:
                     data, ancillary, _, address = raw.recvmsg(
                         MAX_DATAGRAM, _PKTINFO_SPACE
                     )
@@ -306,6 +347,8 @@ class UdpListener:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
+                if raw.fileno() == -1:
+                    break  # a flow's end closed the listener
                 # An ICMP error for an earlier reply to a client: nothing
                 # to do for it here (the flow ends when idle).
                 continue
@@ -407,40 +450,46 @@ class UdpListener:
             self._drop("connect_failed", peer, f"{server}: {_describe(exc)}", now)
             return None
         backend = pool.config
-        log = ConnectionLog(
-            id=os.urandom(8).hex(),
-            listener=config.name,
-            peer=format_address(peer),
-            client=format_address(client),
-            destination=format_address(destination),
-            backend=backend.name,
-            server=str(server),
-            requests=0,
-            start=time.time(),
-        )
-        header = b""
-        if backend.send_proxy == "v2":
-            header = dgram_proxy_header(
-                client,
-                destination,
-                unique_id=log.id.encode()
-                if "unique-id" in backend.proxy_tlvs
-                else None,
-                crc32c="crc32c" in backend.proxy_tlvs,
+        try:
+            log = ConnectionLog(
+                id=os.urandom(8).hex(),
+                listener=config.name,
+                peer=format_address(peer),
+                client=format_address(client),
+                destination=format_address(destination),
+                backend=backend.name,
+                server=str(server),
+                requests=0,
+                start=time.time(),
             )
-        flow = _Flow(key, reply, upstream, header, log, token)
+            header = b""
+            if backend.send_proxy == "v2":
+                header = dgram_proxy_header(
+                    client,
+                    destination,
+                    unique_id=log.id.encode()
+                    if "unique-id" in backend.proxy_tlvs
+                    else None,
+                    crc32c="crc32c" in backend.proxy_tlvs,
+                )
+        except BaseException:  # a bug: the reactor logs it, nothing leaks
+            upstream.close()
+            self._release(token)
+            raise
+        flow = _Flow(self, key, reply, upstream, header, log, token)
         flow.started = now
         flow.lease = pool.lease(server).release
         flow.health = next((h for h in pool.servers if h.server is server), None)
         if pool.observer is not None:
             pool.observer.server_connection_opened(pool.name, str(server), 1)
-        was_empty = not len(self.flows)
+        self._reactor.register(flow.fd, READABLE, flow)
         self.flows.add(key, flow, now)
         self._on_flows(1)
         self._metrics.connection_opened(config.name)
-        self._nursery.start_soon(self._run_flow, flow)
-        if was_empty:
-            self._wake.set()
+        if len(self.flows) == 1:
+            # The timer is due by the first flow's expiry while there is one;
+            # a flow added behind others expires after them.
+            self._arm_expiry()
         return flow
 
     def _release(self, token: object) -> None:
@@ -465,120 +514,100 @@ class UdpListener:
 
     # -- one flow -------------------------------------------------------------
 
-    async def _run_flow(self, flow: _Flow) -> None:
-        """Relay the server's replies until the flow ends, then clean up."""
-        try:
-            with flow.scope:
-                await self._replies(flow)
-        except trio.Cancelled:
-            if flow.log.termination == Termination.UNKNOWN:
-                flow.log.termination = Termination.DRAINED
-            raise
-        except Exception as exc:
-            flow.log.termination = Termination.INTERNAL_ERROR
-            flow.log.detail = f"{type(exc).__name__}: {exc}"
-            LOGGER.exception(
-                "listener %s: internal error on flow %s", flow.log.listener, flow.log.id
-            )
-        finally:
-            self._flow_ended(flow)
-
-    async def _replies(self, flow: _Flow) -> None:
-        upstream, out, reply_to, log = flow.upstream, flow.out, flow.reply_to, flow.log
+    def _replies(self, flow: _Flow) -> None:
+        """Relay a batch of the server's replies to the client."""
+        upstream, out, reply_to = flow.upstream, flow.out, flow.reply_to
         reply_from = flow.reply_from
-        metrics = self._metrics
-        while True:
-            await trio.lowlevel.wait_readable(upstream)
-            if flow.ended:
-                return
-            count = 0
-            size = 0
-            failed: OSError | None = None
-            for _ in range(_BATCH):
-                try:
-                    data = upstream.recv(MAX_DATAGRAM)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as exc:  # ICMP unreachable: nobody on that port
-                    failed = exc
-                    break
-                count += 1
-                size += len(data)
-                try:
-                    if reply_from is None:
-                        out.sendto(data, reply_to)
-                    else:
-                        out.sendmsg([data], reply_from, 0, reply_to)
-                except (BlockingIOError, InterruptedError):
-                    self._drop(
-                        "client_busy",
-                        _address(reply_to),
-                        "send buffer full",
-                        trio.current_time(),
-                    )
-                except OSError as exc:
-                    self._drop(
-                        "client_error",
-                        _address(reply_to),
-                        _describe(exc),
-                        trio.current_time(),
-                    )
-            if count:
-                if not flow.datagrams_from_server and flow.health is not None:
-                    flow.health.connect_succeeded()
-                flow.datagrams_from_server += count
-                log.bytes_from_server += size
-                metrics.udp_datagrams(log.listener, "from_server", count)
-            if failed is not None:
-                self._end(flow, Termination.SERVER_ERROR, _describe(failed))
-                return
-            if count:
-                self.flows.touch(flow.key, flow, trio.current_time())
+        count = 0
+        size = 0
+        failed: OSError | None = None
+        for _ in range(_BATCH):
+            try:
+                data = upstream.recv(MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:  # ICMP unreachable: nobody on that port
+                failed = exc
+                break
+            count += 1
+            size += len(data)
+            try:
+                if reply_from is None:
+                    out.sendto(data, reply_to)
+                else:
+                    out.sendmsg([data], reply_from, 0, reply_to)
+            except (BlockingIOError, InterruptedError):
+                self._drop(
+                    "client_busy",
+                    _address(reply_to),
+                    "send buffer full",
+                    self._reactor.now(),
+                )
+            except OSError as exc:
+                self._drop(
+                    "client_error",
+                    _address(reply_to),
+                    _describe(exc),
+                    self._reactor.now(),
+                )
+        if count:
+            if not flow.datagrams_from_server and flow.health is not None:
+                flow.health.connect_succeeded()
+            flow.datagrams_from_server += count
+            flow.log.bytes_from_server += size
+            self._metrics.udp_datagrams(flow.log.listener, "from_server", count)
+        if failed is not None:
+            self._end(flow, Termination.SERVER_ERROR, _describe(failed))
+        elif count:
+            self.flows.touch(flow.key, flow, self._reactor.now())
 
     def _end(
         self, flow: _Flow, termination: Termination, detail: str | None = None
     ) -> None:
-        """End *flow* now (its task cleans up)."""
+        """End *flow* now: close its socket, release what it holds, write
+        its metrics and access-log line (once; later calls do nothing)."""
         if flow.ended:
             return
         flow.ended = True
-        if flow.log.termination == Termination.UNKNOWN:
-            flow.log.termination = termination
-            flow.log.detail = detail
+        log = flow.log
+        if log.termination == Termination.UNKNOWN:
+            log.termination = termination
+            log.detail = detail
         if termination == Termination.SERVER_ERROR and flow.health is not None:
             flow.health.connect_failed(detail or "server error")
         self.flows.discard(flow.key, flow)
-        flow.scope.cancel()
-
-    def _flow_ended(self, flow: _Flow) -> None:
-        flow.ended = True
-        self.flows.discard(flow.key, flow)
+        # Closed before the reactor polls again: the close takes it out of
+        # the selector.
+        self._reactor.forget(flow.fd)
         flow.upstream.close()
         if flow.lease is not None:
             flow.lease()
         self._release(flow.token)
         self._on_flows(-1)
-        log = flow.log
         log.requests = flow.datagrams_from_client
-        log.duration = trio.current_time() - flow.started
+        log.duration = self._reactor.now() - flow.started
         self._metrics.record(log)
         log.emit()
         if self.closing and not len(self.flows):
             self._close_sockets()
 
-    async def _expire(self) -> None:
-        """End flows idle for ``idle_timeout``.
+    def _arm_expiry(self) -> None:
+        """Have the expiry timer due when the first flow would expire."""
+        if self._config is None:
+            return
+        deadline = self.flows.next_expiry(self._config.idle_timeout)
+        if deadline is not None and deadline < self._expiry_due:
+            self._expiry_due = deadline
+            self._reactor.call_at(deadline, self._expiry)
 
-        Sleeps until the least recently used flow would expire, or until woken
-        (the first flow of an empty table, a reload). Flows used since only
-        expire later, so waking early costs a look at the first flow.
-        """
-        while True:
-            assert self._config is not None
-            idle = self._config.idle_timeout
-            self._wake = trio.Event()
-            deadline = self.flows.next_expiry(idle)
-            with trio.move_on_at(math.inf if deadline is None else deadline):
-                await self._wake.wait()
-            for flow in self.flows.pop_expired(trio.current_time(), idle):
-                self._end(flow, Termination.IDLE_TIMEOUT)
+    def _expire(self) -> None:
+        """The expiry timer: end the flows idle for ``idle_timeout``, then
+        be due again at the next one's expiry. (Flows used since it was set
+        expire later: it then finds none, and sets itself again.)"""
+        assert self._config is not None
+        now = self._reactor.now()
+        if self._expiry_due <= now:
+            self._expiry_due = math.inf  # this was the earliest
+        for flow in self.flows.pop_expired(now, self._config.idle_timeout):
+            self._end(flow, Termination.IDLE_TIMEOUT)
+        self._arm_expiry()

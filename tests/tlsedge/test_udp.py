@@ -43,8 +43,10 @@ from tests.tlsedge.helpers import (
 )
 from tlsedge._cli import main
 from tlsedge._config import ConfigError
+from tlsedge._reactor import current_reactor
 from tlsedge._server import Edge
 from tlsedge._udp_flows import DropLog, FlowTable
+from tlsedge._udp_mode import UdpListener, _Flow
 
 REPLY_WITHIN = 5.0
 
@@ -227,6 +229,51 @@ def flow_records(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
     return [r for r in access_records(caplog) if r["listener"] == "dns"]
 
 
+def open_flows(address: tuple[str, int], count: int) -> list[socket.socket]:
+    """*count* clients (a flow each), each having sent one datagram."""
+    clients = []
+    try:
+        for index in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            clients.append(sock)
+            sock.setblocking(False)
+            sock.sendto(str(index).encode(), address)
+    except BaseException:
+        for sock in clients:
+            sock.close()
+        raise
+    return clients
+
+
+async def wait_replies(edge: Edge, clients: list[socket.socket]) -> None:
+    """Wait until every client of `open_flows` has its answer, and check it."""
+    await wait_until(
+        lambda: (
+            samples(edge, "tlsedge_udp_datagrams_total").get(
+                (("direction", "from_server"), ("listener", "dns"))
+            )
+            == len(clients)
+        )
+    )
+    assert [sock.recv(100) for sock in clients] == [
+        str(index).encode() for index in range(len(clients))
+    ]
+
+
+def assert_released(edge: Edge, flows: list[Any]) -> None:
+    """Every one of *flows* ended whole: its socket closed and off the
+    reactor, its tokens and its server's lease given back, counted."""
+    assert flows
+    assert all(flow.upstream.fileno() == -1 for flow in flows)
+    handlers = current_reactor()._handlers.values()
+    assert not any(isinstance(handler, _Flow) for handler in handlers)
+    assert edge._listeners["dns"].limiter.borrowed_tokens == 0
+    assert edge._edge_limiter.borrowed_tokens == 0
+    assert edge.active_connections == 0
+    assert [h.server.active for h in edge._pools["b"].servers] == [0]
+    assert samples(edge, "tlsedge_connections_active") == {(("listener", "dns"),): 0}
+
+
 # -- relaying -----------------------------------------------------------------------
 
 
@@ -339,6 +386,84 @@ async def test_server_port_unreachable_ends_the_flow(
         (record,) = await wait_access_records(caplog, 1)
         assert record["termination"] == "server_error"
         assert record["detail"] == "connection refused"
+
+
+async def test_server_gone_mid_flow_ends_it_and_releases_everything(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server:
+        await server.bind(("127.0.0.1", 0))
+        config = make_config(
+            [{"name": "dns", "mode": "udp", "backend": "b"}],
+            [{"name": "b", "servers": [f"127.0.0.1:{server.getsockname()[1]}"]}],
+        )
+        async with running_edge(config) as edge, Client() as client:
+            address = address_of(edge, "dns")
+            udp = edge._listeners["dns"].udp
+            assert udp is not None
+            await client.sock.sendto(b"one", address)
+            with trio.fail_after(REPLY_WITHIN):
+                _, upstream = await server.recvfrom(100)
+            await server.sendto(b"first", upstream)
+            with trio.fail_after(REPLY_WITHIN):
+                assert await client.sock.recv(100) == b"first"
+            flows = udp.flows.values()
+            server.close()  # the next datagram gets an ICMP port unreachable
+            await client.sock.sendto(b"two", address)
+            (record,) = await wait_access_records(caplog, 1)
+            assert record["termination"] == "server_error"
+            assert record["detail"] == "connection refused"
+            assert record["requests"] == 2
+            assert record["bytes_from_client"] == 6
+            assert record["bytes_from_server"] == 5
+            assert_released(edge, flows)
+            assert len(udp.flows) == 0
+            closed = samples(edge, "tlsedge_connections_closed_total")
+            assert closed == {(("listener", "dns"), ("termination", "server_error")): 1}
+
+
+async def test_a_bug_relaying_replies_ends_that_flow_alone(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken_flows: list[_Flow] = []
+
+    def broken(listener: UdpListener, flow: _Flow) -> None:
+        broken_flows.append(flow)
+        raise RuntimeError("broken relay")
+
+    async with servers("") as (echo,), running_edge(udp_config([echo])) as edge:
+        address = address_of(edge, "dns")
+        async with Client() as client:
+            with monkeypatch.context() as patch:
+                patch.setattr(UdpListener, "_replies", broken)
+                await client.sock.sendto(b"lost", address)
+                (record,) = await wait_access_records(caplog, 1)
+            assert record["termination"] == "internal_error"
+            assert record["detail"] == "RuntimeError: broken relay"
+            assert_released(edge, broken_flows)
+            # The next datagram of that client makes a new flow.
+            assert await client.ask(address, b"again") == b"again"
+
+
+async def test_a_bug_on_one_datagram_costs_that_datagram_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    datagram = UdpListener._datagram
+
+    def broken_once(listener: UdpListener, *args: Any) -> bool:
+        patch.undo()
+        raise RuntimeError("broken datagram")
+
+    async with servers("") as (echo,), running_edge(udp_config([echo])) as edge:
+        address = address_of(edge, "dns")
+        async with Client() as client:
+            with monkeypatch.context() as patch:
+                patch.setattr(UdpListener, "_datagram", broken_once)
+                await client.sock.sendto(b"lost", address)
+                assert await client.quiet()
+            assert UdpListener._datagram is datagram
+            assert await client.ask(address, b"served") == b"served"
+        assert len(echo.sources) == 1  # the second datagram only
 
 
 async def test_unreachable_server_is_marked_down_by_traffic() -> None:
@@ -477,6 +602,87 @@ async def test_drain_keeps_flows_and_takes_no_new_ones(
         (record,) = flow_records(caplog)
         assert record["termination"] == "drained"
         assert record["requests"] == 2
+
+
+@pytest.mark.parametrize(
+    ("end", "idle_timeout", "drain_timeout", "termination"),
+    [
+        ("drain", 60.0, 0.3, "drained"),  # cut at the drain deadline
+        ("drain", 1.0, 60.0, "idle_timeout"),  # idle before it: run() returns
+        ("stop", 60.0, 60.0, "drained"),
+    ],
+)
+async def test_drain_ends_many_open_flows_and_closes_the_listener(
+    caplog: pytest.LogCaptureFixture,
+    end: str,
+    idle_timeout: float,
+    drain_timeout: float,
+    termination: str,
+) -> None:
+    count = 50
+    async with servers("") as (echo,):
+        config = udp_config(
+            [echo],
+            {"idle_timeout": idle_timeout},
+            edge={"drain_timeout": drain_timeout},
+        )
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                edge: Edge = await nursery.start(Edge(config).run)
+                listener = edge._listeners["dns"]
+                assert listener.udp is not None
+                clients = open_flows(address_of(edge, "dns"), count)
+                try:
+                    await wait_replies(edge, clients)
+                    flows = listener.udp.flows.values()
+                    if end == "drain":
+                        edge.drain()
+                    else:
+                        edge.stop()
+                finally:
+                    for sock in clients:
+                        sock.close()
+        # run() returned: every flow ended, the listener's socket closed.
+        records = flow_records(caplog)
+        assert len(records) == count
+        assert {r["termination"] for r in records} == {termination}
+        assert all(r["requests"] == 1 for r in records)
+        assert [sock.fileno() for sock in listener.sockets] == [-1]
+        assert_released(edge, flows)
+
+
+async def test_many_flows_expiring_at_once_all_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    count = 200
+    long_idle = {"idle_timeout": 60.0}
+    async with (
+        servers("") as (echo,),
+        running_edge(udp_config([echo], long_idle)) as edge,
+    ):
+        address = address_of(edge, "dns")
+        udp = edge._listeners["dns"].udp
+        assert udp is not None
+        clients = open_flows(address, count)
+        try:
+            await wait_replies(edge, clients)
+            flows = udp.flows.values()
+            assert len(flows) == count
+            # A shorter idle_timeout applies to every open flow: all of
+            # them expire on the listener's next timer.
+            await edge.reload(udp_config([echo], {"idle_timeout": 0.05}))
+            records = await wait_access_records(caplog, count)
+        finally:
+            for sock in clients:
+                sock.close()
+        assert {r["termination"] for r in records} == {"idle_timeout"}
+        assert len({r["client"] for r in records}) == count
+        assert_released(edge, flows)
+        closed = samples(edge, "tlsedge_connections_closed_total")
+        assert closed == {(("listener", "dns"), ("termination", "idle_timeout")): count}
+        # The listener goes on: a new client makes a new flow.
+        async with Client() as client:
+            assert await client.ask(address, b"after") == b"after"
 
 
 async def test_reload_moves_a_listener_and_its_old_flows_finish(
