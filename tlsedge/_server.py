@@ -3,8 +3,10 @@
 Theory of operation
 -------------------
 ``Edge.run()`` owns two nurseries. The *services* nursery runs the accept loops
-and the backends' health checks; the *connections* nursery runs one task per
-client connection. Splitting them is what makes drain work: ``drain()`` closes
+and the backends' health checks; the *connections* nursery runs the tasks of
+client connections that must wait for something (below) and the task of each
+``mode = "udp"`` listener, which lasts as long as its flows (they run on the
+reactor: `tlsedge._udp_mode`). Splitting them is what makes drain work: ``drain()`` closes
 the listening sockets (new connections are refused by the kernel, not left
 hanging), the accept loops end, and the connections nursery gets a deadline of
 ``drain_timeout``. Connections that finish before it end normally; those still
@@ -16,9 +18,9 @@ PROXY header reads and TLS handshakes on the reactor are waited for within
 the connections' deadline (one may still need a task of that nursery), then
 ended as ``drained``.
 
-A tcp-mode listener gets no task per connection where none is needed: the
-accept loop runs the stages itself (`Edge._accepted`, `Edge._serve_now`),
-with the same code as the task path, and the connection goes straight from
+A connection gets no task where none is needed: the accept loop runs the
+stages itself (`Edge._accepted`, `Edge._serve_now`), and a tcp-mode
+connection goes straight from
 ``accept()`` to the reactor when its backend connect completes within
 ``connect()`` (loopback, a fast network). Its sockets stay stdlib sockets:
 no trio stream is built for them. With ``proxy_protocol`` the reactor reads
@@ -29,11 +31,11 @@ next, from the bytes that came after the header
 (`tlsedge._tls_accept.ReactorHandshake`, held in ``Edge._handshakes``), and
 its end goes on the same way (`Edge._handshaken`). Only where something
 must wait (a connect in progress, a retry, a send that would block) does a
-task go on from where the reactor or the accept loop stopped. An http-mode
-listener reads the PROXY header and runs the handshake the same way, then
-starts the connection's task with the client's stream (`_serve_http`). A
-listener that answers denied clients 403 (``denied = "403"``) keeps the
-task path.
+task go on from where the reactor or the accept loop stopped
+(`Edge._handle_connection`). An http-mode listener reads the PROXY header and
+runs the handshake the same way, then starts the connection's task with the
+client's stream (`_serve_http`), or, for a client denied with ``denied =
+"403"``, the task that answers it.
 
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
