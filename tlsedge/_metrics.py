@@ -25,6 +25,19 @@ kinds of metrics:
   (UP/DOWN, weight, consecutive results, the last check), listener settings
   and limits, readiness and drain state.
 
+Cost: counted here, handed over at scrape time
+----------------------------------------------
+The event methods run on the connection path, several per connection and per
+HTTP request. Each prometheus-client update takes a lock (and in multiprocess
+mode writes to a memory-mapped file), so they only count, in plain dicts
+keyed by label values (`_Tally`, `_Observations`: no locks, a worker is one
+trio thread), and `EdgeMetrics.flush` adds the counts to the
+prometheus-client metrics. Every collection of the registry flushes first
+(`_FlushFirst`), so ``/metrics``, the status page and `EdgeMetrics.samples`
+see every event so far. The metrics themselves (names, labels, types, help,
+buckets) are prometheus-client's, unchanged, and a child is still created by
+``labels()`` at its first event, so a series appears when it did before.
+
 Several workers (``edge.workers > 1``)
 --------------------------------------
 Each worker is a process with its own counters. The supervisor creates a
@@ -38,6 +51,12 @@ are monotonic), and gauges use ``multiprocess_mode="livesum"`` so that a dead
 worker's open connections drop out (the supervisor calls
 `worker_exited`, i.e. ``mark_process_dead``).
 
+A worker writes its counts to its files when it answers a scrape, every
+`FLUSH_INTERVAL` (`EdgeMetrics.flush_periodically`) and when it stops
+(`Edge.run`): a scrape answered by one worker shows the others' counts as
+they were at most that long ago. A worker that is killed (SIGKILL) loses
+the counts of its last interval.
+
 The live collector cannot see other processes: its metrics describe the worker
 that answered the scrape. Every worker runs the same health checks against the
 same servers and drains on the same signal, so the views agree up to one check
@@ -50,10 +69,12 @@ import os
 import re
 import shutil
 import tempfile
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Final, Generic, TypeVar
+from dataclasses import dataclass, fields
+from typing import Final, TypeVar
 
+import trio
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -71,6 +92,7 @@ from tlsedge._snapshot import Snapshot
 from tlsedge._termination import Termination
 
 __all__ = [
+    "FLUSH_INTERVAL",
     "MULTIPROC_ENV",
     "REFUSED_TERMINATIONS",
     "EdgeMetrics",
@@ -82,6 +104,9 @@ __all__ = [
 
 #: The environment variable prometheus-client reads for multiprocess mode.
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+
+#: Seconds between two flushes of a worker's counts in multiprocess mode.
+FLUSH_INTERVAL: Final = 1.0
 
 #: Termination causes of connections refused before any byte was relayed.
 REFUSED_TERMINATIONS: Final = frozenset(
@@ -170,61 +195,140 @@ def _multiprocess_path() -> str | None:
     return None
 
 
-_M = TypeVar("_M", Counter, Gauge, Histogram)
+#: A labelled metric's key in a `_Tally` or `_Observations`: the label value
+#: itself for a metric with one label, else the tuple of values.
+_K = TypeVar("_K", str, tuple[str, ...])
 
 
-class _Children(Generic[_M]):
-    """A labelled metric's children, each looked up once.
+def _label_values(key: str | tuple[str, ...]) -> tuple[str, ...]:
+    return key if isinstance(key, tuple) else (key,)
 
-    ``labels()`` checks and converts the values and takes a lock at every call
-    (~1 us); the connection path calls it a dozen times per connection. Children
-    are still created by ``labels()`` on first use, as before, so the exposed
-    series and values are the same.
+
+class _Tally(dict[_K, int]):
+    """A labelled counter or gauge: what was added to each child since the
+    last `flush`, by label values.
+
+    The connection path adds with plain dict arithmetic
+    (``tally[key] += 1``): no lock, no call into prometheus-client (each
+    ``inc()`` takes a lock, and in multiprocess mode writes a memory-mapped
+    file). A key's first use creates its child with ``labels()``, as an
+    update did before, so the series appears on ``/metrics`` (at 0 until the
+    flush) with the same ``_created`` time and, in multiprocess mode, the
+    process's file is created at the first event.
     """
 
     __slots__ = ("_children", "_metric")
 
-    _metric: _M
-    _children: dict[tuple[str, ...], _M]
-
-    def __init__(self, metric: _M) -> None:
+    def __init__(self, metric: Counter | Gauge) -> None:
+        super().__init__()
         self._metric = metric
-        self._children = {}
+        self._children: dict[_K, Counter | Gauge] = {}
 
-    def __call__(self, *values: str) -> _M:
-        """The child for *values*: ``metric.labels(*values)``, cached."""
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._metric.labels(*values)
-        return child
+    def __missing__(self, key: _K) -> int:
+        self._children[key] = self._metric.labels(*_label_values(key))
+        return 0
+
+    def flush(self) -> None:
+        """Add each child's pending amount to it, and start again from 0."""
+        children = self._children
+        for key, amount in self.items():
+            if amount:
+                children[key].inc(amount)
+                self[key] = 0
+
+
+class _Pending:
+    """One histogram child's observations since the last flush: a count per
+    bucket (not cumulative; the last one is ``+Inf``) and their sum."""
+
+    __slots__ = ("child", "counts", "sum")
+
+    def __init__(self, child: Histogram, buckets: int) -> None:
+        self.child = child
+        self.counts = [0] * buckets
+        self.sum = 0.0
+
+    def flush(self) -> None:
+        """Add the observations to the child's bucket and sum values.
+
+        ``Histogram`` has no public way to add many observations at once, so
+        this adds to the values ``Histogram.observe`` adds to (``_buckets``,
+        ``_sum``; prometheus-client is pinned to 0.26 in pyproject.toml).
+        """
+        counts = self.counts
+        if not any(counts):
+            return
+        child = self.child
+        for index, count in enumerate(counts):
+            if count:
+                child._buckets[index].inc(count)
+                counts[index] = 0
+        child._sum.inc(self.sum)
+        self.sum = 0.0
+
+
+class _Observations(dict[_K, _Pending]):
+    """A labelled histogram: each child's `_Pending` observations, by label
+    values (see `_Tally`)."""
+
+    __slots__ = ("_bounds", "_metric")
+
+    def __init__(self, metric: Histogram, buckets: tuple[float, ...]) -> None:
+        super().__init__()
+        self._metric = metric
+        self._bounds = buckets
+
+    def __missing__(self, key: _K) -> _Pending:
+        pending = self[key] = _Pending(
+            self._metric.labels(*_label_values(key)), len(self._bounds) + 1
+        )
+        return pending
+
+    def observe(self, key: _K, amount: float) -> None:
+        """``metric.labels(*key).observe(amount)``, counted here until the
+        flush: the bucket is the first whose upper bound is >= *amount*, as
+        in ``Histogram.observe``."""
+        pending = self[key]
+        pending.counts[bisect_left(self._bounds, amount)] += 1
+        pending.sum += amount
+
+    def flush(self) -> None:
+        """Hand every child's observations to it."""
+        for pending in self.values():
+            pending.flush()
 
 
 @dataclass(frozen=True, slots=True)
 class _Counters:
     """The event metrics (see ``docs/operations.md`` for each one), each
-    called with its label values to get the child."""
+    indexed by its label values: a lone value for one label, else a tuple."""
 
-    accepted: _Children[Counter]
-    active: _Children[Gauge]
-    closed: _Children[Counter]
-    refused: _Children[Counter]
-    duration: _Children[Histogram]
-    bytes_received: _Children[Counter]
-    bytes_sent: _Children[Counter]
-    proxy_errors: _Children[Counter]
-    tls_handshakes: _Children[Counter]
-    tls_failures: _Children[Counter]
-    server_connections: _Children[Counter]
-    server_active: _Children[Gauge]
-    server_bytes_sent: _Children[Counter]
-    server_bytes_received: _Children[Counter]
-    connect_failures: _Children[Counter]
-    no_server: _Children[Counter]
-    retries: _Children[Counter]
-    http_requests: _Children[Counter]
-    http_duration: _Children[Histogram]
-    udp_datagrams: _Children[Counter]
-    udp_dropped: _Children[Counter]
+    accepted: _Tally[str]
+    active: _Tally[str]
+    closed: _Tally[tuple[str, ...]]
+    refused: _Tally[tuple[str, ...]]
+    duration: _Observations[str]
+    bytes_received: _Tally[str]
+    bytes_sent: _Tally[str]
+    proxy_errors: _Tally[tuple[str, ...]]
+    tls_handshakes: _Tally[tuple[str, ...]]
+    tls_failures: _Tally[tuple[str, ...]]
+    server_connections: _Tally[tuple[str, ...]]
+    server_active: _Tally[tuple[str, ...]]
+    server_bytes_sent: _Tally[tuple[str, ...]]
+    server_bytes_received: _Tally[tuple[str, ...]]
+    connect_failures: _Tally[str]
+    no_server: _Tally[str]
+    retries: _Tally[str]
+    http_requests: _Tally[tuple[str, ...]]
+    http_duration: _Observations[tuple[str, ...]]
+    udp_datagrams: _Tally[tuple[str, ...]]
+    udp_dropped: _Tally[tuple[str, ...]]
+
+    def flush(self) -> None:
+        """Hand every pending amount to prometheus-client."""
+        for field in fields(self):
+            getattr(self, field.name).flush()
 
 
 def _make_counters(registry: CollectorRegistry | None) -> _Counters:
@@ -232,7 +336,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
     listener = ("listener",)
     server = ("backend", "server")
     return _Counters(
-        accepted=_Children(
+        accepted=_Tally(
             Counter(
                 "tlsedge_connections",
                 "Client connections accepted.",
@@ -240,7 +344,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        active=_Children(
+        active=_Tally(
             Gauge(
                 "tlsedge_connections_active",
                 "Client connections open now.",
@@ -249,7 +353,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 multiprocess_mode="livesum",
             ),
         ),
-        closed=_Children(
+        closed=_Tally(
             Counter(
                 "tlsedge_connections_closed",
                 "Client connections ended, by termination cause (access log).",
@@ -257,7 +361,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        refused=_Children(
+        refused=_Tally(
             Counter(
                 "tlsedge_connections_refused",
                 "Client connections closed before anything was relayed, by reason.",
@@ -265,7 +369,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        duration=_Children(
+        duration=_Observations(
             Histogram(
                 "tlsedge_connection_duration_seconds",
                 "How long client connections lasted.",
@@ -273,8 +377,9 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
                 buckets=CONNECTION_BUCKETS,
             ),
+            CONNECTION_BUCKETS,
         ),
-        bytes_received=_Children(
+        bytes_received=_Tally(
             Counter(
                 "tlsedge_client_bytes_received",
                 "Bytes received from clients (after PROXY and TLS unwrapping).",
@@ -282,7 +387,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        bytes_sent=_Children(
+        bytes_sent=_Tally(
             Counter(
                 "tlsedge_client_bytes_sent",
                 "Bytes sent to clients (before TLS).",
@@ -290,7 +395,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        proxy_errors=_Children(
+        proxy_errors=_Tally(
             Counter(
                 "tlsedge_proxy_header_errors",
                 "PROXY protocol headers refused, by reason.",
@@ -298,7 +403,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        tls_handshakes=_Children(
+        tls_handshakes=_Tally(
             Counter(
                 "tlsedge_tls_handshakes",
                 "Completed TLS handshakes with clients, by protocol version.",
@@ -306,7 +411,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        tls_failures=_Children(
+        tls_failures=_Tally(
             Counter(
                 "tlsedge_tls_handshake_failures",
                 "Failed TLS handshakes with clients, by reason.",
@@ -314,7 +419,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        server_connections=_Children(
+        server_connections=_Tally(
             Counter(
                 "tlsedge_server_connections",
                 "Upstream connections made to a backend server.",
@@ -322,7 +427,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        server_active=_Children(
+        server_active=_Tally(
             Gauge(
                 "tlsedge_server_active_connections",
                 "Upstream connections in use to a backend server now.",
@@ -331,7 +436,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 multiprocess_mode="livesum",
             ),
         ),
-        server_bytes_sent=_Children(
+        server_bytes_sent=_Tally(
             Counter(
                 "tlsedge_server_bytes_sent",
                 "Bytes forwarded to a backend server (client data, no PROXY header).",
@@ -339,7 +444,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        server_bytes_received=_Children(
+        server_bytes_received=_Tally(
             Counter(
                 "tlsedge_server_bytes_received",
                 "Bytes received from a backend server.",
@@ -347,7 +452,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        connect_failures=_Children(
+        connect_failures=_Tally(
             Counter(
                 "tlsedge_backend_connect_failures",
                 "Client connections dropped because every connect attempt failed.",
@@ -355,7 +460,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        no_server=_Children(
+        no_server=_Tally(
             Counter(
                 "tlsedge_backend_no_server",
                 "Client connections dropped because no server was healthy.",
@@ -363,7 +468,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        retries=_Children(
+        retries=_Tally(
             Counter(
                 "tlsedge_backend_retries",
                 "Extra connect attempts made by connections that reached a server.",
@@ -371,7 +476,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        http_requests=_Children(
+        http_requests=_Tally(
             Counter(
                 "tlsedge_http_requests",
                 "HTTP requests (HTTP mode), by response status class.",
@@ -379,7 +484,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        http_duration=_Children(
+        http_duration=_Observations(
             Histogram(
                 "tlsedge_http_request_duration_seconds",
                 "HTTP request latency (HTTP mode): request head in to response done.",
@@ -387,8 +492,9 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
                 buckets=HTTP_BUCKETS,
             ),
+            HTTP_BUCKETS,
         ),
-        udp_datagrams=_Children(
+        udp_datagrams=_Tally(
             Counter(
                 "tlsedge_udp_datagrams",
                 "Datagrams relayed by udp listeners, by direction "
@@ -397,7 +503,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
-        udp_dropped=_Children(
+        udp_dropped=_Tally(
             Counter(
                 "tlsedge_udp_datagrams_dropped",
                 "Datagrams udp listeners dropped, by reason (flow_cap, denied, "
@@ -409,14 +515,16 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
     )
 
 
-def _status_class(status: int) -> str:
-    if 100 <= status <= 599:
-        return f"{status // 100}xx"
-    return "other"
+#: The ``code`` label of each valid status (``"2xx"``); any other is ``"other"``.
+_STATUS_CLASSES: Final = {status: f"{status // 100}xx" for status in range(100, 600)}
 
 
 class EdgeMetrics:
     """The metrics of one edge: event counters plus the live-state collector.
+
+    Event methods only count in plain dicts (see "Cost" in the module
+    docstring); `flush` hands the counts to prometheus-client, and every
+    collection of `registry` flushes first.
 
     Args:
         snapshot: Gives the edge's live state at scrape time (`Edge.snapshot`;
@@ -432,6 +540,8 @@ class EdgeMetrics:
     def __init__(self, snapshot: Callable[[], Snapshot] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.multiprocess_dir = _multiprocess_path()
+        # Registered first: the registry collects in registration order.
+        self.registry.register(_FlushFirst(self.flush))
         if self.multiprocess_dir is not None:
             multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
                 self.registry, path=self.multiprocess_dir
@@ -442,62 +552,82 @@ class EdgeMetrics:
         if snapshot is not None:
             self.registry.register(LiveStateCollector(snapshot))
 
+    def flush(self) -> None:
+        """Hand the counts since the last flush to prometheus-client (in
+        multiprocess mode: write them to this process's files)."""
+        self._m.flush()
+
+    async def flush_periodically(self) -> None:
+        """Flush every `FLUSH_INTERVAL` in multiprocess mode (`Edge.run` runs
+        it), so that a scrape answered by any worker has this one's counts
+        at most that old. Returns at once in single-process mode, where the
+        scrape itself flushes."""
+        if self.multiprocess_dir is None:
+            return
+        while True:
+            await trio.sleep(FLUSH_INTERVAL)
+            self.flush()
+
     # -- connection path --------------------------------------------------
 
     def connection_opened(self, listener: str) -> None:
         """A client connection was accepted on *listener*."""
-        self._m.accepted(listener).inc()
-        self._m.active(listener).inc()
+        m = self._m
+        m.accepted[listener] += 1
+        m.active[listener] += 1
 
     def server_leased(self, backend: str, server: str) -> None:
         """A connection to *server* is opening or in use (a `ServerLease`)."""
-        self._m.server_active(backend, server).inc()
+        self._m.server_active[backend, server] += 1
 
     def server_released(self, backend: str, server: str) -> None:
         """The lease of `server_leased` was given back."""
-        self._m.server_active(backend, server).dec()
+        self._m.server_active[backend, server] -= 1
 
     def server_connection_opened(
         self, backend: str, server: str, attempts: int
     ) -> None:
         """A new upstream connection to *server* was made after *attempts* tries."""
-        self._m.server_connections(backend, server).inc()
+        m = self._m
+        m.server_connections[backend, server] += 1
         if attempts > 1:
-            self._m.retries(backend).inc(attempts - 1)
+            m.retries[backend] += attempts - 1
 
     def proxy_header_error(self, listener: str, reason: str) -> None:
         """A PROXY header was refused; *reason* is ``RemoteProtocolError.reason``."""
-        self._m.proxy_errors(listener, reason).inc()
+        self._m.proxy_errors[listener, reason] += 1
 
     def record(self, log: ConnectionLog) -> None:
         """Account for a finished connection (call once, next to ``log.emit()``)."""
         m = self._m
         listener = log.listener
-        m.active(listener).dec()
-        m.closed(listener, log.termination).inc()
-        if log.termination in REFUSED_TERMINATIONS:
-            m.refused(listener, log.termination).inc()
-        m.duration(listener).observe(log.duration)
-        if log.bytes_from_client:
-            m.bytes_received(listener).inc(log.bytes_from_client)
-        if log.bytes_from_server:
-            m.bytes_sent(listener).inc(log.bytes_from_server)
+        termination = log.termination
+        m.active[listener] -= 1
+        m.closed[listener, termination] += 1
+        if termination in REFUSED_TERMINATIONS:
+            m.refused[listener, termination] += 1
+        m.duration.observe(listener, log.duration)
+        received, sent = log.bytes_from_client, log.bytes_from_server
+        if received:
+            m.bytes_received[listener] += received
+        if sent:
+            m.bytes_sent[listener] += sent
         if log.tls is not None:
-            m.tls_handshakes(listener, log.tls.split(" ", 1)[0]).inc()
-        elif log.termination in _TLS_FAILURES:
-            reason = tls_failure_reason(log.termination, log.detail)
-            m.tls_failures(listener, reason).inc()
+            m.tls_handshakes[listener, log.tls.split(" ", 1)[0]] += 1
+        elif termination in _TLS_FAILURES:
+            reason = tls_failure_reason(termination, log.detail)
+            m.tls_failures[listener, reason] += 1
         backend = log.backend or ""
         if log.server is not None:
-            server = log.server
-            if log.bytes_from_client:
-                m.server_bytes_sent(backend, server).inc(log.bytes_from_client)
-            if log.bytes_from_server:
-                m.server_bytes_received(backend, server).inc(log.bytes_from_server)
-        elif log.termination == Termination.CONNECT_FAILED:
-            m.connect_failures(backend).inc()
-        elif log.termination == Termination.NO_SERVER:
-            m.no_server(backend).inc()
+            server = (backend, log.server)
+            if received:
+                m.server_bytes_sent[server] += received
+            if sent:
+                m.server_bytes_received[server] += sent
+        elif termination == Termination.CONNECT_FAILED:
+            m.connect_failures[backend] += 1
+        elif termination == Termination.NO_SERVER:
+            m.no_server[backend] += 1
 
     def record_http_request(
         self, listener: str, backend: str, status: int, seconds: float
@@ -511,17 +641,18 @@ class EdgeMetrics:
                 answers the edge made itself); counted by class, ``"2xx"``.
             seconds: From the complete request head to the last response byte.
         """
-        self._m.http_requests(listener, backend, _status_class(status)).inc()
-        self._m.http_duration(listener, backend).observe(seconds)
+        m = self._m
+        m.http_requests[listener, backend, _STATUS_CLASSES.get(status, "other")] += 1
+        m.http_duration.observe((listener, backend), seconds)
 
     def udp_datagrams(self, listener: str, direction: str, count: int) -> None:
         """*count* datagrams relayed on a udp *listener* (a batch at a time);
         *direction* is ``"from_client"`` or ``"from_server"``."""
-        self._m.udp_datagrams(listener, direction).inc(count)
+        self._m.udp_datagrams[listener, direction] += count
 
     def udp_dropped(self, listener: str, reason: str) -> None:
         """A datagram a udp *listener* dropped, and why (`tlsedge._udp_mode`)."""
-        self._m.udp_dropped(listener, reason).inc()
+        self._m.udp_dropped[listener, reason] += 1
 
     # -- exposition -------------------------------------------------------
 
@@ -535,6 +666,19 @@ class EdgeMetrics:
         for family in self.registry.collect():
             for sample in family.samples:
                 yield sample.name, sample.labels, sample.value
+
+
+class _FlushFirst(Collector):
+    """Collects nothing; calls *flush* first, so that the collectors after it
+    in the registry see every count (`EdgeMetrics` registers it first)."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+
+    def collect(self) -> Iterable[Metric]:
+        """Flush; no metrics of its own."""
+        self._flush()
+        return ()
 
 
 class LiveStateCollector(Collector):

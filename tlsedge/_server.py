@@ -728,6 +728,7 @@ class Edge:
             async with trio.open_nursery() as services:
                 self._services = services
                 services.start_soon(run_access_log_flusher)
+                services.start_soon(self._metrics.flush_periodically)
                 self._restart_background_tasks()
                 if self.admin is not None:
                     await services.start(self.admin.serve)
@@ -767,6 +768,7 @@ class Edge:
                     sock.close()
             for keepalive in self._keepalive.values():
                 keepalive.close()
+            self._metrics.flush()  # the counts since the last flush, for workers
         LOGGER.info("all connections closed; stopped")
 
     def _drain_stages(self) -> None:

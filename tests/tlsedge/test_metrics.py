@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import ssl
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
 import trustme
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.tlsedge.helpers import (
@@ -34,6 +39,10 @@ from tests.tlsedge.test_status_page import (
 )
 from tlsedge._accesslog import ConnectionLog
 from tlsedge._metrics import (
+    CONNECTION_BUCKETS,
+    FLUSH_INTERVAL,
+    HTTP_BUCKETS,
+    MULTIPROC_ENV,
     REFUSED_TERMINATIONS,
     EdgeMetrics,
     tls_failure_reason,
@@ -338,6 +347,143 @@ async def test_record_derives_everything_from_the_connection_log() -> None:
     assert total(text, "tlsedge_connections_closed_total", termination="client_closed")
     assert "connect_failed" in REFUSED_TERMINATIONS
     assert "client_closed" not in REFUSED_TERMINATIONS
+
+
+def histogram_samples(
+    text: str, name: str, **labels: str
+) -> dict[tuple[str, str], float]:
+    """``(sample name, le)`` to value for one histogram child in *text*."""
+    return {
+        (sample.name, sample.labels.get("le", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == name
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+        and set(labels.items()) <= set(sample.labels.items())
+    }
+
+
+async def test_histograms_bucket_as_prometheus_client_observe_does() -> None:
+    # Bounds themselves (le is inclusive), just above them, 0, past the last
+    # bound; scrapes in between must not count anything twice.
+    durations = [0.0, *CONNECTION_BUCKETS, *(b * 1.001 for b in CONNECTION_BUCKETS)]
+    latencies = [0.0, *HTTP_BUCKETS, *(b + 1e-9 for b in HTTP_BUCKETS), 86400.0]
+    metrics = EdgeMetrics()
+    reference = CollectorRegistry()
+    connection = Histogram(
+        "tlsedge_connection_duration_seconds",
+        "",
+        ("listener",),
+        registry=reference,
+        buckets=CONNECTION_BUCKETS,
+    )
+    http = Histogram(
+        "tlsedge_http_request_duration_seconds",
+        "",
+        ("listener", "backend"),
+        registry=reference,
+        buckets=HTTP_BUCKETS,
+    )
+    for index, seconds in enumerate(durations):
+        metrics.connection_opened("in")
+        log = ConnectionLog(id=str(index), listener="in", peer="127.0.0.1:1")
+        log.duration = seconds
+        metrics.record(log)
+        connection.labels("in").observe(seconds)
+        if index == len(durations) // 2:
+            metrics.exposition()
+    for seconds in latencies:
+        metrics.record_http_request("web", "app", 200, seconds)
+        http.labels("web", "app").observe(seconds)
+        metrics.exposition()
+    text = metrics.exposition()[0].decode()
+    expected = generate_latest(reference).decode()
+    for name, labels in (
+        ("tlsedge_connection_duration_seconds", {"listener": "in"}),
+        (
+            "tlsedge_http_request_duration_seconds",
+            {"listener": "web", "backend": "app"},
+        ),
+    ):
+        got = histogram_samples(text, name, **labels)
+        want = histogram_samples(expected, name, **labels)
+        sum_key = (f"{name}_sum", "")
+        assert got.pop(sum_key) == pytest.approx(want.pop(sum_key))
+        assert got == want
+    assert total(text, "tlsedge_connection_duration_seconds_count") == len(durations)
+    assert total(text, "tlsedge_connections_total") == len(durations)
+    assert total(text, "tlsedge_connections_active") == 0
+    assert total(text, "tlsedge_http_requests_total", code="2xx") == len(latencies)
+
+
+#: A worker process's events, counted and never scraped: only the periodic
+#: flush can write them to the multiprocess directory.
+_WORKER = """
+import sys
+import trio
+from tlsedge._metrics import EdgeMetrics
+
+async def main() -> None:
+    metrics = EdgeMetrics()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(metrics.flush_periodically)
+        for _ in range(3):
+            metrics.connection_opened("in")
+        metrics.server_leased("app", "127.0.0.1:8080")
+        metrics.record_http_request("in", "app", 200, 0.02)
+        print("counted", flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read)
+        nursery.cancel_scope.cancel()
+
+trio.run(main)
+"""
+
+
+async def test_a_worker_flushes_its_counts_for_the_others(tmp_path: Path) -> None:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-c", _WORKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, MULTIPROC_ENV: str(tmp_path)},
+    )
+    assert process.stdin is not None
+    assert process.stdout is not None
+    try:
+        said = b""
+        with trio.fail_after(20):
+            while not said.endswith(b"\n"):
+                said += await process.stdout.receive_some()
+        assert said == b"counted\n"
+        # What another worker's scrape reads: the files of every process.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(tmp_path))  # type: ignore[no-untyped-call]
+
+        def scrape() -> str:
+            return generate_latest(registry).decode()
+
+        await wait_until(
+            lambda: total(scrape(), "tlsedge_connections_total") == 3,
+            FLUSH_INTERVAL + 10,
+            0.05,
+        )
+        text = scrape()
+        assert total(text, "tlsedge_connections_total", listener="in") == 3
+        assert total(text, "tlsedge_connections_active", listener="in") == 3
+        assert total(text, "tlsedge_server_active_connections", backend="app") == 1
+        assert total(text, "tlsedge_http_requests_total", code="2xx") == 1
+        assert (
+            total(
+                text,
+                "tlsedge_http_request_duration_seconds_bucket",
+                le="0.025",
+            )
+            == 1
+        )
+    finally:
+        await process.stdin.aclose()
+        with trio.fail_after(20):
+            assert await process.wait() == 0
+        await process.stdout.aclose()
 
 
 @pytest.mark.parametrize(
