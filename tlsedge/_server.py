@@ -6,17 +6,17 @@ Theory of operation
 and the backends' health checks; the *connections* nursery runs the tasks of
 client connections that must wait for something (below) and the task of each
 ``mode = "udp"`` listener, which lasts as long as its flows (they run on the
-reactor: `tlsedge._udp_mode`). Splitting them is what makes drain work: ``drain()`` closes
-the listening sockets (new connections are refused by the kernel, not left
-hanging), the accept loops end, and the connections nursery gets a deadline of
-``drain_timeout``. Connections that finish before it end normally; those still
-open are cancelled at the deadline and logged as ``drained``. ``run()`` returns
-once the last connection has gone. A tcp-mode connection's task ends once its
-relay runs on the reactor (`tlsedge._relay.DetachedRelays`): ``run()`` waits
-for those relays with the same deadline, then ends the rest the same way.
-PROXY header reads and TLS handshakes on the reactor are waited for within
-the connections' deadline (one may still need a task of that nursery), then
-ended as ``drained``.
+reactor: `tlsedge._udp_mode`). Splitting them is what makes drain work:
+``drain()`` closes the listening sockets (new connections are refused by the
+kernel, not left hanging), the accept loops end, and the connections nursery
+gets a deadline of ``drain_timeout``. Connections that finish before it end
+normally; those still open are cancelled at the deadline and logged as
+``drained``. ``run()`` returns once the last connection has gone. A tcp-mode
+connection's task ends once its relay runs on the reactor
+(`tlsedge._relay.DetachedRelays`): ``run()`` waits for those relays with the
+same deadline, then ends the rest the same way. PROXY header reads and TLS
+handshakes on the reactor are waited for within the connections' deadline (one
+may still need a task of that nursery), then ended as ``drained``.
 
 A connection gets no task where none is needed: the accept loop runs the
 stages itself (`Edge._accepted`, `Edge._serve_now`), and a tcp-mode
