@@ -18,24 +18,23 @@ same deadline, then ends the rest the same way. PROXY header reads and TLS
 handshakes on the reactor are waited for within the connections' deadline (one
 may still need a task of that nursery), then ended as ``drained``.
 
-A connection gets no task where none is needed: the accept loop runs the
-stages itself (`Edge._accepted`, `Edge._serve_now`), and a tcp-mode
-connection goes straight from
-``accept()`` to the reactor when its backend connect completes within
-``connect()`` (loopback, a fast network). Its sockets stay stdlib sockets:
-no trio stream is built for them. With ``proxy_protocol`` the reactor reads
-the header first (`tlsedge._unwrap.ReactorHeaderRead`, held in
+A connection gets no task where none is needed: the accept loop runs the stages
+itself (`Edge._accepted`, `Edge._serve_now`), and a tcp-mode connection goes
+straight from ``accept()`` to the reactor when its backend connect completes
+within ``connect()`` (loopback, a fast network). Its sockets stay stdlib
+sockets: no trio stream is built for them. With ``proxy_protocol`` the reactor
+reads the header first (`tlsedge._unwrap.ReactorHeaderRead`, held in
 ``Edge._header_reads`` for drain) and its end goes on with admission
-(`Edge._unwrapped`); with TLS the client's handshake runs on the reactor
-next, from the bytes that came after the header
-(`tlsedge._tls_accept.ReactorHandshake`, held in ``Edge._handshakes``), and
-its end goes on the same way (`Edge._handshaken`). Only where something
-must wait (a connect in progress, a retry, a send that would block) does a
-task go on from where the reactor or the accept loop stopped
-(`Edge._handle_connection`). An http-mode listener reads the PROXY header and
-runs the handshake the same way, then starts the connection's task with the
-client's stream (`_serve_http`), or, for a client denied with ``denied =
-"403"``, the task that answers it.
+(`Edge._unwrapped`); with TLS the client's handshake runs on the reactor next,
+from the bytes that came after the header
+(`tlsedge._tls_accept.ReactorHandshake`, held in ``Edge._handshakes``), and its
+end goes on the same way (`Edge._handshaken`). Only where something must wait
+(a connect in progress, a retry, a send that would block) does a task go on
+from where the reactor or the accept loop stopped (`Edge._handle_connection`).
+An http-mode listener reads the PROXY header and runs the handshake the same
+way, then starts the connection's task with the client's stream
+(`_serve_http`), or, for a client denied with ``denied = "403"``, the task that
+answers it.
 
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
