@@ -25,7 +25,7 @@ within ``connect()`` (loopback, a fast network). Its sockets stay stdlib
 sockets: no trio stream is built for them. With ``proxy_protocol`` the reactor
 reads the header first (`tlsedge._unwrap.ReactorHeaderRead`, held in
 ``Edge._header_reads`` for drain) and its end goes on with admission
-(`Edge._unwrapped`); with TLS the client's handshake runs on the reactor next,
+(`Edge._admit_now`); with TLS the client's handshake runs on the reactor next,
 from the bytes that came after the header
 (`tlsedge._tls_accept.ReactorHandshake`, held in ``Edge._handshakes``), and its
 end goes on the same way (`Edge._handshaken`). Only where something must wait
