@@ -27,8 +27,14 @@ import trio
 import trustme
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
 
-from tests.peers import require
-from tests.tlsedge.helpers import access_records, make_config, wait_until
+from tests.peers import free_port, nginx, require
+from tests.tlsedge.helpers import (
+    access_records,
+    address_of,
+    make_config,
+    running_edge,
+    wait_until,
+)
 from tests.tlsedge.test_admin import admin_address, http_get, total
 from tlsedge._cli import main
 from tlsedge._server import Edge
@@ -1217,3 +1223,63 @@ async def test_drain_lets_every_stream_in_flight_finish(tmp_path: Path) -> None:
     # nghttp's five streams are 13 to 21: all accepted, all answered after it.
     assert "last_stream_id=21" in out[goaway:]
     assert out[goaway:].count(":status: 200") == 5
+
+
+async def test_streams_to_a_tls_backend_with_send_proxy_keep_their_own_connections(
+    tmp_path: Path,
+) -> None:
+    # Each upstream connection is dedicated to the client connection (a
+    # PROXY header, then TLS): its streams reuse them, another client's never.
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert = ca.issue_cert("localhost")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "server.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    port = free_port()
+    body = (
+        "http { access_log off; default_type text/plain; "
+        f"ssl_certificate {tmp_path / 'server.pem'}; "
+        f"ssl_certificate_key {tmp_path / 'server.key'}; "
+        "ssl_protocols TLSv1.2 TLSv1.3; "
+        f"server {{ listen 127.0.0.1:{port} ssl proxy_protocol; "
+        'location / { return 200 "conn=$connection proxy=$proxy_protocol_addr '
+        'tls=$ssl_protocol\\n"; } } }'
+    )
+    with nginx(body, [port]):
+        config = make_config(
+            [
+                {
+                    "name": "web",
+                    "backend": "nginx",
+                    "mode": "http",
+                    "http2": {"cleartext": "prior-knowledge"},
+                }
+            ],
+            [
+                {
+                    "name": "nginx",
+                    "servers": [f"127.0.0.1:{port}"],
+                    "send_proxy": "v2",
+                    "protocol": "tls",
+                    "tls": {"ca": str(tmp_path / "ca.pem"), "sni": "localhost"},
+                }
+            ],
+        )
+        async with running_edge(config) as edge:
+            used: list[set[str]] = []
+            for _ in range(2):  # two client connections
+                client = await RawH2.open(address_of(edge, "web")[1])
+                rounds = []
+                for _ in range(2):
+                    sids = [client.request("/") for _ in range(5)]
+                    await client.send()
+                    await client.until(lambda c, sids=sids: _answered(c, *sids))
+                    lines = [client.body(sid).decode() for sid in sids]
+                    assert {line.partition(" ")[2] for line in lines} == {
+                        "proxy=127.0.0.1 tls=TLSv1.3\n"
+                    }
+                    rounds.append({line.partition(" ")[0] for line in lines})
+                await client.aclose()
+                assert rounds[1] <= rounds[0]
+                used.append(rounds[0])
+    assert not used[0] & used[1]
