@@ -1283,3 +1283,25 @@ async def test_streams_to_a_tls_backend_with_send_proxy_keep_their_own_connectio
                 assert rounds[1] <= rounds[0]
                 used.append(rounds[0])
     assert not used[0] & used[1]
+
+
+async def test_window_updates_elsewhere_do_not_keep_a_stalled_stream_alive(
+    tmp_path: Path,
+) -> None:
+    # The stream's window stays shut; the client opens the connection's a
+    # byte at a time, more often than idle_timeout: the stream still times out.
+    async with h2_edge(tmp_path, listener={"idle_timeout": 0.5}) as setup:
+        client = await RawH2.open(
+            setup.plain_port, settings={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+        )
+        sid = client.request("/big/100000")
+        await client.send()
+        with trio.fail_after(10):
+            while not client.ended(sid):
+                client.conn.increment_flow_control_window(1)
+                await client.send()
+                with trio.move_on_after(0.1):
+                    await client.read()
+        (reset,) = client.of(h2.events.StreamReset, sid)
+        assert reset.error_code == ErrorCodes.CANCEL
+        await client.aclose()

@@ -841,7 +841,6 @@ class _H2Connection:
         for stream in list(self.blocked):
             if stream not in self.blocked:
                 continue  # ended by an earlier one's failure
-            self.blocked.discard(stream)
             if stream.phase is _ANSWERING:
                 self._pump_answer(stream)
             elif stream.phase is _EXCHANGE and stream.conn is not None:
@@ -1339,6 +1338,8 @@ class _H2Connection:
                     return False
                 stream.out = view
                 if sent or stream not in self.blocked:
+                    # The stall counts from the last progress, not the
+                    # last window update (it may be another stream's).
                     stream.blocked_since = self.now()
                     self._arm(stream.blocked_since + self.idle_timeout)
                 self.blocked.add(stream)
