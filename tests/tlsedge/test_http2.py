@@ -1305,3 +1305,22 @@ async def test_window_updates_elsewhere_do_not_keep_a_stalled_stream_alive(
         (reset,) = client.of(h2.events.StreamReset, sid)
         assert reset.error_code == ErrorCodes.CANCEL
         await client.aclose()
+
+
+async def test_a_held_upstream_connection_expires_as_a_pooled_one_would(
+    tmp_path: Path,
+) -> None:
+    async with h2_edge(tmp_path) as setup:
+        pool = setup.edge._keepalive_pool("app")
+        pool.idle_timeout = 0.5
+        client = await RawH2.open(setup.plain_port)
+        busy = client.request("/slow/5")  # the connection is never idle
+        first = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: c.ended(first))
+        # /echo's upstream connection is held for the next streams; unused
+        # past the pool's idle timeout, it is closed (not parked).
+        await wait_until(lambda: setup.backend.closed == 1)
+        assert not client.ended(busy)
+        assert pool.idle_count() == 0
+        await client.aclose()

@@ -918,7 +918,11 @@ class _HttpConnection:
         assert ex is not None
         ex.connect_started = self.now()
         try:
-            taken = self.upstreams.take(ex.exclude, fresh=ex.fresh, held=self.held)
+            taken = self.upstreams.take(
+                ex.exclude,
+                fresh=ex.fresh,
+                held=(self.held,) if self.held is not None else (),
+            )
         except NoServerError as exc:
             self._refuse(503, str(exc), Termination.NO_SERVER)
             return

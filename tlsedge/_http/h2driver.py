@@ -35,7 +35,12 @@ rule (`tlsedge._http.rules.may_retry`), the same error statuses (503 no
 server, 502 connect failure or a bad answer, 504 ``response_timeout``) and the
 same access-log line (``version`` ``2.0``). The upstream request is HTTP/1.1:
 ``host`` first, ``transfer-encoding: chunked`` when the client sent no
-``content-length`` and a body (so trailers can follow).
+``content-length`` and a body (so trailers can follow). A clean upstream
+connection is *held* for the connection's next streams (at most
+``max_concurrent_streams``), its socket still registered and read on (the
+server closing it, or anything it sends, closes it); held ones go to the
+shared pool after `PARK_AFTER` without a stream and when the connection ends,
+and each is closed once unused for the pool's idle timeout.
 
 Flow control and backpressure. A request body piece is written upstream first
 and only then acknowledged (`H2Session.acknowledge`: the client's window
@@ -105,7 +110,7 @@ from tlsedge._http.h2session import (
     WindowOpened,
 )
 from tlsedge._http.log import HttpConnectionResult, RequestLog
-from tlsedge._http.pool import KeepAlivePool
+from tlsedge._http.pool import KeepAlivePool, close_now
 from tlsedge._http.rules import (
     RequestRewriter,
     error_body,
@@ -391,15 +396,15 @@ class _H2Connection:
         self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
         self.sni = ssl_info.server_name if ssl_info else None
         self.rewriter = RequestRewriter.for_connection(listener, downstream)
-        # The connections its streams release are kept back for its next
-        # streams (at most one per concurrent stream), until `PARK_AFTER`.
         self.upstreams = UpstreamConnections(
-            backend,
-            keepalive,
-            downstream.client_ip,
-            proxy_header,
-            keep=listener.http2.max_concurrent_streams,
+            backend, keepalive, downstream.client_ip, proxy_header
         )
+        #: The clean upstream connections its streams left, held (sockets
+        #: still registered) for its next streams, oldest first: each with
+        #: its socket and since when; and by descriptor.
+        self.held: dict[Upstream, tuple[RawStream, float]] = {}
+        self.held_fds: dict[int, Upstream] = {}
+        self.max_held = listener.http2.max_concurrent_streams
         self.session = H2Session(listener.http2, max_headers=self.http.max_headers)
         self.reactor = current_reactor()
         self.now = self.reactor.now
@@ -506,6 +511,7 @@ class _H2Connection:
             return
         self._cancel_streams()
         self.state = _DONE
+        self._park_held()
         self.timer.cancel()
         self.drain.forget(self._drained)
         client = self.client
@@ -572,6 +578,12 @@ class _H2Connection:
             stream = self.by_fd.get(fd)
             if stream is not None:
                 self._upstream_ready(stream, events)
+            else:
+                held = self.held_fds.get(fd)
+                if held is not None:
+                    # An idle connection has nothing to say: the server
+                    # closed it, reset it or sent stray bytes.
+                    self._drop_held(held, close=True)
         self._settle()
 
     def failed(self, exc: Exception) -> None:
@@ -667,13 +679,20 @@ class _H2Connection:
             )
         if not self.any_stream:
             return self.started + http.request_header_timeout, self._timed_out
+        due: tuple[float, Callable[[], None] | None] = (math.inf, None)
         if not self.session.active and not self.streams:
+            due = (self.idle_since + http.keepalive_timeout, self._timed_out)
             park = self.idle_since + PARK_AFTER
-            keepalive = self.idle_since + http.keepalive_timeout
-            if self.upstreams.kept and park < keepalive:
-                return park, self.upstreams.park
-            return keepalive, self._timed_out
-        return math.inf, None
+            if self.held and park < due[0]:
+                due = (park, self._park_held)
+        if self.held:
+            # The oldest held connection goes at the pool's idle timeout, as
+            # one in the pool would.
+            _, since = next(iter(self.held.values()))
+            expiry = since + self.upstreams.keepalive.idle_timeout
+            if expiry < due[0]:
+                due = (expiry, self._expire_held)
+        return due
 
     def _stream_deadline(
         self, stream: _Stream
@@ -712,6 +731,16 @@ class _H2Connection:
 
     def _client_stalled(self) -> None:
         self._client_failed("client did not read for idle_timeout")
+
+    def _park_held(self) -> None:
+        """No stream for `PARK_AFTER` (or the connection ended): the held
+        upstream connections go to the shared pool."""
+        for upstream in list(self.held):
+            self._drop_held(upstream, close=False)
+
+    def _expire_held(self) -> None:
+        upstream = next(iter(self.held))
+        self._drop_held(upstream, close=True)
 
     def _timed_out(self) -> None:
         if self.draining:
@@ -1006,7 +1035,9 @@ class _H2Connection:
         """Begin an attempt on a reused connection, or have the task open one."""
         stream.connect_started = self.now()
         try:
-            taken = self.upstreams.take(stream.exclude, fresh=stream.fresh)
+            taken = self.upstreams.take(
+                stream.exclude, fresh=stream.fresh, held=self.held
+            )
         except NoServerError as exc:
             self._after_failure(stream, Failure(Termination.NO_SERVER, str(exc), 503))
             return
@@ -1025,7 +1056,12 @@ class _H2Connection:
         log.connect = now - stream.connect_started
         log.server = format_address(upstream.server.address)
         self.result.server = log.server
-        raw = RawStream.of(upstream.stream)
+        raw: RawStream | None
+        if upstream in self.held:
+            raw, _ = self.held.pop(upstream)
+            del self.held_fds[raw.fd]
+        else:
+            raw = RawStream.of(upstream.stream)
         if raw is None:
             msg = f"upstream stream not socket-backed: {upstream.stream!r}"
             raise TypeError(msg)
@@ -1407,6 +1443,34 @@ class _H2Connection:
         stream.raw = None
         self.dirty.discard(stream)
 
+    def _hold(self, stream: _Stream, upstream: Upstream, raw: RawStream) -> None:
+        """Keep a clean upstream connection for the next streams, its socket
+        registered: no pool round trip, no re-registration, and the reactor
+        tells if the server closes it meanwhile."""
+        del self.by_fd[raw.fd]
+        stream.raw = None
+        self.dirty.discard(stream)
+        self.upstreams.hold(upstream)
+        now = self.now()
+        if not self.held:
+            self._arm(now + self.upstreams.keepalive.idle_timeout)
+        self.held[upstream] = (raw, now)
+        self.held_fds[raw.fd] = upstream
+        self._watch(raw, READABLE)
+
+    def _drop_held(self, upstream: Upstream, *, close: bool) -> None:
+        """Stop holding *upstream*: closed, or to the shared pool."""
+        raw, _ = self.held.pop(upstream)
+        del self.held_fds[raw.fd]
+        if raw.interest is not None:
+            self.reactor.unregister(raw.fd)
+            raw.interest = None
+        raw.detach()
+        if close:
+            close_now(upstream.stream)
+        else:
+            self.upstreams.park_held(upstream)
+
     def _end_exchange(self, stream: _Stream) -> None:
         upstream = stream.upstream
         failure = stream.failure
@@ -1419,11 +1483,21 @@ class _H2Connection:
             retried=stream.retried,
         )
         if upstream is not None:
+            raw = stream.raw
             clean = is_clean(
-                failure, stream.conn, stream.raw, body_stopped=stream.body_stopped
+                failure, stream.conn, raw, body_stopped=stream.body_stopped
             )
-            self._let_go(stream)
-            self.upstreams.release(upstream, clean=clean)
+            if (
+                clean
+                and raw is not None
+                and self.upstreams.proxy_header is None
+                and len(self.held) < self.max_held
+                and self.state is _OPEN
+            ):
+                self._hold(stream, upstream, raw)
+            else:
+                self._let_go(stream)
+                self.upstreams.release(upstream, clean=clean)
             stream.upstream = None
         self.blocked.discard(stream)
         stream.out = None
