@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
 import ssl
 import subprocess
@@ -25,8 +27,14 @@ import trio
 import trustme
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
 
-from tests.peers import require
-from tests.tlsedge.helpers import access_records, make_config, wait_until
+from tests.peers import free_port, nginx, require
+from tests.tlsedge.helpers import (
+    access_records,
+    address_of,
+    make_config,
+    running_edge,
+    wait_until,
+)
 from tests.tlsedge.test_admin import admin_address, http_get, total
 from tlsedge._cli import main
 from tlsedge._server import Edge
@@ -41,12 +49,16 @@ class CaptureBackend:
     ``/echo``: JSON of the request (head, body size and SHA-256, trailers).
     ``/big/<n>``: *n* bytes, chunked in 16 KiB pieces. ``/trailers``: a chunked
     body with a trailer. ``/slow/<s>``: answers after *s* seconds. ``/head``:
-    204.
+    204. ``/hold``: never answers, waits for the edge to close.
     """
 
     raw: list[bytearray] = field(default_factory=list)  # per connection
     received: bytearray = field(default_factory=bytearray)  # all, in order
     port: int = 0
+    big_sent: int = 0  # the ``/big`` body bytes the kernel took
+    holding: int = 0  # ``/hold`` requests received
+    eofs: int = 0  # ... whose connection the edge then closed
+    closed: int = 0  # connections ended
 
     @property
     def address(self) -> str:
@@ -76,7 +88,7 @@ class CaptureBackend:
                     return
                 assert isinstance(event, h11.Request), event
                 await self._answer(stream, conn, event, raw)
-                if conn.our_state is h11.MUST_CLOSE:
+                if conn.our_state is not h11.DONE:  # closing, or /hold
                     return
                 conn.start_next_cycle()
         except (
@@ -86,6 +98,7 @@ class CaptureBackend:
         ):
             return
         finally:
+            self.closed += 1
             await trio.aclose_forcefully(stream)
 
     async def _answer(
@@ -128,6 +141,7 @@ class CaptureBackend:
                 chunk = piece[: total - sent]
                 await send(h11.Data(data=chunk))
                 sent += len(chunk)
+                self.big_sent += len(chunk)
             await send(h11.EndOfMessage())
             return
         if path == "/trailers":
@@ -140,6 +154,11 @@ class CaptureBackend:
                 h11.Data(data=b"part two"),
                 h11.EndOfMessage(headers=[("X-Sum", "42")]),
             )
+            return
+        if path == "/hold":
+            self.holding += 1
+            if not await stream.receive_some(65536):
+                self.eofs += 1
             return
         if path.startswith("/slow/"):
             await trio.sleep(float(path.rsplit("/", 1)[1]))
@@ -1074,3 +1093,234 @@ async def test_a_client_gone_mid_stream_is_logged(
     assert line["termination"] == "client_error"
     assert line["detail"] == "the connection ended before the response did"
     assert line["status"] is None
+
+
+# -- the reactor driver: backpressure and cleanup with many streams -------------------
+
+
+def _sockets() -> set[str]:
+    """The sockets this process holds open (the edge's and the backend's)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:"):
+                found.add(link)
+    return found
+
+
+async def test_a_client_that_does_not_read_holds_every_upstream_back(
+    tmp_path: Path,
+) -> None:
+    # Ten responses of 16 MB to a client whose windows stay shut: each
+    # upstream is read only as far as its stream can send (nothing), so what
+    # the backends manage to write is what the sockets buffer, not the bodies.
+    size = 16_000_000
+    async with h2_edge(tmp_path) as setup:
+        pool = setup.edge._keepalive_pool("app")
+        client = await RawH2.open(
+            setup.plain_port, settings={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+        )
+        sids = [client.request(f"/big/{size}") for _ in range(10)]
+        await client.send()
+        await client.until(lambda c: len(c.of(h2.events.ResponseReceived)) == 10)
+        sent = -1
+        while sent != setup.backend.big_sent:  # until every backend is stuck
+            sent = setup.backend.big_sent
+            await trio.sleep(0.3)
+        assert sent < size  # all ten together: less than one body
+        assert not any(client.body(sid) for sid in sids)
+        # One stream's window opens: it gets its whole body, the rest nothing.
+        first = sids[0]
+        client.conn.increment_flow_control_window(size, stream_id=first)
+        client.conn.increment_flow_control_window(size)
+        await client.send()
+        with trio.fail_after(30):
+            while not client.ended(first):
+                await client.read()
+        assert client.body(first) == b"x" * size
+        assert not any(client.ended(sid) for sid in sids[1:])
+        assert not any(client.body(sid) for sid in sids[1:])
+        await client.aclose()
+        # The nine cut exchanges are closed; the clean one goes to the pool.
+        await wait_until(lambda: setup.backend.closed == 9)
+        await wait_until(lambda: pool.idle_count() == 1)
+
+
+async def test_a_stream_reset_mid_body_closes_its_upstream_connection(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h2_edge(tmp_path) as setup:
+        pool = setup.edge._keepalive_pool("app")
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/echo", method="POST", end_stream=False)
+        client.conn.send_data(sid, b"x" * 1000)
+        await client.send()
+        await wait_until(lambda: b"x" * 1000 in setup.backend.received)
+        client.conn.reset_stream(sid, ErrorCodes.CANCEL)
+        await client.send()
+        # Half a request upstream: that connection cannot be reused.
+        await wait_until(lambda: setup.backend.closed == 1)
+        assert pool.idle_count() == 0
+        again = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: c.ended(again))
+        assert client.status(again) == 200
+        assert len(setup.backend.raw) == 2
+        await client.aclose()
+    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert [r["termination"] for r in lines] == ["client_error", "ok"]
+    assert lines[0]["detail"] == "client reset the stream (error code 8)"
+
+
+async def test_a_client_gone_with_streams_open_closes_every_upstream(
+    tmp_path: Path,
+) -> None:
+    async with h2_edge(tmp_path) as setup:
+        before = _sockets()
+        client = await RawH2.open(setup.plain_port)
+        for _ in range(10):
+            client.request("/hold")
+        await client.send()
+        await wait_until(lambda: setup.backend.holding == 10)
+        opened = _sockets() - before
+        assert len(opened) >= 22  # the client's two ends, 10 upstreams' two
+        await client.aclose()
+        # The edge closes its side of every upstream connection (the backend
+        # sees EOF and closes its own): no socket of the connection is left.
+        await wait_until(lambda: setup.backend.eofs == 10)
+        await wait_until(lambda: not (_sockets() & opened))
+        assert setup.edge._keepalive_pool("app").idle_count() == 0
+
+
+async def test_drain_lets_every_stream_in_flight_finish(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        async with trio.open_nursery() as nursery:
+            done: list[subprocess.CompletedProcess[bytes]] = []
+
+            async def fetch() -> None:
+                done.append(
+                    await trio.run_process(
+                        [
+                            require("nghttp"),
+                            "-nv",
+                            "-m",
+                            "5",
+                            f"http://127.0.0.1:{setup.plain_port}/slow/0.5",
+                        ],
+                        capture_stdout=True,
+                        capture_stderr=True,
+                    )
+                )
+
+            nursery.start_soon(fetch)
+            await wait_until(lambda: setup.backend.received.count(b"/slow/0.5") == 5)
+            setup.edge.drain()
+        out = done[0].stdout.decode()
+    goaway = out.index("recv GOAWAY frame")
+    assert "error_code=NO_ERROR" in out[goaway:]
+    # nghttp's five streams are 13 to 21: all accepted, all answered after it.
+    assert "last_stream_id=21" in out[goaway:]
+    assert out[goaway:].count(":status: 200") == 5
+
+
+async def test_streams_to_a_tls_backend_with_send_proxy_keep_their_own_connections(
+    tmp_path: Path,
+) -> None:
+    # Each upstream connection is dedicated to the client connection (a
+    # PROXY header, then TLS): its streams reuse them, another client's never.
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    cert = ca.issue_cert("localhost")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "server.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    port = free_port()
+    body = (
+        "http { access_log off; default_type text/plain; "
+        f"ssl_certificate {tmp_path / 'server.pem'}; "
+        f"ssl_certificate_key {tmp_path / 'server.key'}; "
+        "ssl_protocols TLSv1.2 TLSv1.3; "
+        f"server {{ listen 127.0.0.1:{port} ssl proxy_protocol; "
+        'location / { return 200 "conn=$connection proxy=$proxy_protocol_addr '
+        'tls=$ssl_protocol\\n"; } } }'
+    )
+    with nginx(body, [port]):
+        config = make_config(
+            [
+                {
+                    "name": "web",
+                    "backend": "nginx",
+                    "mode": "http",
+                    "http2": {"cleartext": "prior-knowledge"},
+                }
+            ],
+            [
+                {
+                    "name": "nginx",
+                    "servers": [f"127.0.0.1:{port}"],
+                    "send_proxy": "v2",
+                    "protocol": "tls",
+                    "tls": {"ca": str(tmp_path / "ca.pem"), "sni": "localhost"},
+                }
+            ],
+        )
+        async with running_edge(config) as edge:
+            used: list[set[str]] = []
+            for _ in range(2):  # two client connections
+                client = await RawH2.open(address_of(edge, "web")[1])
+                rounds = []
+                for _ in range(2):
+                    sids = [client.request("/") for _ in range(5)]
+                    await client.send()
+                    await client.until(lambda c, sids=sids: _answered(c, *sids))
+                    lines = [client.body(sid).decode() for sid in sids]
+                    assert {line.partition(" ")[2] for line in lines} == {
+                        "proxy=127.0.0.1 tls=TLSv1.3\n"
+                    }
+                    rounds.append({line.partition(" ")[0] for line in lines})
+                await client.aclose()
+                assert rounds[1] <= rounds[0]
+                used.append(rounds[0])
+    assert not used[0] & used[1]
+
+
+async def test_window_updates_elsewhere_do_not_keep_a_stalled_stream_alive(
+    tmp_path: Path,
+) -> None:
+    # The stream's window stays shut; the client opens the connection's a
+    # byte at a time, more often than idle_timeout: the stream still times out.
+    async with h2_edge(tmp_path, listener={"idle_timeout": 0.5}) as setup:
+        client = await RawH2.open(
+            setup.plain_port, settings={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+        )
+        sid = client.request("/big/100000")
+        await client.send()
+        with trio.fail_after(10):
+            while not client.ended(sid):
+                client.conn.increment_flow_control_window(1)
+                await client.send()
+                with trio.move_on_after(0.1):
+                    await client.read()
+        (reset,) = client.of(h2.events.StreamReset, sid)
+        assert reset.error_code == ErrorCodes.CANCEL
+        await client.aclose()
+
+
+async def test_a_held_upstream_connection_expires_as_a_pooled_one_would(
+    tmp_path: Path,
+) -> None:
+    async with h2_edge(tmp_path) as setup:
+        pool = setup.edge._keepalive_pool("app")
+        pool.idle_timeout = 0.5
+        client = await RawH2.open(setup.plain_port)
+        busy = client.request("/slow/5")  # the connection is never idle
+        first = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: c.ended(first))
+        # /echo's upstream connection is held for the next streams; unused
+        # past the pool's idle timeout, it is closed (not parked).
+        await wait_until(lambda: setup.backend.closed == 1)
+        assert not client.ended(busy)
+        assert pool.idle_count() == 0
+        await client.aclose()

@@ -125,12 +125,23 @@ from tlsedge._http.pool import KeepAlivePool, close_now
 from tlsedge._http.rules import (
     RequestRewriter,
     log_text,
-    may_retry,
     origin_form,
     reason_phrase,
     strip_hop_by_hop,
 )
 from tlsedge._http.session import ClientClosedMidRequestError, ClientSession, Phase
+from tlsedge._http.upstream_step import (
+    IO_ERRORS,
+    UPSTREAM_READ_STALLED,
+    UPSTREAM_WRITE_STALLED,
+    Failure,
+    head_not_sent,
+    is_clean,
+    log_retry,
+    response_timeout,
+    should_retry,
+    upstream_failure,
+)
 from tlsedge._http.upstreams import (
     PARK_AFTER,
     NewConnection,
@@ -162,9 +173,6 @@ Header = tuple[bytes, bytes]
 LINGER_TIMEOUT: Final = 2.0
 LINGER_MAX_BYTES: Final = 1 << 20
 
-#: What a failed read or write raises (`RawStream`).
-_IO_ERRORS: Final = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
-
 # The connection's states (see the module docstring).
 _HEAD: Final = "head"
 _EXCHANGE: Final = "exchange"
@@ -174,25 +182,8 @@ _WAIT: Final = "wait"
 _DONE: Final = "done"
 
 
-@dataclass(frozen=True, slots=True)
-class _Failure:
-    termination: str
-    detail: str
-    status: int | None  # the error response, if none was started
-    retryable: bool = False  # upstream failed before any response byte
-
-
-_UPSTREAM_WRITE_STALLED: Final = _Failure(
-    Termination.SERVER_ERROR,
-    "upstream did not read for idle_timeout",
-    502,
-    retryable=True,
-)
-_CLIENT_READ_STALLED: Final = _Failure(
+_CLIENT_READ_STALLED: Final = Failure(
     Termination.CLIENT_ERROR, "client did not read for idle_timeout", None
-)
-_UPSTREAM_READ_STALLED: Final = _Failure(
-    Termination.SERVER_ABORTED, "upstream response stalled for idle_timeout", None
 )
 
 
@@ -232,7 +223,7 @@ class _Exchange:
     response_queued: bool = False  # all of it is written
     response_complete: bool = False  # ... and the client took it
     trailers_ok: bool = False
-    failure: _Failure | None = None
+    failure: Failure | None = None
 
     def new_attempt(self) -> None:
         self.upstream = self.raw = self.conn = None
@@ -352,11 +343,7 @@ class _HttpConnection:
         self.timer = Cancellable(self._timer)
         self.job: Callable[[], Awaitable[None]] | None = None
         self.task: trio.lowlevel.Task | None = None
-        self._response_timeout_failure = _Failure(
-            Termination.RESPONSE_TIMEOUT,
-            f"no response within response_timeout ({self.http.response_timeout:g} s)",
-            504,
-        )
+        self._response_timeout_failure = response_timeout(self.http.response_timeout)
 
     # -- the task: waits, and runs what must await -------------------------
 
@@ -645,7 +632,7 @@ class _HttpConnection:
         self._client_failed(_CLIENT_READ_STALLED.detail)
 
     def _response_stalled(self) -> None:
-        self._fail(_UPSTREAM_READ_STALLED)
+        self._fail(UPSTREAM_READ_STALLED)
 
     def _upstream_write_stalled(self) -> None:
         ex = self.ex
@@ -653,7 +640,7 @@ class _HttpConnection:
         if ex.head_sent:
             self._body_undeliverable("upstream did not read for idle_timeout")
         else:
-            self._fail(_UPSTREAM_WRITE_STALLED)
+            self._fail(UPSTREAM_WRITE_STALLED)
 
     def _response_timed_out(self) -> None:
         self._fail(self._response_timeout_failure)
@@ -673,7 +660,7 @@ class _HttpConnection:
                 f"request body slower than request_body_min_rate ({rate} bytes/s):"
                 f" {self.session.body_bytes} bytes in {now - ex.body_started:.1f} s"
             )
-        self._fail(_Failure(Termination.BAD_REQUEST, reason, 408))
+        self._fail(Failure(Termination.BAD_REQUEST, reason, 408))
 
     def _upgrade_stalled(self) -> None:
         self._upgrade_failed("a side did not read for idle_timeout")
@@ -684,7 +671,7 @@ class _HttpConnection:
         client = self.client
         try:
             data = client.receive(read_socket=read_socket)
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             self._client_failed(f"client read failed: {exc}")
             return
         if data is None:
@@ -725,7 +712,7 @@ class _HttpConnection:
         try:
             if client.flush():
                 self.client_progress = self.now()
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             self._client_failed(f"client write failed: {exc}")
             return
         if client.out:
@@ -747,7 +734,7 @@ class _HttpConnection:
     def _client_failed(self, detail: str) -> None:
         state = self.state
         if state is _EXCHANGE:
-            self._fail(_Failure(Termination.CLIENT_ERROR, detail, None))
+            self._fail(Failure(Termination.CLIENT_ERROR, detail, None))
         elif state is _UPGRADE:
             self._upgrade_failed(detail)
         elif state is _HEAD:
@@ -931,7 +918,11 @@ class _HttpConnection:
         assert ex is not None
         ex.connect_started = self.now()
         try:
-            taken = self.upstreams.take(ex.exclude, fresh=ex.fresh, held=self.held)
+            taken = self.upstreams.take(
+                ex.exclude,
+                fresh=ex.fresh,
+                held=(self.held,) if self.held is not None else (),
+            )
         except NoServerError as exc:
             self._refuse(503, str(exc), Termination.NO_SERVER)
             return
@@ -979,16 +970,16 @@ class _HttpConnection:
             try:
                 data, complete = self._take_buffered_body(ex, data)
             except RequestRejectedError as exc:
-                self._fail(_Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
+                self._fail(Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
                 return
             except ClientClosedMidRequestError as exc:
-                self._fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
+                self._fail(Failure(Termination.CLIENT_ERROR, str(exc), None))
                 return
         ex.request_written = complete
         prefix, upstream.prefix = upstream.prefix, b""
         try:
             raw.send(prefix + data if prefix else data)
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             self._head_not_sent(exc)
             return
         if raw.out:
@@ -998,16 +989,7 @@ class _HttpConnection:
             self._head_sent(ex)
 
     def _head_not_sent(self, exc: Exception) -> None:
-        """The upstream failed before it took the request head: nothing was
-        answered yet, so the request may go again (`may_retry`)."""
-        self._fail(
-            _Failure(
-                Termination.SERVER_ERROR,
-                f"upstream write failed: {exc}",
-                502,
-                retryable=True,
-            )
-        )
+        self._fail(head_not_sent(exc))
 
     def _take_buffered_body(self, ex: _Exchange, head: bytes) -> tuple[bytes, bool]:
         """*head* and the body bytes the session already holds, framed for the
@@ -1067,10 +1049,10 @@ class _HttpConnection:
             try:
                 event = session.next_event()
             except RequestRejectedError as exc:
-                self._fail(_Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
+                self._fail(Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
                 return
             except ClientClosedMidRequestError as exc:
-                self._fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
+                self._fail(Failure(Termination.CLIENT_ERROR, str(exc), None))
                 return
             if event is NEED_DATA:
                 return
@@ -1080,7 +1062,7 @@ class _HttpConnection:
                 ex.request_written = True
             try:
                 raw.send(data)
-            except _IO_ERRORS as exc:
+            except IO_ERRORS as exc:
                 self._body_undeliverable(f"upstream write failed: {exc}")
                 return
             if raw.out:
@@ -1112,7 +1094,7 @@ class _HttpConnection:
         try:
             if raw.flush():
                 ex.upstream_progress = self.now()
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             if ex.head_sent:
                 self._body_undeliverable(f"upstream write failed: {exc}")
             else:
@@ -1140,7 +1122,7 @@ class _HttpConnection:
         assert conn is not None
         try:
             data = raw.receive()
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             self._upstream_failed(
                 UpstreamError(f"upstream read failed: {exc}", empty=not conn.received)
             )
@@ -1217,9 +1199,9 @@ class _HttpConnection:
             return True
         try:
             self._send_client(data, ex.log)
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             self._fail(
-                _Failure(Termination.CLIENT_ERROR, f"client write failed: {exc}", None)
+                Failure(Termination.CLIENT_ERROR, f"client write failed: {exc}", None)
             )
             return False
         return True
@@ -1265,16 +1247,11 @@ class _HttpConnection:
     def _upstream_failed(self, exc: UpstreamError) -> None:
         ex = self.ex
         assert ex is not None
-        if ex.response_started:
-            self._fail(_Failure(Termination.SERVER_ABORTED, str(exc), None))
-        else:
-            self._fail(
-                _Failure(Termination.SERVER_ERROR, str(exc), 502, retryable=exc.empty)
-            )
+        self._fail(upstream_failure(exc, response_started=ex.response_started))
 
     # -- the end of an exchange ------------------------------------------------
 
-    def _fail(self, failure: _Failure) -> None:
+    def _fail(self, failure: Failure) -> None:
         ex = self.ex
         assert ex is not None
         if ex.failure is None:
@@ -1326,28 +1303,17 @@ class _HttpConnection:
         assert ex is not None
         upstream = ex.upstream
         failure = ex.failure
-        retry = (
-            failure is not None
-            and failure.retryable
-            and upstream is not None
-            and not ex.response_started
-            and may_retry(
-                method=ex.head.method,
-                has_body=ex.has_body,
-                reused=upstream.reused,
-                retried=ex.retried,
-            )
+        retry = should_retry(
+            failure,
+            upstream,
+            response_started=ex.response_started,
+            method=ex.head.method,
+            has_body=ex.has_body,
+            retried=ex.retried,
         )
         if upstream is not None:
             raw = ex.raw
-            clean = (
-                failure is None
-                and not ex.body_stopped
-                and ex.conn is not None
-                and ex.conn.reusable
-                and raw is not None
-                and not raw.out
-            )
+            clean = is_clean(failure, ex.conn, raw, body_stopped=ex.body_stopped)
             if (
                 clean
                 and raw is not None
@@ -1362,13 +1328,7 @@ class _HttpConnection:
         if retry:
             assert failure is not None
             assert upstream is not None
-            LOGGER.info(
-                "listener %s: %s %s: retrying on a new connection: %s",
-                self.listener.name,
-                ex.log.method,
-                ex.log.target,
-                failure.detail,
-            )
+            log_retry(self.listener.name, ex.log, failure)
             if not upstream.reused:
                 ex.retried = True
                 ex.exclude = upstream.server
@@ -1392,7 +1352,7 @@ class _HttpConnection:
         else:
             self._linger()
 
-    def _after_failure(self, ex: _Exchange, failure: _Failure) -> None:
+    def _after_failure(self, ex: _Exchange, failure: Failure) -> None:
         log = ex.log
         if failure.status is not None and not ex.response_started:
             self._refuse(failure.status, failure.detail, failure.termination)
@@ -1444,7 +1404,7 @@ class _HttpConnection:
         data = self.session.send_error(status, reason)
         try:
             self._send_client(data, self.log)
-        except _IO_ERRORS:
+        except IO_ERRORS:
             self._request_done()
             self._finish()
             return
@@ -1458,7 +1418,7 @@ class _HttpConnection:
         client = self.client
         try:
             client.send_eof()
-        except _IO_ERRORS:
+        except IO_ERRORS:
             self._finish()
             return
         if client.eof and not client.out:
@@ -1504,7 +1464,7 @@ class _HttpConnection:
                 if ex.raw.out:
                     ex.upstream_progress = self.now()
                     self._arm(ex.upstream_progress + self.idle_timeout)
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             self._upgrade_failed(str(exc))
             return
         ex.log.bytes_in += len(from_client)

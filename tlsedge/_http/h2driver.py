@@ -1,4 +1,4 @@
-"""HTTP/2 to clients in HTTP mode: the trio driver of `H2Session` (docs/http2.md).
+"""HTTP/2 to clients in HTTP mode: the reactor driver of `H2Session` (docs/http2.md).
 
 Theory of operation
 ===================
@@ -7,40 +7,62 @@ Theory of operation
 opened with the HTTP/2 preface on a listener with ``[listeners.http2]
 cleartext = "prior-knowledge"`` (`sniff_preface` tells). The sans-IO
 `tlsedge._http.h2session.H2Session` does the framing and the defences; this
-module does the I/O with three kinds of task:
+module feeds it and drains it.
 
-* the connection's task reads the client, feeds the session and dispatches
-  its events: a new stream starts a stream task (at most
-  ``max_concurrent_streams``: the session refuses more), body pieces go to the
-  stream's queue, a reset cancels the stream's task;
-* the writer sends what the session has queued (one task, so frames never
-  interleave); stream tasks wait while more than `HIGH_WATER` bytes are
-  queued, so a client that reads slowly slows the upstreams down;
-* one task per stream drives an `UpstreamExchange` exactly as the HTTP/1.1
-  driver does for a request: the same `UpstreamConnections` (pool, dedicated
-  ``send_proxy`` connections, TLS backends), the same `RequestRewriter`
-  (forwarding headers, request id, stripping), the same retry rule
-  (`tlsedge._http.rules.may_retry`), the same error statuses (503 no server,
-  502 connect failure or a bad answer, 504 ``response_timeout``) and the same
-  access-log line (``version`` ``2.0``). The upstream request is HTTP/1.1:
-  ``host`` first, ``transfer-encoding: chunked`` when the client sent no
-  ``content-length`` and a body (so trailers can follow).
+Who runs what. As in HTTP/1.1 (`tlsedge._http.driver`), the connection is a
+handler of the worker's reactor (`tlsedge._reactor`), and so is every upstream
+socket its streams use: the reactor calls `_H2Connection.ready` when the
+client's or an upstream's socket is ready, and everything then happens in that
+call without awaiting: client bytes into the session, its events dispatched
+(a new stream, body pieces, resets, window updates), request bytes written
+upstream, upstream bytes read into the stream's `UpstreamExchange` and its
+events turned into frames, and what the session queued written to the client
+in one write at the end of the call. All I/O goes through
+`tlsedge._raw_stream.RawStream` (TLS included). The connection's trio task
+parks meanwhile and runs only what must await: opening an upstream connection
+(`UpstreamConnections.connect`: connect, retries, a TLS handshake). Several
+streams may need one at once; the task runs each in a task of its own in a
+nursery, so a slow or failing server does not hold up the streams behind it
+(one at a time, ten new streams on a cold pool would pay ten connect times in
+a row). A stream reset meanwhile cancels its connect.
 
-Flow control and backpressure. A request body piece is written upstream
-first and only then acknowledged (`H2Session.acknowledge`: the client's
-window reopens), so a slow upstream holds the client to its window. Response
-data is read from the upstream one piece at a time and each piece goes out
-only as the client's windows allow (`H2Session.sendable`): the upstream is
-read no faster than the client takes it.
+Each stream drives one `UpstreamExchange` at a time exactly as the HTTP/1.1
+driver does for a request, sharing its decisions
+(`tlsedge._http.upstream_step`): the same `UpstreamConnections` (pool,
+dedicated ``send_proxy`` connections, TLS backends), the same
+`RequestRewriter` (forwarding headers, request id, stripping), the same retry
+rule (`tlsedge._http.rules.may_retry`), the same error statuses (503 no
+server, 502 connect failure or a bad answer, 504 ``response_timeout``) and the
+same access-log line (``version`` ``2.0``). The upstream request is HTTP/1.1:
+``host`` first, ``transfer-encoding: chunked`` when the client sent no
+``content-length`` and a body (so trailers can follow). A clean upstream
+connection is *held* for the connection's next streams (at most
+``max_concurrent_streams``), its socket still registered and read on (the
+server closing it, or anything it sends, closes it); held ones go to the
+shared pool after `PARK_AFTER` without a stream and when the connection ends,
+and each is closed once unused for the pool's idle timeout.
 
-Timeouts (the ``[listeners.http]`` ones, per connection and per stream).
-Connection: the first request's header block within
+Flow control and backpressure. A request body piece is written upstream first
+and only then acknowledged (`H2Session.acknowledge`: the client's window
+reopens); a piece the upstream's socket did not take at once is acknowledged
+when it did (`RawStream.out` flushed), so a slow upstream holds the client to
+its window. Response data goes out only as far as the client's windows allow
+(`H2Session.sendable`) and while fewer than `HIGH_WATER` bytes wait for the
+client's socket; a stream holding a piece it could not send does not read its
+upstream (its socket is not watched for reading), so the upstream is read no
+faster than the client takes the response.
+
+Timeouts (the ``[listeners.http]`` ones, per connection and per stream), as
+timestamps checked by one lazy reactor timer per connection
+(`_H2Connection._timer`). Connection: the first request's header block within
 ``request_header_timeout`` of the connection's start, any later header block
 within ``request_header_timeout`` of its first frame (a CONTINUATION trickle
-ends there), no stream open for ``keepalive_timeout`` (GOAWAY, close).
-Stream: a request body or a response write (a zero window) stalled for the
-listener's ``idle_timeout``, no response head within ``response_timeout``
-(504). A stream that times out with its response started is reset.
+ends there), no stream open for ``keepalive_timeout`` (GOAWAY, close), a
+client that does not read for the listener's ``idle_timeout``. Stream: a
+request body or a response write (a zero window) stalled for ``idle_timeout``,
+an upstream that does not read the request or stalls the response for
+``idle_timeout``, no response head within ``response_timeout`` (504). A
+stream that times out with its response started is reset.
 
 Drain: GOAWAY (NO_ERROR) with the last stream accepted; the streams before it
 finish, later ones are refused (REFUSED_STREAM), the connection closes when
@@ -49,18 +71,15 @@ none is left (or is cancelled at the drain deadline).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Final
 
 import trio
 
-from tlsedge import _sockio as sockio
 from tlsedge._accesslog import format_address
 from tlsedge._balancer import Server
 from tlsedge._config import ListenerConfig
@@ -72,6 +91,7 @@ from tlsedge._http.events import (
     Body,
     EndOfBody,
     Informational,
+    NeedData,
     Response,
 )
 from tlsedge._http.exchange import UpstreamError, UpstreamExchange
@@ -90,15 +110,42 @@ from tlsedge._http.h2session import (
     WindowOpened,
 )
 from tlsedge._http.log import HttpConnectionResult, RequestLog
-from tlsedge._http.pool import KeepAlivePool
+from tlsedge._http.pool import KeepAlivePool, close_now
 from tlsedge._http.rules import (
     RequestRewriter,
     error_body,
     log_text,
-    may_retry,
     strip_hop_by_hop,
 )
-from tlsedge._http.upstreams import PARK_AFTER, Upstream, UpstreamConnections
+from tlsedge._http.upstream_step import (
+    IO_ERRORS,
+    UPSTREAM_READ_STALLED,
+    UPSTREAM_WRITE_STALLED,
+    Failure,
+    head_not_sent,
+    is_clean,
+    log_retry,
+    response_timeout,
+    should_retry,
+    upstream_failure,
+)
+from tlsedge._http.upstreams import (
+    PARK_AFTER,
+    NewConnection,
+    Upstream,
+    UpstreamConnections,
+)
+from tlsedge._raw_stream import RawStream
+from tlsedge._reactor import (
+    ERROR,
+    HANGUP,
+    READABLE,
+    WRITABLE,
+    Cancellable,
+    Reactor,
+    current_reactor,
+)
+from tlsedge._relay import set_abortive_close
 from tlsedge._termination import Termination
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
@@ -108,12 +155,83 @@ LOGGER = logging.getLogger("tlsedge.http")
 
 Header = tuple[bytes, bytes]
 
-READ_SIZE: Final = 65536
-#: Stream tasks wait while more than this many bytes wait for the writer.
+#: Streams stop sending response data while this many bytes wait for the
+#: client's socket.
 HIGH_WATER: Final = 65536
 #: Response fields that HTTP/2 forbids (RFC 9113 section 8.2.2), beyond the
 #: hop-by-hop ones `strip_hop_by_hop` drops.
 _NOT_IN_H2: Final = frozenset({b"transfer-encoding", b"keep-alive", b"upgrade"})
+
+# The connection's states.
+_OPEN: Final = "open"
+_CLOSING: Final = "closing"  # the last frames (a GOAWAY) go out
+_DONE: Final = "done"
+
+# What a stream is doing (`_Stream.phase`).
+_CONNECTING: Final = "connecting"  # the task opens its upstream connection
+_EXCHANGE: Final = "exchange"  # an attempt on an upstream connection
+_ANSWERING: Final = "answering"  # our own error response goes out
+_CLOSED: Final = "closed"
+
+
+# -- h2c with prior knowledge: the preface, read on the reactor ----------------
+
+
+class _PrefaceSniffer:
+    """Reads a plain client's first bytes on the reactor until they are, or
+    cannot be, the HTTP/2 preface (or the header timeout passes)."""
+
+    __slots__ = ("data", "raw", "reactor", "task", "timer")
+
+    def __init__(self, raw: RawStream, data: bytes, reactor: Reactor) -> None:
+        self.raw = raw
+        self.data = data
+        self.reactor = reactor
+        self.task: trio.lowlevel.Task | None = None
+        self.timer = Cancellable(self._done)
+
+    @property
+    def decided(self) -> bool:
+        data = self.data
+        return len(data) >= len(PREFACE) or not PREFACE.startswith(data)
+
+    def ready(self, fd: int, events: int) -> None:
+        try:
+            chunk = self.raw.receive()
+        except IO_ERRORS:
+            chunk = b""  # the driver sees the failure again
+        if chunk is None:
+            return
+        self.data += chunk
+        if not chunk or self.decided:
+            self._done()
+
+    def failed(self, exc: Exception) -> None:
+        self._done()
+
+    def _done(self) -> None:
+        raw = self.raw
+        if raw.interest is not None:
+            self.reactor.unregister(raw.fd)
+            raw.interest = None
+        self.timer.cancel()
+        if self.task is not None:
+            trio.lowlevel.reschedule(self.task)
+            self.task = None
+
+    async def wait(self, header_timeout: float) -> None:
+        reactor = self.reactor
+        reactor.call_at(reactor.now() + header_timeout, self.timer)
+        self.raw.interest = READABLE
+        reactor.register(self.raw.fd, READABLE, self)
+        self.task = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self.task = None
+            self._done()
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 async def sniff_preface(
@@ -121,67 +239,131 @@ async def sniff_preface(
 ) -> tuple[bool, bytes]:
     """Read until the client's first bytes are, or cannot be, the HTTP/2
     preface (h2c with prior knowledge). Returns whether they are, and every
-    byte read (for whichever driver serves the connection)."""
-    data = initial_data
-    with trio.move_on_after(header_timeout):
-        while len(data) < len(PREFACE) and PREFACE.startswith(data):
-            chunk = await sockio.receive_some(client, READ_SIZE)
-            if not chunk:
-                break
-            data += chunk
+    byte read (for whichever driver serves the connection).
+
+    Raises:
+        TypeError: *client* is not a `trio.SocketStream`.
+    """
+    raw = RawStream.of(client)
+    if raw is None or raw.tls is not None:
+        msg = f"sniff_preface needs a plain trio.SocketStream, not {client!r}"
+        raise TypeError(msg)
+    sniffer = _PrefaceSniffer(raw, initial_data, current_reactor())
+    try:
+        if not sniffer.decided:
+            await sniffer.wait(header_timeout)
+    finally:
+        raw.detach()
+    data = sniffer.data
     return data[: len(PREFACE)] == PREFACE, data
 
 
-class _StreamGoneError(Exception):
-    """The stream was reset or the connection ended: stop serving it."""
+# -- one stream ----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Failure:
-    termination: str
-    detail: str
-    status: int | None  # the error response, if none was started
-    retryable: bool = False
-    code: int = ErrorCodes.INTERNAL_ERROR  # the RST_STREAM after a started response
-
-
-@dataclass(slots=True, eq=False)
 class _Stream:
-    """One request stream and its task's state."""
+    """One request stream; the fields after ``retried`` describe the current
+    attempt (a retry starts them afresh)."""
 
-    id: int
-    request: H2Request
-    log: RequestLog
-    started: float
-    #: The work in progress or next (an attempt, an error response), which
-    #: a reset cancels; one scope per attempt, also its deadline (`deadline`).
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    #: The client reset the stream, or the connection ended: stop.
-    cancelled: bool = False
-    body: deque[RequestData | RequestEnd] = field(default_factory=deque)
-    wakeup: trio.Event = field(default_factory=trio.Event)
-    request_read: bool = False  # the client's END_STREAM arrived
-    #: The last upstream read most likely emptied the socket (or the request
-    #: just went out): the next read waits for readability first.
-    upstream_drained: bool = False
-    response_started: bool = False
-    failure: _Failure | None = None
-    #: The deadline of the exchange in progress, and what it means.
-    deadline: trio.CancelScope | None = None
-    armed: _Failure | None = None
+    __slots__ = (
+        "blocked_since",
+        "body",
+        "body_kind",
+        "body_progress",
+        "body_stopped",
+        "cancelled",
+        "conn",
+        "connect_started",
+        "exclude",
+        "expects_continue",
+        "failure",
+        "fresh",
+        "head_deadline",
+        "head_received",
+        "head_sent",
+        "headers",
+        "id",
+        "log",
+        "lookahead",
+        "out",
+        "out_end",
+        "phase",
+        "raw",
+        "read_progress",
+        "request",
+        "request_read",
+        "request_written",
+        "response_done",
+        "response_started",
+        "retried",
+        "scope",
+        "started",
+        "trailers_ok",
+        "unacked",
+        "upstream",
+        "upstream_progress",
+    )
 
-    def fail(self, failure: _Failure) -> None:
-        if self.failure is None:
-            self.failure = failure
+    def __init__(
+        self, stream_id: int, request: H2Request, log: RequestLog, started: float
+    ) -> None:
+        self.id = stream_id
+        self.request = request
+        self.log = log
+        self.started = started
+        self.phase = _EXCHANGE
+        self.headers: list[Header] = []
+        self.body_kind = BodyKind.NONE
+        self.expects_continue = False
+        #: Client body events not written upstream yet (not acknowledged).
+        self.body: deque[RequestData | RequestEnd] = deque()
+        self.request_read = request.end_stream  # the client's END_STREAM came
+        self.cancelled = False  # reset by the client, or the connection ended
+        #: Our response began (head sent), and ended (END_STREAM queued).
+        self.response_started = False
+        self.response_done = False
+        #: Response body bytes the client's windows did not take yet, and
+        #: whether the last of them ends the response.
+        self.out: memoryview | None = None
+        self.out_end = False
+        self.blocked_since = math.inf  # since when `out` waits for the client
+        self.failure: Failure | None = None
+        # Retries.
+        self.exclude: Server | None = None  # the server a failed attempt used
+        self.fresh = False  # a retry: a new connection, not a pooled one
+        self.retried = False
+        #: The connect job's scope (a reset cancels it).
+        self.scope: trio.CancelScope | None = None
+        self.connect_started = 0.0
+        self.new_attempt()
 
-    def cancel(self) -> None:
-        """Stop serving the stream (reset, or the connection ended)."""
-        self.cancelled = True
-        self.scope.cancel()
-
-    def clear_failure(self) -> None:
-        """A new attempt (a retry) starts."""
+    def new_attempt(self) -> None:
+        self.upstream: Upstream | None = None
+        self.raw: RawStream | None = None
+        self.conn: UpstreamExchange | None = None
+        self.unacked = 0  # flow-controlled bytes waiting in ``raw.out``
+        self.head_sent = False  # the request head left ``raw.out``
+        self.request_written = False  # all of the request is in ``raw``
+        self.body_stopped = False  # the upstream takes no more of the body
+        self.body_progress = 0.0  # the last body bytes from the client
+        self.upstream_progress = 0.0  # since when the upstream owes a write
+        self.read_progress = 0.0  # the last response bytes from the upstream
+        self.head_deadline = math.inf  # response_timeout once the request is sent
+        self.head_received = False
+        self.trailers_ok = False
+        self.lookahead: Informational | Response | Body | EndOfBody | None = None
         self.failure = None
+
+
+def _reset_code(failure: Failure) -> int:
+    """The RST_STREAM for a stream that fails with its response started: the
+    client's fault (a stall, a late body) CANCEL, the upstream's INTERNAL_ERROR."""
+    if failure.termination in {Termination.CLIENT_ERROR, Termination.BAD_REQUEST}:
+        return ErrorCodes.CANCEL
+    return ErrorCodes.INTERNAL_ERROR
+
+
+# -- the connection ------------------------------------------------------------
 
 
 class _H2Connection:
@@ -189,7 +371,7 @@ class _H2Connection:
 
     def __init__(
         self,
-        client: trio.abc.Stream,
+        client: RawStream,
         downstream: Downstream,
         *,
         listener: ListenerConfig,
@@ -203,6 +385,7 @@ class _H2Connection:
         self.client = client
         self.listener = listener
         self.http = listener.http
+        self.idle_timeout = listener.idle_timeout
         self.backend = backend
         self.drain = drain
         self.result = result
@@ -213,210 +396,351 @@ class _H2Connection:
         self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
         self.sni = ssl_info.server_name if ssl_info else None
         self.rewriter = RequestRewriter.for_connection(listener, downstream)
-        # The connections its streams release are kept back for its next
-        # streams (at most one per concurrent stream), until `PARK_AFTER`.
         self.upstreams = UpstreamConnections(
-            backend,
-            keepalive,
-            downstream.client_ip,
-            proxy_header,
-            keep=listener.http2.max_concurrent_streams,
+            backend, keepalive, downstream.client_ip, proxy_header
         )
+        #: The clean upstream connections its streams left, held (sockets
+        #: still registered) for its next streams, oldest first: each with
+        #: its socket and since when; and by descriptor.
+        self.held: dict[Upstream, tuple[RawStream, float]] = {}
+        self.held_fds: dict[int, Upstream] = {}
+        self.max_held = listener.http2.max_concurrent_streams
         self.session = H2Session(listener.http2, max_headers=self.http.max_headers)
-        self.now: Callable[[], float] = trio.lowlevel.current_clock().current_time
+        self.reactor = current_reactor()
+        self.now = self.reactor.now
         self.started = self.now()
+        self.state = _OPEN
         self.streams: dict[int, _Stream] = {}
+        #: Upstream sockets by descriptor, and their streams.
+        self.by_fd: dict[int, _Stream] = {}
+        #: Streams whose response data waits for a window or the client.
+        self.blocked: set[_Stream] = set()
+        #: Streams whose upstream socket's interest may have to change.
+        self.dirty: set[_Stream] = set()
+        #: Response DATA given to the session since its bytes last went out.
+        self.unflushed = 0
         self.any_stream = False
         self.idle_since = self.started
         self.header_block_since: float | None = None
-        self.outbox = bytearray()
-        self.out_ready = trio.Event()
-        self.out_drained = trio.Event()
-        self.window = trio.Event()
-        self.read_scope: trio.CancelScope | None = None
-        # What the timeouts armed on each stream mean (`_arm`).
-        self._upstream_write_stall = _Failure(
-            Termination.SERVER_ERROR,
-            "upstream did not read for idle_timeout",
-            502,
-            retryable=True,
-        )
-        self._response_timeout = _Failure(
-            Termination.RESPONSE_TIMEOUT,
-            f"no response within response_timeout ({self.http.response_timeout:g} s)",
-            504,
-        )
-        self._upstream_read_stall = _Failure(
-            Termination.SERVER_ABORTED,
-            "upstream response stalled for idle_timeout",
-            None,
-        )
-        self._client_stall = _Failure(
+        self.client_progress = 0.0  # since when the client owes a read
+        self.client_broken: str | None = None  # a write failed: why
+        self.draining = False
+        self.armed = math.inf  # the earliest pending timer of ours
+        self.timer = Cancellable(self._timer)
+        # New upstream connections for the task to open, and the task.
+        self.jobs: list[tuple[_Stream, NewConnection]] = []
+        self.task: trio.lowlevel.Task | None = None
+        self._response_timeout = response_timeout(self.http.response_timeout)
+        self._client_stall = Failure(
             Termination.CLIENT_ERROR,
             "client did not read (or open its window) for idle_timeout",
             None,
-            code=ErrorCodes.CANCEL,
         )
-        self.draining = False
-        self.writer_done = False
 
-    # -- the connection ---------------------------------------------------
+    # -- the task: waits, and opens upstream connections -----------------------
+
+    async def run(self, initial_data: bytes) -> None:
+        try:
+            self._start(initial_data)
+            async with trio.open_nursery() as nursery:
+                while self.state is not _DONE:
+                    if not self.jobs:
+                        await self._park()
+                        continue
+                    jobs, self.jobs = self.jobs, []
+                    for stream, new in jobs:
+                        if not stream.cancelled:
+                            nursery.start_soon(self._connect, stream, new)
+        finally:
+            self._finish()
+            self.client.detach()
+
+    async def _park(self) -> None:
+        self.task = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def _wake(self) -> None:
+        if self.task is not None:
+            trio.lowlevel.reschedule(self.task)
+            self.task = None
+
+    async def _connect(self, stream: _Stream, new: NewConnection) -> None:
+        upstream: Upstream | None = None
+        failure: Failure | None = None
+        scope = stream.scope
+        assert scope is not None
+        with scope:
+            try:
+                upstream = await self.upstreams.connect(new)
+            except ConnectFailedError as exc:
+                failure = Failure(Termination.CONNECT_FAILED, str(exc), 502)
+        stream.scope = None
+        if stream.cancelled or self.state is not _OPEN:
+            if upstream is not None:
+                # Nobody wants it: closed, not pooled.
+                self.upstreams.release(upstream, clean=False)
+            return
+        stream.phase = _EXCHANGE
+        if upstream is None:
+            assert failure is not None
+            self._after_failure(stream, failure)
+        else:
+            self._begin(stream, upstream)
+        self._settle()
+
+    def _start(self, initial_data: bytes) -> None:
+        self._arm(self.started + self.http.request_header_timeout)
+        self.drain.call_on_set(self._drained)
+        if initial_data and self.state is _OPEN:
+            self._received(initial_data)
+        if self.client.tls is not None and self.state is _OPEN:
+            # Records its engine read past the handshake.
+            self._read_client(read_socket=False)
+        self._settle()
+
+    def _finish(self) -> None:
+        """The connection is over: every stream ended and logged, every
+        upstream socket let go (closed unless clean), nothing registered, the
+        task woken. Its owner closes the client."""
+        if self.state is _DONE:
+            return
+        self._cancel_streams()
+        self.state = _DONE
+        self._park_held()
+        self.timer.cancel()
+        self.drain.forget(self._drained)
+        client = self.client
+        if client.interest is not None:
+            self.reactor.unregister(client.fd)
+            client.interest = None
+        self._wake()
 
     def _end(self, termination: str, detail: str | None = None) -> None:
         if self.result.termination == Termination.UNKNOWN:
             self.result.termination = termination
             self.result.detail = detail
 
-    async def serve(self, initial_data: bytes) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._writer, nursery.cancel_scope)
-            async with trio.open_nursery() as streams:
-                try:
-                    await self._read_loop(streams, initial_data)
-                finally:
-                    # Nothing more is read: a stream still open cannot finish
-                    # (the client closed, broke the protocol or sent GOAWAY).
-                    for stream in list(self.streams.values()):
-                        stream.cancel()
-            # Every stream is done: what is queued (a GOAWAY) goes out.
-            self.session.close()
-            self.writer_done = True
-            self._kick()
-
-    def _kick(self) -> None:
-        """Wake the writer: the session queued bytes (the writer takes all
-        there are when it runs, so what the streams of one scheduling round
-        queued goes out in one write)."""
-        self.out_ready.set()
-
-    def _pull(self) -> int:
-        """Move what the session queued to the outbox; the outbox's size."""
-        data = self.session.data_to_send()
-        if data:
-            self.outbox += data
-        return len(self.outbox)
-
-    async def _writer(self, connection_scope: trio.CancelScope) -> None:
-        idle_timeout = self.listener.idle_timeout
-        while True:
-            if not self._pull():
-                self.out_drained.set()
-                if self.writer_done:
-                    return
-                await self.out_ready.wait()
-                self.out_ready = trio.Event()
-                continue
-            data = bytes(self.outbox)
-            self.outbox.clear()
-            try:
-                with trio.move_on_after(idle_timeout) as scope:
-                    await sockio.send_all(self.client, data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self._end(Termination.CLIENT_ERROR, f"client write failed: {exc}")
-                connection_scope.cancel()
-                return
-            if scope.cancelled_caught:
-                self._end(
-                    Termination.CLIENT_ERROR, "client did not read for idle_timeout"
+    def _cancel_streams(self) -> None:
+        """End every stream: nothing more can be read for them."""
+        drained = self.drain.is_set()
+        for stream in list(self.streams.values()):
+            log = stream.log
+            stream.cancelled = True
+            if log.termination == Termination.OK and stream.id in self.session.active:
+                log.termination = (
+                    Termination.DRAINED if drained else Termination.CLIENT_ERROR
                 )
-                connection_scope.cancel()
-                return
-            self.result.bytes_to_client += len(data)
-            if len(self.outbox) < HIGH_WATER:
-                self.out_drained.set()
+                log.detail = "the connection ended before the response did"
+            self._close_stream(stream)
 
-    async def _wait_writable(self) -> None:
-        """Wait while the outbox is above `HIGH_WATER`."""
-        while self._pull() >= HIGH_WATER:
-            if self.out_drained.is_set():
-                self.out_drained = trio.Event()
-            await self.out_drained.wait()
-
-    def _read_deadline(self) -> float:
-        http = self.http
-        if self.draining and not self.streams:
-            return -math.inf  # the GOAWAY went out and nothing is left
-        if self.header_block_since is not None:
-            return self.header_block_since + http.request_header_timeout
-        if not self.any_stream:
-            return self.started + http.request_header_timeout
-        if not self.session.active:
-            deadline = self.idle_since + http.keepalive_timeout
-            if self.upstreams.kept:
-                return min(deadline, self.idle_since + PARK_AFTER)
-            return deadline
-        return math.inf
-
-    def _update_read_deadline(self) -> None:
-        scope = self.read_scope
-        if scope is not None:
-            deadline = self._read_deadline()
-            if deadline != scope.deadline:  # setting it costs, even unchanged
-                scope.deadline = deadline
-
-    async def _read_loop(self, nursery: trio.Nursery, initial_data: bytes) -> None:
-        session = self.session
-        self._kick()  # our SETTINGS
-        if initial_data:
-            self.result.bytes_from_client += len(initial_data)
-            self._dispatch(session.receive_data(initial_data, self.now()), nursery)
-        while not session.ended:
-            # One scope for as many reads as come before it is cancelled (a
-            # deadline, the drain); `_update_read_deadline` moves its deadline.
-            with trio.CancelScope(deadline=self._read_deadline()) as scope:
-                self.read_scope = scope
-                watch = self.drain.cancels(scope) if not self.draining else None
-                with watch or contextlib.nullcontext():
-                    while not session.ended:
-                        try:
-                            data = await sockio.receive_some(self.client, READ_SIZE)
-                        except (
-                            trio.BrokenResourceError,
-                            trio.ClosedResourceError,
-                            OSError,
-                        ) as exc:
-                            self._end(
-                                Termination.CLIENT_ERROR, f"client read failed: {exc}"
-                            )
-                            return
-                        if not data:
-                            self._end(Termination.CLIENT_CLOSED)
-                            return
-                        self._received(data, nursery)
-            self.read_scope = None
-            if scope.cancelled_caught:
-                if self.drain.is_set() and not self.draining:
-                    self.draining = True
-                    session.goaway()
-                    self._kick()
-                    continue
-                if self._park_due():
-                    self.upstreams.park()
-                    continue
-                self._timed_out()
-                return
-
-    def _received(self, data: bytes, nursery: trio.Nursery) -> None:
-        """Client bytes to the session, its events dispatched."""
-        session = self.session
-        self.result.bytes_from_client += len(data)
-        self._dispatch(session.receive_data(data, self.now()), nursery)
-        if session.in_header_block:
-            if self.header_block_since is None:
-                self.header_block_since = self.now()
+    def _shut_down(self) -> None:
+        """The session ended or is ended now: every stream stops, the last
+        frames (a GOAWAY) go out, then the connection closes."""
+        if self.state is not _OPEN:
+            return
+        self.state = _CLOSING
+        self._cancel_streams()
+        self.session.close()
+        self._flush_session()
+        if self.client_broken is not None or not self.client.out:
+            self._finish()
         else:
-            self.header_block_since = None
-        self._update_read_deadline()
-        self._kick()
+            self._arm(self.client_progress + self.idle_timeout)
 
-    def _park_due(self) -> bool:
-        """No stream for `PARK_AFTER`: the upstream connections kept back
-        go to the shared pool."""
-        return (
-            self.upstreams.kept > 0
-            and not self.session.active
-            and self.now() >= self.idle_since + PARK_AFTER
-        )
+    # -- the reactor's calls ---------------------------------------------------
+
+    def ready(self, fd: int, events: int) -> None:
+        client = self.client
+        if fd == client.fd:
+            acted = False
+            if client.out and events & (WRITABLE | ERROR | HANGUP):
+                acted = True
+                self._flush_client()
+            if (
+                self.state is _OPEN
+                and client.interest
+                and client.interest & READABLE
+                and events & (READABLE | ERROR | HANGUP)
+            ):
+                acted = True
+                self._read_client()
+            if not acted and self.state is not _DONE:
+                if events & ERROR:
+                    self._client_failed("client connection reset")
+                elif events & HANGUP:
+                    client.hung_up = True
+        else:
+            stream = self.by_fd.get(fd)
+            if stream is not None:
+                self._upstream_ready(stream, events)
+            else:
+                held = self.held_fds.get(fd)
+                if held is not None:
+                    # An idle connection has nothing to say: the server
+                    # closed it, reset it or sent stray bytes.
+                    self._drop_held(held, close=True)
+        self._settle()
+
+    def failed(self, exc: Exception) -> None:
+        """A bug (logged by the reactor): end this connection with an RST."""
+        self._end(Termination.INTERNAL_ERROR, repr(exc))
+        set_abortive_close(self.client.sock)
+        self._finish()
+
+    def _settle(self) -> None:
+        """After a round of work: what the session queued goes out, and each
+        socket is watched for what it waits for."""
+        if self.state is _DONE:
+            return
+        self._flush_session()
+        if self.client_broken is not None:
+            self._end(Termination.CLIENT_ERROR, self.client_broken)
+            self._finish()
+            return
+        if self.state is _CLOSING and not self.client.out:
+            self._finish()
+            return
+        client = self.client
+        read = self.state is _OPEN and not client.eof
+        self._watch(client, (READABLE if read else 0) | (WRITABLE if client.out else 0))
+        dirty = self.dirty
+        while dirty:
+            stream = dirty.pop()
+            raw = stream.raw
+            if raw is None:
+                continue
+            read = (
+                not raw.eof
+                and stream.out is None
+                and not stream.response_done
+                and stream.phase is _EXCHANGE
+            )
+            self._watch(raw, (READABLE if read else 0) | (WRITABLE if raw.out else 0))
+
+    def _watch(self, raw: RawStream, interest: int | None) -> None:
+        if interest == 0 and raw.hung_up:
+            interest = None  # a level-triggered hang-up would wake us in a loop
+        raw.interest = self.reactor.watch(raw.fd, raw.interest, interest, self)
+
+    # -- timers ----------------------------------------------------------------
+
+    def _arm(self, deadline: float) -> None:
+        if deadline < self.armed:
+            self.armed = deadline
+            self.reactor.call_at(deadline, self.timer)
+
+    def _timer(self) -> None:
+        if self.state is _DONE:
+            return
+        now = self.now()
+        if self.armed <= now:
+            self.armed = math.inf  # this was the earliest pending timer
+        try:
+            deadline, expire = self._deadline()
+            if expire is not None and now >= deadline:
+                expire()
+            for stream in list(self.streams.values()):
+                if stream.phase is _CLOSED or self.state is not _OPEN:
+                    continue
+                deadline, stream_expire = self._stream_deadline(stream)
+                if stream_expire is not None and now >= deadline:
+                    stream_expire(stream)
+            self._settle()
+            if self.state is _DONE:
+                return
+            earliest, _ = self._deadline()
+            for stream in self.streams.values():
+                earliest = min(earliest, self._stream_deadline(stream)[0])
+            if earliest < math.inf:
+                self._arm(earliest)
+        except Exception as exc:  # a bug: end this connection alone
+            LOGGER.exception(
+                "listener %s: HTTP/2 connection failed", self.listener.name
+            )
+            self.failed(exc)
+
+    def _deadline(self) -> tuple[float, Callable[[], None] | None]:
+        """What is due next for the connection, and when (see Timeouts)."""
+        idle = self.idle_timeout
+        if self.client.out:
+            return self.client_progress + idle, self._client_stalled
+        if self.state is not _OPEN:
+            return math.inf, None
+        http = self.http
+        if self.header_block_since is not None:
+            return (
+                self.header_block_since + http.request_header_timeout,
+                self._timed_out,
+            )
+        if not self.any_stream:
+            return self.started + http.request_header_timeout, self._timed_out
+        due: tuple[float, Callable[[], None] | None] = (math.inf, None)
+        if not self.session.active and not self.streams:
+            due = (self.idle_since + http.keepalive_timeout, self._timed_out)
+            park = self.idle_since + PARK_AFTER
+            if self.held and park < due[0]:
+                due = (park, self._park_held)
+        if self.held:
+            # The oldest held connection goes at the pool's idle timeout, as
+            # one in the pool would.
+            _, since = next(iter(self.held.values()))
+            expiry = since + self.upstreams.keepalive.idle_timeout
+            if expiry < due[0]:
+                due = (expiry, self._expire_held)
+        return due
+
+    def _stream_deadline(
+        self, stream: _Stream
+    ) -> tuple[float, Callable[[_Stream], None] | None]:
+        """What is due next for *stream*, and when (see Timeouts)."""
+        idle = self.idle_timeout
+        due: tuple[float, Callable[[_Stream], None] | None] = (math.inf, None)
+        if stream.out is not None:
+            due = (stream.blocked_since + idle, self._stream_stalled)
+        if stream.phase is not _EXCHANGE:
+            return due
+        raw = stream.raw
+        if raw is None:
+            return due
+        if raw.out:
+            if stream.upstream_progress + idle < due[0]:
+                due = (stream.upstream_progress + idle, self._upstream_write_stalled)
+        elif (
+            stream.head_sent
+            and not stream.request_written
+            and not stream.body_stopped
+            and not stream.body
+            and stream.body_progress + idle < due[0]
+        ):
+            due = (stream.body_progress + idle, self._body_stalled)
+        if not stream.head_received:
+            if stream.head_deadline < due[0]:
+                due = (stream.head_deadline, self._response_timed_out)
+        elif (
+            not stream.response_done
+            and stream.out is None
+            and stream.read_progress + idle < due[0]
+        ):
+            due = (stream.read_progress + idle, self._response_stalled)
+        return due
+
+    def _client_stalled(self) -> None:
+        self._client_failed("client did not read for idle_timeout")
+
+    def _park_held(self) -> None:
+        """No stream for `PARK_AFTER` (or the connection ended): the held
+        upstream connections go to the shared pool."""
+        for upstream in list(self.held):
+            self._drop_held(upstream, close=False)
+
+    def _expire_held(self) -> None:
+        upstream = next(iter(self.held))
+        self._drop_held(upstream, close=True)
 
     def _timed_out(self) -> None:
         if self.draining:
@@ -428,41 +752,180 @@ class _H2Connection:
             )
         else:
             self._end(Termination.KEEPALIVE_TIMEOUT)
-        self.session.close()
-        self._kick()
+        self._shut_down()
 
-    def _dispatch(self, events: list[Event], nursery: trio.Nursery) -> None:
+    def _stream_stalled(self, stream: _Stream) -> None:
+        if stream.phase is _ANSWERING:
+            self.session.reset(stream.id, ErrorCodes.CANCEL)
+            self._close_stream(stream)
+        else:
+            self._fail(stream, self._client_stall)
+
+    def _upstream_write_stalled(self, stream: _Stream) -> None:
+        if stream.head_sent:
+            self._body_undeliverable(stream, "upstream did not read for idle_timeout")
+        else:
+            self._fail(stream, UPSTREAM_WRITE_STALLED)
+
+    def _body_stalled(self, stream: _Stream) -> None:
+        self._fail(
+            stream,
+            Failure(
+                Termination.BAD_REQUEST, "request body stalled for idle_timeout", 408
+            ),
+        )
+
+    def _response_timed_out(self, stream: _Stream) -> None:
+        self._fail(stream, self._response_timeout)
+
+    def _response_stalled(self, stream: _Stream) -> None:
+        self._fail(stream, UPSTREAM_READ_STALLED)
+
+    def _drained(self) -> None:
+        """The edge drains: GOAWAY, the streams in flight finish."""
+        if self.state is not _OPEN or self.draining:
+            return
+        self.draining = True
+        self.session.goaway()
+        if not self.streams:
+            self._end(Termination.DRAINED)
+            self._shut_down()
+        self._settle()
+
+    # -- the client ------------------------------------------------------------
+
+    def _read_client(self, *, read_socket: bool = True) -> None:
+        try:
+            data = self.client.receive(read_socket=read_socket)
+        except IO_ERRORS as exc:
+            self._client_failed(f"client read failed: {exc}")
+            return
+        if data is None:
+            return
+        if not data:
+            self._end(Termination.CLIENT_CLOSED)
+            self._shut_down()
+            return
+        self._received(data)
+
+    def _received(self, data: bytes) -> None:
+        """Client bytes to the session, its events dispatched."""
+        session = self.session
+        self.result.bytes_from_client += len(data)
+        now = self.now()
+        self._dispatch(session.receive_data(data, now))
+        if session.ended:
+            self._shut_down()
+            return
+        if session.in_header_block:
+            if self.header_block_since is None:
+                self.header_block_since = now
+                self._arm(now + self.http.request_header_timeout)
+        else:
+            self.header_block_since = None
+
+    def _client_failed(self, detail: str) -> None:
+        self._end(Termination.CLIENT_ERROR, detail)
+        self._finish()
+
+    def _flush_session(self) -> None:
+        """What the session queued, to the client (what its socket does not
+        take now waits for it, under ``idle_timeout``)."""
+        self.unflushed = 0
+        data = self.session.data_to_send()
+        if not data or self.client_broken is not None:
+            return
+        client = self.client
+        waiting = bool(client.out)
+        try:
+            client.send(data)
+        except IO_ERRORS as exc:
+            # Acted on in `_settle`: a stream may be mid-way here.
+            self.client_broken = f"client write failed: {exc}"
+            return
+        self.result.bytes_to_client += len(data)
+        if client.out and not waiting:
+            self.client_progress = self.now()
+            self._arm(self.client_progress + self.idle_timeout)
+
+    def _flush_client(self) -> None:
+        client = self.client
+        try:
+            if client.flush():
+                self.client_progress = self.now()
+        except IO_ERRORS as exc:
+            self._client_failed(f"client write failed: {exc}")
+            return
+        if len(client.out) < HIGH_WATER and self.state is _OPEN:
+            self._resume()
+
+    def _congested(self) -> bool:
+        """Too much waits for the client's socket: response data waits."""
+        if len(self.client.out) + self.unflushed >= HIGH_WATER:
+            self._flush_session()
+        return self.client_broken is not None or len(self.client.out) >= HIGH_WATER
+
+    def _resume(self) -> None:
+        """A window opened or the client read: the streams waiting go on."""
+        for stream in list(self.blocked):
+            if stream not in self.blocked:
+                continue  # ended by an earlier one's failure
+            if stream.phase is _ANSWERING:
+                self._pump_answer(stream)
+            elif stream.phase is _EXCHANGE and stream.conn is not None:
+                self._pump_response(stream)
+
+    # -- session events --------------------------------------------------------
+
+    def _dispatch(self, events: list[Event]) -> None:
         for event in events:
             if isinstance(event, RequestData | RequestEnd):
-                stream = self.streams.get(event.stream_id)
-                if stream is not None:
-                    if isinstance(event, RequestEnd):
-                        stream.request_read = True
-                    stream.body.append(event)
-                    stream.wakeup.set()
-                elif isinstance(event, RequestData):
-                    self.session.acknowledge(event.stream_id, event.flow_length)
+                self._request_body(event)
             elif isinstance(event, WindowOpened):
-                self.window.set()
-                self.window = trio.Event()
+                if self.blocked:
+                    self._resume()
             elif isinstance(event, StreamOpened):
-                self._open(event, nursery)
+                self._open(event)
             elif isinstance(event, StreamCancelled):
                 stream = self.streams.get(event.stream_id)
                 if stream is not None:
-                    stream.fail(
-                        _Failure(
-                            Termination.CLIENT_ERROR,
-                            f"client reset the stream (error code {event.error_code})",
-                            None,
-                        )
-                    )
-                    stream.cancel()
+                    self._cancelled(stream, event.error_code)
             elif isinstance(event, StreamMalformed):
                 self._malformed(event)
             else:
                 assert isinstance(event, ConnectionEnded), event
                 self._ended(event)
+
+    def _request_body(self, event: RequestData | RequestEnd) -> None:
+        stream = self.streams.get(event.stream_id)
+        if stream is None or stream.body_stopped or stream.phase is _ANSWERING:
+            if isinstance(event, RequestData):
+                self.session.acknowledge(event.stream_id, event.flow_length)
+            if stream is not None and isinstance(event, RequestEnd):
+                stream.request_read = True
+            return
+        if isinstance(event, RequestEnd):
+            stream.request_read = True
+        stream.body.append(event)
+        stream.body_progress = self.now()
+        raw = stream.raw
+        if (
+            stream.phase is _EXCHANGE
+            and raw is not None
+            and stream.head_sent
+            and not raw.out
+        ):
+            self._pump_body(stream)
+
+    def _cancelled(self, stream: _Stream, code: int) -> None:
+        """The client reset the stream: its upstream connection, holding half
+        an exchange, is closed."""
+        stream.cancelled = True
+        log = stream.log
+        if stream.failure is None:
+            log.termination = Termination.CLIENT_ERROR
+            log.detail = f"client reset the stream (error code {code})"
+        self._close_stream(stream)
 
     def _ended(self, event: ConnectionEnded) -> None:
         if event.by_client:
@@ -509,7 +972,7 @@ class _H2Connection:
         )
         self._emit(log)
 
-    def _open(self, event: StreamOpened, nursery: trio.Nursery) -> None:
+    def _open(self, event: StreamOpened) -> None:
         request = event.request
         log = self._new_log(request.method, request.target)
         # Checked (HOST_RE: ASCII only) by the session.
@@ -521,102 +984,26 @@ class _H2Connection:
         self.streams[stream.id] = stream
         self.any_stream = True
         self.result.requests += 1
-        self._update_read_deadline()
-        nursery.start_soon(self._serve_stream, stream, event.error)
+        if event.error is not None:
+            status, reason = event.error
+            self._respond_error(stream, status, reason, Termination.BAD_REQUEST)
+        else:
+            self._exchange(stream)
 
-    # -- one stream ---------------------------------------------------------
+    # -- one stream's exchange -------------------------------------------------
 
-    async def _serve_stream(
-        self, stream: _Stream, error: tuple[int, str] | None
-    ) -> None:
-        log = stream.log
-        try:
-            if error is not None:
-                with stream.scope:
-                    await self._respond_error(stream, *error, Termination.BAD_REQUEST)
-            else:
-                await self._exchange(stream)
-            failure = stream.failure
-            if failure is not None:
-                log.termination = failure.termination
-                log.detail = failure.detail
-                if stream.response_started:
-                    self.session.reset(stream.id, failure.code)
-                elif failure.status is not None and not stream.cancelled:
-                    await self._respond_error(
-                        stream, failure.status, failure.detail, failure.termination
-                    )
-                else:
-                    self.session.reset(stream.id, ErrorCodes.CANCEL)
-        finally:
-            if log.termination == Termination.OK and stream.id in self.session.active:
-                # Cancelled with the connection (closed, broken, drain deadline).
-                log.termination = (
-                    Termination.DRAINED
-                    if self.drain.is_set()
-                    else Termination.CLIENT_ERROR
-                )
-                log.detail = "the connection ended before the response did"
-            # Request data never passed on still reopens the connection's window.
-            for event in stream.body:
-                if isinstance(event, RequestData):
-                    self.session.acknowledge(stream.id, event.flow_length)
-            self.session.active.discard(stream.id)
-            del self.streams[stream.id]
-            self._kick()
-            if not self.session.active:
-                self.idle_since = self.now()
-            self._update_read_deadline()
-            log.total = self.now() - stream.started
-            self._emit(log)
-
-    async def _respond_error(
-        self, stream: _Stream, status: int, reason: str, termination: str
-    ) -> None:
-        """A small plain-text error response (as HTTP/1.1's, without close)."""
-        stream.log.error_response(self.listener.name, status, reason, termination)
-        body = error_body(status, reason)
-        head_only = stream.request.method == b"HEAD"
-        self.session.send_headers(
-            stream.id,
-            status,
-            [
-                (b"content-type", b"text/plain; charset=utf-8"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-            end_stream=False,
-        )
-        stream.response_started = True
-        with trio.move_on_after(self.listener.idle_timeout):
-            with contextlib.suppress(_StreamGoneError):
-                if head_only:
-                    self.session.send_end(stream.id, [])
-                else:
-                    await self._send_body(stream, body, end_stream=True)
-                if not stream.request_read:
-                    self.session.stop_request(stream.id)
-        self._kick()
-
-    def _arm(self, stream: _Stream, seconds: float, failure: _Failure) -> None:
-        scope = stream.deadline
-        assert scope is not None
-        deadline = self.now() + seconds
-        if abs(deadline - scope.deadline) > seconds / 64:
-            scope.deadline = deadline
-        stream.armed = failure
-
-    async def _exchange(self, stream: _Stream) -> None:
+    def _exchange(self, stream: _Stream) -> None:
         request = stream.request
-        http = self.http
         length = request.content_length
-        max_body = http.max_body_size
+        max_body = self.http.max_body_size
         if max_body and (length or 0) > max_body:
-            stream.fail(
-                _Failure(
+            self._after_failure(
+                stream,
+                Failure(
                     Termination.BAD_REQUEST,
                     f"request body larger than {max_body} bytes",
                     413,
-                )
+                ),
             )
             return
         fields = request.headers
@@ -637,311 +1024,579 @@ class _H2Connection:
         )
         if request_id is not None:
             stream.log.request_id = request_id.decode("ascii")
-        has_body = body is not BodyKind.NONE
-        exclude: Server | None = None
-        fresh = retried = False
-        log = stream.log
-        # One scope per attempt, made before anything awaits (a reset cancels
-        # it, also before the attempt starts); `_arm` sets its deadline (a
-        # timeout ends the attempt, and may retry).
-        scope = stream.scope
-        while True:
-            upstream: Upstream | None = None
-            conn = UpstreamExchange(method=request.method)
-            stream.clear_failure()
-            with scope:
-                stream.deadline = scope
-                if not scope.cancel_called:
-                    connect_started = self.now()
-                    try:
-                        upstream = await self.upstreams.acquire(exclude, fresh=fresh)
-                    except NoServerError as exc:
-                        stream.fail(_Failure(Termination.NO_SERVER, str(exc), 503))
-                    except ConnectFailedError as exc:
-                        stream.fail(_Failure(Termination.CONNECT_FAILED, str(exc), 502))
-                    else:
-                        log.connect = self.now() - connect_started
-                        log.server = format_address(upstream.server.address)
-                        self.result.server = log.server
-                        await self._proxy(stream, upstream, conn, headers, body)
-            stream.deadline = None
-            if stream.cancelled:
-                if upstream is not None:
-                    # It holds half an exchange: closed now, not with the client.
-                    self.upstreams.release(upstream, clean=False)
-                return
-            if upstream is None:
-                return  # no connection: the failure says why
-            if scope.cancelled_caught and stream.armed is not None:
-                stream.fail(stream.armed)
-            failure = stream.failure
-            retry = (
-                failure is not None
-                and failure.retryable
-                and not stream.response_started
-                and may_retry(
-                    method=request.method,
-                    has_body=has_body,
-                    reused=upstream.reused,
-                    retried=retried,
-                )
-            )
-            scope = stream.scope = trio.CancelScope()
-            self.upstreams.release(upstream, clean=failure is None and conn.reusable)
-            if not retry:
-                return
-            assert failure is not None
-            LOGGER.info(
-                "listener %s: %s %s: retrying on a new connection: %s",
-                self.listener.name,
-                log.method,
-                log.target,
-                failure.detail,
-            )
-            fresh = True
-            if not upstream.reused:
-                retried = True
-                exclude = upstream.server
+        stream.headers = headers
+        stream.body_kind = body
+        stream.expects_continue = any(
+            n == b"expect" and v.lower() == b"100-continue" for n, v in request.headers
+        )
+        self._acquire(stream)
 
-    async def _proxy(
-        self,
-        stream: _Stream,
-        upstream: Upstream,
-        conn: UpstreamExchange,
-        headers: list[Header],
-        body: BodyKind,
-    ) -> None:
-        idle = self.listener.idle_timeout
-        data = conn.request_head(stream.request.target, headers, body)
-        prefix, upstream.prefix = upstream.prefix, b""
-        self._arm(stream, idle, self._upstream_write_stall)
-        # Nothing to read before the upstream has the request: wait first.
-        stream.upstream_drained = True
+    def _acquire(self, stream: _Stream) -> None:
+        """Begin an attempt on a reused connection, or have the task open one."""
+        stream.connect_started = self.now()
         try:
-            await sockio.send_all(upstream.stream, prefix + data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            stream.fail(
-                _Failure(
-                    Termination.SERVER_ERROR,
-                    f"upstream write failed: {exc}",
-                    502,
-                    retryable=True,
-                )
+            taken = self.upstreams.take(
+                stream.exclude, fresh=stream.fresh, held=self.held
+            )
+        except NoServerError as exc:
+            self._after_failure(stream, Failure(Termination.NO_SERVER, str(exc), 503))
+            return
+        if isinstance(taken, NewConnection):
+            stream.phase = _CONNECTING
+            stream.scope = trio.CancelScope()
+            self.jobs.append((stream, taken))
+            self._wake()
+        else:
+            self._begin(stream, taken)
+
+    def _begin(self, stream: _Stream, upstream: Upstream) -> None:
+        """Send the request head, and the body pieces that came meanwhile."""
+        now = self.now()
+        log = stream.log
+        log.connect = now - stream.connect_started
+        log.server = format_address(upstream.server.address)
+        self.result.server = log.server
+        raw: RawStream | None
+        if upstream in self.held:
+            raw, _ = self.held.pop(upstream)
+            del self.held_fds[raw.fd]
+        else:
+            raw = RawStream.of(upstream.stream)
+        if raw is None:
+            msg = f"upstream stream not socket-backed: {upstream.stream!r}"
+            raise TypeError(msg)
+        stream.upstream = upstream
+        stream.raw = raw
+        self.by_fd[raw.fd] = stream
+        self.dirty.add(stream)
+        stream.conn = conn = UpstreamExchange(method=stream.request.method)
+        pieces = [
+            conn.request_head(stream.request.target, stream.headers, stream.body_kind)
+        ]
+        stream.request_written = stream.body_kind is BodyKind.NONE
+        flow = 0
+        body = stream.body
+        while body and not stream.request_written:
+            event = body.popleft()
+            pieces.append(self._upstream_bytes(stream, event))
+            if isinstance(event, RequestEnd):
+                stream.request_written = True
+            else:
+                flow += event.flow_length
+        prefix, upstream.prefix = upstream.prefix, b""
+        if prefix:
+            pieces.insert(0, prefix)
+        try:
+            raw.send(b"".join(pieces))
+        except IO_ERRORS as exc:
+            self.session.acknowledge(stream.id, flow)
+            self._fail(stream, head_not_sent(exc))
+            return
+        if raw.out:
+            stream.unacked = flow
+            stream.upstream_progress = now
+            self._arm(now + self.idle_timeout)
+        else:
+            self.session.acknowledge(stream.id, flow)
+            self._head_sent(stream)
+
+    def _upstream_bytes(
+        self, stream: _Stream, event: RequestData | RequestEnd
+    ) -> bytes:
+        """A piece of the client's body, or its end, framed for the upstream."""
+        conn = stream.conn
+        assert conn is not None
+        if isinstance(event, RequestData):
+            stream.log.bytes_in += len(event.data)
+            return conn.request_data(event.data)
+        return conn.request_end(self.rewriter.clean_trailers(event.trailers))
+
+    def _head_sent(self, stream: _Stream) -> None:
+        stream.head_sent = True
+        if stream.request_written:
+            self._request_sent(stream)
+            return
+        # The body's clock starts now: until the head went out, pieces wait.
+        stream.body_progress = self.now()
+        self._arm(stream.body_progress + self.idle_timeout)
+        self._pump_body(stream)
+
+    def _request_sent(self, stream: _Stream) -> None:
+        """The request is upstream: its answer's head is due within
+        ``response_timeout`` (unless it already came)."""
+        if stream.response_done:
+            self._end_exchange(stream)
+            return
+        if stream.head_received:
+            return
+        stream.head_deadline = self.now() + self.http.response_timeout
+        self._arm(stream.head_deadline)
+
+    def _pump_body(self, stream: _Stream) -> None:
+        """Client -> upstream, each piece acknowledged once the upstream's
+        socket took it (backpressure)."""
+        raw = stream.raw
+        assert raw is not None
+        body = stream.body
+        session = self.session
+        while body and not raw.out and not stream.request_written:
+            event = body.popleft()
+            data = self._upstream_bytes(stream, event)
+            flow = 0
+            if isinstance(event, RequestEnd):
+                stream.request_written = True
+            else:
+                flow = event.flow_length
+            try:
+                if data:
+                    raw.send(data)
+            except IO_ERRORS as exc:
+                session.acknowledge(stream.id, flow)
+                self._body_undeliverable(stream, f"upstream write failed: {exc}")
+                return
+            if raw.out:
+                stream.unacked = flow
+                stream.upstream_progress = self.now()
+                self._arm(stream.upstream_progress + self.idle_timeout)
+                self.dirty.add(stream)
+                return
+            session.acknowledge(stream.id, flow)
+        if stream.request_written and not raw.out:
+            self._request_sent(stream)
+
+    def _body_undeliverable(self, stream: _Stream, reason: str) -> None:
+        """The upstream takes no more of the body. It may still have
+        answered (e.g. 413 and close): the response decides; only stop
+        sending (the client's pieces are acknowledged as they come)."""
+        raw = stream.raw
+        assert raw is not None
+        LOGGER.debug("request body not delivered: %s", reason)
+        stream.body_stopped = True
+        raw.out.clear()
+        self.dirty.add(stream)
+        self._acknowledge_held(stream)
+        if stream.head_deadline == math.inf:
+            self._request_sent(stream)
+        elif stream.response_done:
+            self._end_exchange(stream)
+
+    def _acknowledge_held(self, stream: _Stream) -> None:
+        """Body the stream holds will not go upstream: the client's window
+        gets it back."""
+        session = self.session
+        session.acknowledge(stream.id, stream.unacked)
+        stream.unacked = 0
+        for event in stream.body:
+            if isinstance(event, RequestData):
+                session.acknowledge(stream.id, event.flow_length)
+        stream.body.clear()
+
+    # -- the upstream socket ---------------------------------------------------
+
+    def _upstream_ready(self, stream: _Stream, events: int) -> None:
+        raw = stream.raw
+        assert raw is not None
+        acted = False
+        if raw.out and events & (WRITABLE | ERROR | HANGUP):
+            acted = True
+            self._flush_upstream(stream)
+            if stream.raw is not raw:
+                return
+        if (
+            raw.interest
+            and raw.interest & READABLE
+            and events & (READABLE | ERROR | HANGUP)
+        ):
+            self._read_upstream(stream)
+        elif not acted and events & ERROR:
+            conn = stream.conn
+            self._upstream_failed(
+                stream,
+                UpstreamError(
+                    "upstream connection reset", empty=conn is None or not conn.received
+                ),
+            )
+        elif not acted and events & HANGUP:
+            raw.hung_up = True
+            self.dirty.add(stream)
+
+    def _flush_upstream(self, stream: _Stream) -> None:
+        raw = stream.raw
+        assert raw is not None
+        try:
+            if raw.flush():
+                stream.upstream_progress = self.now()
+        except IO_ERRORS as exc:
+            if stream.head_sent:
+                self._body_undeliverable(stream, f"upstream write failed: {exc}")
+            else:
+                self._fail(stream, head_not_sent(exc))
+            return
+        if raw.out:
+            return
+        self.dirty.add(stream)
+        self.session.acknowledge(stream.id, stream.unacked)
+        stream.unacked = 0
+        if not stream.head_sent:
+            self._head_sent(stream)
+        elif stream.request_written:
+            self._request_sent(stream)
+        else:
+            self._pump_body(stream)
+
+    def _read_upstream(self, stream: _Stream) -> None:
+        raw = stream.raw
+        conn = stream.conn
+        assert raw is not None
+        assert conn is not None
+        try:
+            data = raw.receive()
+        except IO_ERRORS as exc:
+            self._upstream_failed(
+                stream,
+                UpstreamError(f"upstream read failed: {exc}", empty=not conn.received),
             )
             return
-        if body is BodyKind.NONE:
-            self._await_head(stream)
-            await self._pump_response(stream, upstream, conn)
+        if data is None:
             return
-        async with trio.open_nursery() as nursery:
-            stream.armed = None
-            assert stream.deadline is not None
-            stream.deadline.deadline = math.inf
-            nursery.start_soon(self._pump_body, stream, upstream, conn, nursery)
-            await self._pump_response(stream, upstream, conn)
-            if stream.failure is not None or not stream.request_read:
-                nursery.cancel_scope.cancel()
+        if not data:
+            self.dirty.add(stream)
+        stream.read_progress = self.now()
+        conn.receive_data(data)
+        self._pump_response(stream)
 
-    def _await_head(self, stream: _Stream) -> None:
-        self._arm(stream, self.http.response_timeout, self._response_timeout)
+    def _upstream_failed(self, stream: _Stream, exc: UpstreamError) -> None:
+        self._fail(
+            stream, upstream_failure(exc, response_started=stream.response_started)
+        )
 
-    async def _next_body_event(self, stream: _Stream) -> RequestData | RequestEnd:
-        idle = self.listener.idle_timeout
-        while not stream.body:
-            stream.wakeup = trio.Event()
-            with trio.move_on_after(idle) as scope:
-                await stream.wakeup.wait()
-            if scope.cancelled_caught:
-                raise _StreamGoneError("request body stalled for idle_timeout")
-        return stream.body.popleft()
+    # -- the response ----------------------------------------------------------
 
-    async def _send_body_upstream(self, upstream: Upstream, data: bytes) -> None:
-        with trio.move_on_after(self.listener.idle_timeout) as scope:
-            await sockio.send_all(upstream.stream, data)
-        if scope.cancelled_caught:
-            raise OSError("upstream did not read for idle_timeout")
+    def _next(
+        self, stream: _Stream
+    ) -> Informational | Response | Body | EndOfBody | NeedData:
+        event = stream.lookahead
+        if event is not None:
+            stream.lookahead = None
+            return event
+        conn = stream.conn
+        assert conn is not None
+        return conn.next_event()
 
-    async def _pump_body(
-        self,
-        stream: _Stream,
-        upstream: Upstream,
-        conn: UpstreamExchange,
-        nursery: trio.Nursery,
-    ) -> None:
-        """Client -> upstream, each piece acknowledged once written."""
+    def _peek(
+        self, stream: _Stream
+    ) -> Informational | Response | Body | EndOfBody | NeedData:
+        event = self._next(stream)
+        if event is not NEED_DATA:
+            assert not isinstance(event, NeedData)
+            stream.lookahead = event
+        return event
+
+    def _pump_response(self, stream: _Stream) -> None:
+        """Upstream -> client: 1xx, the head, the body, trailers, as far as
+        the windows allow."""
+        session = self.session
+        sid = stream.id
         try:
             while True:
-                event = await self._next_body_event(stream)
-                if isinstance(event, RequestEnd):
-                    trailers = self.rewriter.clean_trailers(event.trailers)
-                    await self._send_body_upstream(upstream, conn.request_end(trailers))
-                    if not stream.response_started:
-                        self._await_head(stream)
+                if stream.out is not None and not self._send_out(stream):
                     return
-                stream.log.bytes_in += len(event.data)
-                try:
-                    data = conn.request_data(event.data)
-                    await self._send_body_upstream(upstream, data)
-                finally:
-                    # Passed on (or the stream is over): the client may send more.
-                    self.session.acknowledge(stream.id, event.flow_length)
-                    self._kick()
-        except _StreamGoneError as exc:
-            stream.fail(
-                _Failure(Termination.BAD_REQUEST, str(exc), 408, code=ErrorCodes.CANCEL)
-            )
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            # The upstream may still answer (413 and close): only stop sending.
-            LOGGER.debug("request body not delivered: %s", exc)
-            if not stream.response_started:
-                self._await_head(stream)
-            return
-        nursery.cancel_scope.cancel()
-
-    async def _next_upstream_event(
-        self, stream: _Stream, upstream: Upstream, conn: UpstreamExchange
-    ) -> Informational | Response | Body | EndOfBody:
-        while True:
-            event = conn.next_event()
-            if event is not NEED_DATA:
-                return event
-            try:
-                data = await sockio.receive_some(
-                    upstream.stream, READ_SIZE, wait_first=stream.upstream_drained
-                )
-                stream.upstream_drained = len(data) < READ_SIZE
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise UpstreamError(
-                    f"upstream read failed: {exc}", empty=not conn.received
-                ) from exc
-            conn.receive_data(data)
-
-    async def _pump_response(
-        self, stream: _Stream, upstream: Upstream, conn: UpstreamExchange
-    ) -> None:
-        """Upstream -> client: 1xx, the head, the body, trailers."""
-        try:
-            await self._forward_response(stream, upstream, conn)
-        except UpstreamError as exc:
-            if stream.response_started:
-                stream.fail(_Failure(Termination.SERVER_ABORTED, str(exc), None))
-            else:
-                stream.fail(
-                    _Failure(
-                        Termination.SERVER_ERROR, str(exc), 502, retryable=exc.empty
+                if stream.response_done:
+                    self._response_sent(stream)
+                    return
+                event = self._next(stream)
+                if event is NEED_DATA:
+                    return
+                if isinstance(event, Body):
+                    # The last piece carries END_STREAM when no trailers follow.
+                    following = self._peek(stream)
+                    last = isinstance(following, EndOfBody) and not (
+                        stream.trailers_ok and following.trailers
                     )
-                )
-        except _StreamGoneError as exc:
-            stream.fail(_Failure(Termination.CLIENT_ERROR, str(exc), None))
+                    if last:
+                        stream.lookahead = None
+                    stream.out = memoryview(event.data)
+                    stream.out_end = last
+                elif isinstance(event, EndOfBody):
+                    trailers = _h2_fields(event.trailers) if stream.trailers_ok else []
+                    session.send_end(sid, trailers)
+                    stream.response_done = True
+                elif isinstance(event, Response):
+                    self._response_head(stream, event)
+                else:
+                    assert isinstance(event, Informational), event
+                    head = event.head
+                    if head.status == 101:
+                        raise UpstreamError(
+                            "unexpected 101 from upstream: no upgrade was asked"
+                        )
+                    if head.status == 100 and not stream.expects_continue:
+                        continue
+                    session.send_headers(
+                        sid, head.status, _h2_fields(head.headers), end_stream=False
+                    )
+        except UpstreamError as exc:
+            self._upstream_failed(stream, exc)
 
-    async def _forward_response(
-        self, stream: _Stream, upstream: Upstream, conn: UpstreamExchange
-    ) -> None:
-        session = self.session
-        log = stream.log
-        idle = self.listener.idle_timeout
-        expects_continue = any(
-            n == b"expect" and v.lower() == b"100-continue"
-            for n, v in stream.request.headers
-        )
-        while True:
-            event = await self._next_upstream_event(stream, upstream, conn)
-            if isinstance(event, Response):
-                break
-            assert isinstance(event, Informational), event
-            head = event.head
-            if head.status == 101:
-                raise UpstreamError(
-                    "unexpected 101 from upstream: no upgrade was asked"
-                )
-            if head.status == 100 and not expects_continue:
-                continue
-            session.send_headers(
-                stream.id, head.status, _h2_fields(head.headers), end_stream=False
-            )
-            self._kick()
+    def _response_head(self, stream: _Stream, event: Response) -> None:
         head = event.head
+        log = stream.log
+        stream.head_received = True
         log.first_byte = self.now() - stream.started
         log.status = head.status
         fields = _h2_fields(head.headers, connection=head.connection)
-        trailers_ok = event.body is BodyKind.CHUNKED
-        following = conn.next_event()
-        if isinstance(following, EndOfBody) and not following.trailers:
-            session.send_headers(stream.id, head.status, fields, end_stream=True)
-            stream.response_started = True
-            self._end_stream_sent(stream)
-            return
-        session.send_headers(stream.id, head.status, fields, end_stream=False)
+        stream.trailers_ok = event.body is BodyKind.CHUNKED
+        following = self._peek(stream)
         stream.response_started = True
-        self._kick()
-        stall = self._upstream_read_stall
-        while True:
-            if following is NEED_DATA:
-                self._arm(stream, idle, stall)
-                following = await self._next_upstream_event(stream, upstream, conn)
-            if isinstance(following, Body):
-                data = following.data
-                following = conn.next_event()
-                # The last piece carries END_STREAM when no trailers follow.
-                last = isinstance(following, EndOfBody) and not (
-                    trailers_ok and following.trailers
-                )
-                await self._send_body(stream, data, end_stream=last)
-                if last:
-                    self._end_stream_sent(stream)
-                    return
-                continue
-            assert isinstance(following, EndOfBody), following
-            trailers = _h2_fields(following.trailers) if trailers_ok else []
-            session.send_end(stream.id, trailers)
-            self._end_stream_sent(stream)
+        if isinstance(following, EndOfBody) and not following.trailers:
+            stream.lookahead = None
+            self.session.send_headers(stream.id, head.status, fields, end_stream=True)
+            stream.response_done = True
             return
+        self.session.send_headers(stream.id, head.status, fields, end_stream=False)
+        self._arm(stream.read_progress + self.idle_timeout)
 
-    def _end_stream_sent(self, stream: _Stream) -> None:
+    def _send_out(self, stream: _Stream) -> bool:
+        """Send what the stream holds of the response body, as far as the
+        windows allow; False if some waits (or the stream is gone: then it
+        failed)."""
+        view = stream.out
+        assert view is not None
+        session = self.session
+        sid = stream.id
+        sent = False
+        while view:
+            size = session.sendable(sid)
+            if size <= 0 or self._congested():
+                if not session.open(sid):
+                    stream.out = None
+                    self._stream_gone(stream)
+                    return False
+                stream.out = view
+                if sent or stream not in self.blocked:
+                    # The stall counts from the last progress, not the
+                    # last window update (it may be another stream's).
+                    stream.blocked_since = self.now()
+                    self._arm(stream.blocked_since + self.idle_timeout)
+                self.blocked.add(stream)
+                self.dirty.add(stream)
+                return False
+            chunk, view = view[:size], view[size:]
+            last = stream.out_end and not view
+            session.send_data(sid, bytes(chunk), end_stream=last)
+            stream.log.bytes_out += len(chunk)
+            self.unflushed += len(chunk)
+            sent = True
+        stream.out = None
+        self.blocked.discard(stream)
+        self.dirty.add(stream)
+        if stream.out_end:
+            stream.response_done = True
+        return True
+
+    def _stream_gone(self, stream: _Stream) -> None:
+        """The session no longer takes the stream's response (it ended)."""
+        if stream.phase is _ANSWERING:
+            self._close_stream(stream)
+        else:
+            self._fail(
+                stream,
+                Failure(
+                    Termination.CLIENT_ERROR, "the stream or the connection ended", None
+                ),
+            )
+
+    def _response_sent(self, stream: _Stream) -> None:
+        """The whole response is queued. A request read in full is still
+        delivered upstream (under ``idle_timeout``) before the exchange ends,
+        so the upstream never holds half of one; the rest of a request not
+        read in full is not wanted."""
         if not stream.request_read:
             self.session.stop_request(stream.id)
-        self._kick()
+        raw = stream.raw
+        if (
+            stream.request_read
+            and raw is not None
+            and not stream.body_stopped
+            and (raw.out or not stream.request_written)
+        ):
+            return
+        self._end_exchange(stream)
 
-    async def _send_body(
-        self, stream: _Stream, data: bytes, *, end_stream: bool = False
-    ) -> None:
-        """Response body bytes, as the client's windows allow (*end_stream*:
-        the last frame ends the response)."""
-        session = self.session
-        view = memoryview(data)
-        while view:
-            size = session.sendable(stream.id)
-            if size <= 0:
-                if not session.open(stream.id):
-                    raise _StreamGoneError("the stream or the connection ended")
-                await self._wait_window(stream)
-                continue
-            if self._pull() >= HIGH_WATER:
-                if stream.deadline is not None:
-                    self._arm(stream, self.listener.idle_timeout, self._client_stall)
-                await self._wait_writable()
-                continue  # the windows, or the stream, may have changed meanwhile
-            if size >= len(view):
-                chunk = data if len(view) == len(data) else bytes(view)
-                view = view[len(view) :]
-            else:
-                view, chunk = view[size:], bytes(view[:size])
-            session.send_data(stream.id, chunk, end_stream=end_stream and not view)
-            stream.log.bytes_out += len(chunk)
-            self._kick()
+    # -- the end of an exchange ------------------------------------------------
 
-    async def _wait_window(self, stream: _Stream) -> None:
-        """Wait until the client opens a window (`idle_timeout` at most)."""
-        idle = self.listener.idle_timeout
-        window = self.window
-        if stream.deadline is None:
-            with trio.move_on_after(idle) as scope:
-                await window.wait()
-            if scope.cancelled_caught:
-                raise _StreamGoneError(self._client_stall.detail)
+    def _fail(self, stream: _Stream, failure: Failure) -> None:
+        if stream.failure is None:
+            stream.failure = failure
+        self._end_exchange(stream)
+
+    def _let_go(self, stream: _Stream) -> None:
+        """Stop watching the attempt's upstream socket."""
+        raw = stream.raw
+        if raw is None:
+            return
+        if raw.interest is not None:
+            self.reactor.unregister(raw.fd)
+            raw.interest = None
+        del self.by_fd[raw.fd]
+        raw.detach()
+        stream.raw = None
+        self.dirty.discard(stream)
+
+    def _hold(self, stream: _Stream, upstream: Upstream, raw: RawStream) -> None:
+        """Keep a clean upstream connection for the next streams, its socket
+        registered: no pool round trip, no re-registration, and the reactor
+        tells if the server closes it meanwhile."""
+        del self.by_fd[raw.fd]
+        stream.raw = None
+        self.dirty.discard(stream)
+        self.upstreams.hold(upstream)
+        now = self.now()
+        if not self.held:
+            self._arm(now + self.upstreams.keepalive.idle_timeout)
+        self.held[upstream] = (raw, now)
+        self.held_fds[raw.fd] = upstream
+        self._watch(raw, READABLE)
+
+    def _drop_held(self, upstream: Upstream, *, close: bool) -> None:
+        """Stop holding *upstream*: closed, or to the shared pool."""
+        raw, _ = self.held.pop(upstream)
+        del self.held_fds[raw.fd]
+        if raw.interest is not None:
+            self.reactor.unregister(raw.fd)
+            raw.interest = None
+        raw.detach()
+        if close:
+            close_now(upstream.stream)
         else:
-            self._arm(stream, idle, self._client_stall)
-            await window.wait()
+            self.upstreams.park_held(upstream)
+
+    def _end_exchange(self, stream: _Stream) -> None:
+        upstream = stream.upstream
+        failure = stream.failure
+        retry = should_retry(
+            failure,
+            upstream,
+            response_started=stream.response_started,
+            method=stream.request.method,
+            has_body=stream.body_kind is not BodyKind.NONE,
+            retried=stream.retried,
+        )
+        if upstream is not None:
+            raw = stream.raw
+            clean = is_clean(
+                failure, stream.conn, raw, body_stopped=stream.body_stopped
+            )
+            if (
+                clean
+                and raw is not None
+                and self.upstreams.proxy_header is None
+                and len(self.held) < self.max_held
+                and self.state is _OPEN
+            ):
+                self._hold(stream, upstream, raw)
+            else:
+                self._let_go(stream)
+                self.upstreams.release(upstream, clean=clean)
+            stream.upstream = None
+        self.blocked.discard(stream)
+        stream.out = None
+        if retry:
+            assert failure is not None
+            assert upstream is not None
+            log_retry(self.listener.name, stream.log, failure)
+            if not upstream.reused:
+                stream.retried = True
+                stream.exclude = upstream.server
+            stream.fresh = True
+            stream.new_attempt()
+            self._acquire(stream)
+            return
+        if failure is not None:
+            self._after_failure(stream, failure)
+            return
+        self._close_stream(stream)
+
+    def _after_failure(self, stream: _Stream, failure: Failure) -> None:
+        log = stream.log
+        log.termination = failure.termination
+        log.detail = failure.detail
+        if stream.response_started:
+            self.session.reset(stream.id, _reset_code(failure))
+        elif failure.status is not None and not stream.cancelled:
+            self._respond_error(
+                stream, failure.status, failure.detail, failure.termination
+            )
+            return
+        else:
+            self.session.reset(stream.id, ErrorCodes.CANCEL)
+        self._close_stream(stream)
+
+    def _respond_error(
+        self, stream: _Stream, status: int, reason: str, termination: str
+    ) -> None:
+        """A small plain-text error response (as HTTP/1.1's, without close)."""
+        stream.log.error_response(self.listener.name, status, reason, termination)
+        stream.phase = _ANSWERING
+        body = error_body(status, reason)
+        self.session.send_headers(
+            stream.id,
+            status,
+            [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+            end_stream=False,
+        )
+        stream.response_started = True
+        if stream.request.method == b"HEAD":
+            self.session.send_end(stream.id, [])
+            self._answered(stream)
+            return
+        stream.out = memoryview(body)
+        stream.out_end = True
+        self._pump_answer(stream)
+
+    def _pump_answer(self, stream: _Stream) -> None:
+        if self._send_out(stream):
+            self._answered(stream)
+
+    def _answered(self, stream: _Stream) -> None:
+        if not stream.request_read:
+            self.session.stop_request(stream.id)
+        self._close_stream(stream)
+
+    def _close_stream(self, stream: _Stream) -> None:
+        """The stream is over: its upstream socket let go (closed: it holds
+        half an exchange), its unused body given back to the window, its
+        line logged."""
+        if stream.phase is _CLOSED:
+            return
+        stream.phase = _CLOSED
+        if stream.scope is not None:
+            stream.scope.cancel()
+        upstream = stream.upstream
+        if upstream is not None:
+            self._let_go(stream)
+            self.upstreams.release(upstream, clean=False)
+            stream.upstream = None
+        session = self.session
+        self._acknowledge_held(stream)
+        session.active.discard(stream.id)
+        del self.streams[stream.id]
+        self.blocked.discard(stream)
+        self.dirty.discard(stream)
+        stream.out = None
+        now = self.now()
+        if not session.active and not self.streams:
+            self.idle_since = now
+            self._arm(now + min(PARK_AFTER, self.http.keepalive_timeout))
+        log = stream.log
+        log.total = now - stream.started
+        self._emit(log)
+        if self.draining and not self.streams and self.state is _OPEN:
+            self._end(Termination.DRAINED)
+            self._shut_down()
 
 
 def _h2_fields(
@@ -978,11 +1633,21 @@ async def serve_h2(
     holds what was read before (with h2c, at least the preface). See the
     module docstring for the behaviour. Does not close *client*; every
     upstream connection it opened is closed or pooled when it returns.
+
+    Raises:
+        TypeError: *client* is not socket-backed.
     """
+    raw = RawStream.of(client)
+    if raw is None:
+        msg = (
+            "serve_h2 needs a trio.SocketStream or an established TLSStream"
+            f" over one, not {client!r}"
+        )
+        raise TypeError(msg)
     if result is None:
         result = HttpConnectionResult()
     connection = _H2Connection(
-        client,
+        raw,
         downstream,
         listener=listener,
         backend=backend,
@@ -993,11 +1658,12 @@ async def serve_h2(
         on_request=on_request,
     )
     try:
-        await connection.serve(initial_data)
+        await connection.run(initial_data)
     except Exception as exc:  # a bug must not take the edge down
         LOGGER.exception("listener %s: HTTP/2 connection failed", listener.name)
         result.termination = Termination.INTERNAL_ERROR
         result.detail = repr(exc)
+        set_abortive_close(client)
     finally:
         if result.termination == Termination.UNKNOWN:  # cancelled: drain deadline
             result.termination = Termination.DRAINED

@@ -511,6 +511,15 @@ class H2Session:
             event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)
         ):
             out.append(WindowOpened())
+        elif isinstance(event, h2.events.SettingsAcknowledged):
+            if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in event.changed_settings:
+                # h2 moves the stream windows by the change but decides on a
+                # WINDOW_UPDATE only when more data is acknowledged: bytes
+                # acknowledged before (short of an update under the old size)
+                # would be held back for good if none follows.
+                for sid in self.active:
+                    with contextlib.suppress(h2.exceptions.StreamClosedError):
+                        self.conn.acknowledge_received_data(0, sid)
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.ended = True
             out.append(

@@ -8,26 +8,28 @@ kept across its requests, never pooled: a PROXY header describes one client).
 An HTTP/1.1 connection runs one exchange at a time, so it keeps at most one
 dedicated connection; an HTTP/2 connection may keep one per concurrent stream.
 
-An HTTP/2 connection also keeps the pooled connections its streams gave back
-(*keep*: at most that many, its concurrent streams) for its next streams:
-``h2load -m10`` on 50 connections keeps 500 exchanges going, and handing
-each connection back to the shared pool (``max_idle_per_server`` of them per
-server, the rest closed) between one stream and the next opened a new
-upstream connection for a third of the requests. `park` gives them to the
-shared pool (the driver calls it once the client connection has had no
-stream for a second), `close` when it ends; before reuse each is checked as
-the pool checks its own (not expired, nothing to read).
+A driver may also *hold* the clean connections its exchanges leave
+(`UpstreamConnections.hold`, its sockets still watched) for its next
+exchanges, and `take` reuses them first; it gives them to the shared pool
+(`park_held`) once the client connection has had no exchange for
+`PARK_AFTER`. An HTTP/1.1 connection holds at most one, an HTTP/2 connection
+one per concurrent stream: ``h2load -m10`` on 50 connections keeps 500
+exchanges going, and handing each connection back to the shared pool
+(``max_idle_per_server`` of them per server, the rest closed) between one
+stream and the next opened a new upstream connection for a third of the
+requests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Reversible
 from dataclasses import dataclass
 from typing import Final
 
 import trio
 
 from tlsedge._balancer import Server, ServerLease
-from tlsedge._http.pool import KeepAlivePool, close_now, is_idle_and_open
+from tlsedge._http.pool import KeepAlivePool, close_now
 from tlsedge._tls_stream import TLSStream
 from tlsedge._upstream import BackendPool, NoServerError
 
@@ -71,17 +73,13 @@ class UpstreamConnections:
         client_ip: The real client (the balancer's source-ip affinity).
         proxy_header: With ``send_proxy``: the PROXY header for this client;
             connections are then dedicated to this client connection.
-        keep: Most pooled connections kept back for this client
-            connection's next exchanges (until `park`); 0: none.
     """
 
     __slots__ = (
         "_dedicated",
         "_in_use",
-        "_kept",
         "backend",
         "client_ip",
-        "keep",
         "keepalive",
         "proxy_header",
     )
@@ -92,18 +90,13 @@ class UpstreamConnections:
         keepalive: KeepAlivePool,
         client_ip: str | None,
         proxy_header: bytes | None,
-        *,
-        keep: int = 0,
     ) -> None:
         self.backend = backend
         self.keepalive = keepalive
         self.client_ip = client_ip
         self.proxy_header = proxy_header
-        self.keep = keep
         self._dedicated: list[Upstream] = []  # idle, with send_proxy
         self._in_use: set[Upstream] = set()
-        #: Idle pooled connections kept back: (released at, server, stream).
-        self._kept: list[tuple[float, Server, trio.abc.Stream]] = []
 
     async def acquire(self, exclude: Server | None, *, fresh: bool = False) -> Upstream:
         """A connection for the next exchange: dedicated, pooled or new.
@@ -126,7 +119,7 @@ class UpstreamConnections:
         exclude: Server | None,
         *,
         fresh: bool = False,
-        held: Upstream | None = None,
+        held: Reversible[Upstream] = (),
     ) -> Upstream | NewConnection:
         """`acquire` without waiting: a dedicated or pooled connection, or
         what `connect` must open when there is none to reuse.
@@ -134,9 +127,9 @@ class UpstreamConnections:
         Args:
             exclude: A server not to pick (a failed first attempt's).
             fresh: Not a reused connection (a retry after one failed).
-            held: An idle connection the caller holds (`hold`), taken first
-                when the balancer picks its server; the caller watches it,
-                so it is not checked here.
+            held: Idle connections the caller holds (`hold`), oldest first:
+                the newest one to the server the balancer picks is taken
+                first; the caller watches them, so they are not checked here.
 
         Raises:
             NoServerError: no healthy server.
@@ -158,20 +151,14 @@ class UpstreamConnections:
             if exclude is None:
                 raise NoServerError(f"backend {self.backend.name}: no healthy server")
             return NewConnection(None)
-        if (
-            not fresh
-            and held is not None
-            and held.server is server
-            and self._current(held.stream)
-        ):
-            held.lease = self.backend.lease(server)
-            held.reused = True
-            self._in_use.add(held)
-            return held
         if not fresh:
-            stream = self._take_kept(server)
-            if stream is None:
-                stream = self.keepalive.acquire(server)
+            for candidate in reversed(held):
+                if candidate.server is server and self._current(candidate.stream):
+                    candidate.lease = self.backend.lease(server)
+                    candidate.reused = True
+                    self._in_use.add(candidate)
+                    return candidate
+            stream = self.keepalive.acquire(server)
             if stream is not None:
                 if self._current(stream):
                     upstream = Upstream(stream, self.backend.lease(server), reused=True)
@@ -179,23 +166,6 @@ class UpstreamConnections:
                     return upstream
                 close_now(stream)
         return NewConnection(server)
-
-    def _take_kept(self, server: Server) -> trio.abc.Stream | None:
-        """The most recently kept connection to *server* that is still
-        usable, or None; expired or unusable ones on the way are closed."""
-        kept = self._kept
-        index = len(kept)
-        while index:
-            index -= 1
-            released, kept_server, stream = kept[index]
-            if kept_server is not server:
-                continue
-            del kept[index]
-            age = trio.current_time() - released
-            if age < self.keepalive.idle_timeout and is_idle_and_open(stream):
-                return stream
-            close_now(stream)
-        return None
 
     def _current(self, stream: trio.abc.Stream) -> bool:
         """Whether a kept connection was made with the backend's current TLS
@@ -240,8 +210,6 @@ class UpstreamConnections:
             return
         if clean and self.proxy_header is not None:
             self._dedicated.append(upstream)
-        elif clean and len(self._kept) < self.keep:
-            self._kept.append((trio.current_time(), upstream.server, upstream.stream))
         elif clean:
             self.keepalive.release(upstream.server, upstream.stream)
         else:
@@ -258,21 +226,8 @@ class UpstreamConnections:
         """Give a connection the caller held (`hold`) to the shared pool."""
         self.keepalive.release(upstream.server, upstream.stream)
 
-    @property
-    def kept(self) -> int:
-        """How many idle connections are kept back (see `park`)."""
-        return len(self._kept)
-
-    def park(self) -> None:
-        """Give the connections kept back to the shared pool."""
-        kept, self._kept = self._kept, []
-        for _, server, stream in kept:
-            self.keepalive.release(server, stream)
-
     def close(self) -> None:
-        """Close every connection still in use or dedicated, and give those
-        kept back to the shared pool (the client is gone)."""
-        self.park()
+        """Close every connection still in use or dedicated (the client is gone)."""
         for upstream in self._in_use:
             upstream.lease.release()
             close_now(upstream.stream)

@@ -1,4 +1,4 @@
-"""UpstreamConnections: the connections an HTTP/2 connection keeps for its streams."""
+"""UpstreamConnections: the connections a client connection holds for its exchanges."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import trio.testing
 
 from tests.tlsedge.helpers import make_config
 from tlsedge._http.pool import KeepAlivePool
-from tlsedge._http.upstreams import UpstreamConnections
+from tlsedge._http.upstreams import NewConnection, Upstream, UpstreamConnections
 from tlsedge._upstream import BackendPool
 
 
@@ -37,7 +37,7 @@ class Accepting:
 
 
 @asynccontextmanager
-async def upstreams(keep: int) -> AsyncIterator[tuple[UpstreamConnections, Accepting]]:
+async def upstreams() -> AsyncIterator[tuple[UpstreamConnections, Accepting]]:
     server = Accepting()
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(
@@ -50,7 +50,7 @@ async def upstreams(keep: int) -> AsyncIterator[tuple[UpstreamConnections, Accep
         )
         backend = await BackendPool.create(config.backends[0])
         connections = UpstreamConnections(
-            backend, KeepAlivePool(idle_timeout=4.0), "127.0.0.1", None, keep=keep
+            backend, KeepAlivePool(idle_timeout=4.0), "127.0.0.1", None
         )
         yield connections, server
         connections.close()
@@ -58,54 +58,47 @@ async def upstreams(keep: int) -> AsyncIterator[tuple[UpstreamConnections, Accep
         nursery.cancel_scope.cancel()
 
 
-async def test_released_connections_are_kept_reused_and_parked() -> None:
-    async with upstreams(keep=2) as (connections, server):
+async def test_take_reuses_the_newest_held_connection_first() -> None:
+    async with upstreams() as (connections, server):
         first, second, third = [await connections.acquire(None) for _ in range(3)]
         assert await server.count() == 3
-        for upstream in (first, second, third):
-            connections.release(upstream, clean=True)
-        # Two kept back for this connection, the third in the shared pool.
-        assert connections.kept == 2
+        for upstream in (first, second):
+            connections.hold(upstream)
+        connections.release(third, clean=True)  # to the shared pool
+        held = [first, second]  # oldest first
+        again = connections.take(None, held=held)
+        assert again is second
+        assert again.reused
+        # A retry wants a new connection, not a held or pooled one.
+        assert isinstance(connections.take(None, fresh=True, held=held), NewConnection)
+        held.remove(second)
+        assert connections.take(None, held=held) is first
+        pooled = connections.take(None)
+        assert isinstance(pooled, Upstream)
+        assert pooled.stream is third.stream
+        assert await server.count() == 3
+
+
+async def test_park_held_gives_it_to_the_shared_pool() -> None:
+    async with upstreams() as (connections, server):
+        upstream = await connections.acquire(None)
+        connections.hold(upstream)
+        connections.park_held(upstream)
         assert connections.keepalive.idle_count() == 1
         again = await connections.acquire(None)
-        assert again.stream is second.stream  # the most recent first
+        assert again.stream is upstream.stream
         assert again.reused
-        # The backend closed the other kept one: closed, not reused; the
-        # shared pool's is next.
-        await server.accepted[0].aclose()
-        pooled = await connections.acquire(None)
-        assert pooled.stream is third.stream
-        assert connections.kept == 0
-        for upstream in (again, pooled):
-            connections.release(upstream, clean=True)
-        assert await server.count() == 3
-        connections.park()
-        assert connections.kept == 0
-        assert connections.keepalive.idle_count() == 2
+        assert await server.count() == 1
 
 
-async def test_kept_connections_expire_with_the_pools_idle_timeout(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    async with upstreams(keep=2) as (connections, server):
-        upstream = await connections.acquire(None)
-        connections.release(upstream, clean=True)
-        await trio.sleep(5)  # beyond the pool's idle_timeout of 4 s
-        fresh = await connections.acquire(None)
-        assert fresh.stream is not upstream.stream
-        assert not fresh.reused
-        assert await server.count() == 2
-
-
-async def test_close_parks_the_kept_and_closes_those_in_use() -> None:
-    async with upstreams(keep=2) as (connections, server):
-        kept, busy = [await connections.acquire(None) for _ in range(2)]
-        connections.release(kept, clean=True)
+async def test_close_closes_those_in_use() -> None:
+    async with upstreams() as (connections, server):
+        idle, busy = [await connections.acquire(None) for _ in range(2)]
+        connections.release(idle, clean=True)
         connections.close()
-        assert connections.kept == 0
         assert connections.keepalive.idle_count() == 1
-        pooled = connections.keepalive.acquire(kept.server)
-        assert pooled is kept.stream
+        pooled = connections.keepalive.acquire(idle.server)
+        assert pooled is idle.stream
         await pooled.aclose()
         assert isinstance(busy.stream, trio.SocketStream)
         assert busy.stream.socket.fileno() == -1  # closed
