@@ -17,7 +17,7 @@ from typing import Final
 
 import trio
 
-from tlsedge._relay import _scratch_buffer, _stdlib_socket
+from tlsedge._relay import _scratch, _stdlib_socket
 from tlsedge._tls_stream import TLSStream
 
 __all__ = ["READ_SIZE", "RawStream"]
@@ -72,6 +72,8 @@ class RawStream:
         if isinstance(stream, TLSStream):
             if not stream.established:
                 return None
+            if stream.transport_socket is not None:
+                return cls(stream.transport_socket, stream, built=False)
             tls, transport = stream, stream.transport_stream
         if not isinstance(transport, trio.SocketStream):
             return None
@@ -95,13 +97,13 @@ class RawStream:
             return data
         transport_data: memoryview | None = None
         if read_socket:
-            scratch = _scratch_buffer(READ_SIZE)
+            scratch, view = _scratch(READ_SIZE)
             try:
                 received = self.sock.recv_into(scratch)
             except BlockingIOError:
                 received = -1
             if received >= 0:
-                transport_data = memoryview(scratch)[:received]
+                transport_data = view[:received]
         data, eof = tls.receive_available(transport_data)
         records = tls.take_transport_data()
         if records:

@@ -981,12 +981,12 @@ class Edge:
         )
         immediate = _on_reactor(state)
         # A connection whose stages need no stream is relayed from its socket
-        # (which has the listener's TCP options where they are inherited).
-        # (The TLS stream of a handshake on the reactor sets both itself.)
+        # (which has the listener's TCP options where they are inherited),
+        # also under TLS: its handshake runs on the socket itself.
         stream = None
         if not immediate:
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
-        elif state.tls is None or state.config.proxy_protocol is not None:
+        else:
             raw.setblocking(False)
             if not _INHERITED_TCP_OPTIONS:
                 set_stream_options(raw)

@@ -135,17 +135,19 @@ class ReactorHandshake:
         health_check: bool = False,
         on_done: Callable[[HandshakeResult], None],
     ) -> None:
-        """*sock*: the accepted, non-blocking socket; the other arguments
-        are `accept_tls`'s."""
+        """*sock*: the accepted, non-blocking socket (with the stream options
+        `trio.SocketStream` would set); the other arguments are
+        `accept_tls`'s."""
         self.sock = sock
         self.fd = sock.fileno()
         self.server_tls = server_tls
         self.timeout = handshake_timeout
         self.health_check = health_check
-        # The trio stream is the TLS stream's transport for whoever uses it
-        # after the handshake; nothing here waits on it.
+        # Over the socket itself: the TLS stream makes its trio transport
+        # only if whoever takes it over waits on it (an HTTP connection's
+        # task); the reactor's relay never does.
         self.stream = TLSStream(
-            trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
+            sock,
             server_tls.context,
             server_side=True,
             initial_data=initial_data,
