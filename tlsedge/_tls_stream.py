@@ -396,7 +396,9 @@ class TLSStream(trio.abc.HalfCloseableStream):
         backlog = self._backlog
         if backlog:
             self._incoming.write(backlog[:ENGINE_CHUNK])
-            self._backlog = backlog[ENGINE_CHUNK:]
+            # An empty view of the caller's buffer would keep it alive.
+            rest = backlog[ENGINE_CHUNK:]
+            self._backlog = rest or _NO_INPUT
             return True
         if self._input_eof:
             self._input_eof = False
