@@ -106,6 +106,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import math
 import socket
@@ -216,10 +217,12 @@ class _Timeouts(NamedTuple):
     server_fin: float
 
     @classmethod
+    @functools.lru_cache(maxsize=64)
     def checked(
         cls, idle: float, client_fin: float, server_fin: float, buffer_size: int
     ) -> _Timeouts:
-        """The timeouts, after checking them and *buffer_size*.
+        """The timeouts, after checking them and *buffer_size*: one tuple
+        shared by the relays of a listener (cached), not one per relay.
 
         Raises:
             ValueError: A timeout is negative or NaN, or *buffer_size* < 1.

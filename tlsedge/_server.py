@@ -74,6 +74,7 @@ import nothing from this module).
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
 import math
@@ -995,7 +996,9 @@ class Edge:
         self.active_connections += 1
         self._metrics.connection_opened(log.listener)
         started = trio.current_time()
-        exits.callback(lambda: self._connection_ended(log, started, limiter, token))
+        exits.callback(
+            functools.partial(self._connection_ended, log, started, limiter, token)
+        )
         # The client's socket, whatever stages wrap it (closing the wrappers
         # could send nothing more: the connection is over).
         exits.callback(raw.close if stream is None else stream.socket.close)
@@ -1204,7 +1207,8 @@ class Edge:
     ) -> _Begun | None:
         """Go on from the end of a `_serve_now` TLS handshake."""
         client, tls = result
-        conn.log.tls = f"{tls.version} {tls.cipher}"
+        # One string per version and cipher, not one per connection.
+        conn.log.tls = sys.intern(f"{tls.version} {tls.cipher}")
         conn.log.sni = tls.server_name
         if conn.state.config.mode == "http":
             return (_downstream(conn, unwrapped, tls), client, None, b"")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import sys
 
 import trio
 
@@ -72,7 +73,7 @@ def _connect_now(
     # What the connection holds from here (not the attempt: its header).
     exits.callback(connected.raw.close)
     exits.callback(connected.lease.release)
-    log.server = str(connected.server)
+    log.server = sys.intern(str(connected.server))
     return connected
 
 
@@ -224,7 +225,7 @@ async def serve_tcp(
             raise Refused(Termination.CONNECT_FAILED, str(exc)) from exc
         exits.callback(connected.raw.close)
         exits.callback(connected.lease.release)
-        log.server = str(connected.server)
+        log.server = sys.intern(str(connected.server))
     # Client bytes that came with the PROXY header or the TLS handshake. A
     # plain backend gets our header and the first bytes in one segment, as
     # HAProxy sends them.

@@ -152,7 +152,7 @@ class ReactorHandshake:
             server_side=True,
             initial_data=initial_data,
         )
-        self._on_done = on_done
+        self._on_done: Callable[[HandshakeResult], None] | None = on_done
         self._out = b""  # records the socket has not taken yet
         self._reactor = current_reactor()
         self._registered = 0  # the interest registered; 0: none
@@ -258,7 +258,11 @@ class ReactorHandshake:
         if self._registered:
             self._registered = 0
             self._reactor.unregister(self.fd)
+        # Let go of the callback: its closure may refer back to this stage
+        # (a cycle would wait for the garbage collector).
+        on_done, self._on_done = self._on_done, None
+        assert on_done is not None  # called once: `done` guards
         try:
-            self._on_done(result)
+            on_done(result)
         except Exception:
             LOGGER.exception("TLS handshake: the callback at its end failed")

@@ -224,7 +224,7 @@ class ReactorHeaderRead:
         self.settings = settings
         self.peer = peer
         self.local = local
-        self._on_done = on_done
+        self._on_done: Callable[[UnwrapResult], None] | None = on_done
         self._reactor = current_reactor()
         self._policy = Policy.SKIP
         # The codec while the socket is registered with the reactor.
@@ -295,7 +295,11 @@ class ReactorHeaderRead:
         if self._reader is not None:
             self._reader = None
             self._reactor.unregister(self.fd)
+        # Let go of the callback: its closure may refer back to this stage
+        # (a cycle would wait for the garbage collector).
+        on_done, self._on_done = self._on_done, None
+        assert on_done is not None  # called once: `done` guards
         try:
-            self._on_done(result)
+            on_done(result)
         except Exception:
             LOGGER.exception("PROXY header: the callback at its end failed")
