@@ -34,6 +34,7 @@ from tlsedge._reactor import (
     Cancellable,
     current_reactor,
 )
+from tlsedge._relay import _scratch
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, ssl_facts
 from tlsedge._tls_stream import TRANSPORT_RECEIVE_SIZE, TLSStream
@@ -180,15 +181,18 @@ class ReactorHandshake:
                 return
         if not events & (READABLE | ERROR | HANGUP):
             return
+        # Into the thread's scratch buffer (the engine copies what it takes):
+        # no 64 KiB allocation shrunk to the few bytes that came, per read.
+        scratch, view = _scratch(TRANSPORT_RECEIVE_SIZE)
         try:
-            data = self.sock.recv(TRANSPORT_RECEIVE_SIZE)
+            received = self.sock.recv_into(scratch)
         except BlockingIOError:
             return
         except OSError as exc:
             detail = f"socket read failed: {exc}"
             self._end(_refusal(detail, self.stream, health_check=self.health_check))
             return
-        self._step(data)
+        self._step(view[:received])
 
     def failed(self, exc: Exception) -> None:
         """A bug in `ready` (logged by the reactor): end the handshake."""
@@ -200,7 +204,7 @@ class ReactorHandshake:
 
     # -- internals -----------------------------------------------------------
 
-    def _step(self, data: bytes | None) -> None:
+    def _step(self, data: memoryview | None) -> None:
         """The engine's step on *data* (read from the socket; None: none),
         and the send of what it produced."""
         try:

@@ -38,6 +38,7 @@ from proxyproto import (
 from proxyproto._adapters import inet_address, select_addresses
 from tlsedge._config import ProxyProtocolConfig
 from tlsedge._reactor import READABLE, Cancellable, current_reactor
+from tlsedge._relay import _scratch
 from tlsedge._termination import Refused, Termination
 
 __all__ = ["ReactorHeaderRead", "UnwrapResult", "Unwrapped", "unwrap_proxy_header"]
@@ -254,8 +255,11 @@ class ReactorHeaderRead:
         """One readiness event: one ``recv``, given to the codec."""
         reader = self._reader
         assert reader is not None  # registered only while reading
+        # Into the thread's scratch buffer (the codec copies what it keeps):
+        # no 64 KiB allocation shrunk to the few bytes that came, per read.
+        scratch, view = _scratch(_READ_SIZE)
         try:
-            data = self.sock.recv(_READ_SIZE)
+            received = self.sock.recv_into(scratch)
         except BlockingIOError:
             return
         except OSError as exc:
@@ -264,7 +268,7 @@ class ReactorHeaderRead:
             self._end(Refused(Termination.CLIENT_ERROR, broken))
             return
         try:
-            reader.receive_data(data)
+            reader.receive_data(view[:received])
             event = reader.next_event()
         except RemoteProtocolError as exc:
             self._end(_refusal(exc))
