@@ -87,17 +87,20 @@ class RawStream:
         if self.eof:
             return b""
         tls = self.tls
+        # Into the thread's scratch buffer: ``recv(READ_SIZE)`` would
+        # allocate the whole size per read, then shrink it.
+        scratch, view = _scratch(READ_SIZE)
         if tls is None:
             try:
-                data = self.sock.recv(READ_SIZE)
+                received = self.sock.recv_into(scratch)
             except BlockingIOError:
                 return None
-            if not data:
+            if not received:
                 self.eof = True
-            return data
+                return b""
+            return bytes(view[:received])
         transport_data: memoryview | None = None
         if read_socket:
-            scratch, view = _scratch(READ_SIZE)
             try:
                 received = self.sock.recv_into(scratch)
             except BlockingIOError:

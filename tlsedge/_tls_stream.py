@@ -58,6 +58,7 @@ import enum
 import operator
 import socket
 import ssl
+import threading
 from typing import Final
 
 import trio
@@ -92,6 +93,22 @@ _BUSY_MESSAGES: Final = {
     _SENDING: "another task is currently sending data on this TLSStream",
     _RECEIVING: "another task is currently receiving data on this TLSStream",
 }
+
+
+# Each thread's buffer for `TLSStream.receive_available` (``ssl_object.read``
+# releases the GIL: two trio runs in two threads must not share one).
+_read_buffers = threading.local()
+
+
+def _read_buffer() -> tuple[bytearray, memoryview]:
+    """This thread's plaintext buffer, and a view of it."""
+    buffers: tuple[bytearray, memoryview] | None = getattr(
+        _read_buffers, "buffers", None
+    )
+    if buffers is None:
+        buffer = bytearray(DEFAULT_RECEIVE_SIZE)
+        buffers = _read_buffers.buffers = (buffer, memoryview(buffer))
+    return buffers
 
 
 class _State(enum.Enum):
@@ -577,6 +594,9 @@ class TLSStream(trio.abc.HalfCloseableStream):
             chunks.append(self._parked)
             self._parked = b""
         ssl_object = self.ssl_object
+        # Into the thread's buffer, copied out at the size read (a read into
+        # a new bytes object allocates the whole maximum, then shrinks it).
+        buffer, view = _read_buffer()
         # Read while the engine may have more: a read that would only fail
         # with SSLWantReadError is skipped (the next piece of a large
         # delivery goes in first).
@@ -586,22 +606,22 @@ class TLSStream(trio.abc.HalfCloseableStream):
                     continue
                 break
             try:
-                data = ssl_object.read(DEFAULT_RECEIVE_SIZE)
+                size = ssl_object.read(DEFAULT_RECEIVE_SIZE, buffer)
             except ssl.SSLWantReadError:
                 if self._more_input():
                     continue
                 break
             except ssl.SSLZeroReturnError:
-                data = b""
+                size = 0
             except ssl.SSLEOFError:
                 self.ragged_eof = True
-                data = b""
+                size = 0
             except ssl.SSLError as exc:
                 raise self._fail(exc) from exc
-            if not data:
+            if not size:
                 self._eof_received = True
             else:
-                chunks.append(data)
+                chunks.append(bytes(view[:size]))
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         return data, self._eof_received
 
