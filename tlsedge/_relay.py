@@ -339,8 +339,9 @@ class _Flow:
         #: The earliest deadline a pending timer of ours will fire at.
         self.armed = math.inf
         #: What the reactor's timer heap holds of this flow (let go at the
-        #: end: a flow must not live on until its idle deadline).
-        self.timer = Cancellable(self._timer)
+        #: end: a flow must not live on until its idle deadline). The flow
+        #: is its callback (`__call__`: no bound method kept per flow).
+        self.timer = Cancellable(self)
 
     # -- life cycle --------------------------------------------------------------
 
@@ -459,7 +460,9 @@ class _Flow:
             self.armed = deadline
             self.reactor.call_at(deadline, self.timer)
 
-    def _timer(self) -> None:
+    def __call__(self) -> None:
+        """A timer of ours fired: end the relay if a deadline really passed,
+        else wait for the next one."""
         if self.done:
             return
         now = self.reactor.now()
