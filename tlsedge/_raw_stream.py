@@ -1,9 +1,10 @@
 """A socket-backed stream driven from a reactor handler: no trio wait per call.
 
 A `RawStream` wraps a `trio.SocketStream`, or an established `TLSStream` over
-one (or over a stdlib socket: a handshake run on the reactor), for code that the reactor (`tlsedge._reactor`) calls when the socket is
-ready: non-blocking ``recv``/``send`` on a stdlib socket sharing the stream's
-descriptor, the TLS engine driven through `TLSStream.receive_available` and
+one (or over a stdlib socket: a handshake run on the reactor), for code that
+the reactor (`tlsedge._reactor`) calls when the socket is ready: non-blocking
+``recv``/``send`` on a stdlib socket sharing the stream's descriptor, the TLS
+engine driven through `TLSStream.receive_available` and
 `TLSStream.send_nowait`. What the socket does not take at once waits in
 `RawStream.out` until the owner sees the socket writable and calls `flush`.
 The trio stream stays the owner of the descriptor: `detach` gives the stdlib

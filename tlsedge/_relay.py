@@ -7,11 +7,12 @@ Theory of operation
 (the peer that connected to us) and ``server`` (the backend we connected to),
 until both directions are finished. Each side is a `trio.SocketStream`, an
 established `TLSStream` over one (or over a stdlib socket), or
-(`DetachedRelays.start`) a connected non-blocking stdlib socket; anything else is refused with `TypeError` before
-anything starts. The pair is registered with the run's reactor
-(`tlsedge._reactor`), which calls `_Flow.ready` when a socket is ready;
-:func:`relay`'s task parks until the end. `DetachedRelays.start` does the same
-without a waiting task and calls back at the end (tcp mode).
+(`DetachedRelays.start`) a connected non-blocking stdlib socket; anything else
+is refused with `TypeError` before anything starts. The pair is registered
+with the run's reactor (`tlsedge._reactor`), which calls `_Flow.ready` when a
+socket is ready; :func:`relay`'s task parks until the end.
+`DetachedRelays.start` does the same without a waiting task and calls back at
+the end (tcp mode).
 
 Each direction is a tiny state machine::
 
