@@ -1,9 +1,10 @@
 """A socket-backed stream driven from a reactor handler: no trio wait per call.
 
 A `RawStream` wraps a `trio.SocketStream`, or an established `TLSStream` over
-one, for code that the reactor (`tlsedge._reactor`) calls when the socket is
-ready: non-blocking ``recv``/``send`` on a stdlib socket sharing the stream's
-descriptor, the TLS engine driven through `TLSStream.receive_available` and
+one (or over a stdlib socket: a handshake run on the reactor), for code that
+the reactor (`tlsedge._reactor`) calls when the socket is ready: non-blocking
+``recv``/``send`` on a stdlib socket sharing the stream's descriptor, the TLS
+engine driven through `TLSStream.receive_available` and
 `TLSStream.send_nowait`. What the socket does not take at once waits in
 `RawStream.out` until the owner sees the socket writable and calls `flush`.
 The trio stream stays the owner of the descriptor: `detach` gives the stdlib
@@ -17,7 +18,7 @@ from typing import Final
 
 import trio
 
-from tlsedge._relay import _scratch_buffer, _stdlib_socket
+from tlsedge._relay import _scratch, _stdlib_socket
 from tlsedge._tls_stream import TLSStream
 
 __all__ = ["READ_SIZE", "RawStream"]
@@ -72,6 +73,8 @@ class RawStream:
         if isinstance(stream, TLSStream):
             if not stream.established:
                 return None
+            if stream.transport_socket is not None:
+                return cls(stream.transport_socket, stream, built=False)
             tls, transport = stream, stream.transport_stream
         if not isinstance(transport, trio.SocketStream):
             return None
@@ -85,23 +88,26 @@ class RawStream:
         if self.eof:
             return b""
         tls = self.tls
+        # Into the thread's scratch buffer: ``recv(READ_SIZE)`` would
+        # allocate the whole size per read, then shrink it.
+        scratch, view = _scratch(READ_SIZE)
         if tls is None:
             try:
-                data = self.sock.recv(READ_SIZE)
+                received = self.sock.recv_into(scratch)
             except BlockingIOError:
                 return None
-            if not data:
+            if not received:
                 self.eof = True
-            return data
+                return b""
+            return bytes(view[:received])
         transport_data: memoryview | None = None
         if read_socket:
-            scratch = _scratch_buffer(READ_SIZE)
             try:
                 received = self.sock.recv_into(scratch)
             except BlockingIOError:
                 received = -1
             if received >= 0:
-                transport_data = memoryview(scratch)[:received]
+                transport_data = view[:received]
         data, eof = tls.receive_available(transport_data)
         records = tls.take_transport_data()
         if records:

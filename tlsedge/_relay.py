@@ -6,12 +6,13 @@ Theory of operation
 :func:`relay` copies bytes between two already-connected sockets, ``client``
 (the peer that connected to us) and ``server`` (the backend we connected to),
 until both directions are finished. Each side is a `trio.SocketStream`, an
-established `TLSStream` over one, or (`DetachedRelays.start`) a connected
-non-blocking stdlib socket; anything else is refused with `TypeError` before
-anything starts. The pair is registered with the run's reactor
-(`tlsedge._reactor`), which calls `_Flow.ready` when a socket is ready;
-:func:`relay`'s task parks until the end. `DetachedRelays.start` does the same
-without a waiting task and calls back at the end (tcp mode).
+established `TLSStream` over one (or over a stdlib socket), or
+(`DetachedRelays.start`) a connected non-blocking stdlib socket; anything else
+is refused with `TypeError` before anything starts. The pair is registered
+with the run's reactor (`tlsedge._reactor`), which calls `_Flow.ready` when a
+socket is ready; :func:`relay`'s task parks until the end.
+`DetachedRelays.start` does the same without a waiting task and calls back at
+the end (tcp mode).
 
 Each direction is a tiny state machine::
 
@@ -106,6 +107,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import math
 import socket
@@ -134,7 +136,7 @@ __all__ = ["DetachedRelays", "RelayStats", "relay", "set_abortive_close"]
 
 # Each thread's shared receive buffers, by size (see "Buffers and backpressure"
 # in the module docstring).
-_scratch = threading.local()
+_scratch_local = threading.local()
 
 # Most reads of one side per readiness event (a full read means more is
 # likely waiting; the bound keeps one busy connection from starving the rest).
@@ -216,10 +218,12 @@ class _Timeouts(NamedTuple):
     server_fin: float
 
     @classmethod
+    @functools.lru_cache(maxsize=64)
     def checked(
         cls, idle: float, client_fin: float, server_fin: float, buffer_size: int
     ) -> _Timeouts:
-        """The timeouts, after checking them and *buffer_size*.
+        """The timeouts, after checking them and *buffer_size*: one tuple
+        shared by the relays of a listener (cached), not one per relay.
 
         Raises:
             ValueError: A timeout is negative or NaN, or *buffer_size* < 1.
@@ -265,8 +269,9 @@ class _Endpoint:
         self.tls = tls
         #: Bytes (records, for TLS) accepted from the other side that this
         #: socket has not taken yet; while there are any, the other side is
-        #: not read (backpressure: one buffer per direction).
-        self.out = bytearray()
+        #: not read (backpressure: one buffer per direction). A bytearray
+        #: only while it holds bytes: an idle side holds no buffer.
+        self.out: bytes | bytearray = b""
         #: Still reading this side (no EOF, error or abort yet).
         self.reading = True
         #: The other side's EOF waits for ``out`` to drain before it is sent.
@@ -288,7 +293,6 @@ class _Flow:
         "b",
         "buffer_size",
         "built",
-        "client",
         "closed_at_end",
         "done",
         "first_eof",
@@ -296,9 +300,9 @@ class _Flow:
         "last_send",
         "on_done",
         "reactor",
+        "relays",
         "scratch",
         "scratch_view",
-        "server",
         "shut_count",
         "stats",
         "task",
@@ -308,8 +312,6 @@ class _Flow:
 
     def __init__(
         self,
-        client: _Peer,
-        server: _Peer,
         stats: RelayStats,
         timeouts: _Timeouts,
         *,
@@ -317,8 +319,6 @@ class _Flow:
         buffer_size: int,
     ) -> None:
         self.reactor = current_reactor()
-        self.client = client
-        self.server = server
         self.stats = stats
         self.timeouts = timeouts
         self.last_activity = self.reactor.now()
@@ -327,12 +327,12 @@ class _Flow:
         self.first_eof: _Side | None = None
         self.a, self.b, self.built = ends
         self.buffer_size = buffer_size
-        self.scratch = _scratch_buffer(buffer_size)
-        self.scratch_view = memoryview(self.scratch)
+        self.scratch, self.scratch_view = _scratch(buffer_size)
         #: Who learns that the relay ended: a parked task (`relay`) or a
-        #: callback (`DetachedRelays.start`).
+        #: callback (`DetachedRelays.start`, whose set holds the flow).
         self.task: trio.lowlevel.Task | None = None
         self.on_done: Callable[[], None] | None = None
+        self.relays: DetachedRelays | None = None
         self.done = False
         #: `on_done` closes both sockets (`DetachedRelays.start`).
         self.closed_at_end = False
@@ -340,8 +340,9 @@ class _Flow:
         #: The earliest deadline a pending timer of ours will fire at.
         self.armed = math.inf
         #: What the reactor's timer heap holds of this flow (let go at the
-        #: end: a flow must not live on until its idle deadline).
-        self.timer = Cancellable(self._timer)
+        #: end: a flow must not live on until its idle deadline). The flow
+        #: is its callback (`__call__`: no bound method kept per flow).
+        self.timer = Cancellable(self)
 
     # -- life cycle --------------------------------------------------------------
 
@@ -381,6 +382,8 @@ class _Flow:
             self.task = None
         if self.on_done is not None:
             on_done, self.on_done = self.on_done, None
+            if self.relays is not None:
+                self.relays.ended(self)
             try:
                 on_done()
             except Exception:
@@ -408,8 +411,8 @@ class _Flow:
         """Record *cause* (unless one was) and make both sides close with an RST."""
         if self.stats.termination is None:
             self.stats.termination = cause
-        set_abortive_close(self.client)
-        set_abortive_close(self.server)
+        for end in (self.a, self.b):
+            set_abortive_close(end.sock)
 
     def clean_termination(self) -> Termination:
         """The cause once both directions finished (timeouts record their own)."""
@@ -458,7 +461,9 @@ class _Flow:
             self.armed = deadline
             self.reactor.call_at(deadline, self.timer)
 
-    def _timer(self) -> None:
+    def __call__(self) -> None:
+        """A timer of ours fired: end the relay if a deadline really passed,
+        else wait for the next one."""
         if self.done:
             return
         now = self.reactor.now()
@@ -601,7 +606,7 @@ class _Flow:
             return
         if sent < len(data):
             # Copied: the scratch buffer is the next read's.
-            end.out += data[sent:]
+            end.out = bytearray(data[sent:])
 
     def _flush(self, end: _Endpoint) -> None:
         """*end* is writable: send what it owes; once drained, finish a
@@ -613,11 +618,15 @@ class _Flow:
         except OSError:
             self.fail(end)
             return
-        del end.out[:sent]
+        out = end.out
+        assert isinstance(out, bytearray)  # bytes only while empty
+        del out[:sent]
         # The reader took bytes while we waited: progress for the fin timer.
         self.last_send = self.reactor.now()
-        if not end.out and end.shut_pending:
-            self._shut(end)
+        if not out:
+            end.out = b""
+            if end.shut_pending:
+                self._shut(end)
 
     def _eof(self, end: _Endpoint) -> None:
         """*end* sent its EOF: forward it once everything before it went out."""
@@ -662,7 +671,7 @@ class _Flow:
 
 #: Both endpoints of a reactor relay, and the sockets built for them (to
 #: detach at the end).
-_Ends = tuple[_Endpoint, _Endpoint, list[socket.socket]]
+_Ends = tuple[_Endpoint, _Endpoint, tuple[socket.socket, ...]]
 
 
 def _reactor_ends(
@@ -690,6 +699,9 @@ def _reactor_ends(
         tls: TLSStream | None = None
         transport: trio.abc.Stream = stream
         if isinstance(stream, TLSStream) and stream.established:
+            if stream.transport_socket is not None:
+                ends.append(_Endpoint(side, stream.transport_socket, stream))
+                continue
             tls, transport = stream, stream.transport_stream
         if not isinstance(transport, trio.SocketStream):
             for raw in built:
@@ -701,7 +713,7 @@ def _reactor_ends(
             if made:
                 built.append(sock)
         ends.append(_Endpoint(side, sock, tls))
-    return ends[0], ends[1], built
+    return ends[0], ends[1], tuple(built)
 
 
 def _cannot_drive(side: _Side, stream: trio.abc.Stream) -> str:
@@ -782,22 +794,20 @@ class DetachedRelays:
             idle_timeout, client_fin_timeout, server_fin_timeout, buffer_size
         )
         ends = _reactor_ends(client, server, sockets)
-        flow = _Flow(
-            client, server, stats, timeouts, ends=ends, buffer_size=buffer_size
-        )
-
-        def ended() -> None:
-            self._flows.discard(flow)
-            if not self._flows:
-                self._empty.set()
-            on_done()
-
-        flow.on_done = ended
+        flow = _Flow(stats, timeouts, ends=ends, buffer_size=buffer_size)
+        flow.on_done = on_done
+        flow.relays = self
         flow.closed_at_end = closed_at_end
         if not self._flows:
             self._empty = trio.Event()
         self._flows.add(flow)
         flow.start()
+
+    def ended(self, flow: _Flow) -> None:
+        """*flow* ended (called by it, before its *on_done*)."""
+        self._flows.discard(flow)
+        if not self._flows:
+            self._empty.set()
 
     async def wait_empty(self) -> None:
         """Wait until every relay started here has ended."""
@@ -809,15 +819,18 @@ class DetachedRelays:
             flow.drain()
 
 
-def _scratch_buffer(size: int) -> bytearray:
-    """This thread's shared receive buffer of ``size`` bytes."""
-    buffers: dict[int, bytearray] | None = getattr(_scratch, "buffers", None)
+def _scratch(size: int) -> tuple[bytearray, memoryview]:
+    """This thread's shared receive buffer of ``size`` bytes, and a view of it."""
+    buffers: dict[int, tuple[bytearray, memoryview]] | None = getattr(
+        _scratch_local, "buffers", None
+    )
     if buffers is None:
-        buffers = _scratch.buffers = {}
-    buffer = buffers.get(size)
-    if buffer is None:
-        buffer = buffers[size] = bytearray(size)
-    return buffer
+        buffers = _scratch_local.buffers = {}
+    scratch = buffers.get(size)
+    if scratch is None:
+        buffer = bytearray(size)
+        scratch = buffers[size] = (buffer, memoryview(buffer))
+    return scratch
 
 
 def _stdlib_socket(stream: trio.SocketStream) -> tuple[socket.socket, bool]:
@@ -883,6 +896,4 @@ async def relay(
         idle_timeout, client_fin_timeout, server_fin_timeout, buffer_size
     )
     ends = _reactor_ends(client, server, sockets)
-    await _relay_on_reactor(
-        _Flow(client, server, stats, timeouts, ends=ends, buffer_size=buffer_size)
-    )
+    await _relay_on_reactor(_Flow(stats, timeouts, ends=ends, buffer_size=buffer_size))

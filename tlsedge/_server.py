@@ -75,6 +75,7 @@ import nothing from this module).
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
 import math
@@ -975,18 +976,19 @@ class Edge:
             start=time.time(),
         )
         # The stages read and relay from the socket itself (which has the
-        # listener's TCP options where they are inherited). (The TLS stream of
-        # a handshake sets both itself.)
-        if state.tls is None or state.config.proxy_protocol is not None:
-            raw.setblocking(False)
-            if not _INHERITED_TCP_OPTIONS:
-                set_stream_options(raw)
+        # listener's TCP options where they are inherited), also under TLS:
+        # its handshake runs on the socket itself.
+        raw.setblocking(False)
+        if not _INHERITED_TCP_OPTIONS:
+            set_stream_options(raw)
         conn = _Connection(state, pool, raw, peer, local, log, Cleanup())
         exits = conn.exits
         self.active_connections += 1
         self._metrics.connection_opened(log.listener)
         started = trio.current_time()
-        exits.callback(lambda: self._connection_ended(log, started, limiter, token))
+        exits.callback(
+            functools.partial(self._connection_ended, log, started, limiter, token)
+        )
         # The client's socket, whatever stages wrap it (closing the wrappers
         # could send nothing more: the connection is over).
         exits.callback(raw.close)
@@ -1188,7 +1190,8 @@ class Edge:
     ) -> _Begun | None:
         """Go on from the end of a `_serve_now` TLS handshake."""
         client, tls = result
-        conn.log.tls = f"{tls.version} {tls.cipher}"
+        # One string per version and cipher, not one per connection.
+        conn.log.tls = sys.intern(f"{tls.version} {tls.cipher}")
         conn.log.sni = tls.server_name
         if conn.state.config.mode == "http":
             return (_downstream(conn, unwrapped, tls), client, denial, b"")

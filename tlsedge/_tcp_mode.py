@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import sys
 
 import trio
 
@@ -65,11 +66,14 @@ def _connect_now(
         opening = pool.open_first(downstream.client_ip, proxy_header=header or b"")
     except NoServerError as exc:
         raise Refused(Termination.NO_SERVER, str(exc)) from exc
-    exits.callback(opening.close)
     connected = pool.connected_now(opening)
     if connected is None:
+        exits.callback(opening.close)
         return opening
-    log.server = str(connected.server)
+    # What the connection holds from here (not the attempt: its header).
+    exits.callback(connected.raw.close)
+    exits.callback(connected.lease.release)
+    log.server = sys.intern(str(connected.server))
     return connected
 
 
@@ -108,13 +112,6 @@ def _relay_now(
     # From here the reactor owns the connection: what the connection's exit
     # stack would close and release, it closes and releases at the end.
     owned = exits.pop_all()
-
-    def ended() -> None:
-        try:
-            _record(log, stats, downstream)
-        finally:
-            owned.close()  # closes both sockets: see closed_at_end
-
     try:
         relays.start(
             client,
@@ -123,7 +120,7 @@ def _relay_now(
             idle_timeout=listener.idle_timeout,
             client_fin_timeout=listener.client_fin_timeout,
             server_fin_timeout=pool.config.server_fin_timeout,
-            on_done=ended,
+            on_done=_RelayEnd(log, stats, owned, health_check=downstream.health_check),
             sockets=None if client_socket is None else (client_socket, connected.raw),
             closed_at_end=True,
         )
@@ -228,7 +225,7 @@ async def serve_tcp(
             raise Refused(Termination.CONNECT_FAILED, str(exc)) from exc
         exits.callback(connected.raw.close)
         exits.callback(connected.lease.release)
-        log.server = str(connected.server)
+        log.server = sys.intern(str(connected.server))
     # Client bytes that came with the PROXY header or the TLS handshake. A
     # plain backend gets our header and the first bytes in one segment, as
     # HAProxy sends them.
@@ -270,17 +267,45 @@ def _send_failed(
     """The first bytes could not go to the server: reset the client, log it."""
     log.termination, log.detail = Termination.SERVER_ERROR, str(exc)
     set_abortive_close(client)
-    _record(log, stats, downstream)
+    _record(log, stats, health_check=downstream.health_check)
 
 
-def _record(log: ConnectionLog, stats: RelayStats, downstream: Downstream) -> None:
+class _RelayEnd:
+    """What the reactor calls at the end of a relay: the access-log record
+    filled in, then what the connection held closed and given back (both
+    sockets: see ``closed_at_end``). Only what that needs stays with an idle
+    connection (not its `Downstream`, TLS facts or closures)."""
+
+    __slots__ = ("health_check", "log", "owned", "stats")
+
+    def __init__(
+        self,
+        log: ConnectionLog,
+        stats: RelayStats,
+        owned: Cleanup,
+        *,
+        health_check: bool,
+    ) -> None:
+        self.log = log
+        self.stats = stats
+        self.owned = owned
+        self.health_check = health_check
+
+    def __call__(self) -> None:
+        try:
+            _record(self.log, self.stats, health_check=self.health_check)
+        finally:
+            self.owned.close()
+
+
+def _record(log: ConnectionLog, stats: RelayStats, *, health_check: bool) -> None:
     """What the relay did, into the connection's access-log record."""
     log.bytes_from_client = stats.bytes_from_client
     log.bytes_from_server = stats.bytes_from_server
     if stats.termination is not None:
         log.termination = stats.termination
     if (
-        downstream.health_check
+        health_check
         and stats.bytes_from_client == 0
         and stats.termination in _CLIENT_ENDED
     ):

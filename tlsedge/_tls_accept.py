@@ -34,6 +34,7 @@ from tlsedge._reactor import (
     Cancellable,
     current_reactor,
 )
+from tlsedge._relay import _scratch
 from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, ssl_facts
 from tlsedge._tls_stream import TRANSPORT_RECEIVE_SIZE, TLSStream
@@ -135,22 +136,24 @@ class ReactorHandshake:
         health_check: bool = False,
         on_done: Callable[[HandshakeResult], None],
     ) -> None:
-        """*sock*: the accepted, non-blocking socket; the other arguments
-        are `accept_tls`'s."""
+        """*sock*: the accepted, non-blocking socket (with the stream options
+        `trio.SocketStream` would set); the other arguments are
+        `accept_tls`'s."""
         self.sock = sock
         self.fd = sock.fileno()
         self.server_tls = server_tls
         self.timeout = handshake_timeout
         self.health_check = health_check
-        # The trio stream is the TLS stream's transport for whoever uses it
-        # after the handshake; nothing here waits on it.
+        # Over the socket itself: the TLS stream makes its trio transport
+        # only if whoever takes it over waits on it (an HTTP connection's
+        # task); the reactor's relay never does.
         self.stream = TLSStream(
-            trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
+            sock,
             server_tls.context,
             server_side=True,
             initial_data=initial_data,
         )
-        self._on_done = on_done
+        self._on_done: Callable[[HandshakeResult], None] | None = on_done
         self._out = b""  # records the socket has not taken yet
         self._reactor = current_reactor()
         self._registered = 0  # the interest registered; 0: none
@@ -178,15 +181,18 @@ class ReactorHandshake:
                 return
         if not events & (READABLE | ERROR | HANGUP):
             return
+        # Into the thread's scratch buffer (the engine copies what it takes):
+        # no 64 KiB allocation shrunk to the few bytes that came, per read.
+        scratch, view = _scratch(TRANSPORT_RECEIVE_SIZE)
         try:
-            data = self.sock.recv(TRANSPORT_RECEIVE_SIZE)
+            received = self.sock.recv_into(scratch)
         except BlockingIOError:
             return
         except OSError as exc:
             detail = f"socket read failed: {exc}"
             self._end(_refusal(detail, self.stream, health_check=self.health_check))
             return
-        self._step(data)
+        self._step(view[:received])
 
     def failed(self, exc: Exception) -> None:
         """A bug in `ready` (logged by the reactor): end the handshake."""
@@ -198,7 +204,7 @@ class ReactorHandshake:
 
     # -- internals -----------------------------------------------------------
 
-    def _step(self, data: bytes | None) -> None:
+    def _step(self, data: memoryview | None) -> None:
         """The engine's step on *data* (read from the socket; None: none),
         and the send of what it produced."""
         try:
@@ -256,7 +262,11 @@ class ReactorHandshake:
         if self._registered:
             self._registered = 0
             self._reactor.unregister(self.fd)
+        # Let go of the callback: its closure may refer back to this stage
+        # (a cycle would wait for the garbage collector).
+        on_done, self._on_done = self._on_done, None
+        assert on_done is not None  # called once: `done` guards
         try:
-            self._on_done(result)
+            on_done(result)
         except Exception:
             LOGGER.exception("TLS handshake: the callback at its end failed")

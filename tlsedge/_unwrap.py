@@ -38,6 +38,7 @@ from proxyproto import (
 from proxyproto._adapters import inet_address, select_addresses
 from tlsedge._config import ProxyProtocolConfig
 from tlsedge._reactor import READABLE, Cancellable, current_reactor
+from tlsedge._relay import _scratch
 from tlsedge._termination import Refused, Termination
 
 __all__ = ["ReactorHeaderRead", "UnwrapResult", "Unwrapped", "unwrap_proxy_header"]
@@ -224,7 +225,7 @@ class ReactorHeaderRead:
         self.settings = settings
         self.peer = peer
         self.local = local
-        self._on_done = on_done
+        self._on_done: Callable[[UnwrapResult], None] | None = on_done
         self._reactor = current_reactor()
         self._policy = Policy.SKIP
         # The codec while the socket is registered with the reactor.
@@ -254,8 +255,11 @@ class ReactorHeaderRead:
         """One readiness event: one ``recv``, given to the codec."""
         reader = self._reader
         assert reader is not None  # registered only while reading
+        # Into the thread's scratch buffer (the codec copies what it keeps):
+        # no 64 KiB allocation shrunk to the few bytes that came, per read.
+        scratch, view = _scratch(_READ_SIZE)
         try:
-            data = self.sock.recv(_READ_SIZE)
+            received = self.sock.recv_into(scratch)
         except BlockingIOError:
             return
         except OSError as exc:
@@ -264,7 +268,7 @@ class ReactorHeaderRead:
             self._end(Refused(Termination.CLIENT_ERROR, broken))
             return
         try:
-            reader.receive_data(data)
+            reader.receive_data(view[:received])
             event = reader.next_event()
         except RemoteProtocolError as exc:
             self._end(_refusal(exc))
@@ -295,7 +299,11 @@ class ReactorHeaderRead:
         if self._reader is not None:
             self._reader = None
             self._reactor.unregister(self.fd)
+        # Let go of the callback: its closure may refer back to this stage
+        # (a cycle would wait for the garbage collector).
+        on_done, self._on_done = self._on_done, None
+        assert on_done is not None  # called once: `done` guards
         try:
-            self._on_done(result)
+            on_done(result)
         except Exception:
             LOGGER.exception("PROXY header: the callback at its end failed")

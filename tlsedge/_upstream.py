@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -229,6 +230,8 @@ class BackendPool:
         self._health_scopes: dict[tuple[str, int], trio.CancelScope] = {}
         #: Told about every lease and new connection (the edge's metrics).
         self.observer: LeaseObserver | None = None
+        # What every lease calls when released: one bound method for all.
+        self._on_release: Callable[[ServerLease], None] = self._released
 
     @classmethod
     async def create(
@@ -419,9 +422,13 @@ class BackendPool:
         observer = self.observer
         if observer is None:
             return ServerLease(server)
-        backend, label = self.name, str(server)
-        observer.server_leased(backend, label)
-        return ServerLease(server, lambda _: observer.server_released(backend, label))
+        observer.server_leased(self.name, str(server))
+        return ServerLease(server, self._on_release)
+
+    def _released(self, lease: ServerLease) -> None:
+        """*lease* was released: tell the observer."""
+        if self.observer is not None:
+            self.observer.server_released(self.name, str(lease.server))
 
     def open_first(
         self, client_ip: str | None, *, proxy_header: bytes = b""

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+import trustme
 from hypothesis import given, strategies as st
 
 from tlsedge._reactor import current_reactor
@@ -208,6 +209,116 @@ async def test_relay_pumps_over_the_callers_sockets_and_leaves_them_attached() -
     finally:
         for stream in streams:
             await trio.aclose_forcefully(stream)
+
+
+async def test_a_tls_side_over_a_stdlib_socket_is_relayed_on_that_socket() -> None:
+    """The client's TLS stream made over the accepted socket (as a handshake
+    on the reactor leaves it): relayed both ways with the half-close, on
+    that socket, which the relay neither closes nor detaches."""
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("relay.test").configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    client_peer_raw, edge_raw = _stdlib_tcp_pair()
+    edge_up_raw, server_peer_raw = _stdlib_tcp_pair()
+    edge_raw.setblocking(False)
+    edge_up_raw.setblocking(False)
+    client_peer = TLSStream(
+        trio.SocketStream(trio.socket.from_stdlib_socket(client_peer_raw)),
+        client_context,
+        server_side=False,
+        server_hostname="relay.test",
+    )
+    edge_tls = TLSStream(edge_raw, server_context, server_side=True)
+    server_peer = trio.SocketStream(trio.socket.from_stdlib_socket(server_peer_raw))
+    relays = DetachedRelays()
+    stats = RelayStats()
+    got: dict[str, bytes] = {}
+    try:
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client_peer.do_handshake)
+                await edge_tls.do_handshake()
+            # The handshake waited on the socket through a trio transport
+            # made on demand; the relay then drives the socket itself.
+            ended = trio.Event()
+            relays.start(
+                edge_tls,
+                edge_up_raw,
+                stats=stats,
+                idle_timeout=3600.0,
+                client_fin_timeout=3600.0,
+                server_fin_timeout=3600.0,
+                on_done=ended.set,
+            )
+            async with trio.open_nursery() as nursery:
+
+                async def server_side() -> None:
+                    got["server"] = await receive_all(server_peer)
+                    await send_then_eof(server_peer, b"pong" * 5000)
+
+                nursery.start_soon(server_side)
+                await send_then_eof(client_peer, b"ping" * 5000)
+                got["client"] = await receive_all(client_peer)
+            await ended.wait()
+        assert got == {"server": b"ping" * 5000, "client": b"pong" * 5000}
+        assert stats.termination == Termination.CLIENT_CLOSED
+        assert edge_raw.fileno() != -1  # the relay never closes or detaches it
+    finally:
+        for stream in (client_peer, server_peer):
+            await trio.aclose_forcefully(stream)
+        edge_raw.close()
+        edge_up_raw.close()
+
+
+async def test_an_aborted_tls_side_over_a_stdlib_socket_closes_with_an_rst() -> None:
+    """An RST from the server side: both sockets, the TLS side's included,
+    are set to close with an RST (the relay has no trio stream to follow)."""
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("relay.test").configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    client_peer_raw, edge_raw = _stdlib_tcp_pair()
+    edge_up_raw, server_peer_raw = _stdlib_tcp_pair()
+    edge_raw.setblocking(False)
+    edge_up_raw.setblocking(False)
+    client_peer = TLSStream(
+        trio.SocketStream(trio.socket.from_stdlib_socket(client_peer_raw)),
+        client_context,
+        server_side=False,
+        server_hostname="relay.test",
+    )
+    edge_tls = TLSStream(edge_raw, server_context, server_side=True)
+    relays = DetachedRelays()
+    stats = RelayStats()
+    try:
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client_peer.do_handshake)
+                await edge_tls.do_handshake()
+            ended = trio.Event()
+            relays.start(
+                edge_tls,
+                edge_up_raw,
+                stats=stats,
+                idle_timeout=3600.0,
+                client_fin_timeout=3600.0,
+                server_fin_timeout=3600.0,
+                on_done=ended.set,
+            )
+            set_abortive_close(server_peer_raw)
+            server_peer_raw.close()
+            await ended.wait()
+        assert stats.termination == Termination.SERVER_ERROR
+        for raw in (edge_raw, edge_up_raw):
+            linger = raw.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)
+            assert struct.unpack("ii", linger) == (1, 0)
+    finally:
+        await trio.aclose_forcefully(client_peer)
+        edge_raw.close()
+        edge_up_raw.close()
 
 
 class _RecordingPoller:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 
@@ -242,3 +245,113 @@ async def test_handshake_nowait_fails_with_an_alert_to_send() -> None:
     assert quiet.handshake_nowait(None) is False
     with pytest.raises(trio.BrokenResourceError):
         quiet.handshake_nowait(b"")
+
+
+def _nowait_pair(transports: tuple[socket.socket, socket.socket]) -> StreamPair:
+    """Two streams over stdlib sockets, their handshake driven by the test
+    moving the records (the sockets are never used: no async operation)."""
+    client, server = _pair(transports, ssl.TLSVersion.TLSv1_3)  # type: ignore[arg-type]
+    records: bytes | None = None
+    while not (client.established and server.established):
+        client.handshake_nowait(records)
+        server.handshake_nowait(client.take_transport_data() or None)
+        records = server.take_transport_data() or None
+    # The server's session tickets: records of no application data.
+    assert client.receive_available(records) == (b"", False)
+    return client, server
+
+
+def test_a_large_delivery_reaches_the_engine_whole() -> None:
+    """What the caller read in one go, far more than a record, comes out of
+    one `receive_available`, the close_notify behind it included; records
+    made from one large `send_nowait` are well formed."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(s) for s in socket.socketpair()]
+        client, server = _nowait_pair((sockets[0], sockets[1]))
+        payload = bytes(range(256)) * 4096  # 1 MiB
+        wire = client.send_nowait(payload) + client.send_eof_nowait()
+        assert server.receive_available(wire) == (payload, True)
+        # Delivered in two parts cut anywhere: the same.
+        client2, server2 = _nowait_pair((sockets[0], sockets[1]))
+        wire = client2.send_nowait(payload)
+        first, closed = server2.receive_available(wire[:100_001])
+        second, closed = server2.receive_available(wire[100_001:])
+        assert (first + second, closed) == (payload, False)
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes glibc's malloc has handed out and not got back (OpenSSL's
+    buffers included); None where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
+
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def test_engine_buffers_do_not_keep_a_large_transfer() -> None:
+    """A MemoryBIO keeps the largest size it ever held: after 1 MiB each way
+    through `send_nowait` and `receive_available`, an idle pair holds under
+    90 KiB per buffer, not the megabyte it once carried."""
+    if _malloc_in_use() is None:
+        pytest.skip("needs glibc's mallinfo2")
+    payload = b"x" * (1 << 20)
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(s) for s in socket.socketpair()]
+        pairs = [_nowait_pair((sockets[0], sockets[1])) for _ in range(4)]
+        before = _malloc_in_use()
+        for client, server in pairs:
+            assert server.receive_available(client.send_nowait(payload))[0] == payload
+            assert client.receive_available(server.send_nowait(payload))[0] == payload
+        after = _malloc_in_use()
+        assert before is not None
+        assert after is not None
+        # Four BIOs a pair, about 87 KiB each at most (four records and the
+        # buffer's growth step); 1.4 MiB each without the bound.
+        assert (after - before) / len(pairs) < 512 * 1024
+
+
+async def test_a_stream_over_a_stdlib_socket_makes_its_transport_when_needed() -> None:
+    """Given a socket (a handshake on the reactor), the stream has no trio
+    transport until an async operation needs one, then works as usual."""
+    near, far = socket.socketpair()
+    far.setblocking(False)
+    server_ctx, client_ctx = _contexts(ssl.TLSVersion.TLSv1_3)
+    server = TLSStream(far, server_ctx, server_side=True)
+    assert server.transport_socket is far
+    client = TLSStream(
+        trio.SocketStream(trio.socket.from_stdlib_socket(near)),
+        client_ctx,
+        server_side=False,
+        server_hostname="tlsedge.test",
+    )
+    await _handshake((client, server))
+    assert isinstance(server.transport_stream, trio.SocketStream)
+    assert server.transport_stream.socket.fileno() == far.fileno()
+    await client.send_all(b"ping")
+    assert await server.receive_some() == b"ping"
+    await server.send_eof()
+    assert await _read_all(client) == b""
+    await client.aclose()
+    await server.aclose()
