@@ -1225,7 +1225,7 @@ class Edge:
         client: trio.abc.Stream | socket.socket,
         downstream: Downstream,
         leftover: bytes,
-        begun: Connected | Opening | None,
+        begun: Connected | Opening,
     ) -> None:
         await serve_tcp(
             client,

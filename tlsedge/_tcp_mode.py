@@ -14,9 +14,8 @@ The stage is written as two synchronous steps around the waits:
 `_connect_now` starts the first connect attempt, `_relay_now` sends what
 goes without waiting and starts the relay. Where neither has to wait (a plain
 backend on loopback or a fast network) the edge runs them from its accept
-loop (`serve_tcp_now`), with no task for the connection at all; `serve_tcp`
-is the same steps with the waits between them, and takes over from
-`serve_tcp_now` where that had to stop.
+loop (`serve_tcp_now`), with no task for the connection at all; where one
+must wait, the connection's task takes over with `serve_tcp`.
 """
 
 from __future__ import annotations
@@ -183,10 +182,11 @@ async def serve_tcp(
     log: ConnectionLog,
     exits: Cleanup,
     relays: DetachedRelays,
+    begun: Connected | Opening,
     client_socket: socket.socket | None = None,
-    begun: Connected | Opening | None = None,
 ) -> None:
-    """Connect a server of *pool* and hand *client* and it to the reactor.
+    """Go on from where `serve_tcp_now` stopped: finish the connect, send
+    what waits to go, and hand *client* and the server to the reactor.
 
     Returns once the relay started (or the first bytes could not be sent):
     the reactor relays until both sides are done, then fills in *log* and
@@ -206,16 +206,15 @@ async def serve_tcp(
         relays: The edge's relays on the reactor.
         client_socket: The stdlib socket under *client* when *client* is
             the accepted socket's `trio.SocketStream` (the relay uses it).
-        begun: Where `serve_tcp_now` stopped for this connection, if it ran
-            (a `Connected` has *initial_data* queued already).
+        begun: Where `serve_tcp_now` stopped for this connection: the
+            connect in progress, or the connection whose first bytes did not
+            all go (a `Connected` has *initial_data* queued already).
 
     Raises:
         Refused: ``no_server`` or ``connect_failed`` (a failed TLS handshake
             with the server is a failed connect attempt).
     """
     queued = isinstance(begun, Connected)  # by serve_tcp_now
-    if begun is None:
-        begun = _connect_now(downstream, pool, log=log, exits=exits)
     if isinstance(begun, Connected):
         connected = begun
     else:

@@ -5,16 +5,13 @@ over-read, never dropped). A connection that described no client in its PROXY
 header and closes without a byte of TLS is the load balancer's check, not a
 failed handshake.
 
-Two ways to run it, with the same outcomes (the same `Refused` causes and
-details, the same alert sent on a failure):
-
-* `accept_tls`, in the connection's task (HTTP mode, or where a denied
-  client is answered 403 after TLS);
-* `ReactorHandshake`, driven by the reactor from the accepted socket with no
-  task at all (tcp mode, after the PROXY header if one was read on the
-  reactor): each readiness event is one ``recv``, the engine's step
-  (`TLSStream.handshake_nowait`) and one ``send`` of what it produced; a
-  reactor timer keeps the handshake timeout.
+`ReactorHandshake` is driven by the reactor from the accepted socket, with no
+task at all (every mode, after the PROXY header if one was read): each
+readiness event is one ``recv``, the engine's step
+(`TLSStream.handshake_nowait`) and one ``send`` of what it produced; a reactor
+timer keeps the handshake timeout. A failure is a `Refused` (``tls_error``,
+``tls_handshake_timeout``, or ``health_check``), with the alert the engine
+made sent first.
 """
 
 from __future__ import annotations
@@ -39,39 +36,9 @@ from tlsedge._termination import Refused, Termination
 from tlsedge._tls import ServerTLS, SSLFacts, ssl_facts
 from tlsedge._tls_stream import TRANSPORT_RECEIVE_SIZE, TLSStream
 
-__all__ = ["HandshakeResult", "ReactorHandshake", "accept_tls"]
+__all__ = ["HandshakeResult", "ReactorHandshake"]
 
 LOGGER = logging.getLogger("tlsedge.tls")
-
-
-async def accept_tls(
-    stream: trio.SocketStream,
-    server_tls: ServerTLS,
-    *,
-    initial_data: bytes,
-    handshake_timeout: float,
-    health_check: bool,
-) -> tuple[TLSStream, SSLFacts]:
-    """Run the server side of the handshake on *stream* within *handshake_timeout*.
-
-    Returns the TLS stream (its transport is *stream*, which the caller keeps
-    owning) and what the handshake negotiated.
-
-    Raises:
-        Refused: ``tls_error``, ``tls_handshake_timeout``, or ``health_check``
-            (a *health_check* connection that sent no byte of TLS).
-    """
-    tls_stream = TLSStream(
-        stream, server_tls.context, server_side=True, initial_data=initial_data
-    )
-    with trio.move_on_after(handshake_timeout) as handshake_timeout_scope:
-        try:
-            await tls_stream.do_handshake()
-        except trio.BrokenResourceError as exc:
-            raise _failure(exc, tls_stream, health_check=health_check) from exc
-    if handshake_timeout_scope.cancelled_caught:
-        raise _timed_out(handshake_timeout)
-    return tls_stream, ssl_facts(tls_stream.ssl_object, server_tls)
 
 
 def _failure(

@@ -6,14 +6,12 @@ header must come; the header must arrive within ``timeout``; what it says
 replaces the socket's endpoints. Bytes that came after the header are handed
 to the next stage as they are.
 
-Two ways to read it, with the same outcomes (the same `Unwrapped`, the same
-`Refused` causes, reasons and details; the pure parts are shared):
-
-* `unwrap_proxy_header`, in the connection's task (HTTP mode, ``denied =
-  "403"``);
-* `ReactorHeaderRead`, driven by the reactor from the accepted non-blocking
-  socket with no task at all (tcp mode): each readiness event is one
-  ``recv`` given to the codec; a reactor timer keeps the header timeout.
+`ReactorHeaderRead` reads it, driven by the reactor from the accepted
+non-blocking socket with no task at all (every mode): each readiness event is
+one ``recv`` given to the codec; a reactor timer keeps the header timeout. A
+refusal is a `Refused`: ``rejected`` (the policy refuses the peer),
+``header_timeout``, ``header_error`` (with the codec's reason for metrics) or
+``client_error`` (the peer broke the connection first).
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import trio
 
 from proxyproto import (
     NEED_DATA,
@@ -41,7 +37,7 @@ from tlsedge._reactor import READABLE, Cancellable, current_reactor
 from tlsedge._relay import _scratch
 from tlsedge._termination import Refused, Termination
 
-__all__ = ["ReactorHeaderRead", "UnwrapResult", "Unwrapped", "unwrap_proxy_header"]
+__all__ = ["ReactorHeaderRead", "UnwrapResult", "Unwrapped"]
 
 LOGGER = logging.getLogger("tlsedge.unwrap")
 
@@ -144,41 +140,6 @@ def _unwrapped(
 
 def _direct(peer: tuple[str, int] | None, local: tuple[str, int] | None) -> Unwrapped:
     return Unwrapped(client=peer, destination=local, health_check=False, leftover=b"")
-
-
-# -- in a task -----------------------------------------------------------------
-
-
-async def unwrap_proxy_header(
-    stream: trio.SocketStream,
-    *,
-    trust: TrustPolicy,
-    settings: ProxyProtocolConfig,
-    peer: tuple[str, int] | None,
-    local: tuple[str, int] | None,
-) -> Unwrapped:
-    """Read the header the trust policy asks for on *stream*.
-
-    Raises:
-        Refused: ``rejected`` (the policy refuses the peer), ``header_timeout``,
-            ``header_error`` (with the codec's reason for metrics), or
-            ``client_error`` (the peer broke the connection first).
-    """
-    policy, reader = _reader_for(trust, settings, peer, local)
-    if reader is None:
-        await trio.lowlevel.checkpoint()
-        return _direct(peer, local)
-    with trio.move_on_after(settings.timeout) as header_timeout_scope:
-        try:
-            while (event := reader.next_event()) is NEED_DATA:
-                reader.receive_data(await stream.receive_some(_READ_SIZE))
-        except RemoteProtocolError as exc:
-            raise _refusal(exc) from exc
-        except trio.BrokenResourceError as exc:
-            raise Refused(Termination.CLIENT_ERROR, str(exc)) from exc
-    if header_timeout_scope.cancelled_caught:
-        raise _timed_out(settings, peer)
-    return _unwrapped(event, reader.trailing_data, policy, peer, local)
 
 
 # -- on the reactor --------------------------------------------------------------

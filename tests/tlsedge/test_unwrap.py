@@ -1,15 +1,13 @@
-"""The PROXY unwrap stage over real socket pairs: what it hands on, what it
-refuses; in a task (`unwrap_proxy_header`) and on the reactor
-(`ReactorHeaderRead`), with the same outcomes."""
+"""The PROXY unwrap stage (`ReactorHeaderRead`) over real socket pairs: what
+it hands on, what it refuses."""
 
 from __future__ import annotations
 
 import gc
 import ipaddress
 import socket
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Protocol
 
 import pytest
 import trio
@@ -23,7 +21,6 @@ from tlsedge._unwrap import (
     ReactorHeaderRead,
     Unwrapped,
     UnwrapResult,
-    unwrap_proxy_header,
 )
 
 PEER = ("127.0.0.1", 50000)
@@ -32,14 +29,6 @@ SETTINGS = ProxyProtocolConfig(
     trusted=(ipaddress.ip_network("127.0.0.1/32"),), timeout=3.0
 )
 TRUST = TrustPolicy.from_cidrs(["127.0.0.1/32"])
-
-
-class Unwrap(Protocol):
-    """Unwrap the header on our end of a pair, for a peer at *peer*."""
-
-    def __call__(
-        self, ours: socket.socket, peer: tuple[str, int], trust: TrustPolicy = ...
-    ) -> Awaitable[Unwrapped]: ...
 
 
 @asynccontextmanager
@@ -52,17 +41,7 @@ async def pair() -> AsyncIterator[tuple[socket.socket, trio.SocketStream]]:
             yield ours, theirs
 
 
-async def in_a_task(
-    ours: socket.socket, peer: tuple[str, int], trust: TrustPolicy = TRUST
-) -> Unwrapped:
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours.dup()))
-    async with stream:
-        return await unwrap_proxy_header(
-            stream, trust=trust, settings=SETTINGS, peer=peer, local=LOCAL
-        )
-
-
-async def on_the_reactor(
+async def unwrap(
     ours: socket.socket, peer: tuple[str, int], trust: TrustPolicy = TRUST
 ) -> Unwrapped:
     results: list[UnwrapResult] = []
@@ -84,13 +63,7 @@ async def on_the_reactor(
     return result
 
 
-@pytest.fixture(params=[in_a_task, on_the_reactor], ids=["task", "reactor"])
-def unwrap(request: pytest.FixtureRequest) -> Unwrap:
-    way: Unwrap = request.param
-    return way
-
-
-async def test_header_and_first_bytes_in_one_send(unwrap: Unwrap) -> None:
+async def test_header_and_first_bytes_in_one_send() -> None:
     header = encode_v2(
         ProxyHeader.from_addresses(("203.0.113.7", 4000), ("198.51.100.1", 443))
     )
@@ -103,7 +76,7 @@ async def test_header_and_first_bytes_in_one_send(unwrap: Unwrap) -> None:
     assert unwrapped.leftover == b"GET / HTTP/1.1\r\n"
 
 
-async def test_a_header_in_pieces(unwrap: Unwrap) -> None:
+async def test_a_header_in_pieces() -> None:
     header = encode_v1(
         ProxyHeader.from_addresses(
             ("203.0.113.7", 4000), ("198.51.100.1", 443), version=1
@@ -125,9 +98,7 @@ async def test_a_header_in_pieces(unwrap: Unwrap) -> None:
 @pytest.mark.parametrize(
     "header", [encode_v2(ProxyHeader.local()), encode_v1(ProxyHeader.unknown())]
 )
-async def test_a_header_without_a_client_is_a_health_check(
-    unwrap: Unwrap, header: bytes
-) -> None:
+async def test_a_header_without_a_client_is_a_health_check(header: bytes) -> None:
     async with pair() as (ours, theirs):
         await theirs.send_all(header)
         unwrapped = await unwrap(ours, PEER)
@@ -136,9 +107,7 @@ async def test_a_header_without_a_client_is_a_health_check(
     assert unwrapped.leftover == b""
 
 
-async def test_malformed_header_is_a_header_error_with_the_codec_reason(
-    unwrap: Unwrap,
-) -> None:
+async def test_malformed_header_is_a_header_error_with_the_codec_reason() -> None:
     async with pair() as (ours, theirs):
         await theirs.send_all(b"PROXY TCP4 1.2.3.4 5.6.7.8 +1 2\r\n")
         with pytest.raises(Refused) as info:
@@ -148,7 +117,7 @@ async def test_malformed_header_is_a_header_error_with_the_codec_reason(
     assert "+1" in info.value.detail
 
 
-async def test_untrusted_peer_is_rejected_before_reading(unwrap: Unwrap) -> None:
+async def test_untrusted_peer_is_rejected_before_reading() -> None:
     async with pair() as (ours, theirs):
         await theirs.send_all(encode_v1(ProxyHeader.unknown()))
         with pytest.raises(Refused) as info:
@@ -160,7 +129,7 @@ async def test_untrusted_peer_is_rejected_before_reading(unwrap: Unwrap) -> None
     )
 
 
-async def test_untrusted_peer_is_direct_with_skip(unwrap: Unwrap) -> None:
+async def test_untrusted_peer_is_direct_with_skip() -> None:
     async with pair() as (ours, theirs):
         await theirs.send_all(encode_v1(ProxyHeader.unknown()))
         trust = TrustPolicy.from_cidrs(["10.0.0.0/8"], untrusted=Policy.SKIP)
@@ -170,9 +139,7 @@ async def test_untrusted_peer_is_direct_with_skip(unwrap: Unwrap) -> None:
     assert unwrapped.leftover == b""
 
 
-async def test_silent_peer_times_out(
-    unwrap: Unwrap, autojump_clock: trio.testing.MockClock
-) -> None:
+async def test_silent_peer_times_out(autojump_clock: trio.testing.MockClock) -> None:
     async with pair() as (ours, _):
         with pytest.raises(Refused) as info:
             await unwrap(ours, PEER)
@@ -183,7 +150,7 @@ async def test_silent_peer_times_out(
     )
 
 
-async def test_eof_inside_the_header_is_a_header_error(unwrap: Unwrap) -> None:
+async def test_eof_inside_the_header_is_a_header_error() -> None:
     async with pair() as (ours, theirs):
         await theirs.send_all(b"PROXY TCP4 ")
         await theirs.send_eof()
@@ -193,7 +160,7 @@ async def test_eof_inside_the_header_is_a_header_error(unwrap: Unwrap) -> None:
     assert info.value.reason == "eof"
 
 
-async def test_a_reset_inside_the_header_is_a_client_error(unwrap: Unwrap) -> None:
+async def test_a_reset_inside_the_header_is_a_client_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         right = socket.create_connection(server.getsockname())
         ours, _ = server.accept()
