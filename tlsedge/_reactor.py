@@ -16,6 +16,9 @@ reactor pays that cost once per *batch* of ready connections instead:
   `trio.lowlevel.wait_readable`, then asks the selector for every ready
   descriptor without blocking and calls each one's handler. Handlers never
   await: they make non-blocking ``recv``/``send`` calls and change interest.
+  Work that several handler calls of one batch add to (an HTTP/2 connection's
+  write of the frames its streams queued) can be put off to the batch's end
+  (`Reactor.defer`), and is then done once.
 - Timers (idle and fin timeouts) live in one heap that a second task sweeps,
   sleeping until the earliest deadline. A handler only stores timestamps; a
   timer that fires re-checks them and re-arms itself if there was activity
@@ -196,6 +199,7 @@ class Reactor:
         self._poller = _make_poller()
         self._handlers: dict[int, Handler] = {}
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._deferred: list[tuple[Callable[[], None], Handler]] = []
         self._sequence = itertools.count()
         # The timer task's sleep; its deadline is the earliest timer's.
         self._timer_sleep = trio.CancelScope()
@@ -240,6 +244,13 @@ class Reactor:
         """
         del self._handlers[fd]
         self._poller.forget(fd)
+
+    def defer(self, callback: Callable[[], None], handler: Handler) -> None:
+        """Call *callback* once the handlers of the current batch of ready
+        descriptors have run (it raising is *handler*'s bug: its ``failed``
+        is called). Only from a handler's ``ready``: outside a batch, nothing
+        would call it before the next one."""
+        self._deferred.append((callback, handler))
 
     def call_at(self, deadline: float, callback: Callable[[], None]) -> None:
         """Call *callback* from the reactor once trio's clock passes
@@ -292,12 +303,24 @@ class Reactor:
                     except Exception as exc:  # a bug: logged, ends that connection
                         LOGGER.exception("reactor: handler failed on fd %d", fd)
                         handler.failed(exc)
+                if self._deferred:
+                    self._run_deferred()
                 # Not kept while waiting: it may have ended (a relay, its
                 # streams and buffers).
                 handler = None
                 if len(events) < _MAX_EVENTS:
                     break
                 await trio.lowlevel.checkpoint()
+
+    def _run_deferred(self) -> None:
+        while self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for callback, handler in deferred:
+                try:
+                    callback()
+                except Exception as exc:  # a bug: logged, ends that connection
+                    LOGGER.exception("reactor: deferred call failed")
+                    handler.failed(exc)
 
     async def _run_timers(self) -> None:
         timers = self._timers

@@ -129,6 +129,69 @@ async def test_a_forgotten_descriptor_left_open_is_dropped_by_the_selector() -> 
         theirs.close()
 
 
+class _Deferring:
+    """Reads its socket at each event and puts the reckoning off to the
+    batch's end, as an HTTP/2 connection puts off its write."""
+
+    def __init__(
+        self, sock: socket.socket, log: list[str], name: str, done: trio.Event
+    ) -> None:
+        self.sock = sock
+        self.log = log
+        self.name = name
+        self.done = done
+        self.failures: list[Exception] = []
+
+    def ready(self, fd: int, events: int) -> None:
+        self.sock.recv(1)
+        self.log.append(f"ready {self.name}")
+        current_reactor().defer(self.settle, self)
+
+    def settle(self) -> None:
+        self.log.append(f"settle {self.name}")
+        if len(self.log) == 6:
+            self.done.set()
+        if self.name == "b":
+            raise RuntimeError("boom")
+
+    def failed(self, exc: Exception) -> None:
+        self.failures.append(exc)
+
+
+async def test_deferred_calls_run_after_every_handler_of_the_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reactor = current_reactor()
+    pairs = [socket.socketpair() for _ in range(3)]
+    log: list[str] = []
+    done = trio.Event()
+    handlers = [
+        _Deferring(ours, log, name, done)
+        for (ours, _), name in zip(pairs, "abc", strict=True)
+    ]
+    try:
+        for (ours, theirs), handler in zip(pairs, handlers, strict=True):
+            reactor.register(ours.fileno(), READABLE, handler)
+            theirs.send(b"x")
+        with caplog.at_level(logging.ERROR, logger="tlsedge.reactor"):
+            with trio.fail_after(HANG_GUARD):
+                await done.wait()
+        for ours, _ in pairs:
+            reactor.unregister(ours.fileno())
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+    # One batch: the three handlers, then the three deferred calls.
+    assert sorted(log[:3]) == ["ready a", "ready b", "ready c"]
+    assert sorted(log[3:6]) == ["settle a", "settle b", "settle c"]
+    # A deferred call that raises is its handler's bug, and only its.
+    assert [type(e) for e in handlers[1].failures] == [RuntimeError]
+    assert not handlers[0].failures
+    assert not handlers[2].failures
+    assert "deferred call failed" in caplog.text
+
+
 async def test_portable_selector_relays_with_half_close(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -426,6 +426,7 @@ class _H2Connection:
         self.client_broken: str | None = None  # a write failed: why
         self.draining = False
         self.armed = math.inf  # the earliest pending timer of ours
+        self.settling = False  # a _settle is deferred to the batch's end
         self.timer = Cancellable(self._timer)
         # New upstream connections for the task to open, and the task.
         self.jobs: list[tuple[_Stream, NewConnection]] = []
@@ -584,6 +585,13 @@ class _H2Connection:
                     # An idle connection has nothing to say: the server
                     # closed it, reset it or sent stray bytes.
                     self._drop_held(held, close=True)
+        # Once per batch: the streams' frames ready in it go out together.
+        if not self.settling:
+            self.settling = True
+            self.reactor.defer(self._settle_deferred, self)
+
+    def _settle_deferred(self) -> None:
+        self.settling = False
         self._settle()
 
     def failed(self, exc: Exception) -> None:
