@@ -76,6 +76,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Final
 
 import trio
@@ -86,6 +87,7 @@ from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
 from tlsedge._http.body import BodyKind
+from tlsedge._http.driver import Spawn, run_to_end
 from tlsedge._http.events import (
     NEED_DATA,
     Body,
@@ -149,7 +151,7 @@ from tlsedge._relay import set_abortive_close
 from tlsedge._termination import Termination
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
-__all__ = ["serve_h2", "sniff_preface"]
+__all__ = ["h2_connection", "serve_h2", "sniff_preface"]
 
 LOGGER = logging.getLogger("tlsedge.http")
 
@@ -381,13 +383,16 @@ class _H2Connection:
         drain: Drain,
         result: HttpConnectionResult,
         on_request: Callable[[RequestLog], None] | None,
+        initial_data: bytes,
+        spawn: Spawn,
+        on_done: Callable[[HttpConnectionResult], None],
     ) -> None:
         self.client = client
         self.listener = listener
         self.http = listener.http
         self.idle_timeout = listener.idle_timeout
         self.backend = backend
-        self.drain = drain
+        self.drain_event = drain
         self.result = result
         self.on_request = on_request
         self.connection_id = downstream.id
@@ -428,9 +433,9 @@ class _H2Connection:
         self.armed = math.inf  # the earliest pending timer of ours
         self.settling = False  # a _settle is deferred to the batch's end
         self.timer = Cancellable(self._timer)
-        # New upstream connections for the task to open, and the task.
-        self.jobs: list[tuple[_Stream, NewConnection]] = []
-        self.task: trio.lowlevel.Task | None = None
+        self.initial_data = initial_data
+        self.spawn = spawn
+        self.on_done = on_done
         self._response_timeout = response_timeout(self.http.response_timeout)
         self._client_stall = Failure(
             Termination.CLIENT_ERROR,
@@ -438,37 +443,36 @@ class _H2Connection:
             None,
         )
 
-    # -- the task: waits, and opens upstream connections -----------------------
+    # -- the edge's calls, and the connects that must await --------------------
 
-    async def run(self, initial_data: bytes) -> None:
+    def start(self) -> None:
+        """Serve from the reactor; *on_done* is called once the connection
+        ended (maybe before this returns)."""
+        initial_data, self.initial_data = self.initial_data, b""
         try:
             self._start(initial_data)
-            async with trio.open_nursery() as nursery:
-                while self.state is not _DONE:
-                    if not self.jobs:
-                        await self._park()
-                        continue
-                    jobs, self.jobs = self.jobs, []
-                    for stream, new in jobs:
-                        if not stream.cancelled:
-                            nursery.start_soon(self._connect, stream, new)
-        finally:
+        except Exception as exc:  # noqa: BLE001 (a bug: logged, this connection ends)
+            self._crashed(exc)
+
+    def drain(self) -> None:
+        """End the connection now (the drain deadline): its streams end as
+        ``drained``, their connects are cancelled."""
+        self._finish()
+
+    async def _run_connect(self, stream: _Stream, new: NewConnection) -> None:
+        try:
+            await self._connect(stream, new)
+        except trio.Cancelled:  # the edge stopped (or the drain deadline)
             self._finish()
-            self.client.detach()
+            raise
+        except Exception as exc:  # noqa: BLE001 (a bug: logged, this connection ends)
+            self._crashed(exc)
 
-    async def _park(self) -> None:
-        self.task = trio.lowlevel.current_task()
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self.task = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-
-    def _wake(self) -> None:
-        if self.task is not None:
-            trio.lowlevel.reschedule(self.task)
-            self.task = None
+    def _crashed(self, exc: Exception) -> None:
+        LOGGER.error(
+            "listener %s: HTTP/2 connection failed", self.listener.name, exc_info=exc
+        )
+        self.failed(exc)
 
     async def _connect(self, stream: _Stream, new: NewConnection) -> None:
         upstream: Upstream | None = None
@@ -496,7 +500,7 @@ class _H2Connection:
 
     def _start(self, initial_data: bytes) -> None:
         self._arm(self.started + self.http.request_header_timeout)
-        self.drain.call_on_set(self._drained)
+        self.drain_event.call_on_set(self._drained)
         if initial_data and self.state is _OPEN:
             self._received(initial_data)
         if self.client.tls is not None and self.state is _OPEN:
@@ -506,20 +510,33 @@ class _H2Connection:
 
     def _finish(self) -> None:
         """The connection is over: every stream ended and logged, every
-        upstream socket let go (closed unless clean), nothing registered, the
-        task woken. Its owner closes the client."""
+        upstream socket let go (closed unless clean), nothing registered,
+        then *on_done*. Its owner closes the client."""
         if self.state is _DONE:
             return
-        self._cancel_streams()
-        self.state = _DONE
-        self._park_held()
-        self.timer.cancel()
-        self.drain.forget(self._drained)
-        client = self.client
-        if client.interest is not None:
-            self.reactor.unregister(client.fd)
-            client.interest = None
-        self._wake()
+        try:
+            self._cancel_streams()  # the last stream's end may finish us
+        finally:
+            if self.state is not _DONE:
+                self.state = _DONE
+                try:
+                    self._park_held()
+                    self.timer.cancel()
+                    self.drain_event.forget(self._drained)
+                    client = self.client
+                    if client.interest is not None:
+                        self.reactor.unregister(client.fd)
+                        client.interest = None
+                finally:
+                    self._call_on_done()
+
+    def _call_on_done(self) -> None:
+        self.client.detach()
+        self.upstreams.close()
+        result = self.result
+        if result.termination == Termination.UNKNOWN:  # the drain deadline
+            result.termination = Termination.DRAINED
+        self.on_done(result)
 
     def _end(self, termination: str, detail: str | None = None) -> None:
         if self.result.termination == Termination.UNKNOWN:
@@ -528,7 +545,7 @@ class _H2Connection:
 
     def _cancel_streams(self) -> None:
         """End every stream: nothing more can be read for them."""
-        drained = self.drain.is_set()
+        drained = self.drain_event.is_set()
         for stream in list(self.streams.values()):
             log = stream.log
             stream.cancelled = True
@@ -1040,7 +1057,7 @@ class _H2Connection:
         self._acquire(stream)
 
     def _acquire(self, stream: _Stream) -> None:
-        """Begin an attempt on a reused connection, or have the task open one."""
+        """Begin an attempt on a reused connection, or open one in a task."""
         stream.connect_started = self.now()
         try:
             taken = self.upstreams.take(
@@ -1052,8 +1069,7 @@ class _H2Connection:
         if isinstance(taken, NewConnection):
             stream.phase = _CONNECTING
             stream.scope = trio.CancelScope()
-            self.jobs.append((stream, taken))
-            self._wake()
+            self.spawn(partial(self._run_connect, stream, taken))
         else:
             self._begin(stream, taken)
 
@@ -1622,6 +1638,51 @@ def _h2_fields(
     return fields
 
 
+def h2_connection(
+    client: trio.abc.Stream,
+    downstream: Downstream,
+    *,
+    listener: ListenerConfig,
+    backend: BackendPool,
+    keepalive: KeepAlivePool,
+    proxy_header: bytes | None,
+    drain: Drain,
+    spawn: Spawn,
+    on_done: Callable[[HttpConnectionResult], None],
+    result: HttpConnectionResult | None = None,
+    on_request: Callable[[RequestLog], None] | None = None,
+    initial_data: bytes = b"",
+) -> _H2Connection:
+    """An HTTP/2 connection that no task waits for, as
+    `tlsedge._http.driver.http_connection` (the same arguments): *spawn*
+    starts a stream's upstream connect in a task of its own.
+
+    Raises:
+        TypeError: *client* is not socket-backed.
+    """
+    raw = RawStream.of(client)
+    if raw is None:
+        msg = (
+            "serve_h2 needs a trio.SocketStream or an established TLSStream"
+            f" over one, not {client!r}"
+        )
+        raise TypeError(msg)
+    return _H2Connection(
+        raw,
+        downstream,
+        listener=listener,
+        backend=backend,
+        keepalive=keepalive,
+        proxy_header=proxy_header,
+        drain=drain,
+        result=HttpConnectionResult() if result is None else result,
+        on_request=on_request,
+        initial_data=initial_data,
+        spawn=spawn,
+        on_done=on_done,
+    )
+
+
 async def serve_h2(
     client: trio.abc.Stream,
     downstream: Downstream,
@@ -1639,41 +1700,28 @@ async def serve_h2(
 
     The arguments are `tlsedge._http.driver.serve_http`'s; *initial_data*
     holds what was read before (with h2c, at least the preface). See the
-    module docstring for the behaviour. Does not close *client*; every
-    upstream connection it opened is closed or pooled when it returns.
+    module docstring for the behaviour; this task waits for the end of an
+    `h2_connection`. Does not close *client*; every upstream connection it
+    opened is closed or pooled when it returns.
 
     Raises:
         TypeError: *client* is not socket-backed.
     """
-    raw = RawStream.of(client)
-    if raw is None:
-        msg = (
-            "serve_h2 needs a trio.SocketStream or an established TLSStream"
-            f" over one, not {client!r}"
-        )
-        raise TypeError(msg)
     if result is None:
         result = HttpConnectionResult()
-    connection = _H2Connection(
-        raw,
-        downstream,
-        listener=listener,
-        backend=backend,
-        keepalive=keepalive,
-        proxy_header=proxy_header,
-        drain=drain,
-        result=result,
-        on_request=on_request,
+    await run_to_end(
+        partial(
+            h2_connection,
+            client,
+            downstream,
+            listener=listener,
+            backend=backend,
+            keepalive=keepalive,
+            proxy_header=proxy_header,
+            drain=drain,
+            result=result,
+            on_request=on_request,
+            initial_data=initial_data,
+        )
     )
-    try:
-        await connection.run(initial_data)
-    except Exception as exc:  # a bug must not take the edge down
-        LOGGER.exception("listener %s: HTTP/2 connection failed", listener.name)
-        result.termination = Termination.INTERNAL_ERROR
-        result.detail = repr(exc)
-        set_abortive_close(client)
-    finally:
-        if result.termination == Termination.UNKNOWN:  # cancelled: drain deadline
-            result.termination = Termination.DRAINED
-        connection.upstreams.close()
     return result
