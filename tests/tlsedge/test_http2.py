@@ -1360,11 +1360,12 @@ async def test_drain_deadline_ends_h2_streams_in_flight_and_connecting(
     whose upstream connect still runs (in a task) end as ``drained``, with
     their connections, and no task is left."""
     caplog.set_level(logging.INFO, logger="tlsedge.access")
-    hang = trio.Event()
+    hang, hanging_now = trio.Event(), trio.Event()
     connect = UpstreamConnections.connect
 
     async def hanging(self: UpstreamConnections, new: NewConnection) -> Upstream:
         if hang.is_set():
+            hanging_now.set()
             await trio.sleep_forever()
         return await connect(self, new)
 
@@ -1379,7 +1380,9 @@ async def test_drain_deadline_ends_h2_streams_in_flight_and_connecting(
         connecting = await RawH2.open(setup.plain_port)
         connecting.request("/never")
         await connecting.send()
-        await wait_until(lambda: _connection_tasks(edge) == 1)  # the connect
+        with trio.fail_after(5):
+            await hanging_now.wait()
+        assert _connection_tasks(edge) == 1  # the connect
         assert len(edge._http) == 2
         edge.drain()
         for client in (busy, connecting):

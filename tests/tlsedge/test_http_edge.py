@@ -680,11 +680,12 @@ async def test_drain_deadline_ends_silent_busy_and_connecting_connections(
     is upstream and one whose upstream connect still runs (in a task) all
     end as ``drained``, and no task is left."""
     caplog.set_level(logging.INFO, logger="tlsedge.access")
-    hang = trio.Event()
+    hang, hanging_now = trio.Event(), trio.Event()
     connect = UpstreamConnections.connect
 
     async def hanging(self: UpstreamConnections, new: NewConnection) -> Upstream:
         if hang.is_set():
+            hanging_now.set()
             await trio.sleep_forever()
         return await connect(self, new)
 
@@ -697,7 +698,9 @@ async def test_drain_deadline_ends_silent_busy_and_connecting_connections(
         hang.set()
         connecting = await Client.open(address)
         await connecting.stream.send_all(b"GET /never HTTP/1.1\r\nHost: h\r\n\r\n")
-        await wait_until(lambda: _connection_tasks(edge) == 1)  # the connect job
+        with trio.fail_after(5):
+            await hanging_now.wait()
+        assert _connection_tasks(edge) == 1  # the connect
         assert len(edge._http) == 3
         edge.drain()
         with trio.fail_after(5):
