@@ -4,19 +4,21 @@ Theory of operation
 -------------------
 ``Edge.run()`` owns two nurseries. The *services* nursery runs the accept loops
 and the backends' health checks; the *connections* nursery runs the tasks of
-client connections that must wait for something (below) and the task of each
-``mode = "udp"`` listener, which lasts as long as its flows (they run on the
-reactor: `tlsedge._udp_mode`). Splitting them is what makes drain work:
-``drain()`` closes the listening sockets (new connections are refused by the
-kernel, not left hanging), the accept loops end, and the connections nursery
-gets a deadline of ``drain_timeout``. Connections that finish before it end
-normally; those still open are cancelled at the deadline and logged as
-``drained``. ``run()`` returns once the last connection has gone. A tcp-mode
-connection's task ends once its relay runs on the reactor
+client connections that must wait for something (below), the jobs of HTTP
+connections that must await (an upstream connect, an ``Upgrade`` relay), and
+the task of each ``mode = "udp"`` listener, which lasts as long as its flows
+(they run on the reactor: `tlsedge._udp_mode`). Splitting them is what makes
+drain work: ``drain()`` closes the listening sockets (new connections are
+refused by the kernel, not left hanging), the accept loops end, and the
+connections nursery gets a deadline of ``drain_timeout``. Connections that
+finish before it end normally; those still open are cancelled at the deadline
+and logged as ``drained``. ``run()`` returns once the last connection has gone.
+A tcp-mode connection's task ends once its relay runs on the reactor
 (`tlsedge._relay.DetachedRelays`): ``run()`` waits for those relays with the
-same deadline, then ends the rest the same way. PROXY header reads and TLS
-handshakes on the reactor are waited for within the connections' deadline (one
-may still need a task of that nursery), then ended as ``drained``.
+same deadline, then ends the rest the same way. PROXY header reads, TLS
+handshakes and HTTP connections on the reactor (``Edge._http``) are waited for
+within the connections' deadline (one may still need a task of that nursery),
+then ended as ``drained``.
 
 A connection gets no task where none is needed: the accept loop runs the stages
 itself (`Edge._accepted`, `Edge._serve_now`), and a tcp-mode connection goes
@@ -32,9 +34,12 @@ end goes on the same way (`Edge._handshaken`). Only where something must wait
 (a connect in progress, a retry, a send that would block) does a task go on
 from where the reactor or the accept loop stopped (`Edge._handle_connection`).
 An http-mode listener reads the PROXY header and runs the handshake the same
-way, then starts the connection's task with the client's stream
-(`_serve_http`), or, for a client denied with ``denied = "403"``, the task that
-answers it.
+way, then starts the HTTP/1.1 or HTTP/2 driver on the reactor with no task
+(`Edge._start_http`): its end fills the connection's log and closes it, and
+only its jobs that must await get a task, while they do. A task remains for
+a client denied with ``denied = "403"`` (it answers it) and, on a listener
+serving h2c with prior knowledge, for reading a plain client's first bytes
+until they tell HTTP/2 from HTTP/1.1 (`Edge._sniff_then_serve`).
 
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
@@ -364,7 +369,7 @@ _T = TypeVar("_T")
 #: Where `Edge._serve_now` stopped: the connection's facts, the client (its
 #: socket, or its TLS stream), what the task goes on with: the connect to
 #: finish (or the connection whose first bytes still wait to go), or in http
-#: mode the client's stream (None) or the refusal of a client denied with
+#: mode the h2c preface to read (None) or the refusal of a client denied with
 #: ``denied = "403"`` (answered by the task), and the client's first bytes
 #: (read past its PROXY header; `serve_tcp_now` says when they are queued).
 _Begun = tuple[

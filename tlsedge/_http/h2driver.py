@@ -3,7 +3,7 @@
 Theory of operation
 ===================
 
-`serve_h2` runs one client connection that negotiated ``h2`` through ALPN, or
+`h2_connection` serves one client connection that negotiated ``h2`` through ALPN, or
 opened with the HTTP/2 preface on a listener with ``[listeners.http2]
 cleartext = "prior-knowledge"`` (`sniff_preface` tells). The sans-IO
 `tlsedge._http.h2session.H2Session` does the framing and the defences; this
@@ -18,13 +18,16 @@ call without awaiting: client bytes into the session, its events dispatched
 upstream, upstream bytes read into the stream's `UpstreamExchange` and its
 events turned into frames, and what the session queued written to the client
 in one write at the end of the call. All I/O goes through
-`tlsedge._raw_stream.RawStream` (TLS included). The connection's trio task
-parks meanwhile and runs only what must await: opening an upstream connection
-(`UpstreamConnections.connect`: connect, retries, a TLS handshake). Several
-streams may need one at once; the task runs each in a task of its own in a
-nursery, so a slow or failing server does not hold up the streams behind it
-(one at a time, ten new streams on a cold pool would pay ten connect times in
-a row). A stream reset meanwhile cancels its connect.
+`tlsedge._raw_stream.RawStream` (TLS included). The connection has no trio
+task of its own (the edge starts it, its end calls *on_done*); only what must
+await runs in a task, started with the *spawn* it is given: opening an
+upstream connection (`UpstreamConnections.connect`: connect, retries, a TLS
+handshake), one task per stream that needs one, so a slow or failing server
+does not hold up the streams behind it (one at a time, ten new streams on a
+cold pool would pay ten connect times in a row). A stream reset meanwhile
+cancels its connect; a connect cancelled from outside (the drain deadline)
+ends the connection, as does ``drain()``. `serve_h2` is the same connection
+with a task waiting for its end.
 
 Each stream drives one `UpstreamExchange` at a time exactly as the HTTP/1.1
 driver does for a request, sharing its decisions
@@ -66,7 +69,7 @@ stream that times out with its response started is reset.
 
 Drain: GOAWAY (NO_ERROR) with the last stream accepted; the streams before it
 finish, later ones are refused (REFUSED_STREAM), the connection closes when
-none is left (or is cancelled at the drain deadline).
+none is left (or is ended at the drain deadline).
 """
 
 from __future__ import annotations
