@@ -395,15 +395,20 @@ class _HttpConnection:
             self._finish()
 
     def _start_job(self, job: Callable[[], Awaitable[None]]) -> None:
-        """Run *job* in a task of its own; the sockets rest until it is done."""
+        """Run *job* in a task of its own; the sockets rest until it is done.
+        Its scope is there from now on: `drain` before the task starts
+        cancels the job all the same."""
         self.state = _WAIT
-        self.spawn(partial(self._run_job, job))
-
-    async def _run_job(self, job: Callable[[], Awaitable[None]]) -> None:
         scope = self.job_scope = trio.CancelScope()
+        self.spawn(partial(self._run_job, job, scope))
+
+    async def _run_job(
+        self, job: Callable[[], Awaitable[None]], scope: trio.CancelScope
+    ) -> None:
         try:
-            with scope:
-                await job()
+            if not scope.cancel_called:
+                with scope:
+                    await job()
         except trio.Cancelled:  # the edge stopped (or the drain deadline)
             self._finish()
             raise
@@ -411,8 +416,9 @@ class _HttpConnection:
             self._crashed(exc)
             return
         finally:
-            self.job_scope = None
-        if scope.cancelled_caught:  # `drain`
+            if self.job_scope is scope:  # (a job may have started the next)
+                self.job_scope = None
+        if scope.cancel_called:  # `drain`
             self._finish()
             return
         try:
