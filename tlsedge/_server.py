@@ -4,19 +4,21 @@ Theory of operation
 -------------------
 ``Edge.run()`` owns two nurseries. The *services* nursery runs the accept loops
 and the backends' health checks; the *connections* nursery runs the tasks of
-client connections that must wait for something (below) and the task of each
-``mode = "udp"`` listener, which lasts as long as its flows (they run on the
-reactor: `tlsedge._udp_mode`). Splitting them is what makes drain work:
-``drain()`` closes the listening sockets (new connections are refused by the
-kernel, not left hanging), the accept loops end, and the connections nursery
-gets a deadline of ``drain_timeout``. Connections that finish before it end
-normally; those still open are cancelled at the deadline and logged as
-``drained``. ``run()`` returns once the last connection has gone. A tcp-mode
-connection's task ends once its relay runs on the reactor
+client connections that must wait for something (below), the jobs of HTTP
+connections that must await (an upstream connect, an ``Upgrade`` relay), and
+the task of each ``mode = "udp"`` listener, which lasts as long as its flows
+(they run on the reactor: `tlsedge._udp_mode`). Splitting them is what makes
+drain work: ``drain()`` closes the listening sockets (new connections are
+refused by the kernel, not left hanging), the accept loops end, and the
+connections nursery gets a deadline of ``drain_timeout``. Connections that
+finish before it end normally; those still open are cancelled at the deadline
+and logged as ``drained``. ``run()`` returns once the last connection has gone.
+A tcp-mode connection's task ends once its relay runs on the reactor
 (`tlsedge._relay.DetachedRelays`): ``run()`` waits for those relays with the
-same deadline, then ends the rest the same way. PROXY header reads and TLS
-handshakes on the reactor are waited for within the connections' deadline (one
-may still need a task of that nursery), then ended as ``drained``.
+same deadline, then ends the rest the same way. PROXY header reads, TLS
+handshakes and HTTP connections on the reactor (``Edge._http``) are waited for
+within the connections' deadline (one may still need a task of that nursery),
+then ended as ``drained``.
 
 A connection gets no task where none is needed: the accept loop runs the stages
 itself (`Edge._accepted`, `Edge._serve_now`), and a tcp-mode connection goes
@@ -32,9 +34,12 @@ end goes on the same way (`Edge._handshaken`). Only where something must wait
 (a connect in progress, a retry, a send that would block) does a task go on
 from where the reactor or the accept loop stopped (`Edge._handle_connection`).
 An http-mode listener reads the PROXY header and runs the handshake the same
-way, then starts the connection's task with the client's stream
-(`_serve_http`), or, for a client denied with ``denied = "403"``, the task that
-answers it.
+way, then starts the HTTP/1.1 or HTTP/2 driver on the reactor with no task
+(`Edge._start_http`): its end fills the connection's log and closes it, and
+only its jobs that must await get a task, while they do. A task remains for
+a client denied with ``denied = "403"`` (it answers it) and, on a listener
+serving h2c with prior knowledge, for reading a plain client's first bytes
+until they tell HTTP/2 from HTTP/1.1 (`Edge._sniff_then_serve`).
 
 Each accept loop waits for a client, takes a slot from the listener's and the
 edge's ``max_connections`` limiters, then accepts: at the limit it simply stops
@@ -98,8 +103,8 @@ from tlsedge._cleanup import Cleanup
 from tlsedge._config import Config, ConfigError, ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
-from tlsedge._http.driver import serve_http
-from tlsedge._http.h2driver import serve_h2, sniff_preface
+from tlsedge._http.driver import http_connection
+from tlsedge._http.h2driver import h2_connection, sniff_preface
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.pool import KeepAlivePool
 from tlsedge._listen import open_datagram_sockets, open_listening_sockets
@@ -364,7 +369,7 @@ _T = TypeVar("_T")
 #: Where `Edge._serve_now` stopped: the connection's facts, the client (its
 #: socket, or its TLS stream), what the task goes on with: the connect to
 #: finish (or the connection whose first bytes still wait to go), or in http
-#: mode the client's stream (None) or the refusal of a client denied with
+#: mode the h2c preface to read (None) or the refusal of a client denied with
 #: ``denied = "403"`` (answered by the task), and the client's first bytes
 #: (read past its PROXY header; `serve_tcp_now` says when they are queued).
 _Begun = tuple[
@@ -415,6 +420,20 @@ class _ReactorStages:
         """End every stage still running."""
         for stage in list(self._running):
             stage.drain()
+
+
+class _Sniffing:
+    """An h2c preface read in a task, among the HTTP connections: drain
+    waits for it, and at the deadline cancels it."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+
+    def start(self) -> None:
+        """Nothing to start: the task runs it."""
+
+    def drain(self) -> None:
+        self.scope.cancel()
 
 
 def _stage_result(
@@ -495,6 +514,27 @@ async def _answer_forbidden(
             pass  # the client went first: nothing more to say to it
 
 
+def _http_ended(
+    log: ConnectionLog, downstream: Downstream, result: HttpConnectionResult
+) -> None:
+    """Fill an HTTP-mode connection's log from its *result*. A load
+    balancer's check that connects and closes (no byte, no request) is a
+    health check."""
+    log.bytes_from_client = result.bytes_from_client
+    log.bytes_from_server = result.bytes_to_client
+    log.server = result.server
+    log.requests = result.requests
+    log.termination = result.termination
+    log.detail = result.detail
+    if (
+        downstream.health_check
+        and result.requests == 0
+        and result.bytes_from_client == 0
+        and result.termination in _CLIENT_ENDED
+    ):
+        log.termination = Termination.HEALTH_CHECK
+
+
 def _trust_policy(config: ListenerConfig) -> TrustPolicy | None:
     pp = config.proxy_protocol
     if pp is None:
@@ -547,6 +587,9 @@ class Edge:
         # yet): see `_serve_now`.
         self._header_reads = _ReactorStages()
         self._handshakes = _ReactorStages()
+        # HTTP-mode connections on the reactor (no task; those with a job
+        # running have a task of the connections nursery): see `_start_http`.
+        self._http = _ReactorStages()
         self._relays_deadline = math.inf
         self._background_scope = trio.CancelScope()
         self._services: trio.Nursery | None = None
@@ -747,10 +790,12 @@ class Edge:
                     await self._drain_event.wait()
                     # A header read or handshake on the reactor may still go
                     # on in a task of this nursery: within its deadline, like
-                    # the tasks. (A header read may start a handshake.)
+                    # the tasks; so may an HTTP connection. (A header read
+                    # may start a handshake, a handshake an HTTP connection.)
                     try:
                         await self._header_reads.wait_empty()
                         await self._handshakes.wait_empty()
+                        await self._http.wait_empty()
                     finally:
                         self._drain_stages()
                 # Relays on the reactor get the rest of the drain timeout.
@@ -772,10 +817,12 @@ class Edge:
         LOGGER.info("all connections closed; stopped")
 
     def _drain_stages(self) -> None:
-        """End the header reads and handshakes on the reactor (a header
-        read ended so starts no handshake)."""
+        """End the header reads, handshakes and HTTP connections on the
+        reactor (a header read ended so starts no handshake, a handshake no
+        HTTP connection)."""
         self._header_reads.drain_all()
         self._handshakes.drain_all()
+        self._http.drain_all()
 
     # -- listeners --------------------------------------------------------
 
@@ -1031,11 +1078,9 @@ class Edge:
                     raise Refused(
                         connecting.termination, f"{connecting.detail}; answered 403"
                     )
-                if connecting is None:  # http mode: the client is a stream
+                if connecting is None:  # h2c: the preface decides the driver
                     assert isinstance(client, trio.abc.Stream)
-                    await self._serve_http(
-                        conn.state, conn.pool, client, downstream, leftover, conn.log
-                    )
+                    await self._sniff_then_serve(conn, client, downstream, leftover)
                 else:
                     await self._serve_tcp(
                         conn, client, downstream, leftover, connecting
@@ -1151,11 +1196,12 @@ class Edge:
         if state.tls is None:
             if state.config.mode == "http":
                 client = trio.SocketStream(trio.socket.from_stdlib_socket(conn.raw))
-                return (
-                    _downstream(conn, unwrapped, None),
+                return self._serve_http_now(
+                    conn,
                     client,
-                    denial,
+                    _downstream(conn, unwrapped, None),
                     unwrapped.leftover,
+                    denial,
                 )
             return self._serve_tcp_now(
                 conn, unwrapped, conn.raw, None, unwrapped.leftover
@@ -1194,7 +1240,9 @@ class Edge:
         conn.log.tls = sys.intern(f"{tls.version} {tls.cipher}")
         conn.log.sni = tls.server_name
         if conn.state.config.mode == "http":
-            return (_downstream(conn, unwrapped, tls), client, denial, b"")
+            return self._serve_http_now(
+                conn, client, _downstream(conn, unwrapped, tls), b"", denial
+            )
         return self._serve_tcp_now(conn, unwrapped, client, tls, b"")
 
     def _serve_tcp_now(
@@ -1251,62 +1299,97 @@ class Edge:
                 self._services.start_soon(keepalive.run)
         return keepalive
 
-    async def _serve_http(  # noqa: PLR0917
+    def _serve_http_now(
         self,
-        state: _ListenerState,
-        pool: BackendPool,
+        conn: _Connection,
         client: trio.abc.Stream,
         downstream: Downstream,
-        initial_data: bytes,
-        log: ConnectionLog,
+        leftover: bytes,
+        denial: Refused | None,
+    ) -> _Begun | None:
+        """HTTP mode, for `_serve_now`: the connection goes to the reactor
+        (`_start_http`), except a client to answer 403 and one that may open
+        with the h2c preface: their task goes on (`_handle_connection`)."""
+        if denial is not None:
+            return (downstream, client, denial, leftover)
+        if downstream.tls is None and conn.state.config.h2_cleartext:
+            return (downstream, client, None, leftover)
+        h2 = downstream.tls is not None and downstream.tls.alpn == "h2"
+        self._start_http(conn, client, downstream, leftover, h2=h2)
+        return None
+
+    async def _sniff_then_serve(
+        self,
+        conn: _Connection,
+        client: trio.abc.Stream,
+        downstream: Downstream,
+        leftover: bytes,
     ) -> None:
-        """HTTP mode: HTTP/1.x (see `tlsedge._http.driver`), or HTTP/2 when the
-        client chose ``h2`` through ALPN or sent the h2c preface to a listener
-        that serves it (`tlsedge._http.h2driver`)."""
-        backend = pool.config
-        config = state.config
-        result = HttpConnectionResult()
-        serve = serve_http
-        if downstream.tls is not None:
-            if downstream.tls.alpn == "h2":
-                serve = serve_h2
-        elif config.h2_cleartext:
-            is_h2, initial_data = await sniff_preface(
-                client,
-                initial_data,
-                header_timeout=config.http.request_header_timeout,
-            )
-            if is_h2:
-                serve = serve_h2
+        """Read a plain client's first bytes until they are, or cannot be,
+        the h2c preface, then `_start_http`. Drain waits for it (and cancels
+        it at the deadline) among the HTTP connections."""
+        sniffing = _Sniffing()
+        self._http.start(sniffing)
         try:
-            await serve(
-                client,
-                downstream,
-                listener=state.config,
-                backend=pool,
-                keepalive=self._keepalive_pool(pool.name),
-                proxy_header=proxy_header_for(
-                    downstream, backend.send_proxy, backend.proxy_tlvs
-                ),
-                drain=self._drain_event,
-                result=result,
-                on_request=self._record_http_request,
-                initial_data=initial_data,
-            )
+            with sniffing.scope:
+                is_h2, leftover = await sniff_preface(
+                    client,
+                    leftover,
+                    header_timeout=conn.state.config.http.request_header_timeout,
+                )
+                # Among the HTTP connections before the sniff leaves them.
+                self._start_http(conn, client, downstream, leftover, h2=is_h2)
         finally:
-            log.bytes_from_client = result.bytes_from_client
-            log.bytes_from_server = result.bytes_to_client
-            log.server = result.server
-            log.requests = result.requests
-            log.termination = result.termination
-            log.detail = result.detail
-        if (
-            downstream.health_check
-            and result.requests == 0
-            and result.bytes_from_client == 0
-            and result.termination in _CLIENT_ENDED
-        ):
-            log.termination = Termination.HEALTH_CHECK
+            self._http.ended(sniffing)
+        if sniffing.scope.cancelled_caught:
+            conn.log.termination = Termination.DRAINED
+
+    def _start_http(
+        self,
+        conn: _Connection,
+        client: trio.abc.Stream,
+        downstream: Downstream,
+        leftover: bytes,
+        *,
+        h2: bool,
+    ) -> None:
+        """Start serving HTTP/1.x (`tlsedge._http.driver`) or HTTP/2
+        (`tlsedge._http.h2driver`: ALPN ``h2``, or the h2c preface) on the
+        reactor, with no task: what must await runs in a task of the
+        connections nursery. Its end takes over what the connection gives
+        back (`_http_ended`)."""
+        assert self._connections is not None
+        pool = conn.pool
+        backend = pool.config
+        build = h2_connection if h2 else http_connection
+        log = conn.log
+
+        def ended(result: HttpConnectionResult) -> None:
+            self._http.ended(connection)
+            with owned:
+                _http_ended(log, downstream, result)
+
+        connection = build(
+            client,
+            downstream,
+            listener=conn.state.config,
+            backend=pool,
+            keepalive=self._keepalive_pool(pool.name),
+            proxy_header=proxy_header_for(
+                downstream, backend.send_proxy, backend.proxy_tlvs
+            ),
+            drain=self._drain_event,
+            spawn=self._connections.start_soon,
+            on_done=ended,
+            on_request=self._record_http_request,
+            initial_data=leftover,
+        )
+        owned = conn.exits.pop_all()
+        try:
+            self._http.start(connection)
+        except BaseException:
+            conn.exits.callback(owned.close)  # nothing started: the owner cleans up
+            raise
 
     def _record_http_request(self, log: RequestLog) -> None:
         """Metrics for one HTTP request (a request never answered has no status)."""

@@ -37,6 +37,7 @@ from tests.tlsedge.helpers import (
 )
 from tests.tlsedge.test_admin import admin_address, http_get, total
 from tlsedge._cli import main
+from tlsedge._http.upstreams import NewConnection, Upstream, UpstreamConnections
 from tlsedge._server import Edge
 
 # -- the backend: h11, answering by path, keeping the raw bytes it received ---------
@@ -1324,3 +1325,75 @@ async def test_a_held_upstream_connection_expires_as_a_pooled_one_would(
         assert not client.ended(busy)
         assert pool.idle_count() == 0
         await client.aclose()
+
+
+# -- connections with no task of their own -------------------------------------------
+
+
+def _connection_tasks(edge: Edge) -> int:
+    """The tasks in the edge's connections nursery (jobs that must await)."""
+    assert edge._connections is not None
+    return len(edge._connections.child_tasks)
+
+
+async def test_idle_h2_connections_hold_no_task(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        clients = [await RawH2.open(setup.plain_port) for _ in range(10)]
+        for client in clients:
+            sid = client.request("/")
+            await client.send()
+            await client.until(lambda c, sid=sid: _answered(c, sid))
+            assert client.status(sid) == 200
+        assert len(setup.edge._http) == 10
+        assert _connection_tasks(setup.edge) == 0
+        for client in clients:
+            await client.aclose()
+        await wait_until(lambda: not setup.edge._http)
+
+
+async def test_drain_deadline_ends_h2_streams_in_flight_and_connecting(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At the drain deadline a stream whose request is upstream and one
+    whose upstream connect still runs (in a task) end as ``drained``, with
+    their connections, and no task is left."""
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    hang, hanging_now = trio.Event(), trio.Event()
+    connect = UpstreamConnections.connect
+
+    async def hanging(self: UpstreamConnections, new: NewConnection) -> Upstream:
+        if hang.is_set():
+            hanging_now.set()
+            await trio.sleep_forever()
+        return await connect(self, new)
+
+    monkeypatch.setattr(UpstreamConnections, "connect", hanging)
+    async with h2_edge(tmp_path, edge={"drain_timeout": 0.5}) as setup:
+        edge = setup.edge
+        busy = await RawH2.open(setup.plain_port)
+        busy.request("/slow/30")
+        await busy.send()
+        await wait_until(lambda: bool(setup.backend.raw))
+        hang.set()
+        connecting = await RawH2.open(setup.plain_port)
+        connecting.request("/never")
+        await connecting.send()
+        with trio.fail_after(5):
+            await hanging_now.wait()
+        assert _connection_tasks(edge) == 1  # the connect
+        assert len(edge._http) == 2
+        edge.drain()
+        for client in (busy, connecting):
+            await client.until(lambda c: False)  # until the edge closes it
+        await wait_until(lambda: not edge._http and _connection_tasks(edge) == 0)
+        for client in (busy, connecting):
+            await client.aclose()
+        await wait_until(lambda: len(access_records(caplog)) == 4)
+    records = access_records(caplog)
+    streams = sorted(
+        (r["target"], r["termination"]) for r in records if r.get("type") == "http"
+    )
+    assert streams == [("/never", "drained"), ("/slow/30", "drained")]
+    assert [r["termination"] for r in records if "type" not in r] == ["drained"] * 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import re
 import ssl
 import time
@@ -33,6 +34,8 @@ from tests.tlsedge.helpers import (
 )
 from tests.tlsedge.test_admin import admin_address, http_get, total
 from tests.tlsedge.test_http import Client, EchoBackend as H11Backend, _next
+from tlsedge._http.upstreams import NewConnection, Upstream, UpstreamConnections
+from tlsedge._reactor import current_reactor
 from tlsedge._server import Edge
 from tlsedge._tls_stream import TLSStream
 
@@ -647,3 +650,94 @@ async def test_nginx_backend_sees_x_forwarded_for() -> None:
         "xff=127.0.0.1 proto=http n=1",
         "xff=127.0.0.1 proto=http n=2",  # the pooled upstream connection
     ]
+
+
+# -- connections with no task of their own -------------------------------------------
+
+
+def _connection_tasks(edge: Edge) -> int:
+    """The tasks in the edge's connections nursery (jobs that must await)."""
+    assert edge._connections is not None
+    return len(edge._connections.child_tasks)
+
+
+async def test_idle_keepalive_http_connections_hold_no_task() -> None:
+    async with h11_edge() as (edge, _, address):
+        clients = [await Client.open(address) for _ in range(20)]
+        for client in clients:
+            assert (await client.request()).status == 200
+        assert len(edge._http) == 20
+        assert _connection_tasks(edge) == 0
+        for client in clients:
+            await client.aclose()
+        await wait_until(lambda: not edge._http)
+
+
+async def test_drain_deadline_ends_silent_busy_and_connecting_connections(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the drain deadline a client that sent nothing, one whose request
+    is upstream and one whose upstream connect still runs (in a task) all
+    end as ``drained``, and no task is left."""
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    hang, hanging_now = trio.Event(), trio.Event()
+    connect = UpstreamConnections.connect
+
+    async def hanging(self: UpstreamConnections, new: NewConnection) -> Upstream:
+        if hang.is_set():
+            hanging_now.set()
+            await trio.sleep_forever()
+        return await connect(self, new)
+
+    monkeypatch.setattr(UpstreamConnections, "connect", hanging)
+    async with h11_edge(edge={"drain_timeout": 0.5}) as (edge, app, address):
+        silent = await Client.open(address)
+        busy = await Client.open(address)
+        await busy.stream.send_all(b"GET /slow/30 HTTP/1.1\r\nHost: h\r\n\r\n")
+        await wait_until(lambda: len(app.requests) == 1)
+        hang.set()
+        connecting = await Client.open(address)
+        await connecting.stream.send_all(b"GET /never HTTP/1.1\r\nHost: h\r\n\r\n")
+        with trio.fail_after(5):
+            await hanging_now.wait()
+        assert _connection_tasks(edge) == 1  # the connect
+        assert len(edge._http) == 3
+        edge.drain()
+        with trio.fail_after(5):
+            for client in (silent, busy, connecting):
+                assert await _read_until_closed(client.stream) == b""
+        await wait_until(lambda: not edge._http and _connection_tasks(edge) == 0)
+        for client in (silent, busy, connecting):
+            await client.aclose()
+        records = await wait_access_records(caplog, 5)
+    requests, connections = _split(records)
+    assert sorted(r["target"] for r in requests) == ["/never", "/slow/30"]
+    assert [c["termination"] for c in connections] == ["drained"] * 3
+    assert sorted(c["requests"] for c in connections) == [0, 1, 1]
+
+
+async def test_no_descriptor_left_after_many_http_connections() -> None:
+    """Clients that complete requests, send garbage, or leave mid-head: once
+    the edge stopped, every descriptor it opened is closed."""
+    current_reactor()  # the run's own (its epoll), which outlives the edge
+    fds = len(os.listdir("/proc/self/fd"))
+    async with h11_edge() as (_, app, address):
+
+        async def one(index: int) -> None:
+            client = await Client.open(address)
+            if index % 3 == 0:
+                assert (await client.request()).status == 200
+                assert (await client.request()).status == 200
+            elif index % 3 == 1:
+                await client.stream.send_all(b"NOT HTTP\r\n\r\n")
+                assert b" 400 " in await _read_until_closed(client.stream)
+            else:
+                await client.stream.send_all(b"GET / HTTP/1.1\r\nHo")
+            await client.aclose()
+
+        for batch in range(5):
+            async with trio.open_nursery() as nursery:
+                for index in range(40):
+                    nursery.start_soon(one, batch * 40 + index)
+        assert app.requests
+    assert len(os.listdir("/proc/self/fd")) == fds

@@ -1020,15 +1020,15 @@ def https_config(
     )
 
 
-async def test_an_https_connection_gets_its_task_after_the_handshake(
+async def test_an_https_connection_runs_with_no_task_after_the_handshake(
     nursery: trio.Nursery,
     pki: Pki,
     caplog: pytest.LogCaptureFixture,
     tasks_begun: list[object],
 ) -> None:
     """An http-mode listener runs the handshake on the reactor: a client
-    that sent nothing yet has no task; once the handshake is done the task
-    starts with the TLS stream and serves the request."""
+    that sent nothing yet has no task; once the handshake is done the
+    reactor serves its requests, still with no task of its own."""
     app = await H11Backend().start(nursery)
     async with running_edge(https_config(pki, app)) as edge:
         tcp = await connect(address_of(edge, "in"))
@@ -1042,11 +1042,11 @@ async def test_an_https_connection_gets_its_task_after_the_handshake(
         client = Client(stream)  # type: ignore[arg-type]
         response = await client.request("GET", "/page")
         assert len(edge._handshakes) == 0
-        (begun,) = tasks_begun
-        assert isinstance(begun, tuple)
-        assert isinstance(begun[1], TLSStream)
+        assert len(edge._http) == 1
+        assert not tasks_begun
         await client.aclose()
         _, record = await wait_access_records(caplog, 2)  # request, connection
+        assert len(edge._http) == 0
     assert response.status == 200
     assert response.json()["target"] == "/page"
     assert record["sni"] == "a.test"
@@ -1056,7 +1056,7 @@ async def test_an_https_connection_gets_its_task_after_the_handshake(
 
 
 @pytest.mark.parametrize("version", [1, 2])
-async def test_https_after_a_proxy_header_gets_its_task_after_the_handshake(
+async def test_https_after_a_proxy_header_runs_with_no_task(
     nursery: trio.Nursery,
     pki: Pki,
     caplog: pytest.LogCaptureFixture,
@@ -1064,8 +1064,9 @@ async def test_https_after_a_proxy_header_gets_its_task_after_the_handshake(
     version: int,
 ) -> None:
     """The header and the ClientHello in one segment to an http-mode
-    listener: both are read on the reactor, and the task starts with the
-    TLS stream; the request goes out with the client of the header."""
+    listener: both are read on the reactor, then the requests are served
+    there too, with no task; the request goes out with the client of the
+    header."""
     app = await H11Backend().start(nursery)
     config = https_config(pki, app, proxy_protocol={"trusted": LOOPBACK})
     header = encode(ProxyHeader.from_addresses(CLIENT, DESTINATION, version=version))
@@ -1082,9 +1083,8 @@ async def test_https_after_a_proxy_header_gets_its_task_after_the_handshake(
         assert transport.first_send[len(header)] == 0x16  # a TLS handshake record
         client = Client(stream)  # type: ignore[arg-type]
         response = await client.request("GET", "/")
-        (begun,) = tasks_begun
-        assert isinstance(begun, tuple)
-        assert isinstance(begun[1], TLSStream)
+        assert not tasks_begun
+        assert len(edge._http) == 1
         assert len(edge._header_reads) == len(edge._handshakes) == 0
         await client.aclose()
         _, record = await wait_access_records(caplog, 2)  # request, connection
@@ -1106,8 +1106,8 @@ async def test_a_local_header_to_an_http_listener_is_a_health_check(
     tls: bool,
 ) -> None:
     """A LOCAL header read on the reactor, then a close: a health check
-    (over TLS the handshake on the reactor ends it, with no task; in plain
-    the task starts after the header and sees the client end)."""
+    (over TLS the handshake on the reactor ends it, in plain the HTTP
+    connection on the reactor sees the client end), with no task."""
     app = await H11Backend().start(nursery)
     config = https_config(pki, app, proxy_protocol={"trusted": LOOPBACK})
     if not tls:
@@ -1125,17 +1125,13 @@ async def test_a_local_header_to_an_http_listener_is_a_health_check(
     async with running_edge(config) as edge:
         client = await connect(address_of(edge, "in"))
         await client.send_all(encode_v2(ProxyHeader.local()))
-        await wait_until(lambda: bool(edge._handshakes) or bool(tasks_begun))
+        await wait_until(lambda: bool(edge._handshakes) or bool(edge._http))
         await client.aclose()
         (record,) = await wait_access_records(caplog)
     assert record["termination"] == "health_check", record
     assert record["bytes_from_client"] == 0
     assert app.accepted == 0
-    if tls:
-        assert not tasks_begun
-    else:
-        (begun,) = tasks_begun
-        assert isinstance(begun, tuple)
+    assert not tasks_begun
 
 
 async def test_an_https_handshake_times_out_on_the_reactor(

@@ -3,7 +3,7 @@
 Theory of operation
 ===================
 
-`serve_h2` runs one client connection that negotiated ``h2`` through ALPN, or
+`h2_connection` serves one client connection that negotiated ``h2`` through ALPN, or
 opened with the HTTP/2 preface on a listener with ``[listeners.http2]
 cleartext = "prior-knowledge"`` (`sniff_preface` tells). The sans-IO
 `tlsedge._http.h2session.H2Session` does the framing and the defences; this
@@ -18,13 +18,16 @@ call without awaiting: client bytes into the session, its events dispatched
 upstream, upstream bytes read into the stream's `UpstreamExchange` and its
 events turned into frames, and what the session queued written to the client
 in one write at the end of the call. All I/O goes through
-`tlsedge._raw_stream.RawStream` (TLS included). The connection's trio task
-parks meanwhile and runs only what must await: opening an upstream connection
-(`UpstreamConnections.connect`: connect, retries, a TLS handshake). Several
-streams may need one at once; the task runs each in a task of its own in a
-nursery, so a slow or failing server does not hold up the streams behind it
-(one at a time, ten new streams on a cold pool would pay ten connect times in
-a row). A stream reset meanwhile cancels its connect.
+`tlsedge._raw_stream.RawStream` (TLS included). The connection has no trio
+task of its own (the edge starts it, its end calls *on_done*); only what must
+await runs in a task, started with the *spawn* it is given: opening an
+upstream connection (`UpstreamConnections.connect`: connect, retries, a TLS
+handshake), one task per stream that needs one, so a slow or failing server
+does not hold up the streams behind it (one at a time, ten new streams on a
+cold pool would pay ten connect times in a row). A stream reset meanwhile
+cancels its connect; a connect cancelled from outside (the drain deadline)
+ends the connection, as does ``drain()``. `serve_h2` is the same connection
+with a task waiting for its end.
 
 Each stream drives one `UpstreamExchange` at a time exactly as the HTTP/1.1
 driver does for a request, sharing its decisions
@@ -66,7 +69,7 @@ stream that times out with its response started is reset.
 
 Drain: GOAWAY (NO_ERROR) with the last stream accepted; the streams before it
 finish, later ones are refused (REFUSED_STREAM), the connection closes when
-none is left (or is cancelled at the drain deadline).
+none is left (or is ended at the drain deadline).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Final
 
 import trio
@@ -86,6 +90,7 @@ from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
 from tlsedge._http.body import BodyKind
+from tlsedge._http.driver import Spawn, run_to_end
 from tlsedge._http.events import (
     NEED_DATA,
     Body,
@@ -149,7 +154,7 @@ from tlsedge._relay import set_abortive_close
 from tlsedge._termination import Termination
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
-__all__ = ["serve_h2", "sniff_preface"]
+__all__ = ["h2_connection", "serve_h2", "sniff_preface"]
 
 LOGGER = logging.getLogger("tlsedge.http")
 
@@ -381,13 +386,16 @@ class _H2Connection:
         drain: Drain,
         result: HttpConnectionResult,
         on_request: Callable[[RequestLog], None] | None,
+        initial_data: bytes,
+        spawn: Spawn,
+        on_done: Callable[[HttpConnectionResult], None],
     ) -> None:
         self.client = client
         self.listener = listener
         self.http = listener.http
         self.idle_timeout = listener.idle_timeout
         self.backend = backend
-        self.drain = drain
+        self.drain_event = drain
         self.result = result
         self.on_request = on_request
         self.connection_id = downstream.id
@@ -428,9 +436,9 @@ class _H2Connection:
         self.armed = math.inf  # the earliest pending timer of ours
         self.settling = False  # a _settle is deferred to the batch's end
         self.timer = Cancellable(self._timer)
-        # New upstream connections for the task to open, and the task.
-        self.jobs: list[tuple[_Stream, NewConnection]] = []
-        self.task: trio.lowlevel.Task | None = None
+        self.initial_data = initial_data
+        self.spawn = spawn
+        self.on_done = on_done
         self._response_timeout = response_timeout(self.http.response_timeout)
         self._client_stall = Failure(
             Termination.CLIENT_ERROR,
@@ -438,37 +446,36 @@ class _H2Connection:
             None,
         )
 
-    # -- the task: waits, and opens upstream connections -----------------------
+    # -- the edge's calls, and the connects that must await --------------------
 
-    async def run(self, initial_data: bytes) -> None:
+    def start(self) -> None:
+        """Serve from the reactor; *on_done* is called once the connection
+        ended (maybe before this returns)."""
+        initial_data, self.initial_data = self.initial_data, b""
         try:
             self._start(initial_data)
-            async with trio.open_nursery() as nursery:
-                while self.state is not _DONE:
-                    if not self.jobs:
-                        await self._park()
-                        continue
-                    jobs, self.jobs = self.jobs, []
-                    for stream, new in jobs:
-                        if not stream.cancelled:
-                            nursery.start_soon(self._connect, stream, new)
-        finally:
+        except Exception as exc:  # noqa: BLE001 (a bug: logged, this connection ends)
+            self._crashed(exc)
+
+    def drain(self) -> None:
+        """End the connection now (the drain deadline): its streams end as
+        ``drained``, their connects are cancelled."""
+        self._finish()
+
+    async def _run_connect(self, stream: _Stream, new: NewConnection) -> None:
+        try:
+            await self._connect(stream, new)
+        except trio.Cancelled:  # the edge stopped (or the drain deadline)
             self._finish()
-            self.client.detach()
+            raise
+        except Exception as exc:  # noqa: BLE001 (a bug: logged, this connection ends)
+            self._crashed(exc)
 
-    async def _park(self) -> None:
-        self.task = trio.lowlevel.current_task()
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self.task = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-
-    def _wake(self) -> None:
-        if self.task is not None:
-            trio.lowlevel.reschedule(self.task)
-            self.task = None
+    def _crashed(self, exc: Exception) -> None:
+        LOGGER.error(
+            "listener %s: HTTP/2 connection failed", self.listener.name, exc_info=exc
+        )
+        self.failed(exc)
 
     async def _connect(self, stream: _Stream, new: NewConnection) -> None:
         upstream: Upstream | None = None
@@ -496,7 +503,7 @@ class _H2Connection:
 
     def _start(self, initial_data: bytes) -> None:
         self._arm(self.started + self.http.request_header_timeout)
-        self.drain.call_on_set(self._drained)
+        self.drain_event.call_on_set(self._drained)
         if initial_data and self.state is _OPEN:
             self._received(initial_data)
         if self.client.tls is not None and self.state is _OPEN:
@@ -506,20 +513,33 @@ class _H2Connection:
 
     def _finish(self) -> None:
         """The connection is over: every stream ended and logged, every
-        upstream socket let go (closed unless clean), nothing registered, the
-        task woken. Its owner closes the client."""
+        upstream socket let go (closed unless clean), nothing registered,
+        then *on_done*. Its owner closes the client."""
         if self.state is _DONE:
             return
-        self._cancel_streams()
-        self.state = _DONE
-        self._park_held()
-        self.timer.cancel()
-        self.drain.forget(self._drained)
-        client = self.client
-        if client.interest is not None:
-            self.reactor.unregister(client.fd)
-            client.interest = None
-        self._wake()
+        try:
+            self._cancel_streams()  # the last stream's end may finish us
+        finally:
+            if self.state is not _DONE:
+                self.state = _DONE
+                try:
+                    self._park_held()
+                    self.timer.cancel()
+                    self.drain_event.forget(self._drained)
+                    client = self.client
+                    if client.interest is not None:
+                        self.reactor.unregister(client.fd)
+                        client.interest = None
+                finally:
+                    self._call_on_done()
+
+    def _call_on_done(self) -> None:
+        self.client.detach()
+        self.upstreams.close()
+        result = self.result
+        if result.termination == Termination.UNKNOWN:  # the drain deadline
+            result.termination = Termination.DRAINED
+        self.on_done(result)
 
     def _end(self, termination: str, detail: str | None = None) -> None:
         if self.result.termination == Termination.UNKNOWN:
@@ -528,7 +548,7 @@ class _H2Connection:
 
     def _cancel_streams(self) -> None:
         """End every stream: nothing more can be read for them."""
-        drained = self.drain.is_set()
+        drained = self.drain_event.is_set()
         for stream in list(self.streams.values()):
             log = stream.log
             stream.cancelled = True
@@ -1040,7 +1060,7 @@ class _H2Connection:
         self._acquire(stream)
 
     def _acquire(self, stream: _Stream) -> None:
-        """Begin an attempt on a reused connection, or have the task open one."""
+        """Begin an attempt on a reused connection, or open one in a task."""
         stream.connect_started = self.now()
         try:
             taken = self.upstreams.take(
@@ -1052,8 +1072,7 @@ class _H2Connection:
         if isinstance(taken, NewConnection):
             stream.phase = _CONNECTING
             stream.scope = trio.CancelScope()
-            self.jobs.append((stream, taken))
-            self._wake()
+            self.spawn(partial(self._run_connect, stream, taken))
         else:
             self._begin(stream, taken)
 
@@ -1622,6 +1641,51 @@ def _h2_fields(
     return fields
 
 
+def h2_connection(
+    client: trio.abc.Stream,
+    downstream: Downstream,
+    *,
+    listener: ListenerConfig,
+    backend: BackendPool,
+    keepalive: KeepAlivePool,
+    proxy_header: bytes | None,
+    drain: Drain,
+    spawn: Spawn,
+    on_done: Callable[[HttpConnectionResult], None],
+    result: HttpConnectionResult | None = None,
+    on_request: Callable[[RequestLog], None] | None = None,
+    initial_data: bytes = b"",
+) -> _H2Connection:
+    """An HTTP/2 connection that no task waits for, as
+    `tlsedge._http.driver.http_connection` (the same arguments): *spawn*
+    starts a stream's upstream connect in a task of its own.
+
+    Raises:
+        TypeError: *client* is not socket-backed.
+    """
+    raw = RawStream.of(client)
+    if raw is None:
+        msg = (
+            "serve_h2 needs a trio.SocketStream or an established TLSStream"
+            f" over one, not {client!r}"
+        )
+        raise TypeError(msg)
+    return _H2Connection(
+        raw,
+        downstream,
+        listener=listener,
+        backend=backend,
+        keepalive=keepalive,
+        proxy_header=proxy_header,
+        drain=drain,
+        result=HttpConnectionResult() if result is None else result,
+        on_request=on_request,
+        initial_data=initial_data,
+        spawn=spawn,
+        on_done=on_done,
+    )
+
+
 async def serve_h2(
     client: trio.abc.Stream,
     downstream: Downstream,
@@ -1639,41 +1703,28 @@ async def serve_h2(
 
     The arguments are `tlsedge._http.driver.serve_http`'s; *initial_data*
     holds what was read before (with h2c, at least the preface). See the
-    module docstring for the behaviour. Does not close *client*; every
-    upstream connection it opened is closed or pooled when it returns.
+    module docstring for the behaviour; this task waits for the end of an
+    `h2_connection`. Does not close *client*; every upstream connection it
+    opened is closed or pooled when it returns.
 
     Raises:
         TypeError: *client* is not socket-backed.
     """
-    raw = RawStream.of(client)
-    if raw is None:
-        msg = (
-            "serve_h2 needs a trio.SocketStream or an established TLSStream"
-            f" over one, not {client!r}"
-        )
-        raise TypeError(msg)
     if result is None:
         result = HttpConnectionResult()
-    connection = _H2Connection(
-        raw,
-        downstream,
-        listener=listener,
-        backend=backend,
-        keepalive=keepalive,
-        proxy_header=proxy_header,
-        drain=drain,
-        result=result,
-        on_request=on_request,
+    await run_to_end(
+        partial(
+            h2_connection,
+            client,
+            downstream,
+            listener=listener,
+            backend=backend,
+            keepalive=keepalive,
+            proxy_header=proxy_header,
+            drain=drain,
+            result=result,
+            on_request=on_request,
+            initial_data=initial_data,
+        )
     )
-    try:
-        await connection.run(initial_data)
-    except Exception as exc:  # a bug must not take the edge down
-        LOGGER.exception("listener %s: HTTP/2 connection failed", listener.name)
-        result.termination = Termination.INTERNAL_ERROR
-        result.detail = repr(exc)
-        set_abortive_close(client)
-    finally:
-        if result.termination == Termination.UNKNOWN:  # cancelled: drain deadline
-            result.termination = Termination.DRAINED
-        connection.upstreams.close()
     return result
