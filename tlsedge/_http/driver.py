@@ -1610,7 +1610,7 @@ def http_connection(
     raw = RawStream.of(client)
     if raw is None:
         msg = (
-            "serve_http needs a trio.SocketStream or an established TLSStream"
+            "an HTTP connection needs a trio.SocketStream or an established TLSStream"
             f" over one, not {client!r}"
         )
         raise TypeError(msg)

@@ -1666,7 +1666,7 @@ def h2_connection(
     raw = RawStream.of(client)
     if raw is None:
         msg = (
-            "serve_h2 needs a trio.SocketStream or an established TLSStream"
+            "an HTTP/2 connection needs a trio.SocketStream or an established TLSStream"
             f" over one, not {client!r}"
         )
         raise TypeError(msg)
