@@ -295,6 +295,7 @@ class _Flow:
         "built",
         "closed_at_end",
         "done",
+        "fin_deferred",
         "first_eof",
         "last_activity",
         "last_send",
@@ -304,6 +305,7 @@ class _Flow:
         "scratch",
         "scratch_view",
         "shut_count",
+        "started",
         "stats",
         "task",
         "timeouts",
@@ -337,6 +339,11 @@ class _Flow:
         #: `on_done` closes both sockets (`DetachedRelays.start`).
         self.closed_at_end = False
         self.shut_count = 0
+        #: The plain socket whose first FIN waits for the end of the
+        #: reactor's batch (`_shut`); None once sent or while not deferring.
+        self.fin_deferred: _Endpoint | None = None
+        #: `start` is done: what happens now happens in a reactor batch.
+        self.started = False
         #: The earliest deadline a pending timer of ours will fire at.
         self.armed = math.inf
         #: What the reactor's timer heap holds of this flow (let go at the
@@ -360,6 +367,7 @@ class _Flow:
                 if not self.done:
                     self._update(end)
                     self._update(self._other(end))
+        self.started = True
 
     def _finish(self) -> None:
         if self.done:
@@ -507,6 +515,8 @@ class _Flow:
                 # Its FIN waits to be read once reading resumes; until then
                 # a level-triggered hang-up would wake us without end.
                 end.hung_up = True
+        elif self.fin_deferred is not None:
+            return  # the interests are set with the FIN (`_forward_fin`)
         elif (
             end.reading
             and other.reading
@@ -655,11 +665,20 @@ class _Flow:
         ends with it, and the owner's ``close`` right after sends the FIN
         (HAProxy's way: a syscall less per connection). Nothing is left
         unread on that socket (its own EOF came first), so the close cannot
-        turn into an RST.
+        turn into an RST. The first one then waits for the end of the
+        reactor's batch (`_forward_fin`; once `started`, this runs in
+        ``ready``): when the other side's EOF is in the same batch (the
+        usual end of a request: the server's FIN, then the client's), the
+        close sends both FINs, without a ``shutdown``, and without the
+        ``epoll_ctl`` that would stop watching the finished side.
         """
         end.shut_pending = False
         self.shut_count += 1
-        if end.tls is None and not (self.shut_count == 2 and self.closed_at_end):
+        if end.tls is None and not (self.closed_at_end and self.shut_count == 2):
+            if self.closed_at_end and self.started:
+                self.fin_deferred = end
+                self.reactor.defer(self._forward_fin, self)
+                return
             try:
                 end.sock.shutdown(socket.SHUT_WR)
             except OSError:
@@ -667,6 +686,21 @@ class _Flow:
                 return
         if self.shut_count == 2:
             self._finish()
+
+    def _forward_fin(self) -> None:
+        """The end of the batch in which the first EOF came (`_shut`): the
+        other side's did not come with it, so send the FIN now, and watch
+        both sides for what they wait for."""
+        end, self.fin_deferred = self.fin_deferred, None
+        if self.done or end is None:
+            return  # the relay ended in the same batch: the close sends it
+        try:
+            end.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.fail(end)
+            return
+        self._update(self.a)
+        self._update(self.b)
 
 
 #: Both endpoints of a reactor relay, and the sockets built for them (to

@@ -399,6 +399,60 @@ async def test_a_detached_relay_closed_at_end_leaves_the_last_fin_to_the_close(
         assert ends[0] in poller.unregistered
 
 
+async def test_a_detached_relay_closed_at_end_sends_eofs_of_one_batch_by_the_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both EOFs ready at once (the usual end of a request): the first one's
+    FIN waits for the end of the reactor's batch, where the relay has ended,
+    so both go with the closes: no ``shutdown`` (neither peer has a FIN when
+    the relay ends), no ``epoll_ctl`` to unregister, and no RST."""
+    client_peer, relay_client = _stdlib_tcp_pair()
+    relay_server, server_peer = _stdlib_tcp_pair()
+    for sock in (relay_client, relay_server):
+        sock.setblocking(False)
+    reactor = current_reactor()
+    poller = _RecordingPoller(reactor._poller)
+    monkeypatch.setattr(reactor, "_poller", poller)
+    seen_at_end: list[bytes | None] = []
+    ended = trio.Event()
+
+    def on_done() -> None:
+        for peer in (client_peer, server_peer):
+            try:
+                seen_at_end.append(peer.recv(100, socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                seen_at_end.append(None)
+        relay_client.close()
+        relay_server.close()
+        ended.set()
+
+    stats = RelayStats()
+    try:
+        DetachedRelays().start(
+            relay_client,
+            relay_server,
+            stats=stats,
+            idle_timeout=3600.0,
+            client_fin_timeout=3600.0,
+            server_fin_timeout=3600.0,
+            on_done=on_done,
+            closed_at_end=True,
+        )
+        with trio.fail_after(HANG_GUARD):
+            # No checkpoint between them: the reactor sees both at once.
+            server_peer.shutdown(socket.SHUT_WR)
+            client_peer.shutdown(socket.SHUT_WR)
+            await ended.wait()
+            for peer in (client_peer, server_peer):
+                assert await trio.to_thread.run_sync(peer.recv, 100) == b""
+    finally:
+        for sock in (client_peer, relay_client, relay_server, server_peer):
+            sock.close()
+    assert seen_at_end == [None, None]
+    assert poller.unregistered == []
+    assert stats.termination in {Termination.CLIENT_CLOSED, Termination.SERVER_CLOSED}
+
+
 async def test_an_ended_relay_is_not_kept_alive_by_its_timers() -> None:
     """The reactor's timer heap keeps a relay's idle timer until its deadline
     (60 s by default); the relay itself, with its streams and buffers, must
