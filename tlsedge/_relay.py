@@ -642,8 +642,6 @@ class _Flow:
         """*end* sent its EOF: forward it once everything before it went out."""
         end.reading = False
         fin_deadline = self.eof_received(end.side)
-        if fin_deadline is not None:
-            self._arm(fin_deadline)
         other = self._other(end)
         if other.tls is not None:
             try:
@@ -657,6 +655,10 @@ class _Flow:
             other.shut_pending = True
         else:
             self._shut(other)
+        # A FIN put off to the batch's end arms the fin timer there, if the
+        # relay did not end first (no timer for it in the heap then).
+        if fin_deadline is not None and not self.done and self.fin_deferred is None:
+            self._arm(fin_deadline)
 
     def _shut(self, end: _Endpoint) -> None:
         """The EOF (a FIN, or a close_notify already sent) reached *end*.
@@ -689,8 +691,8 @@ class _Flow:
 
     def _forward_fin(self) -> None:
         """The end of the batch in which the first EOF came (`_shut`): the
-        other side's did not come with it, so send the FIN now, and watch
-        both sides for what they wait for."""
+        other side's did not come with it, so send the FIN now, arm the fin
+        timer, and watch both sides for what they wait for."""
         end, self.fin_deferred = self.fin_deferred, None
         if self.done or end is None:
             return  # the relay ended in the same batch: the close sends it
@@ -699,6 +701,7 @@ class _Flow:
         except OSError:
             self.fail(end)
             return
+        self._arm(self.next_deadline()[0])
         self._update(self.a)
         self._update(self.b)
 
