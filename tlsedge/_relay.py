@@ -723,6 +723,13 @@ def _reactor_ends(
             established `TLSStream` over one (the sockets built for the
             other side are detached again: nothing is left behind).
     """
+    if isinstance(client, socket.socket) and isinstance(server, socket.socket):
+        # A plain tcp-mode connection: both sides driven as they are.
+        return (
+            _Endpoint(_Side.CLIENT, client, None),
+            _Endpoint(_Side.SERVER, server, None),
+            (),
+        )
     given = sockets if sockets is not None else (None, None)
     built: list[socket.socket] = []
     ends: list[_Endpoint] = []
