@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import random
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
@@ -79,7 +80,7 @@ class Server:
             active health check brings it back.
     """
 
-    __slots__ = ("active", "address", "down_until", "healthy", "weight")
+    __slots__ = ("active", "address", "down_until", "healthy", "name", "weight")
 
     def __init__(self, address: tuple[str, int], weight: int = 1) -> None:
         """Create a healthy server with no connections.
@@ -99,14 +100,18 @@ class Server:
         if weight < 1:
             raise ValueError(f"weight must be at least 1, got {weight}")
         self.address: tuple[str, int] = (host, port)
+        #: The address as logs and metrics write it (``str(server)``): made
+        #: once, not per connection.
+        self.name: str = sys.intern(
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        )
         self.weight: int = weight
         self.healthy: bool = True
         self.active: int = 0
         self.down_until: float | None = None
 
     def __str__(self) -> str:
-        host, port = self.address
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return self.name
 
     def __repr__(self) -> str:
         return (

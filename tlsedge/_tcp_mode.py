@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import socket
-import sys
 
 import trio
 
@@ -72,7 +71,7 @@ def _connect_now(
     # What the connection holds from here (not the attempt: its header).
     exits.callback(connected.raw.close)
     exits.callback(connected.lease.release)
-    log.server = sys.intern(str(connected.server))
+    log.server = connected.server.name
     return connected
 
 
@@ -224,7 +223,7 @@ async def serve_tcp(
             raise Refused(Termination.CONNECT_FAILED, str(exc)) from exc
         exits.callback(connected.raw.close)
         exits.callback(connected.lease.release)
-        log.server = sys.intern(str(connected.server))
+        log.server = connected.server.name
     # Client bytes that came with the PROXY header or the TLS handshake. A
     # plain backend gets our header and the first bytes in one segment, as
     # HAProxy sends them.

@@ -7,8 +7,10 @@ replaces the socket's endpoints. Bytes that came after the header are handed
 to the next stage as they are.
 
 `ReactorHeaderRead` reads it, driven by the reactor from the accepted
-non-blocking socket with no task at all (every mode): each readiness event is
-one ``recv`` given to the codec; a reactor timer keeps the header timeout. A
+non-blocking socket with no task at all (every mode): one ``recv`` at once
+(the header has usually come with the connection), then, if it has not all
+come, one per readiness event, each given to the codec; a reactor timer keeps
+the header timeout. A
 refusal is a `Refused`: ``rejected`` (the policy refuses the peer),
 ``header_timeout``, ``header_error`` (with the codec's reason for metrics) or
 ``client_error`` (the peer broke the connection first).
@@ -196,7 +198,11 @@ class ReactorHeaderRead:
         self.done = False
 
     def start(self) -> None:
-        """Decide the policy; wait for the header (and arm its timeout)."""
+        """Decide the policy and read what came already: a load balancer
+        sends its header as soon as it connected, so it is usually there
+        by the time the connection is accepted (HAProxy reads at once too).
+        Only if it is not (or not whole) is the socket registered with the
+        reactor, and the header's timeout armed."""
         try:
             self._policy, reader = _reader_for(
                 self.trust, self.settings, self.peer, self.local
@@ -207,6 +213,8 @@ class ReactorHeaderRead:
         if reader is None:
             self._end(_direct(self.peer, self.local))
             return
+        if self._read(reader):
+            return
         reactor = self._reactor
         reactor.register(self.fd, READABLE, self)
         self._reader = reader
@@ -216,27 +224,33 @@ class ReactorHeaderRead:
         """One readiness event: one ``recv``, given to the codec."""
         reader = self._reader
         assert reader is not None  # registered only while reading
+        self._read(reader)
+
+    def _read(self, reader: HeaderReader) -> bool:
+        """One ``recv``, given to *reader*; True once the read ended."""
         # Into the thread's scratch buffer (the codec copies what it keeps):
         # no 64 KiB allocation shrunk to the few bytes that came, per read.
         scratch, view = _scratch(_READ_SIZE)
         try:
             received = self.sock.recv_into(scratch)
         except BlockingIOError:
-            return
+            return False
         except OSError as exc:
             # Worded as trio words it for the task's path.
             broken = f"socket connection broken: {exc}"
             self._end(Refused(Termination.CLIENT_ERROR, broken))
-            return
+            return True
         try:
             reader.receive_data(view[:received])
             event = reader.next_event()
         except RemoteProtocolError as exc:
             self._end(_refusal(exc))
-            return
-        if event is not NEED_DATA:
-            leftover = reader.trailing_data
-            self._end(_unwrapped(event, leftover, self._policy, self.peer, self.local))
+            return True
+        if event is NEED_DATA:
+            return False
+        leftover = reader.trailing_data
+        self._end(_unwrapped(event, leftover, self._policy, self.peer, self.local))
+        return True
 
     def failed(self, exc: Exception) -> None:
         """A bug in `ready` (logged by the reactor): end the read."""

@@ -422,13 +422,13 @@ class BackendPool:
         observer = self.observer
         if observer is None:
             return ServerLease(server)
-        observer.server_leased(self.name, str(server))
+        observer.server_leased(self.name, server.name)
         return ServerLease(server, self._on_release)
 
     def _released(self, lease: ServerLease) -> None:
         """*lease* was released: tell the observer."""
         if self.observer is not None:
-            self.observer.server_released(self.name, str(lease.server))
+            self.observer.server_released(self.name, lease.server.name)
 
     def open_first(
         self, client_ip: str | None, *, proxy_header: bytes = b""
@@ -558,7 +558,7 @@ class BackendPool:
         if health is not None:
             health.connect_succeeded()
         if self.observer is not None:
-            self.observer.server_connection_opened(self.name, str(server), attempt)
+            self.observer.server_connection_opened(self.name, server.name, attempt)
         pending = opening.proxy_header if encrypted is None else b""
         assert opening.sock is not None  # the attempt succeeded
         return Connected(

@@ -39,6 +39,8 @@ def test_server_defaults_and_str() -> None:
     assert server.down_until is None
     assert str(server) == "127.0.0.1:8080"
     assert str(Server(("::1", 443))) == "[::1]:443"
+    assert server.name == "127.0.0.1:8080"
+    assert Server(("::1", 443)).name == "[::1]:443"
     assert "weight=1" in repr(server)
 
 

@@ -399,6 +399,62 @@ async def test_a_detached_relay_closed_at_end_leaves_the_last_fin_to_the_close(
         assert ends[0] in poller.unregistered
 
 
+async def test_a_detached_relay_closed_at_end_sends_eofs_of_one_batch_by_the_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both EOFs ready at once (the usual end of a request): the first one's
+    FIN waits for the end of the reactor's batch, where the relay has ended,
+    so both go with the closes: no ``shutdown`` (neither peer has a FIN when
+    the relay ends), no ``epoll_ctl`` to unregister, no fin timer, no RST."""
+    client_peer, relay_client = _stdlib_tcp_pair()
+    relay_server, server_peer = _stdlib_tcp_pair()
+    for sock in (relay_client, relay_server):
+        sock.setblocking(False)
+    reactor = current_reactor()
+    poller = _RecordingPoller(reactor._poller)
+    monkeypatch.setattr(reactor, "_poller", poller)
+    seen_at_end: list[bytes | None] = []
+    ended = trio.Event()
+
+    def on_done() -> None:
+        for peer in (client_peer, server_peer):
+            try:
+                seen_at_end.append(peer.recv(100, socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                seen_at_end.append(None)
+        relay_client.close()
+        relay_server.close()
+        ended.set()
+
+    stats = RelayStats()
+    try:
+        DetachedRelays().start(
+            relay_client,
+            relay_server,
+            stats=stats,
+            idle_timeout=3600.0,
+            client_fin_timeout=1800.0,  # earlier than the idle timer
+            server_fin_timeout=1800.0,
+            on_done=on_done,
+            closed_at_end=True,
+        )
+        timers = len(reactor._timers)  # the idle timer's
+        with trio.fail_after(HANG_GUARD):
+            # No checkpoint between them: the reactor sees both at once.
+            server_peer.shutdown(socket.SHUT_WR)
+            client_peer.shutdown(socket.SHUT_WR)
+            await ended.wait()
+            for peer in (client_peer, server_peer):
+                assert await trio.to_thread.run_sync(peer.recv, 100) == b""
+    finally:
+        for sock in (client_peer, relay_client, relay_server, server_peer):
+            sock.close()
+    assert seen_at_end == [None, None]
+    assert poller.unregistered == []
+    assert len(reactor._timers) == timers  # no fin timer armed for nothing
+    assert stats.termination in {Termination.CLIENT_CLOSED, Termination.SERVER_CLOSED}
+
+
 async def test_an_ended_relay_is_not_kept_alive_by_its_timers() -> None:
     """The reactor's timer heap keeps a relay's idle timer until its deadline
     (60 s by default); the relay itself, with its streams and buffers, must
@@ -712,6 +768,43 @@ async def test_client_fin_timeout_fires(autojump_clock: trio.testing.MockClock) 
             assert w.stats.termination is Termination.CLIENT_FIN_TIMEOUT
             assert trio.current_time() - start == pytest.approx(7)
             assert await receive_all(w.client_peer) == b"bye"
+
+
+async def test_a_fin_put_off_to_the_batch_end_arms_the_fin_timer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A detached relay closed at its end forwards a lone first EOF at the
+    end of the reactor's batch; the fin timer is armed there and fires."""
+    client_peer, relay_client = socket.socketpair()
+    relay_server, server_peer = socket.socketpair()
+    for sock in (relay_client, relay_server):
+        sock.setblocking(False)
+    stats = RelayStats()
+    ended = trio.Event()
+    try:
+        start = trio.current_time()
+        DetachedRelays().start(
+            relay_client,
+            relay_server,
+            stats=stats,
+            idle_timeout=100.0,
+            client_fin_timeout=7.0,
+            server_fin_timeout=50.0,
+            on_done=ended.set,
+            closed_at_end=True,
+        )
+        with trio.fail_after(VIRTUAL_HANG_GUARD):
+            server_peer.sendall(b"bye")
+            server_peer.shutdown(socket.SHUT_WR)  # the client just sits there
+            await ended.wait()
+        assert stats.termination is Termination.CLIENT_FIN_TIMEOUT
+        assert trio.current_time() - start == pytest.approx(7)
+        client_peer.setblocking(False)
+        assert client_peer.recv(100) == b"bye"
+        assert client_peer.recv(100) == b""  # the FIN went before the timeout
+    finally:
+        for sock in (client_peer, relay_client, relay_server, server_peer):
+            sock.close()
 
 
 @pytest.mark.parametrize("first", ["client", "server"])

@@ -15,6 +15,7 @@ import trio.testing
 
 from proxyproto import Policy, ProxyHeader, TrustPolicy, encode_v1, encode_v2
 from tlsedge._config import ProxyProtocolConfig
+from tlsedge._reactor import current_reactor
 from tlsedge._relay import set_abortive_close
 from tlsedge._termination import Refused, Termination
 from tlsedge._unwrap import (
@@ -74,6 +75,43 @@ async def test_header_and_first_bytes_in_one_send() -> None:
     assert unwrapped.destination == ("198.51.100.1", 443)
     assert not unwrapped.health_check
     assert unwrapped.leftover == b"GET / HTTP/1.1\r\n"
+
+
+async def test_a_header_already_there_is_read_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The usual case (the load balancer sent its header as it connected):
+    read from `start`, with no registration, no wait and no timer."""
+    header = encode_v2(
+        ProxyHeader.from_addresses(("203.0.113.7", 4000), ("198.51.100.1", 443))
+    )
+    reactor = current_reactor()
+    registered: list[int] = []
+    monkeypatch.setattr(
+        reactor, "register", lambda fd, events, handler: registered.append(fd)
+    )
+    timers = len(reactor._timers)
+    results: list[UnwrapResult] = []
+    async with pair() as (ours, theirs):
+        await theirs.send_all(header + b"GET / HTTP/1.1\r\n")
+        ReactorHeaderRead(
+            ours,
+            trust=TRUST,
+            settings=SETTINGS,
+            peer=PEER,
+            local=LOCAL,
+            on_done=results.append,
+        ).start()
+    assert results == [
+        Unwrapped(
+            client=("203.0.113.7", 4000),
+            destination=("198.51.100.1", 443),
+            health_check=False,
+            leftover=b"GET / HTTP/1.1\r\n",
+        )
+    ]
+    assert registered == []
+    assert len(reactor._timers) == timers
 
 
 async def test_a_header_in_pieces() -> None:
