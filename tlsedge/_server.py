@@ -926,9 +926,6 @@ class Edge:
         connections: trio.Nursery,
         local: tuple[str, int] | None,
     ) -> None:
-        # What `socket.accept` asks the listening socket per connection
-        # (three properties, two of them enum conversions), asked once.
-        family, kind, proto = raw.family, raw.type, raw.proto
         while True:
             # Take the slots only once a client is waiting: a loop idling
             # in accept() with a slot would keep it from the other accept
@@ -956,9 +953,7 @@ class Edge:
                 try:
                     if sock.fileno() == -1:  # closed while we waited for a slot
                         raise trio.ClosedResourceError
-                    # socket.accept's own two steps (typeshed omits the first).
-                    fd, peer_address = raw._accept()  # type: ignore[attr-defined]
-                    conn = socket.socket(family, kind, proto, fileno=fd)
+                    conn, peer_address = raw.accept()
                 except (OSError, trio.ClosedResourceError) as exc:
                     listener.limiter.release_on_behalf_of(token)
                     self._edge_limiter.release_on_behalf_of(token)
