@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from proxyproto._errors import LocalProtocolError
@@ -81,6 +81,16 @@ def _address_or_none(
         return None
 
 
+#: Most decisions a `TrustPolicy` remembers.
+_DECISIONS_KEPT = 4096
+
+
+def _host(value: str | IPAddress | tuple[object, ...] | None) -> object:
+    """What a decision depends on: the host of a socket address tuple (not
+    its port), any other address as it is."""
+    return value[0] if isinstance(value, tuple) and value else value
+
+
 @dataclass(frozen=True, slots=True)
 class TrustPolicy:
     """Rules mapping peer (and local) addresses to a ``Policy``.
@@ -97,6 +107,12 @@ class TrustPolicy:
         tuple[tuple[IPNetwork, ...], tuple[IPNetwork, ...] | None, Policy], ...
     ]
     default: Policy = Policy.REJECT
+    #: Decisions by (peer host, local host), so that the peers a server sees
+    #: again and again (its load balancers) cost a dict lookup, not an
+    #: address parse and a network scan; emptied when full.
+    _decided: dict[tuple[object, object], Policy] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def from_cidrs(
@@ -137,6 +153,24 @@ class TrustPolicy:
         tuples. A peer that is not an IP address (a UNIX socket) matches no
         CIDR rule and gets the default.
         """
+        key = (_host(peer), _host(local))
+        try:
+            return self._decided[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable address: decided, not remembered
+            return self._decide(peer, local)
+        policy = self._decide(peer, local)
+        if len(self._decided) >= _DECISIONS_KEPT:
+            self._decided.clear()
+        self._decided[key] = policy
+        return policy
+
+    def _decide(
+        self,
+        peer: str | IPAddress | tuple[object, ...] | None,
+        local: str | IPAddress | tuple[object, ...] | None,
+    ) -> Policy:
         # Parsed separately: a local address that is not an IP (a UNIX
         # listener) only fails the rules that name local networks.
         peer_ip = _address_or_none(peer)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxyproto import LocalProtocolError, Policy, TrustPolicy
+from proxyproto import LocalProtocolError, Policy, TrustPolicy, _policy
 
 TRUSTED = TrustPolicy.from_cidrs(["10.0.0.0/8", "192.0.2.7", "2001:db8::/32", "::1"])
 
@@ -42,6 +42,25 @@ TRUSTED = TrustPolicy.from_cidrs(["10.0.0.0/8", "192.0.2.7", "2001:db8::/32", ":
 )
 def test_from_cidrs_decides_by_peer(peer: Any, expected: Policy) -> None:
     assert TRUSTED.decide(peer) is expected
+    assert TRUSTED.decide(peer) is expected  # remembered
+
+
+def test_remembered_decisions_are_the_decisions_and_stay_bounded() -> None:
+    policy = TrustPolicy.from_cidrs(["10.0.0.0/9"], local=["192.0.2.0/24"])
+    kept = _policy._DECISIONS_KEPT
+    peers = [f"10.{i // 256 % 256}.{i % 256}.1" for i in range(0, kept * 3, 7)]
+    for local in ("192.0.2.1", "198.51.100.1"):
+        for peer in peers:
+            expected = (
+                Policy.REQUIRE
+                if int(peer.split(".")[1]) < 128 and local == "192.0.2.1"
+                else Policy.REJECT
+            )
+            assert policy.decide((peer, 1), (local, 443)) is expected
+            assert policy.decide(peer, local) is expected
+            assert len(policy._decided) <= kept
+    # Remembering is not part of what a policy is.
+    assert policy == TrustPolicy.from_cidrs(["10.0.0.0/9"], local=["192.0.2.0/24"])
 
 
 def test_from_cidrs_custom_policies() -> None:
