@@ -22,7 +22,11 @@ reactor pays that cost once per *batch* of ready connections instead:
 - Timers (idle and fin timeouts) live in one heap that a second task sweeps,
   sleeping until the earliest deadline. A handler only stores timestamps; a
   timer that fires re-checks them and re-arms itself if there was activity
-  (so a busy connection never touches the heap).
+  (so a busy connection never touches the heap). A connection that ends calls
+  its timer off (`Cancellable`), which stays in the heap until its deadline;
+  so that thousands of short connections a second do not pile up a minute's
+  worth of dead entries, the heap is rebuilt without them whenever it has
+  doubled since the last rebuild (amortised O(1) per timer).
 
 trio keeps the control plane: accepting, PROXY headers, TLS handshakes,
 connecting backends, configuration, health checks and drain run in trio tasks
@@ -71,6 +75,9 @@ WRITABLE = 4
 ERROR = 8
 HANGUP = 16
 
+#: The timer heap is first rebuilt without its called-off entries at this size.
+_COMPACT_AT_LEAST = 1024
+
 #: Most events taken from the selector per wake-up (a larger batch is taken
 #: over several loop turns, with a trio checkpoint between them).
 _MAX_EVENTS = 512
@@ -95,6 +102,10 @@ class Cancellable:
     def cancel(self) -> None:
         """Never call the callback (again); drop it."""
         self._callback = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._callback is None
 
 
 class Handler(Protocol):
@@ -199,6 +210,7 @@ class Reactor:
         self._poller = _make_poller()
         self._handlers: dict[int, Handler] = {}
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._compact_at = _COMPACT_AT_LEAST
         self._deferred: list[tuple[Callable[[], None], Handler]] = []
         self._sequence = itertools.count()
         # The timer task's sleep; its deadline is the earliest timer's.
@@ -256,11 +268,26 @@ class Reactor:
         """Call *callback* from the reactor once trio's clock passes
         *deadline*. There is no cancelling: a callback checks whether it is
         still wanted (and a `Cancellable` lets go of what it holds)."""
-        heapq.heappush(self._timers, (deadline, next(self._sequence), callback))
+        timers = self._timers
+        heapq.heappush(timers, (deadline, next(self._sequence), callback))
+        if len(timers) > self._compact_at:
+            self._compact_timers()
         # Only an earlier deadline moves the sleep (setting it costs trio a
         # deadline-heap update even when the value stays).
         if deadline < self._timer_sleep.deadline:  # noqa: PLR1730
             self._timer_sleep.deadline = deadline
+
+    def _compact_timers(self) -> None:
+        """Drop the called-off timers from the heap (in place: the timer task
+        holds it)."""
+        timers = self._timers
+        timers[:] = [
+            timer
+            for timer in timers
+            if not (isinstance(timer[2], Cancellable) and timer[2].cancelled)
+        ]
+        heapq.heapify(timers)
+        self._compact_at = max(_COMPACT_AT_LEAST, 2 * len(timers))
 
     # -- the loops ---------------------------------------------------------------
 

@@ -9,6 +9,7 @@ engine already holds bytes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import socket
@@ -55,6 +56,27 @@ async def test_timers_run_in_deadline_order(
     await trio.sleep(5)
     assert [name for name, _ in fired] == ["a", "b", "c"]
     assert all(at >= delay for (_, at), delay in zip(fired, (1, 2, 3), strict=True))
+
+
+async def test_called_off_timers_do_not_pile_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Short connections each leave a called-off idle timer behind: the heap
+    is rebuilt without them, and the timers still wanted still fire."""
+    reactor = current_reactor()
+    start = trio.current_time()
+    fired: list[int] = []
+    kept: list[int] = []
+    for i in range(20_000):
+        timer = _reactor.Cancellable(functools.partial(fired.append, i))
+        reactor.call_at(start + 60 + i / 1000, timer)
+        if i % 100:
+            timer.cancel()  # the connection ended long before its deadline
+        else:
+            kept.append(i)
+        assert len(reactor._timers) <= 2 * (len(kept) + _reactor._COMPACT_AT_LEAST)
+    await trio.sleep(100)
+    assert fired == kept
 
 
 class _Exploding:
