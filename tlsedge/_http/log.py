@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Final
 
 from tlsedge._accesslog import (
-    JsonLine,
     access_log_enabled,
     format_time,
+    json_object,
     write_access_line,
 )
 from tlsedge._termination import Termination
@@ -113,35 +113,33 @@ class RequestLog:
             return
         connect, first_byte = self.connect, self.first_byte
         write_access_line(
-            _LINE.encode(
-                (
-                    self.connection,
-                    self.listener,
-                    self.client,
-                    format_time(self.start),
-                    self.method,
-                    self.target,
-                    self.version,
-                    self.host,
-                    self.user_agent,
-                    self.status,
-                    self.bytes_in,
-                    self.bytes_out,
-                    round(connect, 6) if connect is not None else None,
-                    round(first_byte, 6) if first_byte is not None else None,
-                    round(self.total, 6),
-                    self.backend,
-                    self.server,
-                    self.tls,
-                    self.sni,
-                    self.request_id,
-                    self.termination,
-                    self.detail,
-                )
+            json_object(
+                {
+                    "connection": self.connection,
+                    "listener": self.listener,
+                    "client": self.client,
+                    "start": format_time(self.start),
+                    "method": self.method,
+                    "target": self.target,
+                    "version": self.version,
+                    "host": self.host,
+                    "user_agent": self.user_agent,
+                    "status": self.status,
+                    "bytes_in": self.bytes_in,
+                    "bytes_out": self.bytes_out,
+                    "connect": round(connect, 6) if connect is not None else None,
+                    "first_byte": (
+                        round(first_byte, 6) if first_byte is not None else None
+                    ),
+                    "total": round(self.total, 6),
+                    "backend": self.backend,
+                    "server": self.server,
+                    "tls": self.tls,
+                    "sni": self.sni,
+                    "request_id": self.request_id,
+                    "termination": self.termination,
+                    "detail": self.detail,
+                },
+                '{"type":"http",',
             )
         )
-
-
-_LINE: Final = JsonLine(
-    tuple(f.name for f in fields(RequestLog)), first='"type":"http"'
-)
