@@ -109,37 +109,39 @@ class RequestLog:
 
     def emit(self) -> None:
         """Write the line (if the access logger is enabled)."""
-        if not access_log_enabled():
-            return
+        if access_log_enabled():
+            write_access_line(self.to_json())
+
+    def to_json(self) -> str:
+        """The access-log line: one JSON object, ``type`` then the fields in
+        declaration order."""
         connect, first_byte = self.connect, self.first_byte
-        write_access_line(
-            json_object(
-                {
-                    "connection": self.connection,
-                    "listener": self.listener,
-                    "client": self.client,
-                    "start": format_time(self.start),
-                    "method": self.method,
-                    "target": self.target,
-                    "version": self.version,
-                    "host": self.host,
-                    "user_agent": self.user_agent,
-                    "status": self.status,
-                    "bytes_in": self.bytes_in,
-                    "bytes_out": self.bytes_out,
-                    "connect": round(connect, 6) if connect is not None else None,
-                    "first_byte": (
-                        round(first_byte, 6) if first_byte is not None else None
-                    ),
-                    "total": round(self.total, 6),
-                    "backend": self.backend,
-                    "server": self.server,
-                    "tls": self.tls,
-                    "sni": self.sni,
-                    "request_id": self.request_id,
-                    "termination": self.termination,
-                    "detail": self.detail,
-                },
-                '{"type":"http",',
-            )
+        return json_object(
+            {
+                "connection": self.connection,
+                "listener": self.listener,
+                "client": self.client,
+                "start": format_time(self.start),
+                "method": self.method,
+                "target": self.target,
+                "version": self.version,
+                "host": self.host,
+                "user_agent": self.user_agent,
+                "status": self.status,
+                "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out,
+                "connect": round(connect, 6) if connect is not None else None,
+                "first_byte": (
+                    round(first_byte, 6) if first_byte is not None else None
+                ),
+                "total": round(self.total, 6),
+                "backend": self.backend,
+                "server": self.server,
+                "tls": self.tls,
+                "sni": self.sni,
+                "request_id": self.request_id,
+                "termination": self.termination,
+                "detail": self.detail,
+            },
+            '{"type":"http",',
         )

@@ -35,7 +35,7 @@ _CONNECTION = st.lists(
         [b"close", b"keep-alive", b"X-A", b"upgrade", b"host", b"content-length"]
     ),
     max_size=3,
-).map(lambda tokens: b", ".join(tokens))
+).map(b", ".join)
 
 
 @st.composite
