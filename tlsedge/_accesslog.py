@@ -46,7 +46,6 @@ import select
 import stat
 import sys
 import time
-from _json import make_encoder
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Final, Literal, TextIO
@@ -67,7 +66,6 @@ __all__ = [
     "format_address",
     "format_time",
     "install_access_log_writer",
-    "json_object",
     "write_access_line",
 ]
 
@@ -153,42 +151,45 @@ class JsonLine:
     """A JSON object with fixed keys, encoded from its values in order.
 
     Byte-identical to ``json.dumps(dict(zip(keys, values)),
-    separators=(",", ":"))``: the values go through the C encoder the
-    ``json`` module uses, built once (``json.dumps`` builds one per call).
+    separators=(",", ":"))`` for values that are None, str (StrEnum included),
+    int, bool or float (finite); anything else is encoded by `json.dumps`.
     """
 
-    __slots__ = ("_keys", "_open")
+    __slots__ = ("_empty", "_prefixes")
 
     def __init__(self, keys: Sequence[str], *, first: str = "") -> None:
         """*first*: encoded members put before the keys (``'"type":"http"'``)."""
-        self._keys = tuple(keys)
-        self._open = "{" + first + "," if first and self._keys else "{" + first
+        separator = "{" + first + "," if first else "{"
+        prefixes = []
+        for key in keys:
+            prefixes.append(f"{separator}{_json_string(key)}:")
+            separator = ","
+        self._prefixes = tuple(prefixes)
+        self._empty = "{" + first + "}"
 
     def encode(self, values: Sequence[object]) -> str:
-        return json_object(dict(zip(self._keys, values, strict=True)), self._open)
-
-
-def json_object(members: dict[str, object], opening: str = "{") -> str:
-    """*members* as ``json.dumps(members, separators=(",", ":"))`` would
-    write them, the object's ``{`` replaced by *opening* (a ``{`` and
-    encoded members, each followed by a comma: ``'{"type":"http",'``)."""
-    return opening + "".join(_ENCODE(members, 0))[1:]
+        if not self._prefixes:
+            return self._empty
+        parts = []
+        for prefix, value in zip(self._prefixes, values, strict=True):
+            parts.append(prefix)
+            if value is None:
+                parts.append("null")
+            elif isinstance(value, str):
+                parts.append(_json_string(value))
+            elif value is True:
+                parts.append("true")
+            elif value is False:
+                parts.append("false")
+            elif type(value) is int or (type(value) is float and math.isfinite(value)):
+                parts.append(repr(value))
+            else:
+                parts.append(json.dumps(value, separators=(",", ":")))
+        parts.append("}")
+        return "".join(parts)
 
 
 _json_string: Callable[[str], str] = json.encoder.encode_basestring_ascii
-# The C encoder json.dumps(..., separators=(",", ":")) uses, built once; no
-# check for circular references (lines hold scalars).
-_ENCODE: Final = make_encoder(
-    None,
-    json.JSONEncoder().default,
-    _json_string,
-    None,
-    ":",
-    ",",
-    False,  # sort_keys
-    False,  # skipkeys
-    True,  # allow_nan: json's own NaN and Infinity
-)
 _FIELD_NAMES = tuple(f.name for f in fields(ConnectionLog))
 _LINE = JsonLine(_FIELD_NAMES)
 _START = _FIELD_NAMES.index("start")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Final
@@ -9,10 +10,11 @@ from typing import Final
 from tlsedge._accesslog import (
     access_log_enabled,
     format_time,
-    json_object,
     write_access_line,
 )
 from tlsedge._termination import Termination
+
+_json_string: Final = json.encoder.encode_basestring_ascii
 
 __all__ = ["HttpConnectionResult", "RequestLog"]
 
@@ -114,34 +116,42 @@ class RequestLog:
 
     def to_json(self) -> str:
         """The access-log line: one JSON object, ``type`` then the fields in
-        declaration order."""
+        declaration order, as `JsonLine` writes them (one f-string: the types
+        are the fields', and the durations finite, so no value's type is
+        looked up; ``test_accesslog`` holds it to ``json.dumps``)."""
+        s = _json_string
+        client, method, target, version = (
+            self.client,
+            self.method,
+            self.target,
+            self.version,
+        )
+        host, agent, status = self.host, self.user_agent, self.status
         connect, first_byte = self.connect, self.first_byte
-        return json_object(
-            {
-                "connection": self.connection,
-                "listener": self.listener,
-                "client": self.client,
-                "start": format_time(self.start),
-                "method": self.method,
-                "target": self.target,
-                "version": self.version,
-                "host": self.host,
-                "user_agent": self.user_agent,
-                "status": self.status,
-                "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out,
-                "connect": round(connect, 6) if connect is not None else None,
-                "first_byte": (
-                    round(first_byte, 6) if first_byte is not None else None
-                ),
-                "total": round(self.total, 6),
-                "backend": self.backend,
-                "server": self.server,
-                "tls": self.tls,
-                "sni": self.sni,
-                "request_id": self.request_id,
-                "termination": self.termination,
-                "detail": self.detail,
-            },
-            '{"type":"http",',
+        backend, server, tls, sni = self.backend, self.server, self.tls, self.sni
+        request_id, detail = self.request_id, self.detail
+        return (
+            f'{{"type":"http","connection":{s(self.connection)},'
+            f'"listener":{s(self.listener)},'
+            f'"client":{"null" if client is None else s(client)},'
+            f'"start":{s(format_time(self.start))},'
+            f'"method":{"null" if method is None else s(method)},'
+            f'"target":{"null" if target is None else s(target)},'
+            f'"version":{"null" if version is None else s(version)},'
+            f'"host":{"null" if host is None else s(host)},'
+            f'"user_agent":{"null" if agent is None else s(agent)},'
+            f'"status":{"null" if status is None else int.__repr__(status)},'
+            f'"bytes_in":{int.__repr__(self.bytes_in)},'
+            f'"bytes_out":{int.__repr__(self.bytes_out)},'
+            f'"connect":{"null" if connect is None else repr(round(connect, 6))},'
+            f'"first_byte":'
+            f"{'null' if first_byte is None else repr(round(first_byte, 6))},"
+            f'"total":{round(self.total, 6)!r},'
+            f'"backend":{"null" if backend is None else s(backend)},'
+            f'"server":{"null" if server is None else s(server)},'
+            f'"tls":{"null" if tls is None else s(tls)},'
+            f'"sni":{"null" if sni is None else s(sni)},'
+            f'"request_id":{"null" if request_id is None else s(request_id)},'
+            f'"termination":{s(self.termination)},'
+            f'"detail":{"null" if detail is None else s(detail)}}}'
         )
