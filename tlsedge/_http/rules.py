@@ -3,7 +3,8 @@
 What a reverse proxy changes in a message, apart from framing (the session and
 the exchange own that): the request target goes upstream in origin-form
 (`origin_form`); hop-by-hop fields and the fields ``Connection`` names are
-dropped both ways (`strip_hop_by_hop`); the request's fields for the backend
+dropped both ways (`strip_hop_by_hop`; `end_to_end_fields` cuts them out of a
+response's field lines as received); the request's fields for the backend
 get the forwarding headers (`RequestRewriter`); trailers lose framing,
 hop-by-hop and forwarding fields (`RequestRewriter.clean_trailers`); and a
 request that failed before any response byte is sent again only when that
