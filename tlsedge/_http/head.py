@@ -177,6 +177,15 @@ def find_head_end(buffer: bytes | bytearray, start: int = 0) -> int:
     return -1 if index < 0 else index + 4
 
 
+def _add_tokens(tokens: set[bytes], value: bytes) -> None:
+    """Add a ``Connection`` value's tokens (lowercased) to *tokens* (*value*
+    without OWS around it; empty tokens too)."""
+    if b"," in value:
+        tokens.update(t.strip(b" \t") for t in value.lower().split(b","))
+    else:
+        tokens.add(value.lower())
+
+
 def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
     """Parse and validate a raw request head (request line to CRLFCRLF).
 
@@ -217,7 +226,7 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
         elif lname == b"transfer-encoding":
             codings.append(value)
         elif lname == b"connection":
-            tokens.update(t.strip(b" \t") for t in value.lower().split(b","))
+            _add_tokens(tokens, value)
         elif lname == b"upgrade":
             upgrade = True
         else:
@@ -325,7 +334,7 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
         elif lname == b"transfer-encoding":
             codings.append(value)
         else:
-            tokens.update(t.strip(b" \t") for t in value.lower().split(b","))
+            _add_tokens(tokens, value)
     tokens.discard(b"")
     content_length = None
     if lengths:
