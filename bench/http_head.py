@@ -1,7 +1,10 @@
-"""HTTP/1.1 head parsing: tlsedge._http.head vs httptools (llhttp) vs h11, in-process.
+"""HTTP/1.1 head parsing: tlsedge._http.head vs httptools (llhttp) vs h11, in-process;
+and the per-request cost of HTTP mode's protocol layer.
 
     python bench/http_head.py            # 30 passes x 2000 parses per side per case
     python bench/http_head.py --quick    # 5 passes x 500
+    python bench/http_head.py --cycle    # the protocol layer per request (no httptools)
+    python bench/http_head.py --cycle --profile   # ... and a cProfile of it
 
 Per typical head (a short GET, a browser GET with 12 fields, a POST with
 Content-Length, a chunked POST, a 200 response with 8 fields), each side parses
@@ -15,7 +18,16 @@ during a pass. Prints the median and best µs per head and the ratios
 (theirs/ours, > 1 means ours is faster). Before timing, all three must accept
 every head and agree on the fields.
 
-httptools is not a dependency of tlsedge: ``pip install httptools`` to run this.
+httptools is not a dependency of tlsedge: ``pip install httptools`` to run the
+comparison.
+
+``--cycle``: one keep-alive request as HTTP mode handles it, without I/O (wrk's
+GET, nginx's 200 with a 6-byte body, X-Forwarded-For from an untrusted
+client): the `ClientSession` reads the request, `origin_form` and the
+`RequestRewriter` make the backend's fields, an `UpstreamExchange` writes the
+request and reads the response, `end_to_end_fields` and the session write the
+response and its body, and the request's access-log line is encoded (not
+written). Prints the median and best µs per request over the passes.
 """
 
 from __future__ import annotations
@@ -30,12 +42,25 @@ from typing import Any
 import h11
 from _common import banner, fmt_ratio, median, render_table
 
+from tlsedge._config import ForwardedConfig
+from tlsedge._forwarded import ForwardingContext
+from tlsedge._http.body import BodyKind
+from tlsedge._http.events import Body, EndOfBody, Request, Response
+from tlsedge._http.exchange import UpstreamExchange
+from tlsedge._http.head import parse_request_head, parse_response_head
+from tlsedge._http.log import RequestLog
+from tlsedge._http.rules import (
+    RequestRewriter,
+    end_to_end_fields,
+    origin_form,
+    reason_phrase,
+)
+from tlsedge._http.session import ClientSession
+
 try:
     import httptools
 except ImportError:
-    sys.exit("bench/http_head.py needs httptools: pip install httptools")
-
-from tlsedge._http.head import parse_request_head, parse_response_head
+    httptools = None
 
 MAX_HEADERS = 100
 
@@ -164,11 +189,133 @@ def _per_call_us(parse: Parse, head: bytes, count: int) -> float:
         gc.enable()
 
 
+CYCLE_REQUEST = (
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1:49839\r\nUser-Agent: wrk\r\nAccept: */*\r\n\r\n"
+)
+CYCLE_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\n"
+    b"Date: Tue, 24 Nov 2026 04:00:00 GMT\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: 6\r\nConnection: keep-alive\r\n\r\nhello\n"
+)
+
+
+def request_cycle() -> Callable[[], None]:
+    """One keep-alive request through the protocol layer (see ``--cycle``)."""
+    rewriter = RequestRewriter(
+        forwarded=ForwardedConfig(),
+        context=ForwardingContext(
+            client=("127.0.0.1", 5555),
+            destination=("127.0.0.1", 443),
+            tls=True,
+            trusted=False,
+        ),
+        underscores=False,
+    )
+    session = ClientSession(max_header_bytes=8192, max_headers=100)
+
+    def one() -> None:
+        session.receive_data(CYCLE_REQUEST)
+        request = session.next_event()
+        assert isinstance(request, Request)
+        head = request.head
+        assert isinstance(session.next_event(), EndOfBody)
+        target, authority = origin_form(head.method, head.target)
+        fields, _ = rewriter.head_fields(
+            head.headers,
+            connection=head.connection,
+            upgrade=False,
+            authority=authority,
+            host=head.host,
+        )
+        exchange = UpstreamExchange(method=head.method)
+        out = [exchange.request_head(target, fields, BodyKind.NONE)]
+        exchange.receive_data(CYCLE_RESPONSE)
+        response = exchange.next_event()
+        assert isinstance(response, Response)
+        status = response.head.status
+        out.append(
+            session.send_response(
+                status,
+                reason_phrase(status, response.head.reason),
+                end_to_end_fields(response.head, keep_upgrade=False),
+                response.body,
+            )
+        )
+        body = exchange.next_event()
+        assert isinstance(body, Body)
+        out.append(session.send_data(body.data))
+        end = exchange.next_event()
+        assert isinstance(end, EndOfBody)
+        out.append(session.send_end(end.trailers))
+        assert exchange.reusable
+        session.start_next_cycle()
+        log = RequestLog(
+            connection="c0ffee",
+            listener="web",
+            client="127.0.0.1:5555",
+            start=1763950000.123,
+            method=head.method.decode("ascii"),
+            target=head.target.decode("latin-1"),
+            version=head.version.decode("ascii"),
+            host=(head.host or b"").decode("ascii"),
+            user_agent=(head.user_agent or b"").decode("latin-1"),
+            status=status,
+            bytes_in=request.size,
+            bytes_out=sum(map(len, out)),
+            connect=0.000012,
+            first_byte=0.000345,
+            total=0.000456,
+            backend="app",
+            server="127.0.0.1:8080",
+            tls="TLSv1.3 TLS_AES_128_GCM_SHA256",
+        )
+        _LOG_LINES.append(log.to_json())
+
+    return one
+
+
+_LOG_LINES: list[str] = []
+
+
+def cycle(passes: int, count: int, profile: bool) -> None:
+    one = request_cycle()
+    print(banner("HTTP mode's protocol layer, one keep-alive request"))
+    print(f"{passes} passes x {count} requests; µs per request\n")
+    times = []
+    for _ in range(passes):
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            for _ in range(count):
+                one()
+            times.append((time.perf_counter() - start) / count * 1e6)
+        finally:
+            gc.enable()
+            _LOG_LINES.clear()
+    print(f"median {median(times):.1f} µs, best {min(times):.1f} µs per request")
+    if profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [one() for _ in range(count)])
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 passes x 500")
+    parser.add_argument(
+        "--cycle", action="store_true", help="the protocol layer per request"
+    )
+    parser.add_argument("--profile", action="store_true", help="with --cycle")
     args = parser.parse_args()
     passes, count = (5, 500) if args.quick else (30, 2000)
+    if args.cycle:
+        cycle(passes, count, args.profile)
+        return
+    if httptools is None:
+        sys.exit("bench/http_head.py needs httptools: pip install httptools")
     print(banner("HTTP/1.1 head parsing: ours vs httptools vs h11"))
     print(f"httptools {httptools.__version__}, h11 {h11.__version__}")  # type: ignore[attr-defined]
     print(f"{passes} passes x {count} parses per side per case; µs per head\n")

@@ -254,10 +254,20 @@ def choose_request_id(
     return new_request_id()
 
 
-def _replaced(name: bytes, managed: set[bytes], lookalikes: set[bytes]) -> bool:
-    """True when the field *name* goes: one we manage, or a look-alike."""
-    key = forwarding_key(name)
-    return key in managed or (key in lookalikes and b"_" in name)
+@functools.lru_cache(maxsize=64)
+def _removed_keys(
+    trusted: bool, request_id_key: bytes | None
+) -> tuple[frozenset[bytes], frozenset[bytes]]:
+    """The `forwarding_key` of the fields that go (managed), and of those
+    that go when their name has a ``_`` (look-alikes), for one kind of peer."""
+    managed = {_XFF, _FORWARDED}
+    if not trusted:
+        managed |= FORWARDING_HEADERS
+    lookalikes = set(FORWARDING_HEADERS)
+    if request_id_key is not None:
+        managed.add(request_id_key)
+        lookalikes.add(request_id_key)
+    return frozenset(managed), frozenset(lookalikes)
 
 
 def rewrite_forwarding_headers(
@@ -282,15 +292,21 @@ def rewrite_forwarding_headers(
         any peer, every underscore spelling of those names and of the request
         id's (`forwarding_key`).
     """
-    managed = {_XFF, _FORWARDED}
-    if not context.trusted:
-        managed |= FORWARDING_HEADERS
-    lookalikes = set(FORWARDING_HEADERS)
-    if request_id is not None:
-        managed.add(forwarding_key(request_id[0]))
-        lookalikes.add(forwarding_key(request_id[0]))
-    out = [(n, v) for n, v in headers if not _replaced(n, managed, lookalikes)]
-    present = {n.lower() for n, _ in out}
+    managed, lookalikes = _removed_keys(
+        context.trusted,
+        forwarding_key(request_id[0]) if request_id is not None else None,
+    )
+    out = [
+        (n, v)
+        for n, v in headers
+        if (key := n.lower().replace(b"_", b"-")) not in managed
+        and (key not in lookalikes or b"_" not in n)
+    ]
+    present = (
+        {n.lower() for n, _ in out}
+        if config.x_forwarded_proto or config.x_forwarded_port
+        else set()
+    )
     if config.x_forwarded_for:
         chain = _joined(headers, _XFF) if context.trusted else b""
         ip = client_ip_text(context.client[0] if context.client else None)

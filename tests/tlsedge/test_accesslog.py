@@ -39,10 +39,8 @@ def test_json_line_first_members_come_first() -> None:
     assert JsonLine([]).encode([]) == "{}"
 
 
-def test_request_line_has_every_field_in_order(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    log = RequestLog(
+def _full_log() -> RequestLog:
+    return RequestLog(
         connection="c0ffee",
         listener="web",
         client="192.0.2.1:1234",
@@ -66,10 +64,24 @@ def test_request_line_has_every_field_in_order(
         termination=Termination.OK,
         detail="what\nhappened",
     )
+
+
+@pytest.mark.parametrize(
+    "log",
+    [
+        _full_log(),
+        # Every optional field None; a plain str termination.
+        RequestLog(connection="c1", listener="\u2603", client=None, termination="x"),
+    ],
+)
+def test_request_line_has_every_field_in_order(
+    log: RequestLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
     expected: dict[str, object] = {"type": "http", **dataclasses.asdict(log)}
     expected["start"] = format_time(log.start)
     for key in ("connect", "first_byte", "total"):
-        expected[key] = round(getattr(log, key), 6)
+        value = getattr(log, key)
+        expected[key] = None if value is None else round(value, 6)
     lines: list[str] = []
     monkeypatch.setattr(http_log, "write_access_line", lines.append)
     monkeypatch.setattr(http_log, "access_log_enabled", lambda: True)

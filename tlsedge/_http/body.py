@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from tlsedge._http.head import (
@@ -31,6 +31,7 @@ __all__ = [
     "BodyKind",
     "ChunkedDecoder",
     "encode_chunk",
+    "encode_field_lines",
     "encode_fields",
     "encode_last_chunk",
 ]
@@ -73,6 +74,11 @@ def encode_fields(first_line: bytes, fields: list[Header]) -> bytes:
     head (after a start line) or a trailer section (after the last chunk)."""
     lines = [name + b": " + value + b"\r\n" for name, value in fields]
     return b"".join([first_line, *lines, b"\r\n"])
+
+
+def encode_field_lines(fields: Sequence[Header]) -> bytes:
+    """The field lines of *fields* (``name: value`` CRLF each), no blank line."""
+    return b"".join([name + b": " + value + b"\r\n" for name, value in fields])
 
 
 def encode_last_chunk(trailers: list[Header]) -> bytes:

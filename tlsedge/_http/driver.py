@@ -131,6 +131,7 @@ from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.pool import KeepAlivePool, close_now
 from tlsedge._http.rules import (
     RequestRewriter,
+    end_to_end_fields,
     log_text,
     origin_form,
     reason_phrase,
@@ -892,11 +893,7 @@ class _HttpConnection:
     # -- one request ---------------------------------------------------------
 
     def _new_log(self, head: RequestHead) -> RequestLog:
-        agent: bytes | None = None
-        for name, value in head.headers:
-            if name[0] in {85, 117} and name.lower() == b"user-agent":
-                agent = value
-                break
+        agent = head.user_agent
         return RequestLog(
             connection=self.connection_id,
             listener=self.listener.name,
@@ -1267,9 +1264,6 @@ class _HttpConnection:
 
     def _response_head(self, ex: _Exchange, response: Response) -> bytes:
         head = response.head
-        headers = strip_hop_by_hop(
-            head.headers, keep_upgrade=False, connection=head.connection
-        )
         ex.log.status = head.status
         ex.response_started = True
         ex.trailers_ok = response.body is BodyKind.CHUNKED
@@ -1280,7 +1274,7 @@ class _HttpConnection:
         return session.send_response(
             head.status,
             reason_phrase(head.status, head.reason),
-            headers,
+            end_to_end_fields(head, keep_upgrade=False),
             response.body,
             close=self.drain_event.is_set() or not session.request_read,
         )

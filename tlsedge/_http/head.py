@@ -21,12 +21,15 @@ contract, `tests/tlsedge/test_http.py` and `http/test_head.py` check them):
   ``Host`` in HTTP/1.1, at most one in 1.0, and a well-formed ``uri-host
   [":" port]`` (h11 does not look at its value).
 
-Speed: a well-formed head is validated by one compiled regex over the whole head,
-then split into lines and fields with ``bytes.split``/``partition`` in list
-comprehensions; only names starting like the five it looks at are lowercased
-(a ``findall`` with a lazy value group measured 2.5x slower). A head that fails
-the regex is re-examined line by line (`_request_head_error`), only to name the
-first rule it breaks.
+Speed: a well-formed head is validated by one compiled regex over the whole head;
+the few fields the parse reads are then found by one case-insensitive
+``findall`` whose pattern names them (each field line follows a LF), so no
+other field is looked at in Python. A request's fields are split into pairs
+(``bytes.split``/``partition`` in list comprehensions) for the forwarding
+rewrite; a response's are not: its field lines go on as received, minus the
+hop-by-hop ones (`ResponseHead.headers` splits them when asked). A head that
+fails the regex is re-examined line by line (`_request_head_error`), only to
+name the first rule it breaks.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "find_head_end",
     "parse_request_head",
     "parse_response_head",
+    "split_field_lines",
 ]
 
 Header = tuple[bytes, bytes]
@@ -72,9 +76,18 @@ _RESPONSE_HEAD_RE: Final = re.compile(
     rb"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: ([\t\x20-\x7e\x80-\xff]*))?\r\n" + _FIELDS
 )
 _VERSIONS: Final = frozenset({b"1.0", b"1.1"})
-# First bytes of the names the parse looks at (Content-Length, Transfer-Encoding,
-# Host, Connection, Upgrade), either case: most names are skipped without lower().
-_FIRST_BYTES: Final = frozenset(b"cCtThHuU")
+# The fields a request's parse reports, with their values (see below).
+_REQUEST_FIELDS_RE: Final = re.compile(
+    rb"\n(host|user-agent|content-length|transfer-encoding|connection|upgrade|expect)"
+    rb":[ \t]*([^\r]*)",
+    re.IGNORECASE,
+)
+# The fields a response's framing depends on, with their values (OWS before the
+# value skipped, after it kept), searched in a head the regex validated: every
+# field line follows a LF, and its name is directly followed by ":".
+_RESPONSE_FRAMING_RE: Final = re.compile(
+    rb"\n(content-length|transfer-encoding|connection):[ \t]*([^\r]*)", re.IGNORECASE
+)
 
 
 class HeadRejectedError(Exception):
@@ -97,13 +110,15 @@ class ResponseRejectedError(HeadRejectedError):
         super().__init__(502, reason)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestHead:
-    """A parsed, validated request head.
+    """A parsed, validated request head (not frozen: see `ResponseHead`).
 
     ``content_length`` is None unless the request declares one; ``chunked`` is
     True for ``Transfer-Encoding: chunked``; neither means no body.
-    ``connection`` holds the lowercased ``Connection`` tokens.
+    ``connection`` holds the lowercased ``Connection`` tokens;
+    ``user_agent`` the first ``User-Agent`` value, ``expect`` the last
+    ``Expect`` value (or None).
     """
 
     method: bytes
@@ -115,19 +130,44 @@ class RequestHead:
     host: bytes | None
     connection: frozenset[bytes]
     upgrade: bool
+    user_agent: bytes | None
+    expect: bytes | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ResponseHead:
-    """A parsed, validated response head (framing as declared, see `RequestHead`)."""
+    """A parsed, validated response head (framing as declared, see `RequestHead`).
+
+    ``field_lines`` are the field lines exactly as received (each ending with
+    CRLF, no blank line after them): what is forwarded, minus the hop-by-hop
+    ones (`tlsedge._http.rules.end_to_end_fields`); `headers` splits them.
+    Not frozen, like the other records of a request's path: a frozen
+    dataclass's ``__init__`` costs about a microsecond more (an
+    ``object.__setattr__`` per field). Read-only by convention.
+    """
 
     version: bytes
     status: int
     reason: bytes
-    headers: list[Header]
+    field_lines: bytes
     content_length: int | None
     chunked: bool
     connection: frozenset[bytes]
+
+    @property
+    def headers(self) -> list[Header]:
+        """The fields in order: names as sent, values without OWS."""
+        return split_field_lines(self.field_lines)
+
+
+def split_field_lines(field_lines: bytes) -> list[Header]:
+    """``(name, value)`` pairs of validated field lines (each ending with CRLF)."""
+    return [
+        (name, value.strip(b" \t"))
+        for name, _, value in [
+            line.partition(b":") for line in field_lines.split(b"\r\n")[:-1]
+        ]
+    ]
 
 
 def find_head_end(buffer: bytes | bytearray, start: int = 0) -> int:
@@ -137,41 +177,13 @@ def find_head_end(buffer: bytes | bytearray, start: int = 0) -> int:
     return -1 if index < 0 else index + 4
 
 
-def _fields(
-    block: bytes,
-) -> tuple[list[Header], list[bytes], list[bytes], list[bytes], frozenset[bytes], bool]:
-    """Split a field block that `_FIELDS` validated, and gather its framing.
-
-    Returns the fields, the Content-Length, Transfer-Encoding and Host values,
-    the Connection tokens (lowercased) and whether an Upgrade field is present.
-    """
-    headers = [
-        (name, value.strip(b" \t"))
-        for name, _, value in [
-            line.partition(b":") for line in block.split(b"\r\n")[:-1]
-        ]
-    ]
-    lengths: list[bytes] = []
-    codings: list[bytes] = []
-    hosts: list[bytes] = []
-    tokens: set[bytes] = set()
-    upgrade = False
-    for name, value in headers:
-        if name[0] not in _FIRST_BYTES:
-            continue
-        lname = name.lower()
-        if lname == b"content-length":
-            lengths.append(value)
-        elif lname == b"transfer-encoding":
-            codings.append(value)
-        elif lname == b"host":
-            hosts.append(value)
-        elif lname == b"connection":
-            tokens.update(t.strip(b" \t").lower() for t in value.split(b","))
-        elif lname == b"upgrade":
-            upgrade = True
-    tokens.discard(b"")
-    return headers, lengths, codings, hosts, frozenset(tokens), upgrade
+def _add_tokens(tokens: set[bytes], value: bytes) -> None:
+    """Add a ``Connection`` value's tokens (lowercased) to *tokens* (*value*
+    without OWS around it; empty tokens too)."""
+    if b"," in value:
+        tokens.update(t.strip(b" \t") for t in value.lower().split(b","))
+    else:
+        tokens.add(value.lower())
 
 
 def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
@@ -192,9 +204,34 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
     method, target, version, block = match.groups()
     if version not in _VERSIONS:
         raise RequestRejectedError(505, "only HTTP/1.0 and HTTP/1.1 are served")
-    headers, lengths, codings, hosts, connection, upgrade = _fields(block)
-    if len(headers) > max_headers:
+    if block.count(b"\n") > max_headers:
         raise RequestRejectedError(431, f"more than {max_headers} header fields")
+    lengths: list[bytes] = []
+    codings: list[bytes] = []
+    hosts: list[bytes] = []
+    tokens: set[bytes] = set()
+    upgrade = False
+    user_agent: bytes | None = None
+    expect: bytes | None = None
+    for name, raw in _REQUEST_FIELDS_RE.findall(head):
+        lname = name.lower()
+        value = raw.rstrip(b" \t")
+        if lname == b"host":
+            hosts.append(value)
+        elif lname == b"user-agent":
+            if user_agent is None:
+                user_agent = value
+        elif lname == b"content-length":
+            lengths.append(value)
+        elif lname == b"transfer-encoding":
+            codings.append(value)
+        elif lname == b"connection":
+            _add_tokens(tokens, value)
+        elif lname == b"upgrade":
+            upgrade = True
+        else:
+            expect = value
+    tokens.discard(b"")
     content_length = None
     if lengths:
         if len(lengths) > 1:
@@ -226,12 +263,14 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
         method,
         target,
         version,
-        headers,
+        split_field_lines(block),
         content_length,
         bool(codings),
         host,
-        connection,
+        frozenset(tokens),
         upgrade,
+        user_agent,
+        expect,
     )
 
 
@@ -282,9 +321,21 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
     status = int(status_text)
     if status < 100 or status > 599:
         raise ResponseRejectedError(f"response status {status} (expected 100-599)")
-    headers, lengths, codings, _, connection, _ = _fields(block)
-    if len(headers) > max_headers:
+    if block.count(b"\n") > max_headers:
         raise ResponseRejectedError(f"more than {max_headers} response header fields")
+    lengths: list[bytes] = []
+    codings: list[bytes] = []
+    tokens: set[bytes] = set()
+    for name, raw in _RESPONSE_FRAMING_RE.findall(head):
+        lname = name.lower()
+        value = raw.rstrip(b" \t")
+        if lname == b"content-length":
+            lengths.append(value)
+        elif lname == b"transfer-encoding":
+            codings.append(value)
+        else:
+            _add_tokens(tokens, value)
+    tokens.discard(b"")
     content_length = None
     if lengths:
         if len(lengths) > 1:
@@ -305,10 +356,10 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
         version,
         status,
         reason or b"",
-        headers,
+        block,
         content_length,
         bool(codings),
-        connection,
+        frozenset(tokens),
     )
 
 

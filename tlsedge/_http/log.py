@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Final
 
 from tlsedge._accesslog import (
-    JsonLine,
     access_log_enabled,
     format_time,
     write_access_line,
 )
 from tlsedge._termination import Termination
+
+_json_string: Final = json.encoder.encode_basestring_ascii
 
 __all__ = ["HttpConnectionResult", "RequestLog"]
 
@@ -109,39 +111,47 @@ class RequestLog:
 
     def emit(self) -> None:
         """Write the line (if the access logger is enabled)."""
-        if not access_log_enabled():
-            return
-        connect, first_byte = self.connect, self.first_byte
-        write_access_line(
-            _LINE.encode(
-                (
-                    self.connection,
-                    self.listener,
-                    self.client,
-                    format_time(self.start),
-                    self.method,
-                    self.target,
-                    self.version,
-                    self.host,
-                    self.user_agent,
-                    self.status,
-                    self.bytes_in,
-                    self.bytes_out,
-                    round(connect, 6) if connect is not None else None,
-                    round(first_byte, 6) if first_byte is not None else None,
-                    round(self.total, 6),
-                    self.backend,
-                    self.server,
-                    self.tls,
-                    self.sni,
-                    self.request_id,
-                    self.termination,
-                    self.detail,
-                )
-            )
+        if access_log_enabled():
+            write_access_line(self.to_json())
+
+    def to_json(self) -> str:
+        """The access-log line: one JSON object, ``type`` then the fields in
+        declaration order, as `JsonLine` writes them (one f-string: the types
+        are the fields', and the durations finite, so no value's type is
+        looked up; ``test_accesslog`` holds it to ``json.dumps``)."""
+        s = _json_string
+        client, method, target, version = (
+            self.client,
+            self.method,
+            self.target,
+            self.version,
         )
-
-
-_LINE: Final = JsonLine(
-    tuple(f.name for f in fields(RequestLog)), first='"type":"http"'
-)
+        host, agent, status = self.host, self.user_agent, self.status
+        connect, first_byte = self.connect, self.first_byte
+        backend, server, tls, sni = self.backend, self.server, self.tls, self.sni
+        request_id, detail = self.request_id, self.detail
+        return (
+            f'{{"type":"http","connection":{s(self.connection)},'
+            f'"listener":{s(self.listener)},'
+            f'"client":{"null" if client is None else s(client)},'
+            f'"start":{s(format_time(self.start))},'
+            f'"method":{"null" if method is None else s(method)},'
+            f'"target":{"null" if target is None else s(target)},'
+            f'"version":{"null" if version is None else s(version)},'
+            f'"host":{"null" if host is None else s(host)},'
+            f'"user_agent":{"null" if agent is None else s(agent)},'
+            f'"status":{"null" if status is None else int.__repr__(status)},'
+            f'"bytes_in":{int.__repr__(self.bytes_in)},'
+            f'"bytes_out":{int.__repr__(self.bytes_out)},'
+            f'"connect":{"null" if connect is None else repr(round(connect, 6))},'
+            f'"first_byte":'
+            f"{'null' if first_byte is None else repr(round(first_byte, 6))},"
+            f'"total":{round(self.total, 6)!r},'
+            f'"backend":{"null" if backend is None else s(backend)},'
+            f'"server":{"null" if server is None else s(server)},'
+            f'"tls":{"null" if tls is None else s(tls)},'
+            f'"sni":{"null" if sni is None else s(sni)},'
+            f'"request_id":{"null" if request_id is None else s(request_id)},'
+            f'"termination":{s(self.termination)},'
+            f'"detail":{"null" if detail is None else s(detail)}}}'
+        )

@@ -3,7 +3,8 @@
 What a reverse proxy changes in a message, apart from framing (the session and
 the exchange own that): the request target goes upstream in origin-form
 (`origin_form`); hop-by-hop fields and the fields ``Connection`` names are
-dropped both ways (`strip_hop_by_hop`); the request's fields for the backend
+dropped both ways (`strip_hop_by_hop`; `end_to_end_fields` cuts them out of a
+response's field lines as received); the request's fields for the backend
 get the forwarding headers (`RequestRewriter`); trailers lose framing,
 hop-by-hop and forwarding fields (`RequestRewriter.clean_trailers`); and a
 request that failed before any response byte is sent again only when that
@@ -13,9 +14,10 @@ cannot run it twice (`may_retry`). Error responses are small plain-text bodies
 
 from __future__ import annotations
 
+import dataclasses
 import http
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -29,13 +31,21 @@ from tlsedge._forwarded import (
     is_trusted_peer,
     rewrite_forwarding_headers,
 )
-from tlsedge._http.head import HOST_RE, RequestRejectedError
+from tlsedge._http.body import encode_field_lines
+from tlsedge._http.head import (
+    HOST_RE,
+    TOKEN,
+    RequestRejectedError,
+    ResponseHead,
+    split_field_lines,
+)
 
 __all__ = [
     "HOP_BY_HOP",
     "IDEMPOTENT_METHODS",
     "MAX_LOGGED_TEXT",
     "RequestRewriter",
+    "end_to_end_fields",
     "error_response_bytes",
     "log_text",
     "may_retry",
@@ -64,6 +74,22 @@ _NOT_IN_TRAILERS: Final = HOP_BY_HOP | _PROTECTED | {b"trailer", b"expect"}
 # The first bytes of every hop-by-hop name, either case: other names are kept
 # without lowercasing them.
 _HOP_FIRST_BYTES: Final = frozenset(b"cCkKpPtTuU")
+
+# A hop-by-hop field line, in field lines a head parser validated (with and
+# without Upgrade).
+_HOP_LINE_RE: Final = re.compile(
+    rb"^(?:connection|keep-alive|proxy-connection|te|upgrade):[^\r]*\r\n",
+    re.IGNORECASE | re.MULTILINE,
+)
+_HOP_LINE_BUT_UPGRADE_RE: Final = re.compile(
+    rb"^(?:connection|keep-alive|proxy-connection|te):[^\r]*\r\n",
+    re.IGNORECASE | re.MULTILINE,
+)
+# Validated field lines as we write them (`encode_field_lines`): ``name: value``
+# with one SP after the colon, a value neither empty nor with OWS around it.
+_AS_WRITTEN_RE: Final = re.compile(
+    rb"(?:" + TOKEN + rb": [^ \t\r](?:[^\r]*[^ \t\r])?\r\n)*"
+)
 
 _REASONS: Final = {
     400: b"Bad Request",
@@ -176,6 +202,36 @@ def strip_hop_by_hop(
     if keep_upgrade:
         out.append((b"Connection", b"upgrade"))
     return out
+
+
+def end_to_end_fields(head: ResponseHead, *, keep_upgrade: bool) -> bytes:
+    """*head*'s field lines to forward: `strip_hop_by_hop` of its fields, encoded.
+
+    The lines are kept as received and only the hop-by-hop ones cut out, unless
+    they are not as `tlsedge._http.body.encode_field_lines` writes them (OWS
+    other than one SP after the colon, an empty value) or ``Connection``
+    names a field that is there: then the fields are split, stripped and
+    written again.
+    """
+    lines = head.field_lines
+    named = head.connection - HOP_BY_HOP - _PROTECTED
+    if not _AS_WRITTEN_RE.fullmatch(lines) or (named and _any_field(lines, named)):
+        return encode_field_lines(
+            strip_hop_by_hop(
+                split_field_lines(lines),
+                keep_upgrade=keep_upgrade,
+                connection=head.connection,
+            )
+        )
+    if keep_upgrade:
+        return _HOP_LINE_BUT_UPGRADE_RE.sub(b"", lines) + b"Connection: upgrade\r\n"
+    return _HOP_LINE_RE.sub(b"", lines)
+
+
+def _any_field(lines: bytes, names: Iterable[bytes]) -> bool:
+    """Whether validated field lines hold a field of one of *names* (lower case)."""
+    lowered = b"\n" + lines.lower()
+    return any(b"\n" + name + b":" in lowered for name in names)
 
 
 def error_response_bytes(
@@ -293,12 +349,11 @@ class RequestRewriter:
                 (n, v) for n, v in out if n.lower() != b"host"
             ]
             host = authority
-        context = ForwardingContext(
-            client=self.context.client,
-            destination=self.context.destination,
-            tls=self.context.tls,
-            trusted=self.context.trusted,
-            host=host,
+        # The host only goes into Forwarded: a context per request only then.
+        context = (
+            dataclasses.replace(self.context, host=host)
+            if self.forwarded.forwarded
+            else self.context
         )
         request_id: bytes | None = None
         rid_header: Header | None = None

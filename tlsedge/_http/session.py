@@ -34,6 +34,8 @@ Upgrade. After `send_informational` with 101 the session is done;
 from __future__ import annotations
 
 import enum
+import re
+from typing import Final
 
 from tlsedge._http.body import (
     NO_BODY_STATUSES,
@@ -64,6 +66,11 @@ from tlsedge._http.rules import error_response_bytes
 __all__ = ["ClientClosedMidRequestError", "ClientSession", "Phase"]
 
 Header = tuple[bytes, bytes]
+
+# A Transfer-Encoding field line, in field lines a head parser validated.
+_TRANSFER_ENCODING_LINE_RE: Final = re.compile(
+    rb"^transfer-encoding:[^\r]*\r\n", re.IGNORECASE | re.MULTILINE
+)
 
 
 class ClientClosedMidRequestError(Exception):
@@ -185,7 +192,7 @@ class ClientSession:
 
     def _head_event(self) -> Request | ConnectionClosed | NeedData:
         buffer = self._buffer
-        while buffer[:2] == b"\r\n":
+        while buffer.startswith(b"\r\n"):
             del buffer[:2]
             self._scanned = 0
         if not buffer:
@@ -198,18 +205,21 @@ class ClientSession:
             # Not even a method (TLS on a plain port, garbage): say so now.
             raise RequestRejectedError(400, "not an HTTP request")
         end = find_head_end(buffer, self._scanned)
-        # Scan only the head (a body may follow it) and not a final CR whose
-        # LF has not arrived yet.
-        stop = end if end >= 0 else len(buffer)
-        if end < 0 and buffer[-1:] == b"\r":
-            stop -= 1
-        if BARE_CR_OR_LF_RE.search(buffer, max(0, self._scanned - 1), stop):
-            raise RequestRejectedError(400, "bare CR or LF in the request head")
-        self._scanned = stop
         limit = self.max_header_bytes
-        if end > limit or (end < 0 and len(buffer) > limit):
-            raise RequestRejectedError(431, f"request head larger than {limit} bytes")
-        if end < 0:
+        if end < 0 or end > limit:
+            # Scan only the head (a body may follow it) and not a final CR
+            # whose LF has not arrived yet. (A whole head within the limit is
+            # not scanned here: its parse finds a bare CR or LF first.)
+            stop = end if end >= 0 else len(buffer)
+            if end < 0 and buffer[-1:] == b"\r":
+                stop -= 1
+            if BARE_CR_OR_LF_RE.search(buffer, max(0, self._scanned - 1), stop):
+                raise RequestRejectedError(400, "bare CR or LF in the request head")
+            self._scanned = stop
+            if end > limit or len(buffer) > limit:
+                raise RequestRejectedError(
+                    431, f"request head larger than {limit} bytes"
+                )
             if self._eof:
                 return ConnectionClosed(in_head=True)
             return NEED_DATA
@@ -230,10 +240,8 @@ class ClientSession:
         else:
             self.phase = Phase.DONE
             self._trailers = []
-        if head.version == b"1.1":
-            for name, value in head.headers:
-                if name[0] in {69, 101} and name.lower() == b"expect":
-                    self.expects_continue = value.lower() == b"100-continue"
+        if head.version == b"1.1" and head.expect is not None:
+            self.expects_continue = head.expect.lower() == b"100-continue"
         return Request(head, end)
 
     def _body_event(self) -> Body | EndOfBody | NeedData:
@@ -295,7 +303,7 @@ class ClientSession:
         self,
         status: int,
         reason: bytes,
-        headers: list[Header],
+        field_lines: bytes,
         body: BodyKind,
         *,
         close: bool = False,
@@ -303,9 +311,11 @@ class ClientSession:
         """The final response head, framed for this client.
 
         Args:
-            status, reason, headers: The head (hop-by-hop fields already gone;
-                ``Content-Length`` or ``Transfer-Encoding`` as the upstream
-                sent them).
+            status, reason: The status line's.
+            field_lines: The fields, encoded (``name: value`` CRLF each, as
+                `tlsedge._http.rules.end_to_end_fields` gives them: hop-by-hop
+                fields already gone, ``Content-Length`` or
+                ``Transfer-Encoding`` as the upstream sent them).
             body: How the upstream framed the body.
             close: End the connection after this response.
         """
@@ -319,22 +329,20 @@ class ClientSession:
         elif body is BodyKind.UNTIL_CLOSE or body is BodyKind.CHUNKED:
             if version_11:
                 if body is BodyKind.UNTIL_CLOSE:
-                    headers = [*headers, (b"Transfer-Encoding", b"chunked")]
+                    field_lines += b"Transfer-Encoding: chunked\r\n"
                 body = BodyKind.CHUNKED
             else:
-                headers = [
-                    (n, v) for n, v in headers if n.lower() != b"transfer-encoding"
-                ]
+                field_lines = _TRANSFER_ENCODING_LINE_RE.sub(b"", field_lines)
                 body = BodyKind.UNTIL_CLOSE
                 close = True
         if close or not version_11 or b"close" in request.connection:
             close = True
-            headers = [*headers, (b"Connection", b"close")]
+            field_lines += b"Connection: close\r\n"
         self.close_after_response = close
         self._response_body = body
         if body is BodyKind.NONE:
             self.response_complete = True
-        return self._head_bytes(status, reason, headers)
+        return b"HTTP/1.1 %d %b\r\n%b\r\n" % (status, reason, field_lines)
 
     def send_data(self, data: bytes) -> bytes:
         """Response body bytes, framed (never empty: that would end a chunked body)."""

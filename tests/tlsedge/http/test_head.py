@@ -352,6 +352,18 @@ def test_request_head_is_parsed_once_for_the_proxy() -> None:
     assert head.upgrade
 
 
+def test_request_head_reports_user_agent_and_expect() -> None:
+    head = parse_request_head(
+        b"PUT / HTTP/1.1\r\nuser-agent:  curl/8 \r\nHost: h\r\nUser-Agent: x\r\n"
+        b"Expect: 100-continue\r\nEXPECT: 100-Continue\t\r\n\r\n",
+        max_headers=MAX_HEADERS,
+    )
+    # The first User-Agent, the last Expect (what the session acts on).
+    assert (head.user_agent, head.expect) == (b"curl/8", b"100-Continue")
+    plain = parse_request_head(b"GET / HTTP/1.0\r\n\r\n", max_headers=1)
+    assert (plain.user_agent, plain.expect) == (None, None)
+
+
 def test_request_framing_and_defaults() -> None:
     chunked = parse_request_head(
         b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: Chunked\r\n\r\n",
@@ -471,6 +483,7 @@ def test_response_head_is_parsed() -> None:
     )
     assert (head.version, head.status, head.reason) == (b"1.0", 404, b"Not  Found")
     assert head.headers == [(b"Content-Length", b"9"), (b"Connection", b"close")]
+    assert head.field_lines == b"Content-Length: 9\r\nConnection: close\r\n"
     assert (head.content_length, head.chunked, head.connection) == (
         9,
         False,

@@ -58,9 +58,7 @@ def test_get_then_pipelined_request_waits_in_the_buffer() -> None:
     assert first[1:] == [EndOfBody([])]
     # Read, but not answered yet.
     assert (session.request_read, session.keep_alive) == (True, False)
-    out = session.send_response(
-        200, b"OK", [(b"Content-Length", b"0")], BodyKind.LENGTH
-    )
+    out = session.send_response(200, b"OK", b"Content-Length: 0\r\n", BodyKind.LENGTH)
     assert out == b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
     session.send_end([])
     assert session.keep_alive
@@ -168,7 +166,7 @@ def test_response_framing_for_each_client() -> None:
     # Chunked or close-delimited upstream bodies: chunked to HTTP/1.1 clients.
     v11 = new_session(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
     drain(v11)
-    head = v11.send_response(200, b"OK", [], BodyKind.UNTIL_CLOSE)
+    head = v11.send_response(200, b"OK", b"", BodyKind.UNTIL_CLOSE)
     assert head == b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
     assert v11.send_data(b"abc") == b"3\r\nabc\r\n"
     assert v11.send_end([(b"T", b"1")]) == b"0\r\nT: 1\r\n\r\n"
@@ -177,9 +175,9 @@ def test_response_framing_for_each_client() -> None:
     v10 = new_session(b"GET / HTTP/1.0\r\n\r\n")
     drain(v10)
     head = v10.send_response(
-        200, b"OK", [(b"Transfer-Encoding", b"chunked")], BodyKind.CHUNKED
+        200, b"OK", b"X: 1\r\ntransfer-encoding: chunked\r\nY: 2\r\n", BodyKind.CHUNKED
     )
-    assert head == b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n"
+    assert head == b"HTTP/1.1 200 OK\r\nX: 1\r\nY: 2\r\nConnection: close\r\n\r\n"
     assert v10.send_data(b"abc") == b"abc"
     assert v10.send_end([(b"T", b"1")]) == b""
     assert not v10.keep_alive
@@ -189,7 +187,7 @@ def test_response_framing_for_each_client() -> None:
     )
     drain(head_request)
     out = head_request.send_response(
-        200, b"OK", [(b"Content-Length", b"5")], BodyKind.LENGTH
+        200, b"OK", b"Content-Length: 5\r\n", BodyKind.LENGTH
     )
     assert out == b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\n"
     assert head_request.response_complete
@@ -271,7 +269,7 @@ def ours(
                 out.append((head.method, head.target, body_of(current), event.trailers))
                 current = []
                 session.send_response(
-                    200, b"OK", [(b"Content-Length", b"0")], BodyKind.LENGTH
+                    200, b"OK", b"Content-Length: 0\r\n", BodyKind.LENGTH
                 )
                 session.send_end([])
                 if not session.keep_alive:
@@ -349,7 +347,7 @@ def test_any_bytes_give_events_or_a_refusal(pieces: list[bytes], eof: bool) -> N
                 if event is NEED_DATA or isinstance(event, ConnectionClosed):
                     break
                 if isinstance(event, EndOfBody):
-                    session.send_response(200, b"OK", [], BodyKind.NONE)
+                    session.send_response(200, b"OK", b"", BodyKind.NONE)
                     session.send_end([])
                     if not session.keep_alive:
                         return
