@@ -7,10 +7,6 @@ when the peer closed where that is allowed. The exchange takes a request as a
 method, a target, fields and a `BodyKind`; whatever reads requests from a
 client (this package's HTTP/1.1 session today, an HTTP/2 stream later) hands it
 those and relays what comes back.
-
-The events are slotted dataclasses, not frozen ones (read-only by convention):
-several are built per request, and a frozen dataclass's ``__init__`` costs an
-``object.__setattr__`` call per field.
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ class NeedData(enum.Enum):
 NEED_DATA: Final = NeedData.NEED_DATA
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Request:
     """A request head from the client, checked; ``size`` is its length in bytes."""
 
@@ -53,14 +49,14 @@ class Request:
     size: int
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Informational:
     """A 1xx response head from the upstream (101: the protocol switches)."""
 
     head: ResponseHead
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Response:
     """The final response head from the upstream, and how its body is framed."""
 
@@ -68,21 +64,21 @@ class Response:
     body: BodyKind
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Body:
     """Body bytes (never empty; chunked framing removed)."""
 
     data: bytes
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EndOfBody:
     """The end of a message body, with its trailer fields (chunked only)."""
 
     trailers: list[Header]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ConnectionClosed:
     """The client closed between requests (``in_head``: inside a head's bytes)."""
 

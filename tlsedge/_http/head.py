@@ -110,9 +110,9 @@ class ResponseRejectedError(HeadRejectedError):
         super().__init__(502, reason)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RequestHead:
-    """A parsed, validated request head (not frozen: see `ResponseHead`).
+    """A parsed, validated request head.
 
     ``content_length`` is None unless the request declares one; ``chunked`` is
     True for ``Transfer-Encoding: chunked``; neither means no body.
@@ -134,16 +134,13 @@ class RequestHead:
     expect: bytes | None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ResponseHead:
     """A parsed, validated response head (framing as declared, see `RequestHead`).
 
     ``field_lines`` are the field lines exactly as received (each ending with
     CRLF, no blank line after them): what is forwarded, minus the hop-by-hop
     ones (`tlsedge._http.rules.end_to_end_fields`); `headers` splits them.
-    Not frozen, like the other records of a request's path: a frozen
-    dataclass's ``__init__`` costs about a microsecond more (an
-    ``object.__setattr__`` per field). Read-only by convention.
     """
 
     version: bytes
