@@ -89,7 +89,7 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -366,18 +366,11 @@ class _Connection:
 #: What a reactor stage hands on (`Edge._run_stage`).
 _T = TypeVar("_T")
 
-#: Where `Edge._serve_now` stopped: the connection's facts, the client (its
-#: socket, or its TLS stream), what the task goes on with: the connect to
-#: finish (or the connection whose first bytes still wait to go), or in http
-#: mode the h2c preface to read (None) or the refusal of a client denied with
-#: ``denied = "403"`` (answered by the task), and the client's first bytes
-#: (read past its PROXY header; `serve_tcp_now` says when they are queued).
-_Begun = tuple[
-    Downstream,
-    trio.abc.Stream | socket.socket,
-    Connected | Opening | Refused | None,
-    bytes,
-]
+#: Where `Edge._serve_now` stopped: what the connection's task goes on with
+#: (`Edge._handle_connection`): finishing a backend connect (or sending the
+#: first bytes that did not all go), reading the h2c preface, or answering a
+#: client denied with ``denied = "403"``.
+_Begun = Callable[[], Awaitable[None]]
 
 
 class _Stage(Protocol):
@@ -1070,21 +1063,7 @@ class Edge:
         log it."""
         with conn.exits:
             try:
-                downstream, client, connecting, leftover = begun
-                if isinstance(connecting, Refused):  # denied = "403"
-                    assert isinstance(client, trio.abc.HalfCloseableStream)
-                    conn.log.bytes_from_client = len(leftover)
-                    await _answer_forbidden(client, conn.log)
-                    raise Refused(
-                        connecting.termination, f"{connecting.detail}; answered 403"
-                    )
-                if connecting is None:  # h2c: the preface decides the driver
-                    assert isinstance(client, trio.abc.Stream)
-                    await self._sniff_then_serve(conn, client, downstream, leftover)
-                else:
-                    await self._serve_tcp(
-                        conn, client, downstream, leftover, connecting
-                    )
+                await begun()
             except trio.Cancelled:
                 if conn.log.termination == Termination.UNKNOWN:
                     conn.log.termination = Termination.DRAINED
@@ -1265,7 +1244,11 @@ class Edge:
             relays=self._relays,
             client_socket=None if client is conn.raw else conn.raw,
         )
-        return None if begun is None else (downstream, client, begun, leftover)
+        if begun is None:
+            return None
+        return functools.partial(
+            self._serve_tcp, conn, client, downstream, leftover, begun
+        )
 
     async def _serve_tcp(
         self,
@@ -1290,6 +1273,19 @@ class Edge:
             begun=begun,
         )
 
+    async def _answer_denied(
+        self,
+        conn: _Connection,
+        client: trio.abc.Stream,
+        leftover: bytes,
+        denial: Refused,
+    ) -> None:
+        """``denied = "403"``: answer the client, then refuse it."""
+        assert isinstance(client, trio.abc.HalfCloseableStream)
+        conn.log.bytes_from_client = len(leftover)
+        await _answer_forbidden(client, conn.log)
+        raise Refused(denial.termination, f"{denial.detail}; answered 403")
+
     def _keepalive_pool(self, backend: str) -> KeepAlivePool:
         """The idle upstream HTTP connections of *backend* (made on first use)."""
         keepalive = self._keepalive.get(backend)
@@ -1311,9 +1307,13 @@ class Edge:
         (`_start_http`), except a client to answer 403 and one that may open
         with the h2c preface: their task goes on (`_handle_connection`)."""
         if denial is not None:
-            return (downstream, client, denial, leftover)
+            return functools.partial(
+                self._answer_denied, conn, client, leftover, denial
+            )
         if downstream.tls is None and conn.state.config.h2_cleartext:
-            return (downstream, client, None, leftover)
+            return functools.partial(
+                self._sniff_then_serve, conn, client, downstream, leftover
+            )
         h2 = downstream.tls is not None and downstream.tls.alpn == "h2"
         self._start_http(conn, client, downstream, leftover, h2=h2)
         return None

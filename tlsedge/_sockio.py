@@ -5,6 +5,9 @@ succeeds at once still yields to the scheduler (``cancel_shielded_checkpoint``),
 and each call enters a few context managers. On the hot path of a proxy, where
 most writes and many reads succeed at once, that costs more than the work
 (../shared/reference/perf-study.md: about 19 µs of CPU per trio wait).
+Established connections no longer come here (the reactor drives them); its
+user is `TLSStream`'s async API, i.e. what a task still does over TLS:
+upstream handshakes, health checks, the 403 answer, and library users.
 
 `receive_some` and `send_all` take any stream; for a `trio.SocketStream` they
 call ``read`` and ``write`` on its descriptor directly (non-blocking, as trio

@@ -169,7 +169,14 @@ from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Termination
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
-__all__ = ["Spawn", "Startable", "http_connection", "run_to_end", "serve_http"]
+__all__ = [
+    "Spawn",
+    "Startable",
+    "http_connection",
+    "run_to_end",
+    "serve_http",
+    "socket_backed",
+]
 
 LOGGER = logging.getLogger("tlsedge.http")
 
@@ -1573,6 +1580,23 @@ class _HttpConnection:
             self._finish()
 
 
+def socket_backed(client: trio.abc.Stream) -> RawStream:
+    """The non-blocking I/O over *client*, for either driver.
+
+    Raises:
+        TypeError: *client* is not a `trio.SocketStream` or an established
+            `TLSStream` over one.
+    """
+    raw = RawStream.of(client)
+    if raw is None:
+        msg = (
+            "an HTTP connection needs a trio.SocketStream or an established"
+            f" TLSStream over one, not {client!r}"
+        )
+        raise TypeError(msg)
+    return raw
+
+
 def http_connection(
     client: trio.abc.Stream,
     downstream: Downstream,
@@ -1601,16 +1625,9 @@ def http_connection(
     Raises:
         TypeError: *client* is not socket-backed.
     """
-    raw = RawStream.of(client)
-    if raw is None:
-        msg = (
-            "an HTTP connection needs a trio.SocketStream or an established TLSStream"
-            f" over one, not {client!r}"
-        )
-        raise TypeError(msg)
     return _HttpConnection(
         client,
-        raw,
+        socket_backed(client),
         downstream,
         listener=listener,
         backend=backend,

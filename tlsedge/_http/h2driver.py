@@ -26,8 +26,7 @@ handshake), one task per stream that needs one, so a slow or failing server
 does not hold up the streams behind it (one at a time, ten new streams on a
 cold pool would pay ten connect times in a row). A stream reset meanwhile
 cancels its connect; a connect cancelled from outside (the drain deadline)
-ends the connection, as does ``drain()``. `serve_h2` is the same connection
-with a task waiting for its end.
+ends the connection, as does ``drain()``.
 
 Each stream drives one `UpstreamExchange` at a time exactly as the HTTP/1.1
 driver does for a request, sharing its decisions
@@ -90,7 +89,7 @@ from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
 from tlsedge._http.body import BodyKind
-from tlsedge._http.driver import Spawn, run_to_end
+from tlsedge._http.driver import Spawn, socket_backed
 from tlsedge._http.events import (
     NEED_DATA,
     Body,
@@ -154,7 +153,7 @@ from tlsedge._relay import set_abortive_close
 from tlsedge._termination import Termination
 from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
 
-__all__ = ["h2_connection", "serve_h2", "sniff_preface"]
+__all__ = ["h2_connection", "sniff_preface"]
 
 LOGGER = logging.getLogger("tlsedge.http")
 
@@ -1663,15 +1662,8 @@ def h2_connection(
     Raises:
         TypeError: *client* is not socket-backed.
     """
-    raw = RawStream.of(client)
-    if raw is None:
-        msg = (
-            "an HTTP/2 connection needs a trio.SocketStream or an established TLSStream"
-            f" over one, not {client!r}"
-        )
-        raise TypeError(msg)
     return _H2Connection(
-        raw,
+        socket_backed(client),
         downstream,
         listener=listener,
         backend=backend,
@@ -1684,47 +1676,3 @@ def h2_connection(
         spawn=spawn,
         on_done=on_done,
     )
-
-
-async def serve_h2(
-    client: trio.abc.Stream,
-    downstream: Downstream,
-    *,
-    listener: ListenerConfig,
-    backend: BackendPool,
-    keepalive: KeepAlivePool,
-    proxy_header: bytes | None,
-    drain: Drain,
-    result: HttpConnectionResult | None = None,
-    on_request: Callable[[RequestLog], None] | None = None,
-    initial_data: bytes = b"",
-) -> HttpConnectionResult:
-    """Proxy HTTP/2 streams from *client* to *backend* until the connection ends.
-
-    The arguments are `tlsedge._http.driver.serve_http`'s; *initial_data*
-    holds what was read before (with h2c, at least the preface). See the
-    module docstring for the behaviour; this task waits for the end of an
-    `h2_connection`. Does not close *client*; every upstream connection it
-    opened is closed or pooled when it returns.
-
-    Raises:
-        TypeError: *client* is not socket-backed.
-    """
-    if result is None:
-        result = HttpConnectionResult()
-    await run_to_end(
-        partial(
-            h2_connection,
-            client,
-            downstream,
-            listener=listener,
-            backend=backend,
-            keepalive=keepalive,
-            proxy_header=proxy_header,
-            drain=drain,
-            result=result,
-            on_request=on_request,
-            initial_data=initial_data,
-        )
-    )
-    return result
