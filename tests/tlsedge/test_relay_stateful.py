@@ -716,7 +716,7 @@ _CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
 
 
 def test_relay_half_close_state_machine() -> None:
-    run_state_machine_as_test(  # type: ignore[no-untyped-call]
+    run_state_machine_as_test(
         RelayMachine,
         settings=settings(
             max_examples=100 if _CI else 40,
