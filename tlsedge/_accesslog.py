@@ -48,7 +48,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Final, Literal, TextIO
+from typing import Final, Literal, TextIO, overload
 
 from tlsedge._termination import Termination
 
@@ -89,6 +89,10 @@ WRITE_TIMEOUT: Final = 1.0
 PIPE_BUF: Final = select.PIPE_BUF
 
 
+@overload
+def format_address(address: tuple[str, int]) -> str: ...
+@overload
+def format_address(address: tuple[str, int] | None) -> str | None: ...
 def format_address(address: tuple[str, int] | None) -> str | None:
     """``"ip:port"``, with IPv6 in brackets; None stays None."""
     if address is None:

@@ -32,6 +32,7 @@ from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
 from tlsedge._http.body import ChunkedDecoder
 from tlsedge._http.driver import _HttpConnection, serve_http
+from tlsedge._http.gate import MAX_INFORMATIONAL
 from tlsedge._http.head import RequestRejectedError, parse_request_head
 from tlsedge._http.log import HttpConnectionResult
 from tlsedge._http.pool import KeepAlivePool
@@ -1254,6 +1255,138 @@ async def test_upgrade_relays_both_ways_and_half_closes() -> None:
             while not proxy.results:  # noqa: ASYNC110
                 await trio.sleep(0.01)
         assert proxy.results[0].termination.startswith("upgraded:")
+
+
+async def test_h2c_upgrade_is_never_asked_of_the_backend() -> None:
+    # After a 101 the edge would relay bytes: HTTP/2 requests inside would
+    # pass without X-Forwarded-For, request ids or access-log lines. The h2c
+    # upgrade is dropped (as nginx does): the backend sees a plain request,
+    # and a backend that switches anyway is not relayed.
+    heads: list[bytes] = []
+
+    async def switching(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        heads.append(head)
+        if head.startswith(b"GET /upgrade "):
+            await stream.send_all(
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                b"Upgrade: h2c\r\n\r\nserver-hello"
+            )
+        else:
+            await stream.send_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await stream.receive_some(65536)
+
+    h2c = (
+        b"Host: h\r\nConnection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n"
+    )
+    async with trio.open_nursery() as nursery:
+        backend = await Backend(switching).start(nursery)
+        async with running_proxy([backend.address]) as proxy:
+            plain = await raw(proxy.address, b"GET /echo HTTP/1.1\r\n" + h2c)
+            switched = await raw(proxy.address, b"GET /upgrade HTTP/1.1\r\n" + h2c)
+        nursery.cancel_scope.cancel()
+    assert plain.startswith(b"HTTP/1.1 204 "), plain
+    for head in heads:
+        lowered = head.lower()
+        assert b"upgrade" not in lowered.replace(b"get /upgrade ", b"")
+        assert b"http2-settings" not in lowered
+    assert switched.startswith(b"HTTP/1.1 502 "), switched
+    assert b"server-hello" not in switched
+
+
+async def test_informational_responses_beyond_the_cap_are_a_bad_answer() -> None:
+    async def chatty(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        hints = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"
+        await stream.send_all(
+            hints * (MAX_INFORMATIONAL + 1)
+            + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        )
+        await stream.receive_some(65536)
+
+    async with trio.open_nursery() as nursery:
+        backend = await Backend(chatty).start(nursery)
+        async with running_proxy([backend.address]) as proxy:
+            out = await raw(
+                proxy.address, b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
+            )
+            results = await wait_results(proxy, 1)
+        nursery.cancel_scope.cancel()
+    assert out.count(b"HTTP/1.1 103 ") == MAX_INFORMATIONAL
+    assert b"HTTP/1.1 502 " in out
+    assert b"HTTP/1.1 200 " not in out
+    assert f"more than {MAX_INFORMATIONAL} informational" in str(results[0].detail)
+
+
+async def test_h2c_upgrade_is_never_asked_of_the_backend() -> None:
+    # After a 101 the edge would relay bytes: HTTP/2 requests inside would
+    # pass without X-Forwarded-For, request ids or access-log lines. The h2c
+    # upgrade is dropped (as nginx does): the backend sees a plain request,
+    # and a backend that switches anyway is not relayed.
+    heads: list[bytes] = []
+
+    async def switching(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        heads.append(head)
+        if head.startswith(b"GET /upgrade "):
+            await stream.send_all(
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                b"Upgrade: h2c\r\n\r\nserver-hello"
+            )
+        else:
+            await stream.send_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await stream.receive_some(65536)
+
+    h2c = (
+        b"Host: h\r\nConnection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n"
+    )
+    async with trio.open_nursery() as nursery:
+        backend = await Backend(switching).start(nursery)
+        async with running_proxy([backend.address]) as proxy:
+            plain = await raw(proxy.address, b"GET /echo HTTP/1.1\r\n" + h2c)
+            switched = await raw(proxy.address, b"GET /upgrade HTTP/1.1\r\n" + h2c)
+        nursery.cancel_scope.cancel()
+    assert plain.startswith(b"HTTP/1.1 204 "), plain
+    for head in heads:
+        lowered = head.lower()
+        assert b"upgrade" not in lowered.replace(b"get /upgrade ", b"")
+        assert b"http2-settings" not in lowered
+    assert switched.startswith(b"HTTP/1.1 502 "), switched
+    assert b"server-hello" not in switched
+
+
+async def test_informational_responses_beyond_the_cap_are_a_bad_answer() -> None:
+    async def chatty(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        hints = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"
+        await stream.send_all(
+            hints * (32 + 1)
+            + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        )
+        await stream.receive_some(65536)
+
+    async with trio.open_nursery() as nursery:
+        backend = await Backend(chatty).start(nursery)
+        async with running_proxy([backend.address]) as proxy:
+            out = await raw(
+                proxy.address, b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
+            )
+            results = await wait_results(proxy, 1)
+        nursery.cancel_scope.cancel()
+    assert out.count(b"HTTP/1.1 103 ") == 32
+    assert b"HTTP/1.1 502 " in out
+    assert b"HTTP/1.1 200 " not in out
+    assert f"more than {32} informational" in str(results[0].detail)
 
 
 async def test_connect_refused_with_501() -> None:

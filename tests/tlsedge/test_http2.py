@@ -26,6 +26,7 @@ import pytest
 import trio
 import trustme
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
+from hypothesis import assume, example, given, settings
 
 from tests.peers import free_port, nginx, require
 from tests.tlsedge.helpers import (
@@ -35,6 +36,7 @@ from tests.tlsedge.helpers import (
     running_edge,
     wait_until,
 )
+from tests.tlsedge.http.test_gate import H2Case, h2_cases
 from tests.tlsedge.test_admin import admin_address, http_get, total
 from tlsedge._cli import main
 from tlsedge._http.upstreams import NewConnection, Upstream, UpstreamConnections
@@ -125,7 +127,7 @@ class CaptureBackend:
                 size += len(event.data)
                 continue
             assert isinstance(event, h11.EndOfMessage), event
-            trailers = [[n.decode(), v.decode()] for n, v in event.headers]
+            trailers = [[n.decode(), v.decode("latin-1")] for n, v in event.headers]
             break
         path = request.target.decode()
 
@@ -170,7 +172,9 @@ class CaptureBackend:
             {
                 "method": request.method.decode(),
                 "target": path,
-                "headers": [[n.decode(), v.decode()] for n, v in request.headers],
+                "headers": [
+                    [n.decode(), v.decode("latin-1")] for n, v in request.headers
+                ],
                 "size": size,
                 "sha256": digest.hexdigest(),
                 "trailers": trailers,
@@ -755,6 +759,240 @@ async def test_malformed_requests_are_stream_errors(tmp_path: Path) -> None:
         assert client.status(connect) == 501
         assert client.goaway() is None
         await client.aclose()
+
+
+@dataclass(frozen=True)
+class _Smuggle:
+    """An HTTP/2 request built to become more than one HTTP/1.1 request."""
+
+    method: str = "POST"
+    path: str = "/echo"
+    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes = b""
+    trailers: tuple[tuple[str, str], ...] = ()
+
+
+_SMUGGLED = "GET /smuggled HTTP/1.1\r\nhost: x\r\nx-forwarded-for: 6.6.6.6\r\n\r\n"
+_SMUGGLING_OVER_H2 = {
+    "crlf-in-method": _Smuggle(method=_SMUGGLED + "GET"),
+    "sp-in-method": _Smuggle(method="GET /smuggled"),
+    "tab-in-method": _Smuggle(method="GET\t/smuggled"),
+    "tab-in-path": _Smuggle(path="/echo\t/smuggled"),
+    "sp-in-path": _Smuggle(path="/echo /smuggled"),
+    "vt-in-path": _Smuggle(path="/echo\x0b/smuggled"),
+    "del-in-path": _Smuggle(path="/echo\x7f/smuggled"),
+    "ctl-in-path": _Smuggle(path="/echo\x01/smuggled"),
+    "crlf-in-trailer-value": _Smuggle(
+        body=b"abc", trailers=(("x-sum", "1\r\n\r\n" + _SMUGGLED[:-4]),)
+    ),
+    "crlf-in-trailer-name": _Smuggle(
+        body=b"abc", trailers=(("x-sum\r\n\r\n" + _SMUGGLED[:-6].lower(), "6.6"),)
+    ),
+    "end-stream-with-content-length": _Smuggle(headers=(("content-length", "20"),)),
+    "trailers-short-of-content-length": _Smuggle(
+        headers=(("content-length", "10"),), body=b"abc", trailers=(("x-sum", "1"),)
+    ),
+}
+
+
+@pytest.mark.parametrize("vector", list(_SMUGGLING_OVER_H2))
+async def test_smuggling_vectors_over_http2_are_reset_and_reach_no_backend(
+    tmp_path: Path, vector: str
+) -> None:
+    # Each becomes, through a naive downgrade, a second request with a spoofed
+    # X-Forwarded-For, or a body that never comes (so the pooled upstream
+    # connection would take the next client's request as its body). The
+    # stream is reset (RFC 9113 8.1.1); the next client gets its own answer.
+    case = _SMUGGLING_OVER_H2[vector]
+    async with h2_edge(tmp_path) as setup:
+        attacker = await RawH2.open(setup.plain_port, validate=False)
+        sid = attacker.request(
+            case.path,
+            method=case.method,
+            headers=case.headers,
+            end_stream=not case.body and not case.trailers,
+        )
+        if case.body:
+            attacker.conn.send_data(sid, case.body, end_stream=not case.trailers)
+        if case.trailers:
+            attacker.conn.send_headers(
+                sid,
+                [(n.encode(), v.encode()) for n, v in case.trailers],
+                end_stream=True,
+            )
+        await attacker.send()
+        await attacker.until(lambda c: c.ended(sid))
+        resets = {e.stream_id: e.error_code for e in attacker.of(h2.events.StreamReset)}
+        assert resets.get(sid) == ErrorCodes.PROTOCOL_ERROR
+        assert attacker.goaway() is None
+        victim = await RawH2.open(setup.plain_port)
+        mine = victim.request("/echo", headers=[("x-victim", "1")])
+        await victim.send()
+        await victim.until(lambda c: c.ended(mine))
+        assert victim.status(mine) == 200
+        seen = json.loads(victim.body(mine))
+        assert seen["target"] == "/echo"
+        assert ["x-victim", "1"] in seen["headers"]
+        await attacker.aclose()
+        await victim.aclose()
+    received = bytes(setup.backend.received)
+    assert b"smuggled" not in received.lower()
+    assert b"6.6.6.6" not in received
+
+
+async def _over_http2(setup: Setup, case: H2Case) -> tuple[bytes, bool]:
+    """*case* over h2c: what reached the backend, and whether the edge
+    refused the request (reset the stream or ended the connection)."""
+    client = await RawH2.open(setup.plain_port, validate=False)
+    try:
+        sid = client.conn.get_next_available_stream_id()
+        pseudo = [
+            (b":method", case.method),
+            (b":scheme", case.scheme),
+            (b":authority", case.authority),
+            (b":path", case.path),
+        ]
+        try:
+            client.conn.send_headers(
+                sid,
+                [*pseudo, *case.fields],
+                end_stream=not case.body and not case.trailers,
+            )
+            if case.body:
+                client.conn.send_data(sid, case.body, end_stream=not case.trailers)
+            if case.trailers:
+                client.conn.send_headers(sid, case.trailers, end_stream=True)
+        except Exception:  # noqa: BLE001 (h2 will not even encode it)
+            assume(False)
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        refused = bool(client.of(h2.events.StreamReset, sid)) or client.closed
+    finally:
+        await client.aclose()
+    if refused:  # what went upstream of it, if anything, is being closed
+        backend = setup.backend
+        await wait_until(lambda: backend.closed == len(backend.raw), 5.0)
+    received = bytes(setup.backend.received)
+    setup.backend.received.clear()
+    return received, refused
+
+
+def _complete_requests(data: bytes) -> int:
+    """How many whole requests *data* holds for an HTTP/1.1 server (h11)."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(data)
+    count = 0
+    while data:  # (no data would be EOF to h11: ConnectionClosed for ever)
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError:
+            break
+        if event is h11.NEED_DATA or event is h11.PAUSED:
+            break
+        if isinstance(event, h11.EndOfMessage):
+            count += 1
+            conn.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
+            conn.send(h11.EndOfMessage())
+            conn.start_next_cycle()
+    return count
+
+
+async def _over_http11(setup: Setup, case: H2Case) -> bytes:
+    """The same request over HTTP/1.1 on the same port; what reached the
+    backend."""
+    stream = await trio.open_tcp_stream("127.0.0.1", setup.plain_port)
+    chunked = not case.sized and bool(case.body or case.trailers)
+    cookies = [v for n, v in case.fields if n == b"cookie"]
+    fields = [f for f in case.fields if f[0] != b"cookie"]
+    if cookies:
+        fields.append((b"cookie", b"; ".join(cookies)))
+    lines = [
+        case.method + b" " + case.path + b" HTTP/1.1",
+        b"host: " + case.authority,
+        *[n + b": " + v for n, v in fields],
+        *([b"transfer-encoding: chunked"] if chunked else []),
+    ]
+    data = b"\r\n".join(lines) + b"\r\n\r\n"
+    if chunked:
+        if case.body:
+            data += b"%x\r\n%s\r\n" % (len(case.body), case.body)
+        data += b"0\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in case.trailers)
+        data += b"\r\n"
+    else:
+        data += case.body
+    try:
+        await stream.send_all(data)
+        with trio.fail_after(10):
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = await stream.receive_some(65536)
+                assert chunk, "the edge closed without an answer"
+                answer += chunk
+    finally:
+        await stream.aclose()
+    received = bytes(setup.backend.received)
+    setup.backend.received.clear()
+    return received
+
+
+@settings(max_examples=100)
+@given(case=h2_cases())
+@example(case=H2Case(method=b"GET /x HTTP/1.1\r\nhost: e\r\n\r\nGET"))
+@example(case=H2Case(path=b"/a\x7f\tb"))
+@example(case=H2Case(fields=[(b"content-length", b"5")]))
+@example(case=H2Case(body=b"abc", trailers=[(b"x", b"1\r\n\r\nGET /x HTTP/1.1")]))
+async def test_the_backend_gets_http2_requests_as_their_http11_equivalents(
+    tmp_path_factory: pytest.TempPathFactory, case: H2Case
+) -> None:
+    # The gate's differential property (tests/tlsedge/http/test_gate.py) over
+    # real sockets: what an HTTP/2 request puts on the backend's connection is
+    # what the same request over HTTP/1.1 puts there; or it is refused, and
+    # the backend gets no whole request.
+    tmp_path = tmp_path_factory.mktemp("h2diff")
+    async with h2_edge(tmp_path) as setup:
+        over_http2, refused = await _over_http2(setup, case)
+        if refused:
+            assert _complete_requests(over_http2) == 0
+            return
+        assert over_http2 == await _over_http11(setup, case)
+
+
+async def test_cookie_crumbs_reach_the_backend_as_one_field(tmp_path: Path) -> None:
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port, validate=False)
+        sid = client.request(
+            "/echo", headers=[("cookie", "a=1"), ("x-b", "2"), ("cookie", "c=3")]
+        )
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        headers = json.loads(client.body(sid))["headers"]
+        await client.aclose()
+    assert [h for h in headers if h[0] == "cookie"] == [["cookie", "a=1; c=3"]]
+
+
+async def test_request_body_below_min_rate_gets_408_over_http2(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One byte every 0.1 s is never idle for idle_timeout, but falls behind
+    # 20 bytes/s once the 0.5 s grace is used up, as over HTTP/1.1.
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    http = {"request_body_timeout": 0.5, "request_body_min_rate": 20}
+    async with h2_edge(tmp_path, http=http, listener={"idle_timeout": 5.0}) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/echo", method="POST", end_stream=False)
+        await client.send()
+        with trio.fail_after(20):
+            while not client.ended(sid):
+                client.conn.send_data(sid, b"x")
+                await client.send()
+                with trio.move_on_after(0.1):
+                    await client.read()
+        assert client.status(sid) == 408
+        await client.aclose()
+    (record,) = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert record["termination"] == "bad_request"
+    assert "slower than request_body_min_rate (20 bytes/s)" in record["detail"]
+    assert b"POST /echo" not in setup.backend.received or record["status"] == 408
 
 
 async def test_header_list_size_and_hpack_bomb_end_the_connection(

@@ -69,7 +69,7 @@ def encode_chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
-def encode_fields(first_line: bytes, fields: list[Header]) -> bytes:
+def encode_fields(first_line: bytes, fields: Sequence[Header]) -> bytes:
     """*first_line* (with its CRLF), the field lines, then the blank line: a
     head (after a start line) or a trailer section (after the last chunk)."""
     lines = [name + b": " + value + b"\r\n" for name, value in fields]

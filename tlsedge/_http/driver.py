@@ -121,6 +121,7 @@ from tlsedge._http.events import (
     Response,
 )
 from tlsedge._http.exchange import UpstreamError, UpstreamExchange
+from tlsedge._http.gate import UpstreamRequest, from_http1
 from tlsedge._http.head import (
     REQUEST_LINE_RE,
     RequestHead,
@@ -133,7 +134,6 @@ from tlsedge._http.rules import (
     RequestRewriter,
     end_to_end_fields,
     log_text,
-    origin_form,
     reason_phrase,
     strip_hop_by_hop,
 )
@@ -229,11 +229,8 @@ class _Exchange:
     head: RequestHead
     log: RequestLog
     started: float
-    target: bytes
-    headers: list[Header]
-    body: BodyKind
+    request: UpstreamRequest
     has_body: bool
-    add_host: bool
     exclude: Server | None = None  # the server a failed first attempt used
     fresh: bool = False  # a retry: a new connection, not a pooled one
     retried: bool = False
@@ -923,54 +920,24 @@ class _HttpConnection:
         log = self.log = self._new_log(head)
         log.bytes_in = request.size
         self.result.requests += 1
-        if head.method == b"CONNECT":
-            self._refuse(501, "CONNECT is not supported", Termination.BAD_REQUEST)
-            return
         try:
-            target, authority = origin_form(head.method, head.target)
+            upstream_request = from_http1(
+                head, self.rewriter, max_body_size=self.http.max_body_size
+            )
         except RequestRejectedError as exc:
             self._refuse(exc.status, exc.reason, Termination.BAD_REQUEST)
             return
-        if authority is not None:
-            log.host = authority.decode("ascii")
-        length = head.content_length or 0
-        max_body = self.http.max_body_size
-        if max_body and length > max_body:
-            self._refuse(
-                413,
-                f"request body larger than {max_body} bytes",
-                Termination.BAD_REQUEST,
-            )
-            return
-        upgrade = head.upgrade and b"upgrade" in head.connection
-        headers, request_id = self.rewriter.head_fields(
-            head.headers,
-            connection=head.connection,
-            upgrade=upgrade,
-            authority=authority,
-            host=head.host,
-        )
-        if request_id is not None:
-            log.request_id = request_id.decode("ascii")
-        body = (
-            BodyKind.CHUNKED
-            if head.chunked
-            else BodyKind.LENGTH
-            if length
-            else BodyKind.NONE
-        )
+        if upstream_request.host is not None:
+            # Checked (HOST_RE: ASCII only) by the head parser.
+            log.host = upstream_request.host.decode("ascii")
+        if upstream_request.request_id is not None:
+            log.request_id = upstream_request.request_id.decode("ascii")
         self.ex = _Exchange(
             head=head,
             log=log,
             started=started,
-            target=target,
-            headers=headers,
-            body=body,
-            has_body=body is not BodyKind.NONE,
-            # HTTP/1.0 without Host; HTTP/1.1 upstream needs one: the
-            # server's address, per attempt.
-            add_host=head.host is None
-            and not any(n.lower() == b"host" for n, _ in headers),
+            request=upstream_request,
+            has_body=upstream_request.body is not BodyKind.NONE,
         )
         self.state = _EXCHANGE
         self._acquire()
@@ -1011,8 +978,8 @@ class _HttpConnection:
         now = self.now()
         log = ex.log
         log.connect = now - ex.connect_started
-        log.server = format_address(upstream.server.address)
-        self.result.server = log.server
+        log.server = server = format_address(upstream.server.address)
+        self.result.server = server
         raw: RawStream | None
         if upstream is self.held:
             raw, self.held, self.held_raw = self.held_raw, None, None
@@ -1023,21 +990,19 @@ class _HttpConnection:
             raise TypeError(msg)
         ex.upstream = upstream
         ex.raw = raw
-        ex.conn = conn = UpstreamExchange(method=ex.head.method)
-        headers = ex.headers
-        if ex.add_host:
-            headers = [*headers, (b"Host", (log.server or "").encode("ascii"))]
-        data = conn.request_head(ex.target, headers, ex.body)
-        complete = ex.body is BodyKind.NONE
-        if not complete:
-            try:
+        ex.conn = conn = UpstreamExchange(ex.request)
+        try:
+            # HTTP/1.0 without Host: the server's address, per attempt.
+            data = conn.request_head(server)
+            complete = conn.request_complete
+            if not complete:
                 data, complete = self._take_buffered_body(ex, data)
-            except RequestRejectedError as exc:
-                self._fail(Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
-                return
-            except ClientClosedMidRequestError as exc:
-                self._fail(Failure(Termination.CLIENT_ERROR, str(exc), None))
-                return
+        except RequestRejectedError as exc:
+            self._fail(Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
+            return
+        except ClientClosedMidRequestError as exc:
+            self._fail(Failure(Termination.CLIENT_ERROR, str(exc), None))
+            return
         ex.request_written = complete
         prefix, upstream.prefix = upstream.prefix, b""
         try:
@@ -1120,7 +1085,11 @@ class _HttpConnection:
             if event is NEED_DATA:
                 return
             assert isinstance(event, (Body, EndOfBody)), event
-            data = self._upstream_bytes(ex, event)
+            try:
+                data = self._upstream_bytes(ex, event)
+            except RequestRejectedError as exc:
+                self._fail(Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
+                return
             if isinstance(event, EndOfBody):
                 ex.request_written = True
             try:
@@ -1495,7 +1464,7 @@ class _HttpConnection:
     def _switch(self, ex: _Exchange, head: ResponseHead, pending: list[bytes]) -> None:
         """The upstream accepted an upgrade: tell the client, hand over what
         each side sent past the heads, then relay bytes."""
-        if not (ex.head.upgrade and b"upgrade" in ex.head.connection):
+        if not ex.request.upgrade:
             if self._send_pending(ex, pending):
                 self._upstream_failed(
                     UpstreamError("unexpected 101 from upstream: no upgrade was asked")

@@ -3,19 +3,28 @@
 Theory of operation
 ===================
 
-`UpstreamExchange` serialises one request (`request_head`, `request_data`,
-`request_end`) and parses the answer from the bytes the driver feeds it
-(`receive_data`, ``b""`` for EOF; `next_event`). One object per exchange: a
-kept-alive connection gets a new one for its next request, and `reusable` says
-whether it may.
+`UpstreamExchange` sends one request that passed the gate
+(`tlsedge._http.gate.UpstreamRequest`: `request_head`, then `request_data`
+and `request_end` for its body) and parses the answer from the bytes the
+driver feeds it (`receive_data`, ``b""`` for EOF; `next_event`). One object
+per exchange: a kept-alive connection gets a new one for its next request, and
+`reusable` says whether it may.
+
+The request's framing is checked as it goes, not trusted: a sized body must
+bring exactly its Content-Length (more, or an end before it, raises
+`RequestRejectedError` and leaves the request incomplete), and trailers pass
+the gate's field rules. Only a request whose framing was completed
+(`request_complete`) leaves the connection reusable: one that ended half-way
+would have the upstream read the next client's request as its body.
 
 The response head is read up to the first CRLFCRLF (at most
 `MAX_RESPONSE_HEAD_BYTES`) and parsed by
 `tlsedge._http.head.parse_response_head`: anything we could not relay safely
 (ambiguous framing, bad bytes, a version or status we do not speak) is an
 `UpstreamError`, which the driver turns into 502. 1xx heads come as
-`Informational` (after 101 the exchange stops parsing and `trailing_data` holds
-the new protocol's first bytes); the final head as `Response` with its body's
+`Informational`, at most `tlsedge._http.gate.MAX_INFORMATIONAL` of them
+(after 101 the exchange stops parsing and `trailing_data` holds the new
+protocol's first bytes); the final head as `Response` with its body's
 framing (RFC 9112 section 6.3): none for HEAD, 204 and 304, chunked, a
 Content-Length, or until the server closes. Chunked bodies go through a strict
 `ChunkedDecoder`. EOF before the response is complete is an `UpstreamError`
@@ -32,8 +41,6 @@ from tlsedge._http.body import (
     BodyKind,
     ChunkedDecoder,
     encode_chunk,
-    encode_fields,
-    encode_last_chunk,
 )
 from tlsedge._http.events import (
     NEED_DATA,
@@ -43,8 +50,10 @@ from tlsedge._http.events import (
     NeedData,
     Response,
 )
+from tlsedge._http.gate import MAX_INFORMATIONAL, UpstreamRequest
 from tlsedge._http.head import (
     HeadRejectedError,
+    RequestRejectedError,
     ResponseRejectedError,
     find_head_end,
     parse_response_head,
@@ -85,7 +94,7 @@ class UpstreamExchange:
     """One request and its response on an upstream connection.
 
     Args:
-        method: The request's method (a HEAD response has no body).
+        request: The request, as the gate built it.
     """
 
     __slots__ = (
@@ -93,19 +102,22 @@ class UpstreamExchange:
         "_buffer",
         "_chunked",
         "_eof",
+        "_informational",
         "_keep_alive",
         "_remaining",
-        "_request_body",
+        "_request_left",
         "_state",
         "_trailers",
         "method",
         "received",
+        "request",
         "request_complete",
         "switched",
     )
 
-    def __init__(self, *, method: bytes) -> None:
-        self.method = method
+    def __init__(self, request: UpstreamRequest) -> None:
+        self.request = request
+        self.method = request.method
         self._buffer = bytearray()
         self._eof = False
         self._state = "head"  # "head", "body", "end", "done", "switched"
@@ -114,35 +126,61 @@ class UpstreamExchange:
         self._chunked: ChunkedDecoder | None = None
         self._trailers: list[Header] = []
         self._keep_alive = True
-        self._request_body = BodyKind.NONE
+        self._informational = 0
+        #: Body bytes a sized request still owes its Content-Length.
+        self._request_left = request.content_length or 0
         self.received = 0
         self.request_complete = False
         self.switched = False
 
     # -- the request --------------------------------------------------------
 
-    def request_head(
-        self, target: bytes, headers: list[Header], body: BodyKind
-    ) -> bytes:
-        """The request head (HTTP/1.1). *body*: NONE, LENGTH or CHUNKED, as the
-        fields say; with NONE the request is complete."""
-        self._request_body = body
-        if body is BodyKind.NONE:
+    def request_head(self, server: str) -> bytes:
+        """The request head for *server* (``host:port``, the Host of a request
+        that has none); a request without a body is complete with it.
+
+        Raises:
+            RequestRejectedError: 400, the server's address cannot be a Host.
+        """
+        head = self.request.head_for(server)
+        if self.request.body is BodyKind.NONE:
             self.request_complete = True
-        return encode_fields(self.method + b" " + target + b" HTTP/1.1\r\n", headers)
+        return head
 
     def request_data(self, data: bytes) -> bytes:
-        """Request body bytes, framed (*data* not empty)."""
-        if self._request_body is BodyKind.CHUNKED:
+        """Request body bytes, framed (*data* not empty).
+
+        Raises:
+            RequestRejectedError: 400, more bytes than the Content-Length.
+        """
+        if self.request.body is BodyKind.CHUNKED:
             return encode_chunk(data)
+        self._request_left -= len(data)
+        if self._request_left < 0:
+            raise RequestRejectedError(
+                400, "request body longer than its Content-Length"
+            )
         return data
 
     def request_end(self, trailers: list[Header]) -> bytes:
-        """The end of the request body (trailers only when chunked)."""
+        """The end of the request body (trailers only when chunked).
+
+        Raises:
+            RequestRejectedError: 400, the body ended short of its
+                Content-Length, or a trailer the gate refuses.
+        """
+        if self.request.body is BodyKind.CHUNKED:
+            data = UpstreamRequest.last_chunk(trailers)
+        elif self._request_left:
+            raise RequestRejectedError(
+                400,
+                f"request body ended {self._request_left} bytes short of its "
+                "Content-Length",
+            )
+        else:
+            data = b""
         self.request_complete = True
-        if self._request_body is BodyKind.CHUNKED:
-            return encode_last_chunk(trailers)
-        return b""
+        return data
 
     # -- the response -------------------------------------------------------
 
@@ -201,6 +239,11 @@ class UpstreamExchange:
         del buffer[:end]
         status = head.status
         if status < 200:
+            self._informational += 1
+            if self._informational > MAX_INFORMATIONAL:
+                raise UpstreamError(
+                    f"more than {MAX_INFORMATIONAL} informational (1xx) responses"
+                )
             if status == 101:
                 self._state = "switched"
                 self.switched = True

@@ -99,6 +99,7 @@ from tlsedge._http.events import (
     Response,
 )
 from tlsedge._http.exchange import UpstreamError, UpstreamExchange
+from tlsedge._http.gate import UpstreamRequest, from_http2
 from tlsedge._http.h2session import (
     PREFACE,
     ConnectionEnded,
@@ -113,6 +114,7 @@ from tlsedge._http.h2session import (
     StreamOpened,
     WindowOpened,
 )
+from tlsedge._http.head import RequestRejectedError
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.pool import KeepAlivePool, close_now
 from tlsedge._http.rules import (
@@ -272,20 +274,19 @@ class _Stream:
     __slots__ = (
         "blocked_since",
         "body",
-        "body_kind",
+        "body_bytes",
         "body_progress",
+        "body_started",
         "body_stopped",
         "cancelled",
         "conn",
         "connect_started",
         "exclude",
-        "expects_continue",
         "failure",
         "fresh",
         "head_deadline",
         "head_received",
         "head_sent",
-        "headers",
         "id",
         "log",
         "lookahead",
@@ -306,6 +307,7 @@ class _Stream:
         "unacked",
         "upstream",
         "upstream_progress",
+        "upstream_request",
     )
 
     def __init__(
@@ -316,11 +318,11 @@ class _Stream:
         self.log = log
         self.started = started
         self.phase = _EXCHANGE
-        self.headers: list[Header] = []
-        self.body_kind = BodyKind.NONE
-        self.expects_continue = False
+        #: What goes upstream, once the gate let it through.
+        self.upstream_request: UpstreamRequest | None = None
         #: Client body events not written upstream yet (not acknowledged).
         self.body: deque[RequestData | RequestEnd] = deque()
+        self.body_bytes = 0  # body bytes the client sent (request_body_min_rate)
         self.request_read = request.end_stream  # the client's END_STREAM came
         self.cancelled = False  # reset by the client, or the connection ended
         #: Our response began (head sent), and ended (END_STREAM queued).
@@ -349,6 +351,7 @@ class _Stream:
         self.head_sent = False  # the request head left ``raw.out``
         self.request_written = False  # all of the request is in ``raw``
         self.body_stopped = False  # the upstream takes no more of the body
+        self.body_started = 0.0  # the head went upstream: the body's clock
         self.body_progress = 0.0  # the last body bytes from the client
         self.upstream_progress = 0.0  # since when the upstream owes a write
         self.read_progress = 0.0  # the last response bytes from the upstream
@@ -742,9 +745,9 @@ class _H2Connection:
             and not stream.request_written
             and not stream.body_stopped
             and not stream.body
-            and stream.body_progress + idle < due[0]
+            and self._body_deadline(stream) < due[0]
         ):
-            due = (stream.body_progress + idle, self._body_stalled)
+            due = (self._body_deadline(stream), self._body_stalled)
         if not stream.head_received:
             if stream.head_deadline < due[0]:
                 due = (stream.head_deadline, self._response_timed_out)
@@ -755,6 +758,20 @@ class _H2Connection:
         ):
             due = (stream.read_progress + idle, self._response_stalled)
         return due
+
+    def _body_deadline(self, stream: _Stream) -> float:
+        """When the client's request body is late: ``idle_timeout`` after its
+        last bytes, or behind ``request_body_min_rate`` (as in HTTP/1.1)."""
+        deadline = stream.body_progress + self.idle_timeout
+        rate = self.http.request_body_min_rate
+        if rate:
+            deadline = min(
+                deadline,
+                stream.body_started
+                + self.http.request_body_timeout
+                + stream.body_bytes / rate,
+            )
+        return deadline
 
     def _client_stalled(self) -> None:
         self._client_failed("client did not read for idle_timeout")
@@ -795,12 +812,15 @@ class _H2Connection:
             self._fail(stream, UPSTREAM_WRITE_STALLED)
 
     def _body_stalled(self, stream: _Stream) -> None:
-        self._fail(
-            stream,
-            Failure(
-                Termination.BAD_REQUEST, "request body stalled for idle_timeout", 408
-            ),
-        )
+        reason = "request body stalled for idle_timeout"
+        if self.now() < stream.body_progress + self.idle_timeout:
+            elapsed = self.now() - stream.body_started
+            reason = (
+                "request body slower than request_body_min_rate "
+                f"({self.http.request_body_min_rate} bytes/s): "
+                f"{stream.body_bytes} bytes in {elapsed:.1f} s"
+            )
+        self._fail(stream, Failure(Termination.BAD_REQUEST, reason, 408))
 
     def _response_timed_out(self, stream: _Stream) -> None:
         self._fail(stream, self._response_timeout)
@@ -933,6 +953,8 @@ class _H2Connection:
             return
         if isinstance(event, RequestEnd):
             stream.request_read = True
+        else:
+            stream.body_bytes += len(event.data)
         stream.body.append(event)
         stream.body_progress = self.now()
         raw = stream.raw
@@ -986,10 +1008,9 @@ class _H2Connection:
             self.on_request(log)
 
     def _malformed(self, event: StreamMalformed) -> None:
-        log = self._new_log(event.method, event.target)
-        log.termination = Termination.BAD_REQUEST
-        log.detail = f"malformed request, stream reset: {event.reason}"
-        self.result.requests += 1
+        """A malformed request: a new stream's (logged here), or the trailers
+        or length of one being served (it ends, its upstream connection,
+        holding half a request, closed)."""
         LOGGER.info(
             "listener %s: client %s: HTTP/2 stream %d reset: %s",
             self.listener.name,
@@ -997,6 +1018,18 @@ class _H2Connection:
             event.stream_id,
             event.reason,
         )
+        detail = f"malformed request, stream reset: {event.reason}"
+        stream = self.streams.get(event.stream_id)
+        if stream is not None:
+            stream.cancelled = True
+            stream.log.termination = Termination.BAD_REQUEST
+            stream.log.detail = detail
+            self._close_stream(stream)
+            return
+        log = self._new_log(event.method, event.target)
+        log.termination = Termination.BAD_REQUEST
+        log.detail = detail
+        self.result.requests += 1
         self._emit(log)
 
     def _open(self, event: StreamOpened) -> None:
@@ -1020,42 +1053,18 @@ class _H2Connection:
     # -- one stream's exchange -------------------------------------------------
 
     def _exchange(self, stream: _Stream) -> None:
-        request = stream.request
-        length = request.content_length
-        max_body = self.http.max_body_size
-        if max_body and (length or 0) > max_body:
+        try:
+            request = from_http2(
+                stream.request, self.rewriter, max_body_size=self.http.max_body_size
+            )
+        except RequestRejectedError as exc:
             self._after_failure(
-                stream,
-                Failure(
-                    Termination.BAD_REQUEST,
-                    f"request body larger than {max_body} bytes",
-                    413,
-                ),
+                stream, Failure(Termination.BAD_REQUEST, exc.reason, exc.status)
             )
             return
-        fields = request.headers
-        if length:
-            body = BodyKind.LENGTH
-        elif request.end_stream or length == 0:
-            body = BodyKind.NONE
-        else:
-            # As an HTTP/1.1 client would frame it: trailers can follow.
-            body = BodyKind.CHUNKED
-            fields = [*fields, (b"transfer-encoding", b"chunked")]
-        headers, request_id = self.rewriter.head_fields(
-            fields,
-            connection=frozenset(),
-            upgrade=False,
-            authority=None,
-            host=request.host,
-        )
-        if request_id is not None:
-            stream.log.request_id = request_id.decode("ascii")
-        stream.headers = headers
-        stream.body_kind = body
-        stream.expects_continue = any(
-            n == b"expect" and v.lower() == b"100-continue" for n, v in request.headers
-        )
+        if request.request_id is not None:
+            stream.log.request_id = request.request_id.decode("ascii")
+        stream.upstream_request = request
         self._acquire(stream)
 
     def _acquire(self, stream: _Stream) -> None:
@@ -1080,8 +1089,8 @@ class _H2Connection:
         now = self.now()
         log = stream.log
         log.connect = now - stream.connect_started
-        log.server = format_address(upstream.server.address)
-        self.result.server = log.server
+        log.server = server = format_address(upstream.server.address)
+        self.result.server = server
         raw: RawStream | None
         if upstream in self.held:
             raw, _ = self.held.pop(upstream)
@@ -1095,20 +1104,24 @@ class _H2Connection:
         stream.raw = raw
         self.by_fd[raw.fd] = stream
         self.dirty.add(stream)
-        stream.conn = conn = UpstreamExchange(method=stream.request.method)
-        pieces = [
-            conn.request_head(stream.request.target, stream.headers, stream.body_kind)
-        ]
-        stream.request_written = stream.body_kind is BodyKind.NONE
+        assert stream.upstream_request is not None
+        stream.conn = conn = UpstreamExchange(stream.upstream_request)
         flow = 0
-        body = stream.body
-        while body and not stream.request_written:
-            event = body.popleft()
-            pieces.append(self._upstream_bytes(stream, event))
-            if isinstance(event, RequestEnd):
-                stream.request_written = True
-            else:
-                flow += event.flow_length
+        try:
+            pieces = [conn.request_head(server)]
+            stream.request_written = conn.request_complete
+            body = stream.body
+            while body and not stream.request_written:
+                event = body.popleft()
+                if isinstance(event, RequestData):
+                    flow += event.flow_length
+                pieces.append(self._upstream_bytes(stream, event))
+                if isinstance(event, RequestEnd):
+                    stream.request_written = True
+        except RequestRejectedError as exc:
+            self.session.acknowledge(stream.id, flow)
+            self._fail(stream, Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
+            return
         prefix, upstream.prefix = upstream.prefix, b""
         if prefix:
             pieces.insert(0, prefix)
@@ -1129,7 +1142,12 @@ class _H2Connection:
     def _upstream_bytes(
         self, stream: _Stream, event: RequestData | RequestEnd
     ) -> bytes:
-        """A piece of the client's body, or its end, framed for the upstream."""
+        """A piece of the client's body, or its end, framed for the upstream.
+
+        Raises:
+            RequestRejectedError: the exchange refuses it (a length that does
+                not add up, a trailer the gate refuses).
+        """
         conn = stream.conn
         assert conn is not None
         if isinstance(event, RequestData):
@@ -1143,7 +1161,7 @@ class _H2Connection:
             self._request_sent(stream)
             return
         # The body's clock starts now: until the head went out, pieces wait.
-        stream.body_progress = self.now()
+        stream.body_started = stream.body_progress = self.now()
         self._arm(stream.body_progress + self.idle_timeout)
         self._pump_body(stream)
 
@@ -1167,12 +1185,17 @@ class _H2Connection:
         session = self.session
         while body and not raw.out and not stream.request_written:
             event = body.popleft()
-            data = self._upstream_bytes(stream, event)
-            flow = 0
+            flow = 0 if isinstance(event, RequestEnd) else event.flow_length
+            try:
+                data = self._upstream_bytes(stream, event)
+            except RequestRejectedError as exc:
+                session.acknowledge(stream.id, flow)
+                self._fail(
+                    stream, Failure(Termination.BAD_REQUEST, exc.reason, exc.status)
+                )
+                return
             if isinstance(event, RequestEnd):
                 stream.request_written = True
-            else:
-                flow = event.flow_length
             try:
                 if data:
                     raw.send(data)
@@ -1356,7 +1379,7 @@ class _H2Connection:
                         raise UpstreamError(
                             "unexpected 101 from upstream: no upgrade was asked"
                         )
-                    if head.status == 100 and not stream.expects_continue:
+                    if head.status == 100 and not stream.request.expects_continue:
                         continue
                     session.send_headers(
                         sid, head.status, _h2_fields(head.headers), end_stream=False
@@ -1505,7 +1528,8 @@ class _H2Connection:
             upstream,
             response_started=stream.response_started,
             method=stream.request.method,
-            has_body=stream.body_kind is not BodyKind.NONE,
+            has_body=stream.upstream_request is not None
+            and stream.upstream_request.body is not BodyKind.NONE,
             retried=stream.retried,
         )
         if upstream is not None:
@@ -1608,7 +1632,7 @@ class _H2Connection:
             stream.upstream = None
         session = self.session
         self._acknowledge_held(stream)
-        session.active.discard(stream.id)
+        session.forget(stream.id)
         del self.streams[stream.id]
         self.blocked.discard(stream)
         self.dirty.discard(stream)

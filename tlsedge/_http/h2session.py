@@ -16,21 +16,34 @@ before h2 sees them. The driver (`tlsedge._http.h2driver`) feeds it bytes
 Requests. h2's own inbound header validation is off (it makes every
 malformed request a connection error); `check_request` applies RFC 9113
 section 8 instead, and a malformed request is a stream error
-(``RST_STREAM PROTOCOL_ERROR``, section 8.1.1): field names in lowercase
-tokens, values without CR, LF, NUL or surrounding whitespace, the
-pseudo-headers known, once each, before the fields, ``:method``, ``:scheme``
-and ``:path`` present, no connection-specific field (section 8.2.2:
-``connection``, ``keep-alive``, ``proxy-connection``, ``transfer-encoding``,
-``upgrade``, and ``te`` other than ``trailers``), no ``:protocol`` (RFC 8441
+(``RST_STREAM PROTOCOL_ERROR``, section 8.1.1). The bytes that later go
+upstream in an HTTP/1.1 request line or field line are held to the gate's
+grammar (`tlsedge._http.gate`), the one the HTTP/1.1 side is held to:
+``:method`` a token, ``:path`` visible ASCII, field names tokens (here in
+lowercase), values without NUL, CR, LF, other control bytes or surrounding
+whitespace. Besides: the pseudo-headers known, once each, before the
+fields, ``:method``, ``:scheme`` and ``:path`` present, no connection-specific
+field (section 8.2.2: ``connection``, ``keep-alive``, ``proxy-connection``,
+``transfer-encoding``, ``upgrade``, and ``te`` other than ``trailers``), no
+``:protocol`` (RFC 8441
 extended CONNECT is not enabled: we never send
 SETTINGS_ENABLE_CONNECT_PROTOCOL). ``:authority`` and ``Host`` are
 reconciled as section 8.3.1 says: ``:authority`` wins, a ``Host`` that names
 another authority makes the request malformed, and the upstream gets one
-``host`` field first. More fields than ``max_headers`` get 431, CONNECT
-(``:method`` and ``:authority`` only) 501, as in HTTP/1.1. h2 itself
-still checks what only it can: a Content-Length that the DATA frames
-contradict, HPACK errors, the frame sizes and stream states (connection
-errors, GOAWAY).
+``host`` field first. Cookie crumbs come joined into one last field with
+``"; "`` (section 8.2.3: h2's inbound normalisation). More fields than
+``max_headers`` get 431, CONNECT (``:method`` and ``:authority`` only) 501,
+as in HTTP/1.1. Trailers are held
+to the same field rules (and may hold no pseudo-header); a malformed trailer
+section resets a stream already being served (`StreamMalformed`, so the
+driver closes its upstream connection, which holds half a request).
+
+Framing facts are checked, not trusted (section 8.1.1): a ``content-length``
+must equal the DATA the stream brings. h2 checks the DATA frames against it
+(a connection error); here a stream that ends with its HEADERS although it
+declared a length, or ends with trailers short of it, is malformed too. h2
+itself checks HPACK, the frame sizes and stream states (connection errors,
+GOAWAY).
 
 Limits (``[listeners.http2]``, docs/http2.md). SETTINGS: our HPACK table
 (``header_table_size``), ``max_header_list_size`` (h2's HPACK decoder stops a
@@ -83,6 +96,12 @@ import h2.settings
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from tlsedge._config import Http2Config
+from tlsedge._http.gate import (
+    field_error,
+    method_error,
+    show_bytes,
+    target_error,
+)
 from tlsedge._http.head import HOST_RE
 
 __all__ = [
@@ -124,9 +143,9 @@ _CONNECTION_SPECIFIC: Final = frozenset(
 )
 # A lowercase token (RFC 9110 section 5.6.2; HTTP/2 field names are lowercase).
 _NAME_RE: Final = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")
-# A field value: no NUL, CR or LF; no leading or trailing SP or HTAB.
-_VALUE_RE: Final = re.compile(rb"(?:[^\x00\r\n\t ](?:[^\x00\r\n]*[^\x00\r\n\t ])?)?")
 _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
+# RFC 3986 section 3.1.
+_SCHEME_RE: Final = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +153,8 @@ class H2Request:
     """A checked request head from one stream.
 
     ``headers``: the fields for the upstream (``host`` first, no
-    pseudo-headers); ``end_stream``: the request has no body.
+    pseudo-headers, one ``cookie``); ``end_stream``: the request has no body;
+    ``expects_continue``: ``expect: 100-continue``.
     """
 
     method: bytes
@@ -146,6 +166,7 @@ class H2Request:
     end_stream: bool
     size: int  # the fields' bytes as decoded (names + values)
     user_agent: bytes | None
+    expects_continue: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +181,8 @@ class StreamOpened:
 
 @dataclass(frozen=True, slots=True)
 class StreamMalformed:
-    """A request we reset with PROTOCOL_ERROR (RFC 9113 section 8.1.1)."""
+    """A request we reset with PROTOCOL_ERROR (RFC 9113 section 8.1.1): a new
+    stream's, or one being served whose trailers or length were wrong."""
 
     stream_id: int
     reason: str
@@ -393,6 +415,8 @@ class H2Session:
         self._resets: deque[float] = deque()
         self._control: deque[float] = deque()
         self.active: set[int] = set()  # streams being served
+        #: Active streams with a content-length: the DATA bytes still owed.
+        self._owed: dict[int, int] = {}
         self._trailers: dict[int, list[Header]] = {}
         self.data_frames_sent = 0
         self.goaway_sent: int | None = None  # the last stream id it named
@@ -481,6 +505,8 @@ class H2Session:
             sid = event.stream_id
             assert sid is not None
             if sid in self.active and event.data:
+                if sid in self._owed:
+                    self._owed[sid] -= len(event.data)
                 out.append(RequestData(sid, event.data, event.flow_controlled_length))
             elif event.flow_controlled_length:
                 # Padding, or a refused or answered stream's data: give the
@@ -490,22 +516,33 @@ class H2Session:
             sid = event.stream_id
             assert sid is not None
             if sid in self.active:
-                self._trailers[sid] = [
-                    (bytes(n), bytes(v))
-                    for n, v in event.headers or []
-                    if not bytes(n).startswith(b":")
-                ]
+                trailers = [(bytes(n), bytes(v)) for n, v in event.headers or []]
+                error = next(
+                    (e for n, v in trailers if (e := _trailer_error(n, v))), None
+                )
+                if error is None:
+                    self._trailers[sid] = trailers
+                else:
+                    self._malformed_stream(sid, error, out)
         elif isinstance(event, h2.events.StreamEnded):
             sid = event.stream_id
             assert sid is not None
             trailers = self._trailers.pop(sid, [])
             if sid in self.active:
-                out.append(RequestEnd(sid, trailers))
+                owed = self._owed.pop(sid, 0)
+                if owed:
+                    self._malformed_stream(
+                        sid,
+                        f"the stream ended {owed} bytes short of its content-length",
+                        out,
+                    )
+                else:
+                    out.append(RequestEnd(sid, trailers))
         elif isinstance(event, h2.events.StreamReset):
             sid = event.stream_id
             assert sid is not None
             if event.remote_reset and sid in self.active:
-                self.active.discard(sid)
+                self.forget(sid)
                 out.append(StreamCancelled(sid, int(event.error_code or 0)))
         elif isinstance(
             event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)
@@ -552,12 +589,26 @@ class H2Session:
             out.append(StreamMalformed(sid, str(exc), exc.method, exc.target))
             return
         self.active.add(sid)
+        if request.content_length and not end_stream:
+            self._owed[sid] = request.content_length
         error = None
         if request.method == b"CONNECT":
             error = (501, "CONNECT is not supported")
         elif len(request.headers) > self.max_headers:
             error = (431, f"more than {self.max_headers} header fields")
         out.append(StreamOpened(sid, request, error))
+
+    def _malformed_stream(self, sid: int, reason: str, out: list[Event]) -> None:
+        """A stream being served turned out malformed: reset it and say so."""
+        self.forget(sid)
+        self._trailers.pop(sid, None)
+        self.conn.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+        out.append(StreamMalformed(sid, reason, None, None))
+
+    def forget(self, stream_id: int) -> None:
+        """The stream is no longer served (answered, reset or given up)."""
+        self.active.discard(stream_id)
+        self._owed.pop(stream_id, None)
 
     def acknowledge(self, stream_id: int, flow_length: int) -> None:
         """Request body bytes were used: the client may send that much more."""
@@ -604,7 +655,7 @@ class H2Session:
         except h2.exceptions.StreamClosedError:
             end_stream = True
         if end_stream:
-            self.active.discard(stream_id)
+            self.forget(stream_id)
 
     def send_data(
         self, stream_id: int, data: bytes, *, end_stream: bool = False
@@ -615,17 +666,17 @@ class H2Session:
             try:
                 self.conn.send_data(stream_id, data, end_stream=end_stream)
             except h2.exceptions.StreamClosedError:
-                self.active.discard(stream_id)
+                self.forget(stream_id)
                 return
             self.data_frames_sent += 1
             if end_stream:
-                self.active.discard(stream_id)
+                self.forget(stream_id)
 
     def send_end(self, stream_id: int, trailers: list[Header]) -> None:
         """The end of the response (with trailers when there are any)."""
         if not self.open(stream_id):
             return
-        self.active.discard(stream_id)
+        self.forget(stream_id)
         with contextlib.suppress(h2.exceptions.StreamClosedError):
             if trailers:
                 self.conn.send_headers(stream_id, trailers, end_stream=True)
@@ -644,7 +695,7 @@ class H2Session:
         """Reset a stream we cannot finish (a response cut upstream, a timeout)."""
         if not self.open(stream_id):
             return
-        self.active.discard(stream_id)
+        self.forget(stream_id)
         self.conn.reset_stream(stream_id, code)
 
     def goaway(self) -> None:
@@ -687,39 +738,29 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
     lengths: list[bytes] = []
     size = 0
     agent: bytes | None = None
+    expects_continue = False
     for name, value in fields:
         size += len(name) + len(value)
         if name[:1] == b":":
             if headers:
-                raise _malformed(pseudo, f"pseudo-header {_show(name)} after a field")
+                raise _malformed(
+                    pseudo, f"pseudo-header {show_bytes(name)} after a field"
+                )
             if name == b":protocol":
                 raise _malformed(
                     pseudo, ":protocol (extended CONNECT, RFC 8441) is not enabled"
                 )
             if name not in _PSEUDO:
-                raise _malformed(pseudo, f"unknown pseudo-header {_show(name)}")
+                raise _malformed(pseudo, f"unknown pseudo-header {show_bytes(name)}")
             if name in pseudo:
-                raise _malformed(pseudo, f"pseudo-header {_show(name)} twice")
+                raise _malformed(pseudo, f"pseudo-header {show_bytes(name)} twice")
             pseudo[name] = value
             continue
-        if not _NAME_RE.fullmatch(name):
-            raise _malformed(
-                pseudo, f"field name {_show(name)} is not a lowercase token"
-            )
-        if not _VALUE_RE.fullmatch(value):
-            raise _malformed(
-                pseudo,
-                f"field {_show(name)}: NUL, CR, LF or surrounding whitespace "
-                "in its value",
-            )
-        if name in _CONNECTION_SPECIFIC:
-            raise _malformed(
-                pseudo, f"connection-specific field {_show(name)} (RFC 9113 8.2.2)"
-            )
+        error = _field_error(name, value)
+        if error is not None:
+            raise _malformed(pseudo, error)
         if name == b"te":
-            if value.lower() != b"trailers":
-                raise _malformed(pseudo, "te other than 'trailers' (RFC 9113 8.2.2)")
-            continue  # hop-by-hop: not forwarded
+            continue  # hop-by-hop (only 'trailers' here): not forwarded
         if name == b"host":
             hosts.append(value)
             continue
@@ -727,12 +768,17 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
             lengths.append(value)
         elif name == b"user-agent":
             agent = value
+        elif name == b"expect":
+            expects_continue = value.lower() == b"100-continue"
         headers.append((name, value))
     method = pseudo.get(b":method")
     path = pseudo.get(b":path")
     scheme = pseudo.get(b":scheme")
     if method is None:
         raise MalformedRequestError("no :method", None, path)
+    error = method_error(method)
+    if error is not None:
+        raise MalformedRequestError(error, method, path)
     authority = pseudo.get(b":authority")
     if method == b"CONNECT":
         # RFC 9113 8.5: only :method and :authority. Answered 501, as in
@@ -745,16 +791,21 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         scheme = b""
     if scheme is None or path is None:
         raise MalformedRequestError("no :scheme or no :path", method, path)
+    if method != b"CONNECT" and not _SCHEME_RE.fullmatch(scheme):
+        raise MalformedRequestError(
+            f"malformed :scheme {show_bytes(scheme)}", method, path
+        )
     if method != b"CONNECT" and (
         not path or (path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"))
     ):
         raise MalformedRequestError(
-            f"malformed :path {_show(path)}: expected '/...' (or '*' for OPTIONS)",
+            f"malformed :path {show_bytes(path)}: expected '/...' (or '*' for OPTIONS)",
             method,
             path,
         )
-    if not _VALUE_RE.fullmatch(path) or b" " in path:
-        raise MalformedRequestError("malformed :path", method, path)
+    error = target_error(path)
+    if error is not None:
+        raise MalformedRequestError(f"malformed :path: {error}", method, path)
     if len(hosts) > 1:
         raise MalformedRequestError("more than one host field", method, path)
     host = hosts[0] if hosts else None
@@ -775,6 +826,13 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         if len(lengths) > 1 or not _CONTENT_LENGTH_RE.fullmatch(lengths[0]):
             raise MalformedRequestError("malformed content-length", method, path)
         content_length = int(lengths[0])
+        if content_length and end_stream:
+            raise MalformedRequestError(
+                f"content-length {content_length} on a stream its HEADERS ended "
+                "(no DATA can follow)",
+                method,
+                path,
+            )
     return H2Request(
         method=method,
         target=path,
@@ -785,7 +843,32 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         end_stream=end_stream,
         size=size,
         user_agent=agent,
+        expects_continue=expects_continue,
     )
+
+
+def _field_error(name: bytes, value: bytes) -> str | None:
+    """What makes a field (not a pseudo-header) malformed in HTTP/2, or None:
+    the gate's field rules, a lowercase name, no connection-specific field
+    (RFC 9113 section 8.2.2; ``te`` only as ``trailers``)."""
+    if not _NAME_RE.fullmatch(name):
+        return f"field name {show_bytes(name)} is not a lowercase token"
+    error = field_error(name, value)
+    if error is not None:
+        return error
+    if name in _CONNECTION_SPECIFIC:
+        return f"connection-specific field {show_bytes(name)} (RFC 9113 8.2.2)"
+    if name == b"te" and value.lower() != b"trailers":
+        return "te other than 'trailers' (RFC 9113 8.2.2)"
+    return None
+
+
+def _trailer_error(name: bytes, value: bytes) -> str | None:
+    """What makes a trailer field malformed, or None."""
+    if name[:1] == b":":
+        return f"pseudo-header {show_bytes(name)} in trailers (RFC 9113 8.1)"
+    error = _field_error(name, value)
+    return None if error is None else f"trailer {error}"
 
 
 def _error_name(code: int | None) -> str:
@@ -799,8 +882,3 @@ def _error_name(code: int | None) -> str:
 def _malformed(pseudo: dict[bytes, bytes], reason: str) -> MalformedRequestError:
     """A malformed request, with its method and path when they were seen."""
     return MalformedRequestError(reason, pseudo.get(b":method"), pseudo.get(b":path"))
-
-
-def _show(value: bytes) -> str:
-    text = repr(value[:64])[2:-1]
-    return f"'{text}'"

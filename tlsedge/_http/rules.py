@@ -63,9 +63,17 @@ MAX_LOGGED_TEXT: Final = 512
 IDEMPOTENT_METHODS: Final = frozenset(
     {b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"}
 )
-#: Hop-by-hop fields (RFC 9110 section 7.6.1), never forwarded either way.
+#: Hop-by-hop fields (RFC 9110 section 7.6.1, and HTTP2-Settings, which RFC
+#: 7540 section 3.2.1 made connection-specific), never forwarded either way.
 HOP_BY_HOP: Final = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgrade"}
+    {
+        b"connection",
+        b"http2-settings",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"upgrade",
+    }
 )
 #: Fields a ``Connection`` header may not make us drop: framing and routing.
 _PROTECTED: Final = frozenset({b"host", b"content-length", b"transfer-encoding"})
@@ -73,16 +81,17 @@ _PROTECTED: Final = frozenset({b"host", b"content-length", b"transfer-encoding"}
 _NOT_IN_TRAILERS: Final = HOP_BY_HOP | _PROTECTED | {b"trailer", b"expect"}
 # The first bytes of every hop-by-hop name, either case: other names are kept
 # without lowercasing them.
-_HOP_FIRST_BYTES: Final = frozenset(b"cCkKpPtTuU")
+_HOP_FIRST_BYTES: Final = frozenset(b"cChHkKpPtTuU")
 
 # A hop-by-hop field line, in field lines a head parser validated (with and
 # without Upgrade).
 _HOP_LINE_RE: Final = re.compile(
-    rb"^(?:connection|keep-alive|proxy-connection|te|upgrade):[^\r]*\r\n",
+    rb"^(?:connection|http2-settings|keep-alive|proxy-connection|te|upgrade)"
+    rb":[^\r]*\r\n",
     re.IGNORECASE | re.MULTILINE,
 )
 _HOP_LINE_BUT_UPGRADE_RE: Final = re.compile(
-    rb"^(?:connection|keep-alive|proxy-connection|te):[^\r]*\r\n",
+    rb"^(?:connection|http2-settings|keep-alive|proxy-connection|te):[^\r]*\r\n",
     re.IGNORECASE | re.MULTILINE,
 )
 # Validated field lines as we write them (`encode_field_lines`): ``name: value``

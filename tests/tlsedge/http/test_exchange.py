@@ -19,15 +19,25 @@ from tlsedge._http.exchange import (
     UpstreamError,
     UpstreamExchange,
 )
+from tlsedge._http.gate import MAX_INFORMATIONAL, UpstreamRequest
+from tlsedge._http.head import RequestRejectedError
 
 Event = Informational | Response | Body | EndOfBody
+
+
+def sent(method: bytes = b"GET") -> UpstreamExchange:
+    """An exchange whose request (no body) went out."""
+    exchange = UpstreamExchange(
+        UpstreamRequest(method, b"/", [(b"Host", b"h")], BodyKind.NONE)
+    )
+    exchange.request_head("127.0.0.1:1")
+    return exchange
 
 
 def answered(
     data: bytes, *, method: bytes = b"GET", eof: bool = False
 ) -> tuple[UpstreamExchange, list[Event]]:
-    exchange = UpstreamExchange(method=method)
-    exchange.request_head(b"/", [(b"Host", b"h")], BodyKind.NONE)
+    exchange = sent(method)
     exchange.receive_data(data)
     if eof:
         exchange.receive_data(b"")
@@ -42,10 +52,15 @@ def answered(
 
 
 def test_request_serialisation() -> None:
-    exchange = UpstreamExchange(method=b"POST")
-    head = exchange.request_head(
-        b"/x", [(b"Host", b"h"), (b"Transfer-Encoding", b"chunked")], BodyKind.CHUNKED
+    exchange = UpstreamExchange(
+        UpstreamRequest(
+            b"POST",
+            b"/x",
+            [(b"Host", b"h"), (b"Transfer-Encoding", b"chunked")],
+            BodyKind.CHUNKED,
+        )
     )
+    head = exchange.request_head("127.0.0.1:1")
     assert head == b"POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
     assert not exchange.request_complete
     assert exchange.request_data(b"hello") == b"5\r\nhello\r\n"
@@ -69,8 +84,7 @@ def test_chunked_response_with_trailers_split_byte_by_byte() -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"3\r\nabc\r\n0\r\nT: 1\r\n\r\n"
     )
-    exchange = UpstreamExchange(method=b"GET")
-    exchange.request_head(b"/", [], BodyKind.NONE)
+    exchange = sent()
     events: list[Event] = []
     for byte in data:
         exchange.receive_data(bytes([byte]))
@@ -223,8 +237,7 @@ def responses(draw: st.DrawFn) -> bytes:
 def test_response_streams_split_anywhere_agree_with_h11(
     data: bytes, cuts: list[int]
 ) -> None:
-    exchange = UpstreamExchange(method=b"GET")
-    exchange.request_head(b"/", [(b"Host", b"h")], BodyKind.NONE)
+    exchange = sent()
     status, body, trailers = 0, b"", []
     bounds = sorted({min(c, len(data)) for c in cuts} | {len(data)})
     start = 0
@@ -272,8 +285,7 @@ def test_any_bytes_give_events_or_an_upstream_error(
     # Whatever an upstream sends, the exchange answers with events, NEED_DATA
     # or an UpstreamError: never another exception, never a loop that does
     # not end.
-    exchange = UpstreamExchange(method=method)
-    exchange.request_head(b"/", [(b"Host", b"h")], BodyKind.NONE)
+    exchange = sent(method)
     try:
         for piece in [*[p for p in pieces if p], b""]:
             exchange.receive_data(piece)
@@ -284,3 +296,70 @@ def test_any_bytes_give_events_or_an_upstream_error(
                 raise AssertionError("next_event never asked for more data")
     except UpstreamError:
         pass
+
+
+# -- the request's framing, checked as it goes ---------------------------------------
+
+
+def sized(length: int) -> UpstreamExchange:
+    exchange = UpstreamExchange(
+        UpstreamRequest(
+            b"POST",
+            b"/",
+            [(b"Host", b"h"), (b"Content-Length", str(length).encode())],
+            BodyKind.LENGTH,
+        )
+    )
+    exchange.request_head("127.0.0.1:1")
+    return exchange
+
+
+def test_a_sized_body_must_bring_exactly_its_length() -> None:
+    exact = sized(5)
+    assert exact.request_data(b"hel") == b"hel"
+    assert exact.request_data(b"lo") == b"lo"
+    assert exact.request_end([]) == b""
+    assert exact.request_complete
+    longer = sized(5)
+    with pytest.raises(RequestRejectedError, match="longer than its Content-Length"):
+        longer.request_data(b"hello!")
+    assert not longer.request_complete
+
+
+def test_a_body_that_ends_short_leaves_the_connection_unusable() -> None:
+    # An upstream still waiting for 2 bytes would read the next client's
+    # request as them: the request stays incomplete, the connection is not
+    # reused even after a complete response.
+    short = sized(5)
+    short.request_data(b"abc")
+    with pytest.raises(RequestRejectedError, match="2 bytes short"):
+        short.request_end([])
+    assert not short.request_complete
+    short.receive_data(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert isinstance(short.next_event(), Response)
+    assert isinstance(short.next_event(), EndOfBody)
+    assert short.response_complete
+    assert not short.reusable
+
+
+def test_trailers_that_would_end_the_chunked_body_are_refused() -> None:
+    exchange = UpstreamExchange(
+        UpstreamRequest(
+            b"POST",
+            b"/",
+            [(b"Host", b"h"), (b"Transfer-Encoding", b"chunked")],
+            BodyKind.CHUNKED,
+        )
+    )
+    exchange.request_head("127.0.0.1:1")
+    with pytest.raises(RequestRejectedError, match="trailer field 'X'"):
+        exchange.request_end([(b"X", b"1\r\n\r\nGET /evil HTTP/1.1")])
+    assert not exchange.request_complete
+
+
+def test_more_informational_responses_than_the_cap_are_an_upstream_error() -> None:
+    hint = b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+    _, events = answered(hint * MAX_INFORMATIONAL)
+    assert len(events) == MAX_INFORMATIONAL
+    with pytest.raises(UpstreamError, match="more than 32 informational"):
+        answered(hint * (MAX_INFORMATIONAL + 1))

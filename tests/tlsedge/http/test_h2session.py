@@ -357,3 +357,97 @@ def test_the_clients_goaway_ends_the_connection() -> None:
     pair.client.close_connection(ErrorCodes.NO_ERROR)
     (ended,) = pair.flush()
     assert ended == ConnectionEnded("client sent GOAWAY (NO_ERROR)", by_client=True)
+
+
+# -- framing facts and trailers, checked -------------------------------------------
+
+
+def _served(pair: Pair, fields: list[Header]) -> int:
+    sid = pair.request(fields, end_stream=False)
+    (opened,) = pair.flush()
+    assert isinstance(opened, StreamOpened)
+    return sid
+
+
+@pytest.mark.parametrize(
+    ("trailers", "reason"),
+    [
+        ([(b"x-sum", b"1\r\n\r\nGET /evil HTTP/1.1")], "trailer field 'x-sum'"),
+        ([(b"x-sum\r\nevil", b"1")], "trailer field name"),
+        ([(b"X-Sum", b"1")], "is not a lowercase token"),
+        ([(b":path", b"/x")], "pseudo-header ':path' in trailers"),
+        ([(b"transfer-encoding", b"chunked")], "connection-specific"),
+        ([(b"x", b" 1")], "surrounding whitespace"),
+    ],
+)
+def test_a_malformed_trailer_section_resets_the_stream_being_served(
+    trailers: list[Header], reason: str
+) -> None:
+    pair = Pair()
+    pair.flush()
+    sid = _served(pair, BASE)
+    pair.client.send_data(sid, b"abc")
+    pair.client.send_headers(sid, trailers, end_stream=True)
+    events = pair.flush()
+    assert [type(e) for e in events] == [RequestData, StreamMalformed]
+    malformed = events[1]
+    assert isinstance(malformed, StreamMalformed)
+    assert reason in malformed.reason
+    assert pair.resets() == {sid: ErrorCodes.PROTOCOL_ERROR}
+    assert sid not in pair.session.active
+    assert pair.goaway() is None
+
+
+def test_a_length_the_data_does_not_reach_resets_the_stream() -> None:
+    pair = Pair()
+    pair.flush()
+    sid = _served(pair, [*BASE, (b"content-length", b"10")])
+    pair.client.send_data(sid, b"abc")
+    pair.client.send_headers(sid, [(b"x-sum", b"1")], end_stream=True)
+    events = pair.flush()
+    assert isinstance(events[-1], StreamMalformed)
+    assert "ended 7 bytes short of its content-length" in events[-1].reason
+    assert pair.resets() == {sid: ErrorCodes.PROTOCOL_ERROR}
+
+
+def test_a_length_with_no_data_to_come_is_malformed() -> None:
+    with pytest.raises(MalformedRequestError) as info:
+        check_request([*BASE, (b"content-length", b"5")], end_stream=True)
+    assert "content-length 5 on a stream its HEADERS ended" in str(info.value)
+    request = check_request([*BASE, (b"content-length", b"0")], end_stream=True)
+    assert request.content_length == 0
+
+
+def test_the_exact_length_then_trailers_is_a_request() -> None:
+    pair = Pair()
+    pair.flush()
+    sid = _served(pair, [*BASE, (b"content-length", b"3")])
+    pair.client.send_data(sid, b"abc")
+    pair.client.send_headers(sid, [(b"x-sum", b"1")], end_stream=True)
+    assert pair.flush()[-1] == RequestEnd(sid, [(b"x-sum", b"1")])
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "reason"),
+    [
+        (b":method", b"GET\r\nX: 1", "is not a token"),
+        (b":method", b"GET /x", "is not a token"),
+        (b":method", b"G\tT", "is not a token"),
+        (b":path", b"/a\tb", "malformed :path"),
+        (b":path", b"/a\x0bb", "malformed :path"),
+        (b":path", b"/a\x7f", "malformed :path"),
+        (b":path", b"/\xc3\xa9", "malformed :path"),
+        (b":scheme", b"", "malformed :scheme"),
+        (b":scheme", b"ht tp", "malformed :scheme"),
+        (b"x", b"a\x01b", "another control byte"),
+    ],
+)
+def test_what_the_http11_side_refuses_is_malformed(
+    name: bytes, value: bytes, reason: str
+) -> None:
+    fields = [(n, value if n == name else v) for n, v in BASE]
+    if name not in dict(BASE):
+        fields.append((name, value))
+    with pytest.raises(MalformedRequestError) as info:
+        check_request(fields, end_stream=True)
+    assert reason in str(info.value)
