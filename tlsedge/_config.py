@@ -50,6 +50,7 @@ from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias, TypeVar, cast, get_args
 
+from proxyproto._ip import unmap_network
 from tlsedge._accesslog import ACCESS_LOG_OFF
 
 __all__ = [
@@ -275,7 +276,14 @@ class TlsConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ForwardedConfig:
-    """X-Forwarded-* and RFC 7239 ``Forwarded`` handling (http mode only)."""
+    """X-Forwarded-* and RFC 7239 ``Forwarded`` handling (http mode only).
+
+    ``trusted_proxies`` holds its networks with their IPv4-mapped ranges as
+    IPv4 (``::ffff:10.0.0.0/104`` as ``10.0.0.0/8``; ``::/0`` also as
+    ``0.0.0.0/0``, `proxyproto._ip.unmap_network`), the form
+    `tlsedge._forwarded.is_trusted_peer` brings a peer to: either form of an
+    address matches either form of a network.
+    """
 
     x_forwarded_for: bool = True
     x_forwarded_proto: bool = True
@@ -283,6 +291,10 @@ class ForwardedConfig:
     forwarded: bool = False
     trusted_proxies: tuple[Network, ...] = ()  # client-sent headers kept from these
     request_id: str = ""  # header carrying a per-request id ("" = off)
+
+    def __post_init__(self) -> None:
+        forms = (form for n in self.trusted_proxies for form in unmap_network(n))
+        object.__setattr__(self, "trusted_proxies", tuple(dict.fromkeys(forms)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
