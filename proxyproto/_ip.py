@@ -21,7 +21,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from operator import attrgetter
 from typing import Final
 
-__all__ = ["ip_text", "ipv6_text", "unmap_address", "unmap_network"]
+__all__ = ["ip_text", "ipv6_text", "network_text", "unmap_address", "unmap_network"]
 
 #: Every IPv4-mapped address: ``::ffff:0.0.0.0/96``.
 _MAPPED: Final = IPv6Network("::ffff:0:0/96")
@@ -99,3 +99,9 @@ def ip_text(address: IPv4Address | IPv6Address) -> str:
     if address.scope_id is not None:
         return f"{text}%{address.scope_id}"
     return text
+
+
+def network_text(network: IPv4Network | IPv6Network) -> str:
+    """``address/prefix``, the address as `ip_text` writes it
+    (``::ffff:192.0.2.0/120``, not ``::ffff:c000:200/120``)."""
+    return f"{ip_text(network.network_address)}/{network.prefixlen}"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import TypeAlias
 
-from proxyproto._ip import ip_text, unmap_address, unmap_network
+from proxyproto._ip import ip_text, network_text, unmap_address, unmap_network
 
 __all__ = ["AccessRules", "Verdict"]
 
@@ -52,12 +52,6 @@ class Verdict:
     admitted: bool
     rule: Network | None
     reason: str
-
-
-def _network_text(network: Network) -> str:
-    """``address/prefix``, the address as `proxyproto._ip.ip_text` writes it
-    (``::ffff:192.0.2.0/120``, not ``::ffff:c000:200/120``)."""
-    return f"{ip_text(network.network_address)}/{network.prefixlen}"
 
 
 class _Ranges:
@@ -157,7 +151,7 @@ class AccessRules:
             return Verdict(
                 admitted=False,
                 rule=denied_by,
-                reason=f"client {ip_text(given)} is in deny {_network_text(denied_by)}",
+                reason=f"client {ip_text(given)} is in deny {network_text(denied_by)}",
             )
         if not self._allow:
             return Verdict(admitted=True, rule=None, reason="allow is empty")
@@ -171,5 +165,5 @@ class AccessRules:
         return Verdict(
             admitted=True,
             rule=allowed_by,
-            reason=f"client {ip_text(given)} is in allow {_network_text(allowed_by)}",
+            reason=f"client {ip_text(given)} is in allow {network_text(allowed_by)}",
         )

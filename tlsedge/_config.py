@@ -50,8 +50,8 @@ from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias, TypeVar, cast, get_args
 
-from proxyproto._ip import unmap_network
-from tlsedge._accesslog import ACCESS_LOG_OFF
+from proxyproto._ip import ip_text, network_text, unmap_network
+from tlsedge._accesslog import ACCESS_LOG_OFF, format_address
 
 __all__ = [
     "Address",
@@ -190,7 +190,7 @@ class Address:
                 raise ValueError(f"missing ']' in {_show(text)}")
             host, rest = text[1:end], text[end + 1 :]
             try:
-                host = str(ipaddress.IPv6Address(host))
+                host = ip_text(ipaddress.IPv6Address(host))
             except ValueError:
                 raise ValueError(
                     f"{_show(text)}: brackets hold an IPv6 address, got {_show(host)}"
@@ -225,8 +225,7 @@ class Address:
         return cls(host=host, port=port)
 
     def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return format_address((self.host, self.port))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -695,7 +694,10 @@ def _network(value: object, path: str) -> Network:
             path,
             f"expected an IP address or a CIDR like '10.0.0.0/8', got {_show(value)}",
         ) from None
-    raise _fail(path, f"{_show(value)} has host bits set; did you mean '{loose}'?")
+    raise _fail(
+        path,
+        f"{_show(value)} has host bits set; did you mean '{network_text(loose)}'?",
+    )
 
 
 def _file(base_dir: Path) -> Converter[Path]:
@@ -817,7 +819,7 @@ def _nameserver(value: object, path: str) -> Address:
     except ValueError:
         address = _REMOTE(text, path)
     else:
-        address = Address(host=str(ipaddress.ip_address(text)), port=53)
+        address = Address(host=ip_text(ipaddress.ip_address(text)), port=53)
     if _family(address.host) is None:
         raise _fail(
             path, f"expected an IP address such as '10.0.0.10:53', got {_show(text)}"

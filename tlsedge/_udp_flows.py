@@ -32,6 +32,7 @@ from proxyproto import (
     encode_v2,
     parse,
 )
+from proxyproto._ip import ip_text
 
 __all__ = [
     "MAX_DATAGRAM",
@@ -159,8 +160,8 @@ def unwrap_datagram(
     if not isinstance(source, InetAddress) or not isinstance(destination, InetAddress):
         return Unwrapped(drop="header_error", detail="header has no IP addresses")
     return Unwrapped(
-        client=(str(source.host), source.port),
-        destination=(str(destination.host), destination.port),
+        client=(ip_text(source.host), source.port),
+        destination=(ip_text(destination.host), destination.port),
         payload=data[consumed:],
     )
 

@@ -26,6 +26,7 @@ import trio.lowlevel
 
 from proxyproto import (
     InetAddress,
+    Policy,
     ProxyHeader,
     Transport,
     encode_v1,
@@ -45,7 +46,7 @@ from tlsedge._cli import main
 from tlsedge._config import ConfigError
 from tlsedge._reactor import current_reactor
 from tlsedge._server import Edge
-from tlsedge._udp_flows import DropLog, FlowTable
+from tlsedge._udp_flows import DropLog, FlowTable, unwrap_datagram
 from tlsedge._udp_mode import UdpListener, _Flow
 
 REPLY_WITHIN = 5.0
@@ -99,6 +100,19 @@ def test_drop_log_reports_at_most_once_per_interval() -> None:
         assert drops.add("flow_cap" if index % 2 else "denied", 0.5) is None
     assert drops.add("flow_cap", 1.0) == {"flow_cap": 501, "denied": 500}
     assert drops.add("flow_cap", 1.5) is None
+
+
+def test_a_mapped_header_source_is_written_with_its_ipv4_address() -> None:
+    header = ProxyHeader.from_addresses(
+        ("::ffff:192.0.2.66", 5353),
+        ("::ffff:192.0.2.1", 53),
+        transport=Transport.DGRAM,
+    )
+    peer, local = ("127.0.0.1", 1000), ("127.0.0.1", 53)
+    unwrapped = unwrap_datagram(encode_v2(header) + b"q", Policy.REQUIRE, peer, local)
+    assert unwrapped.client == ("::ffff:192.0.2.66", 5353)
+    assert unwrapped.destination == ("::ffff:192.0.2.1", 53)
+    assert unwrapped.payload == b"q"
 
 
 # -- peers ------------------------------------------------------------------------
