@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TypeGuard, TypeVar
 
 from proxyproto._events import Command, InetAddress, ProxyHeader, UnixAddress
+from proxyproto._ip import ip_text
 from proxyproto._policy import Policy
 
 #: The spec asks receivers to wait at least 3 s (a TCP retransmit); 5 s is
@@ -35,10 +36,10 @@ def format_address(address: object) -> tuple[str, int] | None:
 
 
 def inet_address(address: HeaderAddress) -> tuple[str, int] | None:
-    """A header address as ``(host, port)`` (also for IPv6); ``None`` for a
-    UNIX address or none."""
+    """A header address as ``(host, port)`` (also for IPv6; IPv4-mapped as
+    ``::ffff:a.b.c.d``, `ip_text`); ``None`` for a UNIX address or none."""
     if isinstance(address, InetAddress):
-        return (str(address.host), address.port)
+        return (ip_text(address.host), address.port)
     return None
 
 

@@ -36,6 +36,7 @@ from proxyproto._adapters import (
     uses_header_addresses,
 )
 from proxyproto._events import InetAddress, ProxyHeader, SSLClient, UnixAddress
+from proxyproto._ip import ip_text
 from proxyproto._policy import Policy, TrustPolicy
 from proxyproto._reader import ReaderOptions
 from proxyproto.asyncio import ProxyProtocolWrapper
@@ -154,8 +155,8 @@ def _socket_form(address: HeaderAddress) -> Any:
     # a UNIX address (servers check the family, then index the tuple).
     if isinstance(address, InetAddress):
         if isinstance(address.host, IPv6Address):
-            return (str(address.host), address.port, 0, 0)
-        return (str(address.host), address.port)
+            return (ip_text(address.host), address.port, 0, 0)
+        return (ip_text(address.host), address.port)
     if isinstance(address, UnixAddress):
         return address.path
     return None

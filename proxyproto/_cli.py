@@ -45,6 +45,7 @@ from proxyproto import (
     encode_v2,
 )
 from proxyproto._extras import missing_extra
+from proxyproto._ip import ip_text
 
 __all__ = ["decode_header", "main"]
 
@@ -113,7 +114,8 @@ def _address_json(address: InetAddress | UnixAddress | None) -> dict[str, Any] |
     if address is None:
         return None
     if isinstance(address, InetAddress):
-        return {"host": str(address.host), "port": address.port, "text": str(address)}
+        host = ip_text(address.host)
+        return {"host": host, "port": address.port, "text": str(address)}
     return {
         "path": _esc_bytes(address.path),
         "path_hex": address.path.hex(),

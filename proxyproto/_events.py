@@ -22,6 +22,7 @@ from operator import attrgetter
 from typing import Literal
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
+from proxyproto._ip import ip_text
 from proxyproto._spec import MAX_TLV_VALUE_LENGTH, SSLClient, TLVType
 from proxyproto._tlv import SSL_TEXT_FIELDS, validate_tlv, walk_ssl
 
@@ -123,8 +124,9 @@ class InetAddress:
         return cls(ip, port)
 
     def __str__(self) -> str:
+        """``host:port``, IPv6 in brackets, IPv4-mapped as ``[::ffff:a.b.c.d]``."""
         if self.host.version == 6:
-            return f"[{self.host}]:{self.port}"
+            return f"[{ip_text(self.host)}]:{self.port}"
         return f"{self.host}:{self.port}"
 
 

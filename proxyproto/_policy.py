@@ -5,6 +5,12 @@ guess; it also says to accept it only from known sources. A ``TrustPolicy``
 turns CIDR lists into a per-connection ``Policy`` from the peer address (the
 load balancer's) and, optionally, the local address the peer connected to
 (multi-homed listeners). Adapters and the tlsedge edge share it.
+
+An IPv4 address and its IPv4-mapped IPv6 form (``::ffff:10.0.0.1``, what a
+dual-stack socket reports for an IPv4 peer) are one peer: the rules' networks
+are brought to the IPv4 form when the policy is built, the addresses at each
+decision (`proxyproto._ip`), so either form of a rule matches either form of
+an address.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from proxyproto._errors import LocalProtocolError
+from proxyproto._ip import unmap_address, unmap_network
 
 __all__ = ["Policy", "TrustPolicy"]
 
@@ -65,9 +72,11 @@ def _address(value: str | IPAddress | tuple[object, ...]) -> IPAddress:
         if not isinstance(host, str):
             raise LocalProtocolError(f"not an IP address: {value!r}")
         address = ipaddress.ip_address(host.partition("%")[0])
-    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
+    return unmap_address(address)
+
+
+def _unmapped(networks: tuple[IPNetwork, ...]) -> tuple[IPNetwork, ...]:
+    return tuple(form for network in networks for form in unmap_network(network))
 
 
 def _address_or_none(
@@ -96,7 +105,10 @@ class TrustPolicy:
     """Rules mapping peer (and local) addresses to a ``Policy``.
 
     The first matching rule wins; ``default`` applies when none matches.
-    IPv4-mapped IPv6 peers (dual-stack sockets) match IPv4 rules.
+    An IPv4 address and its IPv4-mapped IPv6 form (dual-stack sockets) are
+    the same peer: each matches the rules written in either form (``rules``
+    holds the networks with their mapped ranges as IPv4, see
+    `proxyproto._ip.unmap_network`).
 
     Attributes:
         rules: ``(peer networks, local networks or None for any, policy)``.
@@ -113,6 +125,20 @@ class TrustPolicy:
     _decided: dict[tuple[object, object], Policy] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "rules",
+            tuple(
+                (
+                    _unmapped(peers),
+                    None if locals_ is None else _unmapped(locals_),
+                    policy,
+                )
+                for peers, locals_, policy in self.rules
+            ),
+        )
 
     @classmethod
     def from_cidrs(

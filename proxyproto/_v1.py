@@ -25,6 +25,7 @@ from proxyproto._events import (
     new_inet4,
     new_inet6,
 )
+from proxyproto._ip import ip_text
 from proxyproto._options import V1_MAX_LENGTH, Options
 
 V1_PREFIX = b"PROXY "
@@ -317,41 +318,9 @@ def encode_v1(header: ProxyHeader) -> bytes:
             dst.port,
         )
     return (
-        f"PROXY TCP6 {_host_text(src.host)} {_host_text(dst.host)} "
-        f"{src.port} {dst.port}\r\n"
+        f"PROXY TCP6 {ip_text(src.host)} {ip_text(dst.host)} {src.port} {dst.port}\r\n"
     ).encode("ascii")
 
 
 _TCP4_FORMAT = b"PROXY TCP4 %d.%d.%d.%d %d.%d.%d.%d %d %d\r\n"
 _EIGHT_BYTES = struct.Struct("8B")
-_HEXTETS = struct.Struct("!8H")
-# Runs of zero groups in ":"-wrapped text, longest first (RFC 5952 compresses
-# the first longest run of two or more).
-_ZERO_RUNS = tuple(":0" * n + ":" for n in range(8, 1, -1))
-
-
-def _ipv6_text(value: int) -> str:
-    """``str(IPv6Address(value))`` (RFC 5952), computed faster, except that
-    IPv4-mapped addresses are written ``::ffff:a.b.c.d``."""
-    # %-formatting: twice as fast as str.format here.
-    if value >> 32 == 0xFFFF:
-        v4 = (value & 0xFFFFFFFF).to_bytes(4)
-        return "::ffff:%d.%d.%d.%d" % tuple(v4)  # noqa: UP031
-    text = ":%x:%x:%x:%x:%x:%x:%x:%x:" % _HEXTETS.unpack(value.to_bytes(16))  # noqa: UP031
-    for run in _ZERO_RUNS:
-        if run in text:
-            text = text.replace(run, "::", 1)
-            break
-    if text[1] != ":":
-        text = text[1:]
-    if text[-2] != ":":
-        text = text[:-1]
-    return text
-
-
-def _host_text(host: IPv4Address | IPv6Address) -> str:
-    # IPv4-mapped addresses in dotted form (as HAProxy writes them), whatever
-    # the Python version: str() gives "::ffff:102:304" before 3.13.
-    if isinstance(host, IPv6Address):
-        return _ipv6_text(host_value(host))
-    return str(host)

@@ -92,9 +92,18 @@ PIPE_BUF: Final = select.PIPE_BUF
 @overload
 def format_address(address: tuple[str, int]) -> str: ...
 @overload
+def format_address(address: None) -> None: ...
+@overload
 def format_address(address: tuple[str, int] | None) -> str | None: ...
 def format_address(address: tuple[str, int] | None) -> str | None:
-    """``"ip:port"``, with IPv6 in brackets; None stays None."""
+    """``"ip:port"``, with IPv6 in brackets; None stays None.
+
+    The one way the edge writes an address (access log, refusal details, the
+    process log, the status page). *host* is text as the socket API gives it
+    (``inet_ntop``) or as `proxyproto._ip.ip_text` writes an ``ipaddress``
+    value: an IPv4-mapped client reads ``[::ffff:192.0.2.66]:40000`` (RFC 5952
+    section 5) on every Python.
+    """
     if address is None:
         return None
     host, port = address

@@ -38,10 +38,11 @@ from typing import Final
 import h11
 import trio
 
+from tlsedge._accesslog import format_address
 from tlsedge._config import Address
 from tlsedge._listen import open_listening_sockets
 from tlsedge._metrics import EdgeMetrics
-from tlsedge._snapshot import Snapshot, format_host_port
+from tlsedge._snapshot import Snapshot
 from tlsedge._status_page import render_status_page
 from tlsedge._version import __version__
 
@@ -199,7 +200,7 @@ class AdminServer:
         listeners = [trio.SocketListener(sock) for sock in self.sockets]
         LOGGER.info(
             "admin endpoint on %s",
-            ", ".join(f"http://{format_host_port(a)}/" for a in self.addresses),
+            ", ".join(f"http://{format_address(a)}/" for a in self.addresses),
         )
         try:
             async with trio.open_nursery() as nursery:

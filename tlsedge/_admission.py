@@ -4,14 +4,20 @@ Kubernetes' ``loadBalancerSourceRanges`` for tlsedge (docs/configuration.md,
 "Client source ranges"). A client is admitted when its address is in an
 ``allow`` network (or ``allow`` is empty: everyone) and in no ``deny`` network:
 deny wins. The address judged is the real client's, as the connection's owner
-hands it over (the trusted PROXY header's source, else the TCP peer); an
-IPv4-mapped IPv6 address (``::ffff:10.0.0.1``) is judged as the IPv4 address
-it carries, and as itself against IPv6 networks.
+hands it over (the trusted PROXY header's source, else the TCP peer).
 
-Lookups cost one bisection per family, whatever the number of networks: the
-networks of one list and family become sorted, disjoint integer ranges (a
-network inside another one of the same list is dropped; the outer one is the
-rule reported). Pure: no I/O.
+An IPv4 address and its IPv4-mapped IPv6 form (``::ffff:10.0.0.1``, what a
+dual-stack proxy names in its PROXY header) are one client, whichever form the
+client and the networks are written in: the networks are brought to the IPv4
+form when the lists are built (``::ffff:10.0.0.0/104`` holds what
+``10.0.0.0/8`` holds, ``::/0`` also every IPv4 client:
+`proxyproto._ip.unmap_network`), the client's address at each lookup. The rule
+reported is the network as configured.
+
+Lookups cost one bisection, whatever the number of networks: the networks of
+one list and family become sorted, disjoint integer ranges (a network inside
+another one of the same list is dropped; the outer one is the rule reported).
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import TypeAlias
+
+from proxyproto._ip import ip_text, network_text, unmap_address, unmap_network
 
 __all__ = ["AccessRules", "Verdict"]
 
@@ -47,16 +55,26 @@ class Verdict:
 
 
 class _Ranges:
-    """Networks of one family as sorted, disjoint ``[first, last]`` ranges."""
+    """Networks of one family as sorted, disjoint ``[first, last]`` ranges,
+    each with the configured network it stands for."""
 
     __slots__ = ("_firsts", "_lasts", "_networks")
 
-    def __init__(self, networks: Iterable[Network]) -> None:
-        ordered = sorted(networks, key=lambda n: (int(n.network_address), n.prefixlen))
+    def __init__(self, networks: Iterable[tuple[Network, Network]]) -> None:
+        """*networks*: ``(range, configured network)`` pairs. Of two equal
+        ranges, one configured in its own family is the rule reported."""
+        ordered = sorted(
+            networks,
+            key=lambda n: (
+                int(n[0].network_address),
+                n[0].prefixlen,
+                n[0].version != n[1].version,
+            ),
+        )
         self._firsts: list[int] = []
         self._lasts: list[int] = []
         self._networks: list[Network] = []
-        for network in ordered:
+        for network, rule in ordered:
             first = int(network.network_address)
             # CIDR networks are nested or disjoint: one that starts inside the
             # previous range lies wholly inside it.
@@ -64,7 +82,7 @@ class _Ranges:
                 continue
             self._firsts.append(first)
             self._lasts.append(int(network.broadcast_address))
-            self._networks.append(network)
+            self._networks.append(rule)
 
     def __bool__(self) -> bool:
         return bool(self._networks)
@@ -83,21 +101,17 @@ class _List:
     __slots__ = ("_v4", "_v6")
 
     def __init__(self, networks: Iterable[Network]) -> None:
-        networks = tuple(networks)
-        self._v4 = _Ranges(n for n in networks if isinstance(n, IPv4Network))
-        self._v6 = _Ranges(n for n in networks if isinstance(n, IPv6Network))
+        forms = [(form, n) for n in networks for form in unmap_network(n)]
+        self._v4 = _Ranges(f for f in forms if isinstance(f[0], IPv4Network))
+        self._v6 = _Ranges(f for f in forms if isinstance(f[0], IPv6Network))
 
     def __bool__(self) -> bool:
         return bool(self._v4) or bool(self._v6)
 
     def find(self, address: IPv4Address | IPv6Address) -> Network | None:
+        """The configured network holding *address* (IPv4-mapped: as IPv4)."""
         if isinstance(address, IPv4Address):
             return self._v4.find(int(address))
-        mapped = address.ipv4_mapped
-        if mapped is not None:
-            found = self._v4.find(int(mapped))
-            if found is not None:
-                return found
         return self._v6.find(int(address))
 
 
@@ -120,10 +134,10 @@ class AccessRules:
         address; a ``%scope`` suffix is allowed). None, or text that is not an
         IP address (a UNIX socket's path), is in no network."""
         try:
-            address = None if client is None else ipaddress.ip_address(client)
+            given = None if client is None else ipaddress.ip_address(client)
         except ValueError:
-            address = None
-        if address is None:
+            given = None
+        if given is None:
             if self._allow:
                 return Verdict(
                     admitted=False,
@@ -131,12 +145,13 @@ class AccessRules:
                     reason="client has no IP address and allow lists networks",
                 )
             return Verdict(admitted=True, rule=None, reason="allow is empty")
+        address = unmap_address(given)
         denied_by = self._deny.find(address)
         if denied_by is not None:
             return Verdict(
                 admitted=False,
                 rule=denied_by,
-                reason=f"client {address} is in deny {denied_by}",
+                reason=f"client {ip_text(given)} is in deny {network_text(denied_by)}",
             )
         if not self._allow:
             return Verdict(admitted=True, rule=None, reason="allow is empty")
@@ -145,10 +160,10 @@ class AccessRules:
             return Verdict(
                 admitted=False,
                 rule=None,
-                reason=f"client {address} is in no allow network",
+                reason=f"client {ip_text(given)} is in no allow network",
             )
         return Verdict(
             admitted=True,
             rule=allowed_by,
-            reason=f"client {address} is in allow {allowed_by}",
+            reason=f"client {ip_text(given)} is in allow {network_text(allowed_by)}",
         )

@@ -32,6 +32,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import Final
 
+from tlsedge._accesslog import format_address
+
 __all__ = [
     "DEFAULT_AFFINITY_TIMEOUT",
     "MAX_AFFINITY_ENTRIES",
@@ -102,9 +104,7 @@ class Server:
         self.address: tuple[str, int] = (host, port)
         #: The address as logs and metrics write it (``str(server)``): made
         #: once, not per connection.
-        self.name: str = sys.intern(
-            f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        )
+        self.name: str = sys.intern(format_address((host, port)))
         self.weight: int = weight
         self.healthy: bool = True
         self.active: int = 0

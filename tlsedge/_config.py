@@ -50,7 +50,8 @@ from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias, TypeVar, cast, get_args
 
-from tlsedge._accesslog import ACCESS_LOG_OFF
+from proxyproto._ip import ip_text, network_text, unmap_network
+from tlsedge._accesslog import ACCESS_LOG_OFF, format_address
 
 __all__ = [
     "Address",
@@ -189,7 +190,7 @@ class Address:
                 raise ValueError(f"missing ']' in {_show(text)}")
             host, rest = text[1:end], text[end + 1 :]
             try:
-                host = str(ipaddress.IPv6Address(host))
+                host = ip_text(ipaddress.IPv6Address(host))
             except ValueError:
                 raise ValueError(
                     f"{_show(text)}: brackets hold an IPv6 address, got {_show(host)}"
@@ -224,8 +225,7 @@ class Address:
         return cls(host=host, port=port)
 
     def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return format_address((self.host, self.port))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,7 +275,14 @@ class TlsConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ForwardedConfig:
-    """X-Forwarded-* and RFC 7239 ``Forwarded`` handling (http mode only)."""
+    """X-Forwarded-* and RFC 7239 ``Forwarded`` handling (http mode only).
+
+    ``trusted_proxies`` holds its networks with their IPv4-mapped ranges as
+    IPv4 (``::ffff:10.0.0.0/104`` as ``10.0.0.0/8``; ``::/0`` also as
+    ``0.0.0.0/0``, `proxyproto._ip.unmap_network`), the form
+    `tlsedge._forwarded.is_trusted_peer` brings a peer to: either form of an
+    address matches either form of a network.
+    """
 
     x_forwarded_for: bool = True
     x_forwarded_proto: bool = True
@@ -283,6 +290,10 @@ class ForwardedConfig:
     forwarded: bool = False
     trusted_proxies: tuple[Network, ...] = ()  # client-sent headers kept from these
     request_id: str = ""  # header carrying a per-request id ("" = off)
+
+    def __post_init__(self) -> None:
+        forms = (form for n in self.trusted_proxies for form in unmap_network(n))
+        object.__setattr__(self, "trusted_proxies", tuple(dict.fromkeys(forms)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -683,7 +694,10 @@ def _network(value: object, path: str) -> Network:
             path,
             f"expected an IP address or a CIDR like '10.0.0.0/8', got {_show(value)}",
         ) from None
-    raise _fail(path, f"{_show(value)} has host bits set; did you mean '{loose}'?")
+    raise _fail(
+        path,
+        f"{_show(value)} has host bits set; did you mean '{network_text(loose)}'?",
+    )
 
 
 def _file(base_dir: Path) -> Converter[Path]:
@@ -805,7 +819,7 @@ def _nameserver(value: object, path: str) -> Address:
     except ValueError:
         address = _REMOTE(text, path)
     else:
-        address = Address(host=str(ipaddress.ip_address(text)), port=53)
+        address = Address(host=ip_text(ipaddress.ip_address(text)), port=53)
     if _family(address.host) is None:
         raise _fail(
             path, f"expected an IP address such as '10.0.0.10:53', got {_show(text)}"

@@ -54,6 +54,7 @@ from dns.rdtypes.IN.A import A
 from dns.rdtypes.IN.AAAA import AAAA
 from dns.rdtypes.IN.SRV import SRV
 
+from tlsedge._accesslog import format_address
 from tlsedge._config import MAX_WEIGHT, DiscoveryConfig
 
 __all__ = ["DiscoveryError", "DnsDiscovery", "Found", "scale_srv_weights"]
@@ -248,10 +249,10 @@ class DnsDiscovery:
             return None
         previous = dict(self.last or [])
         now = dict(found)
-        added = [f"+{_show(a)}" for a in now if a not in previous]
-        removed = [f"-{_show(a)}" for a in previous if a not in now]
+        added = [f"+{format_address(a)}" for a in now if a not in previous]
+        removed = [f"-{format_address(a)}" for a in previous if a not in now]
         changed = [
-            f"{_show(a)} weight {previous[a]}->{w}"
+            f"{format_address(a)} weight {previous[a]}->{w}"
             for a, w in now.items()
             if a in previous and previous[a] != w
         ]
@@ -287,8 +288,3 @@ class DnsDiscovery:
 def _addresses_of(rdatas: Iterable[object]) -> list[str]:
     """The addresses of the A and AAAA records among *rdatas*."""
     return [str(r.address) for r in rdatas if isinstance(r, A | AAAA)]
-
-
-def _show(address: tuple[str, int]) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

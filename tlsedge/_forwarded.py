@@ -136,8 +136,11 @@ def _parse_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None
 def is_trusted_peer(host: str | None, trusted: Sequence[Network]) -> bool:
     """True when *host* (an IP address text) is inside one of *trusted*.
 
-    IPv4-mapped IPv6 addresses (``::ffff:10.0.0.1``) match IPv4 networks.
-    Anything that is not an IP address is untrusted.
+    An IPv4-mapped IPv6 address (``::ffff:10.0.0.1``) is judged as the IPv4
+    address it carries; *trusted* holds the IPv4-mapped ranges of its networks
+    as IPv4 too (``ForwardedConfig`` makes them so), so either form of an
+    address matches either form of a network. Anything that is not an IP
+    address is untrusted.
     """
     if host is None or not trusted:
         return False

@@ -25,6 +25,13 @@ log rotation, logrotate (or anything else) renames the file and sends SIGUSR1:
 `reopen_logs` writes what is pending to the old file and opens the file by name
 again (a new one), and the supervisor forwards SIGUSR1 to its workers.
 
+Nothing else reaches stderr while the logs are set up: an exception Python
+cannot raise (in a ``__del__``, in a callback from C code), which it would
+print with a traceback as "Exception ignored in ...", goes through
+``sys.unraisablehook`` to the process log (`log_unraisable`, ERROR on
+``tlsedge.unraisable``), and warnings go through `logging` (``py.warnings``):
+every line is in the configured format.
+
 Log lines never carry raw bytes from the network: peers control parts of many
 messages (PROXY and TLS errors quote what they sent). JSON escapes every control
 and non-ASCII character. The text format escapes control and other
@@ -42,6 +49,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal, TextIO
 
@@ -62,6 +70,7 @@ __all__ = [
     "JsonFormatter",
     "StdStreamHandler",
     "escape_control",
+    "log_unraisable",
     "reopen_logs",
     "run_access_log_flusher",
     "setup_logging",
@@ -69,6 +78,7 @@ __all__ = [
 ]
 
 LOGGER = logging.getLogger("tlsedge.logging")
+UNRAISABLE_LOGGER = logging.getLogger("tlsedge.unraisable")
 
 ACCESS_LOGGER_NAME: Final = "tlsedge.access"
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -194,11 +204,39 @@ def _not_access(record: logging.LogRecord) -> bool:
     return record.name != ACCESS_LOGGER_NAME
 
 
+#: The most characters of the object an unraisable exception names.
+_UNRAISABLE_OBJECT_TEXT: Final = 200
+
+
+def log_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """``sys.unraisablehook``: log an exception Python could not raise as an
+    ERROR with its traceback, as CPython's own hook words it (``Exception
+    ignored in: <object>``), instead of writing it to stderr."""
+    message = unraisable.err_msg or "Exception ignored in"
+    if unraisable.object is not None:
+        try:
+            shown = repr(unraisable.object)
+        except Exception:  # noqa: BLE001 (a broken __repr__ must not hide the error)
+            shown = f"<{type(unraisable.object).__name__} object>"
+        if len(shown) > _UNRAISABLE_OBJECT_TEXT:
+            shown = shown[:_UNRAISABLE_OBJECT_TEXT] + "..."
+        message = f"{message}: {shown}"
+    value = unraisable.exc_value
+    UNRAISABLE_LOGGER.error(
+        "%s",
+        message,
+        exc_info=None
+        if value is None
+        else (unraisable.exc_type, value, unraisable.exc_traceback),
+    )
+
+
 @dataclass
 class _Installed:
     """What `setup_logging` changed, so that it can be undone."""
 
     writer: AccessLogWriter | None  # None: ``access_log = "off"``
+    unraisablehook: Callable[[sys.UnraisableHookArgs], object]  # the one before
     handlers: list[tuple[logging.Logger, logging.Handler]] = field(default_factory=list)
     root_level: int = logging.WARNING
     access_level: int = logging.NOTSET
@@ -249,7 +287,12 @@ def setup_logging(
     process_handler.addFilter(_not_access)
     root = logging.getLogger()
     access = logging.getLogger(ACCESS_LOGGER_NAME)
-    installed = _Installed(writer, root_level=root.level, access_level=access.level)
+    installed = _Installed(
+        writer,
+        sys.unraisablehook,
+        root_level=root.level,
+        access_level=access.level,
+    )
     root.addHandler(process_handler)
     installed.handlers = [(root, process_handler)]
     root.setLevel(numeric)
@@ -262,6 +305,8 @@ def setup_logging(
         installed.handlers.append((access, access_handler))
         access.setLevel(logging.INFO)
     install_access_log_writer(writer)
+    sys.unraisablehook = log_unraisable
+    logging.captureWarnings(True)
     _STATE.installed = installed
 
 
@@ -293,6 +338,8 @@ def shutdown_logging() -> None:
     if installed is None:
         return
     install_access_log_writer(None)
+    sys.unraisablehook = installed.unraisablehook
+    logging.captureWarnings(False)
     if installed.writer is not None:
         installed.writer.close()
     for logger, handler in installed.handlers:

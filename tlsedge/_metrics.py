@@ -507,7 +507,7 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
             Counter(
                 "tlsedge_udp_datagrams_dropped",
                 "Datagrams udp listeners dropped, by reason (flow_cap, denied, "
-                "no_server, draining, rejected, header_error, ...).",
+                "no_server, draining, rejected, header_error, too_large, ...).",
                 ("listener", "reason"),
                 registry=r,
             ),

@@ -777,7 +777,7 @@ class Edge:
                         LOGGER.info(
                             "listener %s on %s",
                             name,
-                            ", ".join(str(format_address(a)) for a in addresses),
+                            ", ".join(format_address(a) for a in addresses),
                         )
                     task_status.started(self)
                     await self._drain_event.wait()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tlsedge._accesslog import format_address
+
 __all__ = [
     "BackendSnapshot",
     "CheckRecord",
@@ -28,14 +30,7 @@ __all__ = [
     "ProxyProtocolSettings",
     "ServerSnapshot",
     "Snapshot",
-    "format_host_port",
 ]
-
-
-def format_host_port(address: tuple[str, int]) -> str:
-    """``host:port``, the host in brackets if it is IPv6 (``[::1]:443``)."""
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,7 +114,7 @@ class ServerSnapshot:
     @property
     def name(self) -> str:
         """The address as the metrics' ``server`` label: ``"10.0.0.5:8080"``."""
-        return format_host_port(self.address)
+        return format_address(self.address)
 
     @property
     def last_check(self) -> CheckRecord | None:

@@ -24,12 +24,12 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Final
 
+from tlsedge._accesslog import format_address
 from tlsedge._snapshot import (
     BackendSnapshot,
     CheckRecord,
     ListenerSnapshot,
     Snapshot,
-    format_host_port,
 )
 
 __all__ = ["REFRESH_SECONDS", "render_status_page"]
@@ -187,7 +187,7 @@ def _listeners(
     for listener in listeners:
         name = listener.name
         binds = (
-            ", ".join(format_host_port(a) for a in listener.addresses) or listener.bind
+            ", ".join(format_address(a) for a in listener.addresses) or listener.bind
         )
         tls = (
             f"{listener.tls.policy}, client auth {listener.tls.client_auth}"

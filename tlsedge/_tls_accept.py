@@ -3,7 +3,10 @@
 Bytes that came after a PROXY header are fed to the handshake first (never
 over-read, never dropped). A connection that described no client in its PROXY
 header and closes without a byte of TLS is the load balancer's check, not a
-failed handshake.
+failed handshake. A ClientHello whose server name Python's ``ssl`` cannot
+decode (not ASCII) is refused before the engine reads it
+(`tlsedge._client_hello`): an ``unrecognized_name`` alert and a
+``tls_error`` that says why, instead of a traceback on stderr.
 
 `ReactorHandshake` is driven by the reactor from the accepted socket, with no
 task at all (every mode, after the PROXY header if one was read): each
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 import trio
 
+from tlsedge._client_hello import UNRECOGNIZED_NAME_ALERT, ServerNameCheck
 from tlsedge._reactor import (
     ERROR,
     HANGUP,
@@ -79,9 +83,11 @@ class ReactorHandshake:
     """
 
     __slots__ = (
+        "_names",
         "_on_done",
         "_out",
         "_reactor",
+        "_refusal",
         "_registered",
         "_timer",
         "done",
@@ -120,6 +126,9 @@ class ReactorHandshake:
             server_side=True,
             initial_data=initial_data,
         )
+        # The ClientHello's server name, checked before the engine reads it.
+        self._names = ServerNameCheck()
+        self._refusal = self._names.feed(initial_data)
         self._on_done: Callable[[HandshakeResult], None] | None = on_done
         self._out = b""  # records the socket has not taken yet
         self._reactor = current_reactor()
@@ -135,7 +144,9 @@ class ReactorHandshake:
         reactor.register(self.fd, READABLE, self)
         self._registered = READABLE
         reactor.call_at(reactor.now() + self.timeout, self._timer)
-        if self.stream.transport_bytes_received:
+        if self._refusal is not None:
+            self._refuse_server_name(self._refusal)
+        elif self.stream.transport_bytes_received:
             self._step(None)
 
     def ready(self, fd: int, events: int) -> None:
@@ -174,6 +185,11 @@ class ReactorHandshake:
     def _step(self, data: memoryview | None) -> None:
         """The engine's step on *data* (read from the socket; None: none),
         and the send of what it produced."""
+        if data is not None and not self._names.done:
+            refusal = self._names.feed(data)
+            if refusal is not None:
+                self._refuse_server_name(refusal)
+                return
         try:
             finished = self.stream.handshake_nowait(data)
         except trio.BrokenResourceError as exc:
@@ -203,6 +219,15 @@ class ReactorHandshake:
             return
         self._out = records[sent:]
         self._watch(WRITABLE if self._out else READABLE)
+
+    def _refuse_server_name(self, detail: str) -> None:
+        """End with a ClientHello the engine must not read: the alert OpenSSL
+        sends for a server name it cannot use (best effort, behind what is
+        owed), and a ``tls_error`` saying why."""
+        with contextlib.suppress(OSError):
+            self.sock.send(self._out + UNRECOGNIZED_NAME_ALERT)
+        self._out = b""
+        self._end(Refused(Termination.TLS_ERROR, detail))
 
     def _send_alert(self) -> None:
         """Best effort: the alert of a failed handshake, if the socket takes

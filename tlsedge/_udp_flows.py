@@ -1,5 +1,5 @@
 """UDP flows without I/O: the flow table, idle expiry, PROXY v2 per datagram,
-and the throttle for drop warnings.
+whose fault a failed send is, and the throttle for drop warnings.
 
 A *flow* is the datagrams of one client address (and, behind a trusted load
 balancer, of one peer and the client its headers name) to one backend server.
@@ -15,6 +15,7 @@ scan of the table.
 
 from __future__ import annotations
 
+import errno
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from proxyproto import (
     encode_v2,
     parse,
 )
+from proxyproto._ip import ip_text
 
 __all__ = [
     "MAX_DATAGRAM",
@@ -39,6 +41,7 @@ __all__ = [
     "FlowTable",
     "Unwrapped",
     "dgram_proxy_header",
+    "send_drop_reason",
     "unwrap_datagram",
 ]
 
@@ -159,8 +162,8 @@ def unwrap_datagram(
     if not isinstance(source, InetAddress) or not isinstance(destination, InetAddress):
         return Unwrapped(drop="header_error", detail="header has no IP addresses")
     return Unwrapped(
-        client=(str(source.host), source.port),
-        destination=(str(destination.host), destination.port),
+        client=(ip_text(source.host), source.port),
+        destination=(ip_text(destination.host), destination.port),
         payload=data[consumed:],
     )
 
@@ -179,6 +182,29 @@ def dgram_proxy_header(
         client, destination, version=2, transport=Transport.DGRAM, tlvs=tlvs
     )
     return encode_v2(header, crc32c=crc32c)
+
+
+#: Errors of a send to a server that are not the server's: the datagram is
+#: dropped for this reason, the flow goes on and the server's health is
+#: untouched. Any other error is the server's side (an ICMP error it sent
+#: back, no route to it): the flow ends as ``server_error``.
+_SEND_DROPS: Final = {
+    # Too large to send: the datagram with the PROXY header exceeds the
+    # largest UDP payload (65507 bytes over IPv4), or the path MTU with
+    # don't-fragment set. The client chose its size.
+    errno.EMSGSIZE: "too_large",
+    # This host cannot queue it now (interface queue or memory full, as the
+    # send buffer can be: BlockingIOError): what a flood of datagrams causes.
+    errno.ENOBUFS: "server_busy",
+    errno.ENOMEM: "server_busy",
+}
+
+
+def send_drop_reason(error: OSError) -> str | None:
+    """The drop reason when a send of a client's datagram to its server
+    failed with *error* for a cause that is not the server's (the datagram,
+    this host); None when the server's side failed."""
+    return _SEND_DROPS.get(error.errno) if error.errno is not None else None
 
 
 class DropLog:

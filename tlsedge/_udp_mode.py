@@ -22,10 +22,16 @@ used flow expires: `FlowTable` keeps the order), when the server's side fails
 ``server_error``, which counts against the server's health as a failed
 connect does in tcp mode, while a flow's first reply counts as a connect that
 succeeded), or at the drain deadline (``drained``: the edge cancels the
-listener's task). The end is handled where it happens, in the reactor's
-callback or the listener's task: the upstream socket leaves the reactor and
-closes, the server's lease and the flow's ``max_connections`` tokens are
-released, and the flow's metrics and its one access-log line (bytes each way;
+listener's task). A send to the server that fails for the datagram's own
+cause (too large with the PROXY header: ``too_large``) or this host's (no
+buffer: ``server_busy``) drops that datagram alone: the flow goes on and the
+server's health is untouched (`tlsedge._udp_flows.send_drop_reason`), so no
+client can take a server down by what it sends (such a datagram is counted
+and logged as the drops below; a new client's flow stays open for its next
+datagrams). The end is handled where it happens, in the reactor's callback
+or the listener's task: the upstream socket leaves the reactor and closes,
+the server's lease and the flow's ``max_connections`` tokens are released,
+and the flow's metrics and its one access-log line (bytes each way;
 ``requests`` holds the datagrams from the client) are written.
 
 The listener's ``max_connections`` (and the edge's) counts flows: a new
@@ -71,6 +77,7 @@ from tlsedge._udp_flows import (
     DropLog,
     FlowTable,
     dgram_proxy_header,
+    send_drop_reason,
     unwrap_datagram,
 )
 from tlsedge._upstream import BackendPool
@@ -239,6 +246,15 @@ def _describe(exc: OSError) -> str:
     return os.strerror(exc.errno).lower() if exc.errno else str(exc)
 
 
+def _send_failure(flow: _Flow, data: bytes, exc: OSError) -> str:
+    """Why a datagram of *flow* could not go to its server: its size (with
+    the PROXY header), the server, and the error."""
+    size = f"{len(data)} bytes"
+    if flow.header:
+        size += f" ({len(flow.header) + len(data)} with the PROXY header)"
+    return f"datagram of {size} to {flow.log.server}: {_describe(exc)}"
+
+
 class UdpListener:
     """The flows of one ``mode = "udp"`` listener over its bound sockets.
 
@@ -398,7 +414,11 @@ class UdpListener:
             self._drop("server_busy", peer, "send buffer full", now)
             return False
         except OSError as exc:
-            self._end(flow, Termination.SERVER_ERROR, _describe(exc))
+            reason = send_drop_reason(exc)
+            if reason is None:
+                self._end(flow, Termination.SERVER_ERROR, _describe(exc))
+            else:
+                self._drop(reason, peer, _send_failure(flow, data, exc), now)
             return False
         flow.datagrams_from_client += 1
         flow.log.bytes_from_client += len(data)

@@ -34,6 +34,7 @@ from proxyproto import (
     TrustPolicy,
 )
 from proxyproto._adapters import inet_address, select_addresses
+from tlsedge._accesslog import format_address
 from tlsedge._config import ProxyProtocolConfig
 from tlsedge._reactor import READABLE, Cancellable, current_reactor
 from tlsedge._relay import _scratch
@@ -96,7 +97,8 @@ def _reader_for(
     if policy is Policy.REJECT:
         raise _refusal(
             RemoteProtocolError(
-                f"peer {peer} may not connect here (trust policy REJECT)",
+                f"peer {format_address(peer)} may not connect here "
+                "(trust policy REJECT)",
                 reason="rejected",
             )
         )
@@ -115,7 +117,8 @@ def _refusal(exc: RemoteProtocolError) -> Refused:
 def _timed_out(settings: ProxyProtocolConfig, peer: tuple[str, int] | None) -> Refused:
     return _refusal(
         RemoteProtocolError(
-            f"no complete PROXY header from {peer} within {settings.timeout} s",
+            f"no complete PROXY header from {format_address(peer)} within "
+            f"{settings.timeout} s",
             reason="timeout",
         )
     )

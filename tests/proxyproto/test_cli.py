@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import ipaddress
 import json
 import shutil
 import subprocess
@@ -68,7 +69,7 @@ def address_json(address: InetAddress | UnixAddress | None) -> Any:
     if address is None:
         return None
     if isinstance(address, InetAddress):
-        return [str(address.host), address.port]
+        return [address.host, address.port]
     return address.path.hex()
 
 
@@ -76,7 +77,7 @@ def address_from_json(entry: Any) -> Any:
     if entry is None:
         return None
     if "host" in entry:
-        return [entry["host"], entry["port"]]
+        return [ipaddress.ip_address(entry["host"]), entry["port"]]
     return entry["path_hex"]
 
 

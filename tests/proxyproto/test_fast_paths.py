@@ -25,6 +25,7 @@ from proxyproto import (
     encode_v2,
     parse,
 )
+from proxyproto._ip import ip_text, ipv6_text
 from proxyproto._options import DEFAULT_OPTIONS
 from proxyproto._tlv import (
     _ascii_text,
@@ -35,7 +36,7 @@ from proxyproto._tlv import (
     check_utf8,
     walk_ssl,
 )
-from proxyproto._v1 import _host_text, _ipv4_int, _ipv6, _ipv6_int, _ipv6_text
+from proxyproto._v1 import _ipv4_int, _ipv6, _ipv6_int
 
 _IPV6_ALPHABET = "0123456789abcdefABCDEF:."
 
@@ -152,11 +153,11 @@ def test_ipv4_parser_matches_ipaddress(text: str) -> None:
 def test_ipv6_printer_matches_ipaddress(value: int) -> None:
     address = IPv6Address(value)
     if address.ipv4_mapped is not None:
-        assert _ipv6_text(value) == f"::ffff:{address.ipv4_mapped}"
+        assert ipv6_text(value) == f"::ffff:{address.ipv4_mapped}"
     else:
-        assert _ipv6_text(value) == str(address)
-    assert _host_text(address) == _ipv6_text(value)
-    assert _ipv6_int(_ipv6_text(value).encode()) == value
+        assert ipv6_text(value) == str(address)
+    assert ip_text(address) == ipv6_text(value)
+    assert _ipv6_int(ipv6_text(value).encode()) == value
 
 
 def _reference_ascii(value: bytes) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ipaddress import IPv4Network, ip_address
+from ipaddress import IPv4Network, ip_address, ip_network
 from typing import Any
 
 import pytest
@@ -88,6 +88,41 @@ def test_local_address_rules() -> None:
     assert policy.decide("10.0.0.1") is Policy.REJECT  # local unknown
     assert policy.decide("10.0.0.1", "/run/x.sock") is Policy.REJECT
     assert policy.decide("11.0.0.1", "192.168.1.1") is Policy.REJECT
+
+
+@pytest.mark.parametrize(
+    ("trusted", "peer", "expected"),
+    [
+        (["::ffff:10.0.0.0/104"], "10.9.9.9", Policy.REQUIRE),
+        (["::ffff:10.0.0.0/104"], ("10.9.9.9", 5000), Policy.REQUIRE),
+        (["::ffff:10.0.0.0/104"], ("::ffff:10.9.9.9", 5000, 0, 0), Policy.REQUIRE),
+        (["::ffff:10.0.0.0/104"], "11.0.0.1", Policy.REJECT),
+        (["::ffff:127.0.0.1"], ip_address("127.0.0.1"), Policy.REQUIRE),
+        (["10.0.0.0/8"], "::ffff:10.9.9.9", Policy.REQUIRE),
+        # an IPv6 network over the whole mapped range holds every IPv4 peer
+        (["::/0"], "192.0.2.1", Policy.REQUIRE),
+        (["2001:db8::/32"], "192.0.2.1", Policy.REJECT),
+    ],
+)
+def test_a_peer_matches_rules_written_in_either_form(
+    trusted: list[str], peer: Any, expected: Policy
+) -> None:
+    assert TrustPolicy.from_cidrs(trusted).decide(peer) is expected
+
+
+def test_local_rules_match_in_either_form() -> None:
+    policy = TrustPolicy.from_cidrs(["10.0.0.0/8"], local=["::ffff:192.168.1.1"])
+    assert policy.decide("10.0.0.1", ("192.168.1.1", 443)) is Policy.REQUIRE
+    assert policy.decide("10.0.0.1", "::ffff:192.168.1.1") is Policy.REQUIRE
+    assert policy.decide("10.0.0.1", "192.168.1.2") is Policy.REJECT
+
+
+def test_rules_hold_mapped_networks_as_ipv4() -> None:
+    written = tuple(map(ip_network, ["::ffff:10.0.0.0/104", "::/0"]))
+    built = TrustPolicy(rules=((written, None, Policy.USE),))
+    held = tuple(map(ip_network, ["10.0.0.0/8", "::/0", "0.0.0.0/0"]))
+    assert built.rules == ((held, None, Policy.USE),)
+    assert built.decide("10.0.0.1") is Policy.USE
 
 
 def test_unparsable_local_does_not_matter_without_local_rules() -> None:

@@ -292,12 +292,25 @@ class Server(ProxyProtocolMixin, socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
 
+class DualStackServer(Server):
+    """On ``::``, taking IPv4 clients too: it sees them as ``::ffff:a.b.c.d``."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
 @contextmanager
 def running_server(
-    trust: TrustPolicy, header_timeout: float = 5.0
+    trust: TrustPolicy, header_timeout: float = 5.0, *, dual_stack: bool = False
 ) -> Iterator[tuple[str, int]]:
-    server = Server(
-        ("127.0.0.1", 0), Handler, trust=trust, header_timeout=header_timeout
+    server = (DualStackServer if dual_stack else Server)(
+        ("::" if dual_stack else "127.0.0.1", 0),
+        Handler,
+        trust=trust,
+        header_timeout=header_timeout,
     )
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.05}
@@ -342,6 +355,31 @@ def test_server_reports_real_client(name: str) -> None:
         ).encode()
         + b"\n"
     )
+
+
+def has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dual_stack", [False, True], ids=["ipv4", "dual-stack"])
+@pytest.mark.parametrize("trusted", ["127.0.0.1", "::ffff:127.0.0.1"])
+def test_an_ipv4_peer_matches_trusted_networks_in_either_form(
+    dual_stack: bool, trusted: str
+) -> None:
+    # A dual-stack server sees the IPv4 client as ::ffff:127.0.0.1: one peer.
+    if dual_stack and not has_ipv6():
+        pytest.skip("no IPv6: a dual-stack socket cannot be bound")
+    with running_server(TrustPolicy.from_cidrs([trusted]), dual_stack=dual_stack) as (
+        _,
+        port,
+    ):
+        answer = ask(("127.0.0.1", port), HEADERS["v2"] + b"line\n")
+    assert answer.startswith(b"(('192.0.2.7', 51234), ('198.51.100.1', 443), ")
 
 
 def test_server_local_uses_socket_endpoints() -> None:

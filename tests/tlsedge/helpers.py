@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+import os
+import struct
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,8 @@ __all__ = [
     "Backend",
     "access_records",
     "address_of",
+    "capture_unraisable",
+    "client_hello",
     "close_clients",
     "connect",
     "describe_header",
@@ -36,6 +41,7 @@ __all__ = [
     "read_proxy",
     "running_edge",
     "tag_handler",
+    "tls_extension",
     "wait_access_records",
     "wait_until",
 ]
@@ -273,3 +279,56 @@ async def close_clients() -> None:
     """Close every client `connect` opened (call from a fixture's teardown)."""
     while _CLIENTS:
         await trio.aclose_forcefully(_CLIENTS.pop())
+
+
+@contextmanager
+def capture_unraisable() -> Iterator[list[Any]]:
+    """What ``sys.unraisablehook`` is given while the block runs (exceptions
+    Python could not raise: it would print them to stderr)."""
+    seen: list[Any] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        yield seen
+    finally:
+        sys.unraisablehook = previous
+
+
+# -- TLS by hand ------------------------------------------------------------------
+
+
+def tls_extension(kind: int, body: bytes) -> bytes:
+    """A TLS extension: type, length, body."""
+    return struct.pack("!HH", kind, len(body)) + body
+
+
+def server_name_extension(name: bytes) -> bytes:
+    """The server_name extension holding one host_name: *name*, as it is."""
+    entry = struct.pack("!BH", 0, len(name)) + name
+    return tls_extension(0, struct.pack("!H", len(entry)) + entry)
+
+
+def client_hello(server_name: bytes | None, *, key_share: bool = True) -> bytes:
+    """A TLS 1.3 ClientHello record (x25519; *key_share* False makes the
+    server answer with a HelloRetryRequest), naming *server_name*."""
+    share = struct.pack("!HH", 0x001D, 32) + os.urandom(32) if key_share else b""
+    extensions = b"".join(
+        [
+            b"" if server_name is None else server_name_extension(server_name),
+            tls_extension(10, struct.pack("!HH", 2, 0x001D)),  # supported_groups
+            tls_extension(13, struct.pack("!HHHH", 6, 0x0403, 0x0804, 0x0401)),
+            tls_extension(43, b"\x02\x03\x04"),  # supported_versions: TLS 1.3
+            tls_extension(51, struct.pack("!H", len(share)) + share),  # key_share
+        ]
+    )
+    body = b"".join(
+        [
+            b"\x03\x03" + os.urandom(32),
+            b"\x20" + os.urandom(32),  # session id
+            struct.pack("!HH", 2, 0x1301),  # TLS_AES_128_GCM_SHA256
+            b"\x01\x00",  # no compression
+            struct.pack("!H", len(extensions)) + extensions,
+        ]
+    )
+    message = b"\x01" + len(body).to_bytes(3, "big") + body
+    return b"\x16\x03\x01" + struct.pack("!H", len(message)) + message

@@ -1,14 +1,30 @@
-"""The access-log lines' JSON encoding (`tlsedge._accesslog.JsonLine`)."""
+"""The access-log lines' JSON encoding (`tlsedge._accesslog.JsonLine`), and
+how addresses are written (`tlsedge._accesslog.format_address`), also over real
+connections."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import socket
 
 import pytest
+import trio
 from hypothesis import given, strategies as st
 
-from tlsedge._accesslog import JsonLine, format_time
+from proxyproto import ProxyHeader, encode_v2
+from tests.tlsedge.helpers import (
+    Backend,
+    access_records,
+    address_of,
+    make_config,
+    running_edge,
+    wait_access_records,
+)
+from tests.tlsedge.test_admin import admin_address, http_get
+from tests.tlsedge.test_admission import exchange_from
+from tlsedge._accesslog import JsonLine, format_address, format_time
 from tlsedge._http import log as http_log
 from tlsedge._http.log import RequestLog
 from tlsedge._termination import Termination
@@ -88,3 +104,105 @@ def test_request_line_has_every_field_in_order(
     log.emit()
     (line,) = lines
     assert line == json.dumps(expected, separators=(",", ":"))
+
+
+# -- addresses ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "text"),
+    [
+        (("192.0.2.66", 40000), "192.0.2.66:40000"),
+        (("::ffff:192.0.2.66", 40000), "[::ffff:192.0.2.66]:40000"),
+        (("2001:db8::1", 443), "[2001:db8::1]:443"),
+        (None, None),
+    ],
+)
+def test_format_address(address: tuple[str, int] | None, text: str | None) -> None:
+    assert format_address(address) == text
+
+
+def has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+async def http_app(stream: trio.SocketStream) -> None:
+    """Read a PROXY v1 line and a request; answer with the line."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return
+        data += chunk
+    line = data.partition(b"\r\n")[0]
+    await stream.send_all(
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(line), line)
+    )
+
+
+@pytest.mark.skipif(not has_ipv6(), reason="no IPv6: no IPv4-mapped socket")
+async def test_ipv4_mapped_addresses_are_written_with_their_ipv4_address(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A dual-stack proxy in front names IPv4 clients ::ffff:a.b.c.d (TCP6);
+    # the server is reached over a real dual-stack connection: an IPv6
+    # socket to ::ffff:127.0.0.1.
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    backend = await Backend(http_app).start(nursery)
+    server = f"[::ffff:127.0.0.1]:{backend.port}"
+    config = make_config(
+        [
+            {
+                "name": "web",
+                "backend": "b",
+                "mode": "http",
+                "allow": ["10.0.0.0/8"],
+                "denied": "403",
+                "proxy_protocol": {"trusted": ["127.0.0.2"]},
+            }
+        ],
+        [{"name": "b", "servers": [server], "send_proxy": "v1"}],
+        {"admin": "127.0.0.1:0"},
+    )
+    request = b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    destination = ("::ffff:192.0.2.1", 80)
+    inside = encode_v2(
+        ProxyHeader.from_addresses(("::ffff:10.0.0.66", 40000), destination)
+    )
+    outside = encode_v2(
+        ProxyHeader.from_addresses(("::ffff:192.0.2.66", 40001), destination)
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "web")
+        allowed = await exchange_from("127.0.0.2", address, inside + request)
+        refused = await exchange_from("127.0.0.2", address, outside + request)
+        status = (await http_get(admin_address(edge), "/status")).text
+        await wait_access_records(caplog, 2)
+    assert allowed.startswith(b"HTTP/1.1 200 ")
+    # The PROXY v1 line to the server.
+    assert allowed.endswith(
+        b"\r\n\r\nPROXY TCP6 ::ffff:10.0.0.66 ::ffff:192.0.2.1 40000 80"
+    )
+    assert refused.startswith(b"HTTP/1.1 403 Forbidden\r\n")
+    records = {r["client"]: r for r in access_records(caplog)}
+    assert records["[::ffff:10.0.0.66]:40000"]["server"] == server
+    assert records["[::ffff:10.0.0.66]:40000"]["destination"] == (
+        "[::ffff:192.0.2.1]:80"
+    )
+    denied = records["[::ffff:192.0.2.66]:40001"]
+    assert denied["detail"] == (
+        "client ::ffff:192.0.2.66 is in no allow network; answered 403"
+    )
+    assert server in status
+    logged = " ".join(
+        r.getMessage() for r in caplog.records if r.name != "tlsedge.access"
+    )
+    assert "[::ffff:192.0.2.66]:40001" in logged
+    assert "c000" not in logged + status
+    assert not any("c000" in json.dumps(r) for r in access_records(caplog))

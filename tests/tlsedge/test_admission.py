@@ -91,9 +91,43 @@ def test_ipv4_mapped_clients_match_ipv4_and_ipv6_networks() -> None:
     # a network written in the mapped form also holds them
     mapped = AccessRules(allow=nets("::ffff:192.0.2.0/120"), deny=())
     assert mapped.check("::ffff:192.0.2.1").admitted
-    assert not mapped.check("192.0.2.1").admitted  # not IPv6: different family
     denied = AccessRules(allow=(), deny=nets("192.0.2.0/24"))
     assert not denied.check("::ffff:192.0.2.9").admitted
+
+
+def test_ipv4_clients_match_networks_in_the_mapped_form() -> None:
+    mapped = AccessRules(allow=nets("::ffff:192.0.2.0/120"), deny=())
+    verdict = mapped.check("192.0.2.1")
+    assert verdict.admitted
+    assert verdict.rule == ipaddress.ip_network("::ffff:192.0.2.0/120")
+    assert verdict.reason == "client 192.0.2.1 is in allow ::ffff:192.0.2.0/120"
+    assert not mapped.check("192.0.3.1").admitted
+    denied = AccessRules(allow=(), deny=nets("::ffff:127.0.0.9"))
+    refused = denied.check("127.0.0.9")
+    assert not refused.admitted
+    assert refused.reason == "client 127.0.0.9 is in deny ::ffff:127.0.0.9/128"
+    assert denied.check("127.0.0.8").admitted
+
+
+def test_an_ipv6_network_over_the_mapped_range_holds_every_ipv4_client() -> None:
+    # ::/0 holds ::ffff:0:0/96, so every IPv4 client, in either form.
+    everyone6 = AccessRules(allow=nets("::/0"), deny=())
+    assert everyone6.check("192.0.2.1").admitted
+    assert everyone6.check("::ffff:192.0.2.1").admitted
+    only6 = AccessRules(allow=nets("2001:db8::/32"), deny=())
+    assert not only6.check("192.0.2.1").admitted
+    # Both written: the rule reported is the one of the client's own family.
+    both = AccessRules(allow=nets("::/0", "0.0.0.0/0"), deny=())
+    assert both.check("192.0.2.1").rule == ipaddress.ip_network("0.0.0.0/0")
+    assert both.check("::ffff:192.0.2.1").rule == ipaddress.ip_network("0.0.0.0/0")
+    assert both.check("2001:db8::1").rule == ipaddress.ip_network("::/0")
+
+
+def test_mapped_clients_are_written_with_their_ipv4_address() -> None:
+    rules = AccessRules(allow=nets("10.0.0.0/8"), deny=())
+    assert rules.check("::ffff:192.0.2.66").reason == (
+        "client ::ffff:192.0.2.66 is in no allow network"
+    )
 
 
 def test_nested_networks_report_the_outer_one() -> None:
@@ -116,15 +150,21 @@ addresses_mapped = addresses_v4.map(lambda a: ipaddress.IPv6Address(f"::ffff:{a}
 networks = st.one_of(
     st.tuples(addresses_v4, st.integers(0, 32)),
     st.tuples(addresses_v6, st.integers(0, 128)),
+    # mapped networks, and IPv6 ones around the mapped range (::/0 ... /96)
+    st.tuples(addresses_mapped, st.integers(0, 128)),
 ).map(lambda a: ipaddress.ip_network(f"{a[0]}/{a[1]}", strict=False))
 
 
 def _in_any(
     address: ipaddress.IPv4Address | ipaddress.IPv6Address, of: list[Network]
 ) -> bool:
+    """The client is in one of *of*, in either of its forms: ``a.b.c.d``
+    and ``::ffff:a.b.c.d`` are one client."""
     candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [address]
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
         candidates.append(address.ipv4_mapped)
+    if isinstance(address, ipaddress.IPv4Address):
+        candidates.append(ipaddress.IPv6Address(f"::ffff:{address}"))
     return any(a in n for a in candidates for n in of)
 
 
@@ -148,6 +188,15 @@ def test_the_lookup_agrees_with_a_linear_scan(
         assert verdict.admitted == expected, address
         if verdict.rule is not None:
             assert _in_any(address, [verdict.rule])
+
+
+def has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
 
 
 # -- real clients -----------------------------------------------------------------
@@ -484,6 +533,154 @@ async def test_403_behind_a_proxy_header_judges_the_client_it_names(
     assert record["bytes_from_client"] == len(request)
 
 
+async def test_a_deny_network_in_the_mapped_form_refuses_the_ipv4_client(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = await Backend(echo_handler()).start(nursery)
+    config = make_config(
+        [{"name": "in", "backend": "b", "deny": ["::ffff:127.0.0.9"]}],
+        [{"name": "b", "servers": [backend.address]}],
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        denied = await exchange_from("127.0.0.9", address, b"x")
+        served = await exchange_from("127.0.0.8", address, b"y")
+        await wait_access_records(caplog, 2)
+    assert denied == b""
+    assert served == b"seen:y"
+    assert backend.accepted == 1
+    record = by_client(caplog)["127.0.0.9"]
+    assert record["termination"] == "denied"
+    assert record["detail"] == "client 127.0.0.9 is in deny ::ffff:127.0.0.9/128"
+
+
+@pytest.mark.parametrize(
+    ("deny", "source"),
+    [
+        ("::ffff:198.51.100.0/120", "198.51.100.7"),  # a TCP4 header
+        ("198.51.100.0/24", "::ffff:198.51.100.7"),  # a TCP6 header
+        ("::ffff:198.51.100.0/120", "::ffff:198.51.100.7"),
+    ],
+)
+async def test_proxy_header_sources_match_deny_networks_in_either_form(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, deny: str, source: str
+) -> None:
+    backend = await Backend(echo_handler()).start(nursery)
+    config = make_config(
+        [
+            {
+                "name": "in",
+                "backend": "b",
+                "deny": [deny],
+                "proxy_protocol": {"trusted": ["127.0.0.2"]},
+            }
+        ],
+        [{"name": "b", "servers": [backend.address]}],
+    )
+    destination = ("::ffff:192.0.2.1" if ":" in source else "192.0.2.1", 443)
+    other = "::ffff:203.0.113.5" if ":" in source else "203.0.113.5"
+    denied = encode_v2(ProxyHeader.from_addresses((source, 4000), destination))
+    served = encode_v2(ProxyHeader.from_addresses((other, 4001), destination))
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        answers = [
+            await exchange_from("127.0.0.2", address, denied + b"a"),
+            await exchange_from("127.0.0.2", address, served + b"b"),
+        ]
+        records = await wait_access_records(caplog, 2)
+    assert answers == [b"", b"seen:b"]
+    assert backend.accepted == 1
+    (record,) = [r for r in records if r["termination"] == "denied"]
+    client = f"[{source}]:4000" if ":" in source else f"{source}:4000"
+    assert record["client"] == client
+    assert record["detail"] == f"client {source} is in deny {deny}"
+
+
+async def test_a_trusted_network_in_the_mapped_form_holds_the_ipv4_peer(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = await Backend(echo_handler()).start(nursery)
+    config = make_config(
+        [
+            {
+                "name": "in",
+                "backend": "b",
+                "allow": ["10.0.0.0/8"],
+                "proxy_protocol": {"trusted": ["::ffff:127.0.0.2"]},
+            }
+        ],
+        [{"name": "b", "servers": [backend.address]}],
+    )
+    header = encode_v2(
+        ProxyHeader.from_addresses(("10.1.2.3", 4000), ("10.0.0.1", 443))
+    )
+    async with running_edge(config) as edge:
+        address = address_of(edge, "in")
+        trusted = await exchange_from("127.0.0.2", address, header + b"a")
+        untrusted = await exchange_from("127.0.0.3", address, header + b"b")
+        await wait_access_records(caplog, 2)
+    assert trusted == b"seen:a"
+    assert untrusted == b""
+    peers = {r["peer"].rpartition(":")[0]: r for r in access_records(caplog)}
+    assert peers["127.0.0.2"]["client"] == "10.1.2.3:4000"
+    assert peers["127.0.0.3"]["termination"] == "rejected"
+
+
+HAPROXY_DUAL_STACK = """\
+frontend dual
+    bind :::{dual} v4v6
+    default_backend edge
+backend edge
+    server tlsedge 127.0.0.1:{edge} send-proxy-v2
+"""
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 (dual-stack HAProxy)")
+async def test_ipv4_clients_of_a_dual_stack_proxy_match_ipv4_networks(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # HAProxy on a dual-stack socket sees an IPv4 client as ::ffff:a.b.c.d and
+    # names it so in a TCP6 header: the same client as a.b.c.d.
+    backend = await Backend(echo_handler()).start(nursery)
+    config = make_config(
+        [
+            {
+                "name": "in",
+                "backend": "b",
+                "allow": ["127.0.0.0/8"],
+                "deny": ["::ffff:127.0.0.6", "127.0.0.7"],
+                "proxy_protocol": {"trusted": ["127.0.0.1"]},
+            }
+        ],
+        [{"name": "b", "servers": [backend.address]}],
+    )
+    async with running_edge(config) as edge:
+        _, edge_port = address_of(edge, "in")
+        dual = free_port()
+        with haproxy(HAPROXY_DUAL_STACK.format(dual=dual, edge=edge_port), [dual]):
+            answers = {
+                source: await exchange_from(source, ("127.0.0.1", dual), b"v4")
+                for source in ("127.0.0.5", "127.0.0.6", "127.0.0.7")
+            }
+            await wait_until(
+                lambda: (
+                    {"[::ffff:127.0.0.6]", "[::ffff:127.0.0.7]"}
+                    <= {r["client"].rpartition(":")[0] for r in access_records(caplog)}
+                )
+            )
+    assert answers == {"127.0.0.5": b"seen:v4", "127.0.0.6": b"", "127.0.0.7": b""}
+    records = {r["client"].rpartition(":")[0]: r for r in access_records(caplog)}
+    admitted = records["[::ffff:127.0.0.5]"]
+    assert admitted["termination"] in {"client_closed", "server_closed"}
+    assert admitted["peer"].startswith("127.0.0.1:")
+    assert records["[::ffff:127.0.0.6]"]["detail"] == (
+        "client ::ffff:127.0.0.6 is in deny ::ffff:127.0.0.6/128"
+    )
+    assert records["[::ffff:127.0.0.7]"]["detail"] == (
+        "client ::ffff:127.0.0.7 is in deny 127.0.0.7/32"
+    )
+
+
 HAPROXY_FRONTENDS = """\
 frontend office
     bind 127.0.0.1:{office}
@@ -628,15 +825,6 @@ async def test_reload_applies_new_lists_to_new_connections(
         "127.0.0.3",
         "127.0.0.2",
     ]
-
-
-def has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as sock:
-            sock.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
 
 
 @pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1)")

@@ -692,6 +692,11 @@ ERRORS: list[tuple[str, str]] = [
         "'2001:db8::/32'?",
     ),
     (
+        listener(deny='["::ffff:192.0.2.1/120"]') + B,
+        "listeners[0].deny[0]: '::ffff:192.0.2.1/120' has host bits set; did you "
+        "mean '::ffff:192.0.2.0/120'?",
+    ),
+    (
         listener(allow='["10.0.0.0/8", "10.0.0.0/8"]') + B,
         "listeners[0].allow[1]: duplicate entry '10.0.0.0/8'",
     ),
@@ -1246,6 +1251,10 @@ def test_address_round_trip(text: str, host: str, port: int) -> None:
 def test_address_canonical_ip() -> None:
     assert str(Address.parse("[0:0::0:1]:80")) == "[::1]:80"
     assert Address.parse("[2001:DB8::1]:80").host == "2001:db8::1"
+    # IPv4-mapped: the IPv4 address readable (RFC 5952 section 5)
+    mapped = Address.parse("[::FFFF:C000:242]:80")
+    assert mapped.host == "::ffff:192.0.2.66"
+    assert str(mapped) == "[::ffff:192.0.2.66]:80"
 
 
 @pytest.mark.parametrize(

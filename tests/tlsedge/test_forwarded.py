@@ -1,4 +1,5 @@
-"""Forwarding-header rewriting (sans-IO)."""
+"""Forwarding-header rewriting (sans-IO), and the trust in ``trusted_proxies``
+over a real connection."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ipaddress import ip_network
 import pytest
 from hypothesis import example, given, strategies as st
 
+from tests.tlsedge.test_http import echo_and_proxy, get, seen_headers
 from tlsedge._config import ForwardedConfig
 from tlsedge._forwarded import (
     FORWARDING_HEADERS,
@@ -238,6 +240,47 @@ def test_is_valid_request_id(value: bytes, ok: bool) -> None:
 )
 def test_is_trusted_peer(host: str | None, expected: bool) -> None:
     assert is_trusted_peer(host, TRUSTED_NET) is expected
+
+
+@pytest.mark.parametrize(
+    ("written", "host", "expected"),
+    [
+        ("::ffff:10.0.0.0/104", "10.1.2.3", True),
+        ("::ffff:10.0.0.0/104", "::ffff:10.1.2.3", True),
+        ("::ffff:10.0.0.0/104", "11.0.0.1", False),
+        ("10.0.0.0/8", "::ffff:10.1.2.3", True),
+        ("::/0", "192.0.2.1", True),  # ::/0 holds the whole mapped range
+        ("2001:db8::/32", "192.0.2.1", False),
+    ],
+)
+def test_trusted_proxies_match_in_either_form(
+    written: str, host: str, expected: bool
+) -> None:
+    config = ForwardedConfig(trusted_proxies=(ip_network(written),))
+    assert is_trusted_peer(host, config.trusted_proxies) is expected
+
+
+def test_trusted_proxies_hold_mapped_networks_as_ipv4() -> None:
+    config = ForwardedConfig(
+        trusted_proxies=tuple(
+            map(ip_network, ["::ffff:10.0.0.0/104", "::/0", "0.0.0.0/0"])
+        )
+    )
+    assert config.trusted_proxies == tuple(
+        map(ip_network, ["10.0.0.0/8", "::/0", "0.0.0.0/0"])
+    )
+
+
+async def test_a_trusted_proxy_network_in_the_mapped_form_keeps_the_chain() -> None:
+    # Over a real connection from 127.0.0.1, through the HTTP proxy.
+    forwarded = {"trusted_proxies": ["::ffff:127.0.0.0/104"]}
+    async with echo_and_proxy(forwarded=forwarded) as (_, proxy):
+        response = await get(
+            proxy.address, headers=[("X-Forwarded-For", "203.0.113.9")]
+        )
+    assert seen_headers(response.json(), "x-forwarded-for") == [
+        "203.0.113.9, 127.0.0.1"
+    ]
 
 
 def test_nothing_is_trusted_without_networks() -> None:

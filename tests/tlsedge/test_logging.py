@@ -8,20 +8,26 @@ import json
 import logging
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import trio
+import trustme
 
 from tests.peers import free_port
 from tests.tlsedge.helpers import (
     Backend,
+    client_hello,
     exchange,
     make_config,
+    read_all,
     running_edge,
     tag_handler,
     wait_until,
@@ -43,6 +49,7 @@ from tlsedge._logging import (
     EscapingFormatter,
     JsonFormatter,
     escape_control,
+    log_unraisable,
     reopen_logs,
     run_access_log_flusher,
     setup_logging,
@@ -578,18 +585,12 @@ def test_log_format_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 @contextlib.asynccontextmanager
-async def edge_process(config: Path, log: Path) -> AsyncIterator[trio.Process]:
+async def edge_process(
+    config: Path, log: Path, *, flags: tuple[str, ...] = ("--log-format", "json")
+) -> AsyncIterator[trio.Process]:
     with log.open("wb") as out:
         process = await trio.lowlevel.open_process(
-            [
-                sys.executable,
-                "-m",
-                "tlsedge",
-                "--log-format",
-                "json",
-                "run",
-                str(config),
-            ],
+            [sys.executable, "-m", "tlsedge", *flags, "run", str(config)],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -663,3 +664,103 @@ async def test_workers_share_the_access_log_and_reopen_on_sigusr1(
             assert await process.wait() == 0
     # The process log is JSON (--log-format json), the workers' too.
     assert bound() == 2
+
+
+# --- nothing but the configured format on stderr ------------------------------------
+
+
+class _Unraisable:
+    def __del__(self) -> None:
+        raise RuntimeError("raised in __del__ \x1b[31m")
+
+
+def test_unraisable_exceptions_go_to_the_process_log() -> None:
+    stream = io.StringIO()
+    before = sys.unraisablehook
+    setup_logging("info", "json", "off", stream=stream)
+    assert sys.unraisablehook is log_unraisable
+    _Unraisable()  # collected at once: its __del__ raises where none can catch
+    shutdown_logging()
+    assert sys.unraisablehook is before
+    (line,) = [json.loads(text) for text in stream.getvalue().splitlines()]
+    assert line["level"] == "ERROR"
+    assert line["logger"] == "tlsedge.unraisable"
+    assert line["message"].startswith(
+        "Exception ignored in: <function _Unraisable.__del__"
+    )
+    assert "RuntimeError: raised in __del__ \x1b[31m" in line["exc_info"]
+
+
+def test_warnings_go_to_the_process_log() -> None:
+    stream = io.StringIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        setup_logging("info", "json", "off", stream=stream)
+        warnings.warn("something to know", UserWarning, stacklevel=1)
+        shutdown_logging()
+    (line,) = [json.loads(text) for text in stream.getvalue().splitlines()]
+    assert line["logger"] == "py.warnings"
+    assert "UserWarning: something to know" in line["message"]
+
+
+async def test_a_non_ascii_server_name_is_refused_in_the_log_format(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # The ssl module cannot decode such a name: before the fix, CPython
+    # printed "Exception ignored in ..." and a traceback (5 lines of text)
+    # per handshake into a JSON log.
+    backend = await Backend(tag_handler("hi")).start(nursery)
+    ca = trustme.CA()
+    leaf = ca.issue_cert("edge.test")
+    leaf.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "edge.pem"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "edge.key"))
+    port = free_port()
+    config = tmp_path / "edge.toml"
+    config.write_text(
+        '[edge]\nlog_format = "json"\n\n'
+        f'[[listeners]]\nname = "in"\nbind = "127.0.0.1:{port}"\nbackend = "b"\n'
+        '[listeners.tls]\ncertificates = [{ cert = "edge.pem", key = "edge.key" }]\n\n'
+        f'[[backends]]\nname = "b"\nservers = ["{backend.address}"]\n'
+    )
+    log = tmp_path / "stderr.log"
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+
+    def handshake() -> bytes:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+            client_context.wrap_socket(raw, server_hostname="edge.test") as tls,
+        ):
+            return tls.recv(10)
+
+    async with edge_process(config, log, flags=()) as process:
+        await wait_until(
+            lambda: any(m.startswith("listener in on") for m in log_messages(log)),
+            30,
+            0.05,
+        )
+        answers = []
+        for _ in range(3):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as client:
+                await client.send_all(client_hello(b"\xff\xfe\xc3("))
+                with trio.fail_after(10):
+                    answers.append(await read_all(client))
+        assert await trio.to_thread.run_sync(handshake) == b"hi"
+        await wait_until(lambda: log.read_text().count('"termination":') >= 4, 10)
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(20):
+            assert await process.wait() == 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]  # all JSON
+    assert answers == [b"\x15\x03\x03\x00\x02\x02\x70"] * 3  # unrecognized_name
+    reason = "the ClientHello's server name is not ASCII: b'\\xff\\xfe\\xc3('"
+    refused = [r for r in lines if r.get("termination") == "tls_error"]
+    assert len(refused) == 3
+    assert {r["detail"] for r in refused} == {reason}
+    closing = [
+        r["message"]
+        for r in lines
+        if r.get("logger") == "tlsedge.server" and "tls_error" in r["message"]
+    ]
+    assert len(closing) == 3
+    assert all(m.endswith(f": tls_error: {reason}") for m in closing)
+    assert not [r for r in lines if r.get("level") in {"ERROR", "CRITICAL"}]

@@ -33,12 +33,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 import tlsedge._server
-from proxyproto import Policy, ProxyHeader, SSLClient, encode
+from proxyproto import Policy, ProxyHeader, SSLClient, encode, encode_v2
 from proxyproto.trio import read_proxy_header
 from tests.peers import free_port
 from tests.tlsedge.helpers import (
     Backend,
     address_of,
+    capture_unraisable,
+    client_hello,
     close_clients,
     connect,
     make_config,
@@ -47,6 +49,7 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
+from tests.tlsedge.test_admission import connect_from
 from tlsedge._config import Config, ConfigError
 from tlsedge._tls import watch_certificates
 from tlsedge._tls_stream import TLSStream
@@ -487,6 +490,47 @@ async def test_strict_sni_refuses_with_unrecognized_name(
         await client.aclose()
     assert backend.accepted == 1
     assert "strict_sni" in caplog.text
+
+
+@pytest.mark.parametrize("proxy", [False, True], ids=["socket", "after-a-proxy-header"])
+async def test_a_non_ascii_server_name_is_refused_with_unrecognized_name(
+    nursery: trio.Nursery,
+    pki: Pki,
+    caplog: pytest.LogCaptureFixture,
+    proxy: bool,
+) -> None:
+    # Python's ssl cannot decode such a name for the SNI callback: the edge
+    # refuses the ClientHello before OpenSSL reads it. Behind a PROXY header
+    # the ClientHello comes in the same segment (the header's leftover); the
+    # good client after it connects directly.
+    seen = Seen()
+    backend = await Backend(echo_backend(seen)).start(nursery)
+    trust = {"trusted": ["127.0.0.2/32"], "untrusted": "direct"}
+    config = edge_config(pki, backend, listener={"proxy_protocol": trust})
+    header = b""
+    if proxy:
+        header = encode_v2(
+            ProxyHeader.from_addresses(("203.0.113.9", 4711), ("198.51.100.2", 443))
+        )
+    with capture_unraisable() as seen_by_hook:
+        async with running_edge(config) as edge:
+            address = address_of(edge, "in")
+            source = "127.0.0.2" if proxy else "127.0.0.3"  # trusted or direct
+            async with await connect_from(source, address) as client:
+                await client.send_all(header + client_hello(b"\xff\xfe\xc3("))
+                with trio.fail_after(5):
+                    answer = await read_until_closed(client)
+            (record,) = await wait_access_records(caplog)
+            good = await tls_connect(address, client_context(pki))
+            await round_trip(good)
+            await good.aclose()
+    assert answer == b"\x15\x03\x03\x00\x02\x02\x70"  # fatal unrecognized_name
+    assert record["termination"] == "tls_error"
+    assert record["detail"] == (
+        "the ClientHello's server name is not ASCII: b'\\xff\\xfe\\xc3('"
+    )
+    assert seen_by_hook == []
+    assert backend.accepted == 1
 
 
 # -- policies ------------------------------------------------------------------

@@ -9,7 +9,10 @@ transports both ways.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import re
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +29,7 @@ import trio.lowlevel
 
 from proxyproto import (
     InetAddress,
+    Policy,
     ProxyHeader,
     Transport,
     encode_v1,
@@ -41,11 +45,12 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
+from tests.tlsedge.test_admin import admin_address, http_get, total
 from tlsedge._cli import main
 from tlsedge._config import ConfigError
 from tlsedge._reactor import current_reactor
 from tlsedge._server import Edge
-from tlsedge._udp_flows import DropLog, FlowTable
+from tlsedge._udp_flows import DropLog, FlowTable, send_drop_reason, unwrap_datagram
 from tlsedge._udp_mode import UdpListener, _Flow
 
 REPLY_WITHIN = 5.0
@@ -99,6 +104,34 @@ def test_drop_log_reports_at_most_once_per_interval() -> None:
         assert drops.add("flow_cap" if index % 2 else "denied", 0.5) is None
     assert drops.add("flow_cap", 1.0) == {"flow_cap": 501, "denied": 500}
     assert drops.add("flow_cap", 1.5) is None
+
+
+def test_a_mapped_header_source_is_written_with_its_ipv4_address() -> None:
+    header = ProxyHeader.from_addresses(
+        ("::ffff:192.0.2.66", 5353),
+        ("::ffff:192.0.2.1", 53),
+        transport=Transport.DGRAM,
+    )
+    peer, local = ("127.0.0.1", 1000), ("127.0.0.1", 53)
+    unwrapped = unwrap_datagram(encode_v2(header) + b"q", Policy.REQUIRE, peer, local)
+    assert unwrapped.client == ("::ffff:192.0.2.66", 5353)
+    assert unwrapped.destination == ("::ffff:192.0.2.1", 53)
+    assert unwrapped.payload == b"q"
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (errno.EMSGSIZE, "too_large"),
+        (errno.ENOBUFS, "server_busy"),
+        (errno.ENOMEM, "server_busy"),
+        (errno.ECONNREFUSED, None),  # the server's host: port unreachable
+        (errno.EHOSTUNREACH, None),
+        (errno.ENETUNREACH, None),
+    ],
+)
+def test_send_errors_that_are_not_the_servers(error: int, reason: str | None) -> None:
+    assert send_drop_reason(OSError(error, os.strerror(error))) == reason
 
 
 # -- peers ------------------------------------------------------------------------
@@ -859,6 +892,53 @@ async def test_send_proxy_v2_wraps_every_datagram() -> None:
                 assert header.source == InetAddress.parse(*client.address)
                 assert header.destination == InetAddress.parse(*address)
             assert echo.headers[0] == echo.headers[1]  # one header per flow
+
+
+async def test_datagrams_too_large_for_the_proxy_header_never_take_the_server_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # 65507 bytes (the largest IPv4 UDP payload) plus the PROXY v2 header:
+    # EMSGSIZE. The client's fault: each is dropped, the server stays UP
+    # (six failures in a row would have marked it DOWN for every client).
+    async with servers("", proxy=True) as (echo,):
+        config = udp_config(
+            [echo], backend={"send_proxy": "v2"}, edge={"admin": "127.0.0.1:0"}
+        )
+        async with running_edge(config) as edge:
+            address = address_of(edge, "dns")
+            async with Client("127.0.0.2") as flooder:
+                for _ in range(8):
+                    await flooder.sock.sendto(b"z" * 65507, address)
+                await wait_until(lambda: dropped(edge, "too_large") == 8)
+                assert await flooder.quiet()
+                assert await flooder.ask(address, b"small") == b"small"
+            async with Client("127.0.0.3") as other:
+                assert await other.ask(address, b"still there?") == b"still there?"
+            (server,) = edge._pools["b"].servers
+            assert server.server.healthy
+            metrics = (await http_get(admin_address(edge), "/metrics")).text
+        assert total(metrics, "tlsedge_server_up", backend="b") == 1
+        assert total(metrics, "tlsedge_udp_datagrams_dropped_total") == 8
+        assert (
+            total(metrics, "tlsedge_udp_datagrams_dropped_total", reason="too_large")
+            == 8
+        )
+    assert len(echo.headers) == 2  # the two small datagrams alone
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "tlsedge.udp" and r.levelno == logging.WARNING
+    ]
+    assert warnings
+    assert re.fullmatch(
+        r"listener dns: dropped datagrams \(too_large: 1\); the last from "
+        rf"127\.0\.0\.2:\d+: datagram of 65507 bytes \((\d+) with the PROXY "
+        rf"header\) to {re.escape(echo.address)}: message too long",
+        warnings[0],
+    ), warnings[0]
+    # The flooder's flow lived on (it carried the small datagram); no flow
+    # ended as the server's error.
+    assert not [r for r in flow_records(caplog) if r["termination"] == "server_error"]
 
 
 async def test_trusted_peer_datagrams_are_unwrapped(

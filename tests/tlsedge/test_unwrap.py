@@ -163,7 +163,7 @@ async def test_untrusted_peer_is_rejected_before_reading() -> None:
     assert info.value.termination is Termination.REJECTED
     assert info.value.reason == "rejected"
     assert info.value.detail == (
-        "peer ('192.0.2.1', 1000) may not connect here (trust policy REJECT)"
+        "peer 192.0.2.1:1000 may not connect here (trust policy REJECT)"
     )
 
 
@@ -184,7 +184,7 @@ async def test_silent_peer_times_out(autojump_clock: trio.testing.MockClock) -> 
     assert info.value.termination is Termination.HEADER_TIMEOUT
     assert info.value.reason == "timeout"
     assert info.value.detail == (
-        "no complete PROXY header from ('127.0.0.1', 50000) within 3.0 s"
+        "no complete PROXY header from 127.0.0.1:50000 within 3.0 s"
     )
 
 
