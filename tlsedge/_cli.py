@@ -7,7 +7,6 @@ with its signal handling is `tlsedge._run.run_edge` (shared with the demo).
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -18,7 +17,7 @@ from tlsedge._accesslog import ACCESS_LOG_OFF
 from tlsedge._config import ConfigError, load_config, parse_config, read_config_text
 from tlsedge._logging import setup_logging, shutdown_logging
 from tlsedge._preflight import access_log_error, check_environment
-from tlsedge._run import reload_from_file, run_edge
+from tlsedge._run import reload_from_file, run_edge, tune_gc
 from tlsedge._server import Edge
 from tlsedge._version import __version__
 
@@ -63,22 +62,6 @@ def _run(args: argparse.Namespace) -> int:
     edge = Edge(config)
     trio.run(run_edge, edge, partial(reload_from_file, edge, args.config))
     return EXIT_OK
-
-
-#: Allocations between two young-generation collections (CPython's default is
-#: 700): a connection allocates a few hundred objects, most freed by reference
-#: counting, so the default collects several times per connection for little.
-GC_YOUNG_THRESHOLD = 20000
-
-
-def tune_gc() -> None:
-    """The collector settings of a running edge (``tlsedge run`` only, never
-    the library): what startup allocated (modules, configuration) is frozen
-    out of every later collection, and young collections run less often."""
-    gc.collect()
-    gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

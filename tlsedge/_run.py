@@ -1,5 +1,6 @@
 """Running an edge in a process: signal handling and the process's reloads,
-shared by ``tlsedge run``, its workers and ``tlsedge demo``.
+shared by ``tlsedge run``, its workers and ``tlsedge demo``; the collector
+settings of ``tlsedge run`` (`tune_gc`).
 
 Signals while running: SIGTERM drains (stop accepting, let connections finish
 until ``drain_timeout``, exit 0); a second SIGTERM, or SIGINT, exits at once;
@@ -16,6 +17,7 @@ single-process SIGHUP and a worker asked by its supervisor
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import time
@@ -35,9 +37,31 @@ from tlsedge._reload import (
 )
 from tlsedge._server import Edge, PreparedReload
 
-__all__ = ["ProcessReload", "prepare_process_reload", "reload_from_file", "run_edge"]
+__all__ = [
+    "GC_YOUNG_THRESHOLD",
+    "ProcessReload",
+    "prepare_process_reload",
+    "reload_from_file",
+    "run_edge",
+    "tune_gc",
+]
 
 LOGGER = logging.getLogger("tlsedge")
+
+#: Allocations between two young-generation collections (CPython's default is
+#: 700): a connection allocates a few hundred objects, most freed by reference
+#: counting, so the default collects several times per connection for little.
+GC_YOUNG_THRESHOLD = 20000
+
+
+def tune_gc() -> None:
+    """The collector settings of a running edge (``tlsedge run`` only, never
+    the library): what startup allocated (modules, configuration) is frozen
+    out of every later collection, and young collections run less often."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 class ProcessReload:

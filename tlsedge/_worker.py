@@ -34,11 +34,10 @@ import os
 
 import trio
 
-from tlsedge._cli import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, tune_gc
 from tlsedge._config import ConfigError, parse_config
 from tlsedge._logging import setup_logging
 from tlsedge._preflight import access_log_error
-from tlsedge._run import ProcessReload, prepare_process_reload, run_edge
+from tlsedge._run import ProcessReload, prepare_process_reload, run_edge, tune_gc
 from tlsedge._server import Edge
 from tlsedge._worker_link import (
     Link,
@@ -55,6 +54,11 @@ from tlsedge._worker_link import (
 __all__ = ["run_worker"]
 
 LOGGER = logging.getLogger("tlsedge.worker")
+
+# Exit statuses, as ``tlsedge run``'s (`tlsedge._cli`).
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
 
 
 def run_worker(fd: int, config_path: str, log_level: str) -> int:
