@@ -216,8 +216,12 @@ async def test_a_respawned_worker_runs_the_running_configuration(
         process.send_signal(signal.SIGHUP)
         await wait_until(lambda: "reload refused" in log.read_text(), 20)
         assert await answers(port) == {b"old"}
-        # ... and applied everywhere once the file is right.
+        # ... not a SIGHUP sent to one worker: the supervisor's only ...
         path.write_text(config_text(port, new.address))
+        os.kill(min(children(process.pid)), signal.SIGHUP)
+        await wait_until(lambda: "SIGHUP to a worker is ignored" in log.read_text())
+        assert await answers(port) == {b"old"}
+        # ... and applied everywhere once the file is right.
         process.send_signal(signal.SIGHUP)
         await wait_until(lambda: "configuration reloaded" in log.read_text(), 20)
         assert await answers(port) == {b"new"}
@@ -458,3 +462,38 @@ async def test_a_refused_reload_changes_no_worker_and_every_worker_reports_it(
     assert all(" ERROR " in line for line in refused)
     assert "listeners[0].tls.certificates[0].cert: " in refused[0]
     assert f"listeners[1].bind: cannot bind 127.0.0.1:{taken_port}" in refused[1]
+
+
+def running(pid: int) -> bool:
+    """Whether process *pid* runs (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_workers_drain_and_exit_when_the_supervisor_dies(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Orphans would serve on with nobody to restart or reload them, and hold
+    # the ports against the next supervisor's workers.
+    backend = await Backend(tag_handler("hi")).start(nursery)
+    port = free_port()
+    path = tmp_path / "edge.toml"
+    path.write_text(config_text(port, backend.address))
+    log = tmp_path / "log"
+    async with supervisor(path, log) as process:
+        await wait_started(log, 2)
+        workers = children(process.pid)
+        try:
+            process.kill()
+            await process.wait()
+            await wait_until(lambda: not any(running(pid) for pid in workers), 20, 0.05)
+        finally:
+            for pid in workers:
+                if running(pid):
+                    os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    assert text.count("the supervisor is gone; draining") == 2
+    assert text.count("all connections closed; stopped") == 2
