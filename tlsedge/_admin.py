@@ -326,7 +326,9 @@ class AdminServer:
         samples = list(self.metrics.samples())
         now = time.monotonic()
         rates = self.rates.rates(now, rate_totals(samples))
-        page = render_status_page(self.snapshot(), samples, rates)
+        page = render_status_page(
+            self.snapshot(), samples, rates, reloads=self.metrics.reloads
+        )
         return Response(200, page.encode("utf-8"), _HTML)
 
 

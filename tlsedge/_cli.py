@@ -7,17 +7,17 @@ with its signal handling is `tlsedge._run.run_edge` (shared with the demo).
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Sequence
 from functools import partial
 
 import trio
 
-from tlsedge._config import ConfigError, load_config
+from tlsedge._accesslog import ACCESS_LOG_OFF
+from tlsedge._config import ConfigError, load_config, parse_config, read_config_text
 from tlsedge._logging import setup_logging, shutdown_logging
 from tlsedge._preflight import access_log_error, check_environment
-from tlsedge._run import run_edge
+from tlsedge._run import reload_from_file, run_edge, tune_gc
 from tlsedge._server import Edge
 from tlsedge._version import __version__
 
@@ -35,59 +35,40 @@ def _run(args: argparse.Namespace) -> int:
         ConfigError: the edge cannot start; the message starts with the dotted
             path of the value at fault.
     """
-    config = load_config(args.config)
-    try:
-        setup_logging(
-            args.log_level,
-            args.log_format or config.edge.log_format,
-            config.edge.access_log,
-        )
-    except OSError as exc:
-        raise access_log_error(config.edge.access_log, exc) from exc
-    if config.edge.workers > 1 and args.worker is None:
+    if args.worker is not None:
+        from tlsedge._worker import run_worker
+
+        return run_worker(args.worker, args.config, args.log_level)
+    text = read_config_text(args.config)
+    config = parse_config(text, args.config)
+    log_format = args.log_format or config.edge.log_format
+    if config.edge.workers > 1:
         from tlsedge._workers import supervise
 
+        # The workers write the access log; the supervisor opens none.
+        setup_logging(args.log_level, log_format, ACCESS_LOG_OFF)
         return supervise(
-            config, args.config, sys.argv[1:] if args.argv is None else args.argv
+            config,
+            text,
+            args.config,
+            sys.argv[1:] if args.argv is None else args.argv,
+            log_format=log_format,
         )
-    on_ready = None
-    if args.worker is not None:
-        from tlsedge._workers import report_ready
-
-        on_ready = partial(report_ready, args.worker)
+    try:
+        setup_logging(args.log_level, log_format, config.edge.access_log)
+    except OSError as exc:
+        raise access_log_error(config.edge.access_log, exc) from exc
     tune_gc()
-    trio.run(partial(run_edge, Edge(config), args.config, on_ready=on_ready))
+    edge = Edge(config)
+    trio.run(run_edge, edge, partial(reload_from_file, edge, args.config))
     return EXIT_OK
-
-
-#: Allocations between two young-generation collections (CPython's default is
-#: 700): a connection allocates a few hundred objects, most freed by reference
-#: counting, so the default collects several times per connection for little.
-GC_YOUNG_THRESHOLD = 20000
-
-
-def tune_gc() -> None:
-    """The collector settings of a running edge (``tlsedge run`` only, never
-    the library): what startup allocated (modules, configuration) is frozen
-    out of every later collection, and young collections run less often."""
-    gc.collect()
-    gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ConfigError as exc:
-        if args.worker is None:
-            print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
-        else:
-            # The supervisor stops the edge and prints the message once, not
-            # once per worker.
-            from tlsedge._workers import report_failure
-
-            report_failure(args.worker, str(exc))
+        print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
 
 
@@ -159,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the edge described by CONFIG")
     run.add_argument("config", help="TOML configuration file")
-    # The supervisor's worker processes: FD is where to report start-up.
+    # The supervisor's worker processes: FD is the worker's end of its link.
     run.add_argument("--worker", type=int, metavar="FD", help=argparse.SUPPRESS)
     run.set_defaults(func=_cmd_run, argv=None)
     check = sub.add_parser(

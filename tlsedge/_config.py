@@ -72,6 +72,8 @@ __all__ = [
     "TlsConfig",
     "config_from_mapping",
     "load_config",
+    "parse_config",
+    "read_config_text",
 ]
 
 Network: TypeAlias = IPv4Network | IPv6Network
@@ -1351,6 +1353,45 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path) -> Config:
     return config
 
 
+def read_config_text(path: str | os.PathLike[str]) -> str:
+    """The text of the configuration file at *path*, as `parse_config` takes it.
+
+    Raises:
+        ConfigError: The file cannot be read or is not UTF-8 (the message
+            starts with the file name).
+    """
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{file}: invalid TOML: not UTF-8 ({exc.reason})") from None
+
+
+def parse_config(text: str, path: str | os.PathLike[str]) -> Config:
+    """Validate the TOML *text* of the configuration file at *path*.
+
+    The file itself is not read: relative paths inside *text* are resolved
+    against *path*'s folder, and errors name *path*. The supervisor of
+    ``edge.workers > 1`` reads the file once (`read_config_text`) and hands
+    the text to every worker it starts.
+
+    Raises:
+        ConfigError: *text* is not TOML (the message starts with the file
+            name), or not a valid configuration (it starts with the dotted
+            path).
+    """
+    file = Path(path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file}: invalid TOML: {exc}") from None
+    return config_from_mapping(data, base_dir=file.absolute().parent)
+
+
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and validate a TOML configuration file.
 
@@ -1361,14 +1402,4 @@ def load_config(path: str | os.PathLike[str]) -> Config:
             the file name), or is not a valid configuration (it starts with the
             dotted path).
     """
-    file = Path(path)
-    try:
-        with file.open("rb") as stream:
-            data = tomllib.load(stream)
-    except OSError as exc:
-        raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{file}: invalid TOML: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{file}: invalid TOML: not UTF-8 ({exc.reason})") from None
-    return config_from_mapping(data, base_dir=file.absolute().parent)
+    return parse_config(read_config_text(path), path)

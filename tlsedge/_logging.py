@@ -75,6 +75,7 @@ __all__ = [
     "run_access_log_flusher",
     "setup_logging",
     "shutdown_logging",
+    "switch_access_log",
 ]
 
 LOGGER = logging.getLogger("tlsedge.logging")
@@ -296,6 +297,16 @@ def setup_logging(
     root.addHandler(process_handler)
     installed.handlers = [(root, process_handler)]
     root.setLevel(numeric)
+    _install_access_log(installed, writer)
+    sys.unraisablehook = log_unraisable
+    logging.captureWarnings(True)
+    _STATE.installed = installed
+
+
+def _install_access_log(installed: _Installed, writer: AccessLogWriter | None) -> None:
+    """Send the access log to *writer* (None: off), recording the handler in
+    *installed*."""
+    access = logging.getLogger(ACCESS_LOGGER_NAME)
     if writer is None:
         # Nothing reads access lines: `access_log_enabled` is then False.
         access.setLevel(logging.CRITICAL + 1)
@@ -305,9 +316,34 @@ def setup_logging(
         installed.handlers.append((access, access_handler))
         access.setLevel(logging.INFO)
     install_access_log_writer(writer)
-    sys.unraisablehook = log_unraisable
-    logging.captureWarnings(True)
-    _STATE.installed = installed
+    installed.writer = writer
+
+
+def switch_access_log(writer: AccessLogWriter | None) -> None:
+    """Send the access log to *writer* from now on (None: ``"off"``), the
+    process log unchanged; the previous writer is flushed and closed.
+
+    A reload that changes ``edge.access_log`` opens the new writer first
+    (`AccessLogWriter` raises if it cannot, and nothing changes), then calls
+    this.
+
+    Raises:
+        RuntimeError: `setup_logging` was not called.
+    """
+    installed = _STATE.installed
+    if installed is None:
+        raise RuntimeError("switch_access_log() needs setup_logging() first")
+    previous = installed.writer
+    kept = []
+    for logger, handler in installed.handlers:
+        if logger.name == ACCESS_LOGGER_NAME:
+            logger.removeHandler(handler)
+        else:
+            kept.append((logger, handler))
+    installed.handlers = kept
+    _install_access_log(installed, writer)
+    if previous is not None:
+        previous.close()
 
 
 def reopen_logs() -> None:

@@ -61,6 +61,11 @@ The live collector cannot see other processes: its metrics describe the worker
 that answered the scrape. Every worker runs the same health checks against the
 same servers and drains on the same signal, so the views agree up to one check
 interval; the ``tlsedge_worker_info`` gauge names the worker that answered.
+
+Reloads (``tlsedge_config_*``) are neither summed nor per worker: the
+supervisor keeps the edge's one `ReloadRecord` and hands it to every worker
+(`tlsedge._workers`), and `EdgeMetrics.reloads` holds the copy the answering
+worker reports, the same in all of them.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
@@ -84,10 +90,15 @@ from prometheus_client import (
     values,
 )
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from tlsedge._accesslog import ConnectionLog
+from tlsedge._reload import ReloadRecord, ReloadResult
 from tlsedge._snapshot import Snapshot
 from tlsedge._termination import Termination
 
@@ -97,6 +108,7 @@ __all__ = [
     "REFUSED_TERMINATIONS",
     "EdgeMetrics",
     "LiveStateCollector",
+    "ReloadCollector",
     "multiprocess_directory",
     "tls_failure_reason",
     "worker_exited",
@@ -535,6 +547,8 @@ class EdgeMetrics:
             the `MultiProcessCollector` and the live collector; the event
             metrics write to the shared directory instead.
         multiprocess_dir: The shared directory, or None in single-process mode.
+        reloads: The edge's reloads (``tlsedge_config_*``, the status page),
+            replaced by whoever reloads the edge.
     """
 
     def __init__(self, snapshot: Callable[[], Snapshot] | None = None) -> None:
@@ -551,6 +565,8 @@ class EdgeMetrics:
             self._m = _make_counters(self.registry)
         if snapshot is not None:
             self.registry.register(LiveStateCollector(snapshot))
+        self.reloads = ReloadRecord(loaded=time.time())
+        self.registry.register(ReloadCollector(lambda: self.reloads))
 
     def flush(self) -> None:
         """Hand the counts since the last flush to prometheus-client (in
@@ -793,6 +809,45 @@ class LiveStateCollector(Collector):
                     last_ok.add_metric(key, 1 if last.ok else 0)
                     last_age.add_metric(key, last.age)
         yield from (up, weight, failures, successes, last_ok, last_age)
+
+
+class ReloadCollector(Collector):
+    """Reports the edge's `ReloadRecord` at scrape time.
+
+    Args:
+        record: Called once per scrape; the current record.
+    """
+
+    def __init__(self, record: Callable[[], ReloadRecord]) -> None:
+        self._record = record
+
+    def collect(self) -> Iterable[Metric]:
+        """``tlsedge_config_last_reload_successful``,
+        ``tlsedge_config_last_reload_timestamp_seconds`` and
+        ``tlsedge_config_reloads_total{result}``."""
+        record = self._record()
+        yield GaugeMetricFamily(
+            "tlsedge_config_last_reload_successful",
+            "1 while the configuration file is in force as written (the last "
+            "reload applied every key, or none happened since the start); 0 "
+            "after a refused or partial reload.",
+            value=1 if record.successful else 0,
+        )
+        yield GaugeMetricFamily(
+            "tlsedge_config_last_reload_timestamp_seconds",
+            "When the last reload ended, or the configuration was loaded at "
+            "start (seconds since the epoch).",
+            value=record.time,
+        )
+        reloads = CounterMetricFamily(
+            "tlsedge_config_reloads",
+            "Reloads (SIGHUP) by result: applied, partial (some keys wait for "
+            "a restart), refused (nothing changed).",
+            labels=("result",),
+        )
+        for result in ReloadResult:
+            reloads.add_metric((result.value,), record.count(result))
+        yield reloads
 
 
 # -- the supervisor's side ---------------------------------------------------

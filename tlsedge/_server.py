@@ -68,7 +68,12 @@ writes the access-log line, however the connection ends. What the stages learnt
 about the client is one frozen `Downstream` record.
 
 Reload swaps the configuration object the accept loops read at each accept, so
-existing connections keep the settings they started with.
+existing connections keep the settings they started with. It has two steps:
+``Edge.prepare_reload`` does everything that can fail (resolve the backends,
+load certificates, bind new listeners and a moved ``edge.admin``) and changes
+nothing the edge serves with; `PreparedReload.commit` swaps it in and cannot
+fail, `PreparedReload.abort` closes what was opened. A supervisor prepares a
+reload in every worker before it commits it in any (`tlsedge._workers`).
 
 Whatever reports on the edge reads ``Edge.snapshot()``: frozen records
 (`tlsedge._snapshot`) copied from the listeners, pools and health state at one
@@ -134,10 +139,16 @@ from tlsedge._unwrap import (
     ReactorHeaderRead,
     Unwrapped,
 )
-from tlsedge._upstream import BackendPool, Connected, Opening, set_stream_options
+from tlsedge._upstream import (
+    BackendPool,
+    Connected,
+    Opening,
+    PoolUpdate,
+    set_stream_options,
+)
 from tlsedge._version import __version__
 
-__all__ = ["Edge", "serve"]
+__all__ = ["Edge", "PreparedReload", "serve"]
 
 LOGGER = logging.getLogger("tlsedge.server")
 
@@ -552,6 +563,103 @@ async def _bind(
     )
 
 
+class PreparedReload:
+    """A reload of an `Edge` with everything that can fail done
+    (`Edge.prepare_reload`): backends resolved, certificates loaded, new
+    listening sockets and a moved admin endpoint bound. Nothing the edge
+    serves with has changed yet.
+
+    Call `commit` (swap it in: nothing can fail) or `abort` (close what was
+    opened), once. Preparing in every worker first, then committing in all or
+    aborting in all, is how workers never end up with different
+    configurations (`tlsedge._workers`).
+
+    Attributes:
+        config: The configuration it applies.
+    """
+
+    def __init__(self, edge: Edge, config: Config) -> None:
+        self.config = config
+        self._edge = edge
+        self.pools: dict[str, BackendPool] = {}
+        self.updates: list[tuple[BackendPool, PoolUpdate]] = []
+        self.states: dict[str, _ListenerState] = {}
+        self.opened: dict[str, _Listener] = {}
+        #: The admin endpoint at a changed ``edge.admin`` (None: none or unchanged).
+        self.admin: AdminServer | None = None
+        self._settled = False
+
+    async def prepare(self) -> None:
+        """Open and check everything (`Edge.prepare_reload` calls it).
+
+        Raises:
+            ConfigError: something cannot be used; the caller aborts.
+        """
+        edge, config = self._edge, self.config
+        for index, backend in enumerate(config.backends):
+            path = f"backends[{index}]"
+            pool = edge._pools.get(backend.name)
+            if pool is None:
+                pool = await BackendPool.create(
+                    backend, observer=edge._metrics, path=path
+                )
+            else:
+                self.updates.append(
+                    (pool, await pool.prepare_update(backend, path=path))
+                )
+            self.pools[backend.name] = pool
+        self.states = {
+            lconf.name: _listener_state(lconf, f"listeners[{index}]")
+            for index, lconf in enumerate(config.listeners)
+        }
+        for index, lconf in enumerate(config.listeners):
+            old = edge._listeners.get(lconf.name)
+            if (
+                old is None
+                or old.config.bind != lconf.bind
+                # A UDP socket cannot serve TCP, nor the other way round.
+                or (old.config.mode == "udp") != (lconf.mode == "udp")
+            ):
+                try:
+                    sockets = await _bind(lconf, reuse_port=edge._reuse_port)
+                except OSError as exc:
+                    raise ConfigError(
+                        f"listeners[{index}].bind: {exc.strerror or exc}"
+                    ) from exc
+                self.opened[lconf.name] = edge._make_listener(
+                    self.states[lconf.name], sockets
+                )
+        admin = config.edge.admin
+        if admin is not None and admin != edge.config.edge.admin:
+            try:
+                sockets = await bind_admin(admin, reuse_port=edge._reuse_port)
+            except OSError as exc:  # its message starts with edge.admin
+                raise ConfigError(exc.strerror or str(exc)) from exc
+            self.admin = AdminServer(edge.snapshot, edge._metrics, sockets)
+
+    def commit(self) -> None:
+        """Serve new connections with the new configuration. On an edge that
+        started draining since it was prepared, this aborts instead."""
+        if self._settled:
+            return
+        if self._edge.draining:
+            self.abort()
+            return
+        self._settled = True
+        self._edge._commit(self)
+
+    def abort(self) -> None:
+        """Close what `prepare` opened; the running configuration stays."""
+        if self._settled:
+            return
+        self._settled = True
+        for listener in self.opened.values():
+            Edge._close_listener(listener)
+        if self.admin is not None:
+            for sock in self.admin.sockets:
+                sock.close()
+
+
 class Edge:
     """A running tlsedge: use ``serve(config)`` or ``Edge(config).run()``.
 
@@ -589,8 +697,16 @@ class Edge:
         self._connections: trio.Nursery | None = None
         self._metrics = EdgeMetrics(self.snapshot)
         self.admin: AdminServer | None = None  # the edge.admin endpoint, once bound
+        self._admin_scope = trio.CancelScope()  # cancelled when edge.admin moves
 
     # -- public API -------------------------------------------------------
+
+    @property
+    def metrics(self) -> EdgeMetrics:
+        """The edge's metrics (``/metrics``, the status page); its ``reloads``
+        record is kept by whoever reloads the edge (`tlsedge._run`,
+        `tlsedge._worker`)."""
+        return self._metrics
 
     @property
     def listen_addresses(self) -> dict[str, list[tuple[str, int]]]:
@@ -648,77 +764,80 @@ class Edge:
     async def reload(self, config: Config) -> None:
         """Apply a new configuration to new connections.
 
-        Listeners are matched by name: an unchanged ``bind`` keeps its sockets,
-        a new or changed one is opened, a removed one closed. Backends keep the
-        state of servers whose address is unchanged. Open connections carry on
-        with the settings they started with.
+        `prepare_reload`, then `PreparedReload.commit`.
 
         Raises:
             ConfigError: the new configuration cannot be applied (a name does
                 not resolve, an address cannot be bound); the old one stays.
         """
+        (await self.prepare_reload(config)).commit()
+        LOGGER.info(
+            "configuration reloaded: %d listeners, %d backends",
+            len(config.listeners),
+            len(config.backends),
+        )
+
+    async def prepare_reload(self, config: Config) -> PreparedReload:
+        """Do everything that can fail in applying *config*, changing nothing
+        the edge serves with: resolve the backends' servers, load the
+        certificates, bind new listeners and a moved ``edge.admin``.
+
+        Listeners are matched by name: an unchanged ``bind`` keeps its sockets,
+        a new or changed one is opened, a removed one closed. Backends keep the
+        state of servers whose address is unchanged. Open connections carry on
+        with the settings they started with. ``edge.workers`` is not the
+        edge's business (the supervisor's, `tlsedge._workers`).
+
+        Returns:
+            The prepared reload: call its ``commit`` or its ``abort``.
+
+        Raises:
+            ConfigError: the new configuration cannot be applied; nothing was
+                changed and nothing stays open.
+        """
         if self.draining or self._services is None:
             raise ConfigError("edge: cannot reload while draining or stopped")
-        pools: dict[str, BackendPool] = {}
-        for index, backend in enumerate(config.backends):
-            path = f"backends[{index}]"
-            pool = self._pools.get(backend.name)
-            if pool is None:
-                pool = await BackendPool.create(
-                    backend, observer=self._metrics, path=path
-                )
-            else:
-                await pool.update(backend, path=path)
-            pools[backend.name] = pool
-        states = {
-            lconf.name: _listener_state(lconf, f"listeners[{index}]")
-            for index, lconf in enumerate(config.listeners)
-        }
-        opened: dict[str, _Listener] = {}
+        prepared = PreparedReload(self, config)
         try:
-            for lconf in config.listeners:
-                old = self._listeners.get(lconf.name)
-                if (
-                    old is None
-                    or old.config.bind != lconf.bind
-                    # A UDP socket cannot serve TCP, nor the other way round.
-                    or (old.config.mode == "udp") != (lconf.mode == "udp")
-                ):
-                    opened[lconf.name] = self._make_listener(
-                        states[lconf.name],
-                        await _bind(lconf, reuse_port=self._reuse_port),
-                    )
-        except OSError as exc:
-            for listener in opened.values():
-                self._close_listener(listener)
-            raise ConfigError(f"listeners: {exc.strerror or exc}") from exc
-        # Nothing can fail from here on: swap.
+            await prepared.prepare()
+        except BaseException:
+            prepared.abort()
+            raise
+        return prepared
+
+    def _commit(self, prepared: PreparedReload) -> None:
+        """Swap in a prepared reload (`PreparedReload.commit`)."""
+        config = prepared.config
+        for pool, update in prepared.updates:
+            pool.apply_update(update)
         listeners: dict[str, _Listener] = {}
         for lconf in config.listeners:
-            if lconf.name in opened:
-                listeners[lconf.name] = opened[lconf.name]
+            if lconf.name in prepared.opened:
+                listeners[lconf.name] = prepared.opened[lconf.name]
             else:
                 kept = self._listeners[lconf.name]
-                kept.state = states[lconf.name]
+                kept.state = prepared.states[lconf.name]
                 kept.limiter.total_tokens = lconf.max_connections
                 listeners[lconf.name] = kept
         for name, listener in self._listeners.items():
             if listeners.get(name) is not listener:
                 self._close_listener(listener)
+        if config.edge.admin != self.config.edge.admin:
+            self._admin_scope.cancel()
+            moved, self.admin = self.admin, prepared.admin
+            if self.admin is not None:
+                if moved is not None:
+                    self.admin.rates = moved.rates
+                self._serve_admin(self.admin)
         self.config = config
-        self._pools = pools
+        self._pools = prepared.pools
         self._listeners = listeners
         self._edge_limiter.total_tokens = config.edge.max_connections
         for listener in listeners.values():
             self._configure_udp(listener)
-        for listener in opened.values():
+        for listener in prepared.opened.values():
             self._start_listener(listener)
         self._restart_background_tasks()
-        LOGGER.info(
-            "configuration reloaded: %d listeners, %d backends",
-            len(listeners),
-            len(pools),
-        )
 
     async def run(
         self, *, task_status: trio.TaskStatus[Edge] = trio.TASK_STATUS_IGNORED
@@ -763,11 +882,10 @@ class Edge:
         try:
             async with trio.open_nursery() as services:
                 self._services = services
-                services.start_soon(run_access_log_flusher)
                 services.start_soon(self._metrics.flush_periodically)
                 self._restart_background_tasks()
                 if self.admin is not None:
-                    await services.start(self.admin.serve)
+                    await services.start(self._run_admin, self.admin, self._admin_scope)
                 async with trio.open_nursery() as connections:
                     self._connections = connections
                     for listener in self._listeners.values():
@@ -870,9 +988,27 @@ class Edge:
         for sock in listener.sockets:
             sock.close()
 
+    async def _run_admin(
+        self,
+        admin: AdminServer,
+        scope: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve *admin* until *scope* is cancelled (``edge.admin`` moved) or
+        the services end."""
+        with scope:
+            await admin.serve(task_status=task_status)
+
+    def _serve_admin(self, admin: AdminServer) -> None:
+        """Start serving the admin endpoint of a reload (`_commit`)."""
+        assert self._services is not None
+        self._admin_scope = trio.CancelScope()
+        self._services.start_soon(self._run_admin, admin, self._admin_scope)
+
     def _restart_background_tasks(self) -> None:
-        """(Re)start the health checks, DNS discovery refreshes and
-        certificate watchers for the current configuration."""
+        """(Re)start the access-log flusher, health checks, DNS discovery
+        refreshes and certificate watchers for the current configuration."""
         assert self._services is not None
         self._background_scope.cancel()
         self._background_scope = scope = trio.CancelScope()
@@ -880,6 +1016,9 @@ class Edge:
         async def run_tasks() -> None:
             with scope:
                 async with trio.open_nursery() as nursery:
+                    # Restarted with the rest: a reload may have switched the
+                    # access log from "off" (where it returned) to a file.
+                    nursery.start_soon(run_access_log_flusher)
                     for pool in self._pools.values():
                         nursery.start_soon(pool.run_health_checks)
                         nursery.start_soon(pool.run_discovery)  # DNS refresh

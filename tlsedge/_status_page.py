@@ -5,11 +5,13 @@ PROXY), each backend's servers with their health state and recent check
 history, connections (open, total, per second), bytes and errors. Counts come
 from the metrics registry, so with several workers they are the totals of all
 of them; health, settings and state are those of the worker that answered.
+The configuration section shows the reloads (the last one's result, time and
+reason, counts by result): the edge's, the same from every worker.
 
 `render_status_page` is a pure function of a `Snapshot` of the edge
-(`Edge.snapshot`), the metric samples and the rates: no I/O, no clock (the
-times shown are the snapshot's), so a page can be rendered from a snapshot
-built by hand.
+(`Edge.snapshot`), the metric samples, the rates and the reload record: no
+I/O, no clock (the times shown are the snapshot's), so a page can be rendered
+from a snapshot built by hand.
 
 The page refreshes itself every `REFRESH_SECONDS` (``<meta http-equiv=refresh>``)
 and turns its tables into cards on narrow screens. Every value that reaches
@@ -25,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Final
 
 from tlsedge._accesslog import format_address
+from tlsedge._reload import ReloadRecord, ReloadResult
 from tlsedge._snapshot import (
     BackendSnapshot,
     CheckRecord,
@@ -402,8 +405,51 @@ def _terminations(totals: _Totals) -> str:
     )
 
 
+_RESULT_BADGES: Final = {
+    ReloadResult.APPLIED: "ok",
+    ReloadResult.PARTIAL: "warn",
+    ReloadResult.REFUSED: "bad",
+}
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def _reloads(record: ReloadRecord, now: float) -> str:
+    """The configuration section: when it was loaded, the last reload's
+    result and why, and the reloads by result."""
+    loaded = f"Loaded at start {_utc(record.loaded)}."
+    result, at = record.last_result, record.last_time
+    if result is None or at is None:
+        last = "No reload (SIGHUP) since."
+    else:
+        last = (
+            f'Last reload <span class="badge {_RESULT_BADGES[result]}">'
+            f"{_e(result.value.upper())}</span> {_e(_utc(at))} "
+            f"({_e(_duration(now - at))} ago)"
+        )
+        if record.detail:
+            last += f': <span class="detail">{_e(record.detail)}</span>'
+        last += "."
+    rows = [
+        "<tr>"
+        + _td("Result", _e(result.value))
+        + _td("Reloads", _count(record.count(result)), "num")
+        + "</tr>"
+        for result in ReloadResult
+    ]
+    return f'<p class="meta">{_e(loaded)} {last}</p>' + _table(
+        ["Result", "Reloads"], rows, "no reloads"
+    )
+
+
 def render_status_page(
-    snapshot: Snapshot, samples: Iterable[Sample], rates: Mapping[str, float]
+    snapshot: Snapshot,
+    samples: Iterable[Sample],
+    rates: Mapping[str, float],
+    *,
+    reloads: ReloadRecord | None = None,
 ) -> str:
     """The ``/status`` page of the edge that *snapshot* shows.
 
@@ -413,6 +459,8 @@ def render_status_page(
         samples: Its metric samples (`EdgeMetrics.samples`), totals of every
             worker in multiprocess mode.
         rates: Per-second rates by ``"conn:<listener>"`` (`RateTracker`).
+        reloads: The edge's reloads (`EdgeMetrics.reloads`); None: no
+            configuration section.
 
     Returns:
         A complete HTML document.
@@ -448,6 +496,11 @@ def render_status_page(
         (_bytes(totals.sum("tlsedge_client_bytes_sent_total")), "to clients"),
         (_count(totals.sum("tlsedge_connections_refused_total")), "refused"),
     ]
+    configuration = (
+        ""
+        if reloads is None
+        else f"<h2>Configuration</h2>{_reloads(reloads, snapshot.taken)}"
+    )
     cards_html = "".join(
         f'<div class="card"><b>{_e(value)}</b><span>{_e(label)}</span></div>'
         for value, label in cards
@@ -468,6 +521,7 @@ def render_status_page(
         f"{_backends(snapshot.backends, totals)}"
         f"<h2>Errors</h2>{_errors(totals)}"
         f"<h2>Connections by termination</h2>{_terminations(totals)}"
+        f"{configuration}"
         '<p class="meta"><a href="/metrics">/metrics</a> · '
         '<a href="/healthz">/healthz</a> · <a href="/readyz">/readyz</a></p>'
         "</body></html>\n"

@@ -46,6 +46,7 @@ __all__ = [
     "LeaseObserver",
     "NoServerError",
     "Opening",
+    "PoolUpdate",
 ]
 
 LOGGER = logging.getLogger("tlsedge.upstream")
@@ -207,6 +208,16 @@ def _describe(exc: OSError) -> str:
     return str(exc) or type(exc).__name__
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolUpdate:
+    """A backend configuration made ready for a pool (`BackendPool.prepare_update`)."""
+
+    config: BackendConfig
+    tls_context: ssl.SSLContext | None
+    discovery: DnsDiscovery | None
+    resolved: list[Found]
+
+
 class BackendPool:
     """One backend's servers, balancer and health state.
 
@@ -257,14 +268,28 @@ class BackendPool:
     async def update(self, config: BackendConfig, *, path: str = "backend") -> None:
         """Apply a (re)loaded config; servers that stay keep their state.
 
+        `prepare_update` then `apply_update`.
+
+        Raises:
+            ConfigError: as `prepare_update` (nothing is changed then).
+        """
+        self.apply_update(await self.prepare_update(config, path=path))
+
+    async def prepare_update(
+        self, config: BackendConfig, *, path: str = "backend"
+    ) -> PoolUpdate:
+        """Do what can fail in applying *config*, changing nothing: build the
+        TLS context, resolve the servers (an edge's reload does this for every
+        backend before it changes any).
+
         With ``discovery``, a failed or empty DNS answer does not fail the
         update: the servers of the last good answer stay (none for a new name;
         the background refresh then retries every second).
 
         Raises:
-            ConfigError: a file is unusable or a server name does not resolve
-                (nothing is changed then); the message starts with the dotted
-                path under *path* (the backend's, ``backends[0]``).
+            ConfigError: a file is unusable or a server name does not resolve;
+                the message starts with the dotted path under *path* (the
+                backend's, ``backends[0]``).
         """
         tls_context = backend_tls_context(config, path)
         discovery = None
@@ -276,15 +301,25 @@ class BackendPool:
                 discovery = DnsDiscovery(config.discovery, config.name)
             found = await discovery.refresh()
             resolved = found if found is not None else list(discovery.last or [])
+        return PoolUpdate(
+            config=config,
+            tls_context=tls_context,
+            discovery=discovery,
+            resolved=resolved,
+        )
+
+    def apply_update(self, update: PoolUpdate) -> None:
+        """Make *update* (from `prepare_update`) the pool's configuration."""
+        config = update.config
         self.config = config
-        self.tls_context = tls_context
-        self._discovery = discovery
+        self.tls_context = update.tls_context
+        self._discovery = update.discovery
         self.balancer = (
             self.balancer
             if self.balancer.policy == config.balance
             else Balancer([], config.balance, affinity_timeout=config.affinity_timeout)
         )
-        self._set_servers(resolved)
+        self._set_servers(update.resolved)
 
     def _set_servers(self, resolved: list[Found]) -> None:
         """Make *resolved* the server list; servers that stay keep their state."""

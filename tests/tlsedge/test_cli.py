@@ -18,7 +18,9 @@ import trio
 
 from tests.peers import free_port, require
 from tests.tlsedge.helpers import Backend, exchange, read_all, wait_until
-from tlsedge._cli import GC_YOUNG_THRESHOLD, main, tune_gc
+from tests.tlsedge.test_admin import scrape, total
+from tlsedge._cli import main
+from tlsedge._run import GC_YOUNG_THRESHOLD, tune_gc
 from tlsedge._version import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,6 +238,53 @@ async def test_run_reloads_on_sighup(nursery: trio.Nursery, tmp_path: Path) -> N
         assert await exchange(address, b"still") == b"twostill"
         edge.signal(signal.SIGTERM)
         assert await edge.wait() == 0
+
+
+async def test_sighup_without_workers_moves_admin_and_access_log(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Issue 23: SIGHUP ignored edge.admin, edge.access_log and edge.workers
+    # and logged "configuration reloaded" all the same.
+    backend = await Backend(echo_handler("hi")).start(nursery)
+    port, first_admin, moved_admin = free_port(), free_port(), free_port()
+    path = tmp_path / "edge.toml"
+    text = config_text(port, backend.address)
+    path.write_text(
+        text.replace("[edge]\n", f'[edge]\nadmin = "127.0.0.1:{first_admin}"\n')
+    )
+    access = tmp_path / "access.log"
+    async with tlsedge_process("run", str(path), log=tmp_path / "log") as edge:
+        await edge.wait_for_port(port)
+        path.write_text(
+            text.replace(
+                "[edge]\n",
+                f'[edge]\nadmin = "127.0.0.1:{moved_admin}"\n'
+                'access_log = "access.log"\nworkers = 2\n',
+            )
+        )
+        edge.signal(signal.SIGHUP)
+        await edge.wait_for_log("configuration reloaded")
+        await wait_refused(first_admin)
+        metrics = await scrape(("127.0.0.1", moved_admin))
+        assert total(metrics, "tlsedge_config_last_reload_successful") == 0
+        assert total(metrics, "tlsedge_config_reloads_total", result="partial") == 1
+        assert 'workers="1"' in metrics  # one process: as it runs
+        assert await exchange(("127.0.0.1", port)) == b"hi"
+        await wait_until(lambda: access.exists() and access.read_text() != "", 10)
+        edge.signal(signal.SIGTERM)
+        assert await edge.wait() == 0
+    lines = edge.output.splitlines()
+    (pending,) = [line for line in lines if "needs a restart;" in line]
+    assert " WARNING " in pending
+    assert "edge.workers: 1 -> 2 needs a restart" in pending
+    (reloaded,) = [line for line in lines if "configuration reloaded" in line]
+    assert " WARNING " in reloaded
+    assert "except what needs a restart (edge.workers)" in reloaded
+    assert f'edge.admin: "127.0.0.1:{first_admin}" -> "127.0.0.1:{moved_admin}"' in (
+        reloaded
+    )
+    assert '"listener":"in"' in access.read_text()
+    assert '"listener":"in"' not in edge.output
 
 
 async def test_sigterm_drains_and_exits_0(

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from proxyproto import ProxyHeader, encode
+from tests.peers import free_port
 from tests.tlsedge.helpers import (
     Backend,
     address_of,
@@ -23,6 +24,7 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
+from tests.tlsedge.test_admin import http_get
 from tlsedge._config import Config, ConfigError
 from tlsedge._server import Edge
 
@@ -259,3 +261,105 @@ async def test_reload_while_draining_is_refused(nursery: trio.Nursery) -> None:
         await edge.reload(config)
     with trio.fail_after(5):
         await running.returned.wait()
+
+
+async def test_a_reload_refused_at_bind_leaves_the_backends_as_they_were(
+    nursery: trio.Nursery,
+) -> None:
+    # Everything that can fail is done before anything changes: the backend's
+    # new server was resolved before the bind failed, and is not in use.
+    old = await Backend(tag_handler("old")).start(nursery)
+    new = await Backend(tag_handler("new")).start(nursery)
+    running = RunningEdge(config_for({"b": old}, {"in": "b"}))
+    edge = await running.start(nursery)
+    with trio.socket.socket() as taken:
+        await taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        bad = make_config(
+            [
+                {"name": "in", "backend": "b"},
+                {"name": "more", "backend": "b", "bind": f"127.0.0.1:{port}"},
+            ],
+            [{"name": "b", "servers": [new.address]}],
+        )
+        with pytest.raises(ConfigError, match=r"listeners\[1\]\.bind: cannot bind"):
+            await edge.reload(bad)
+    assert await exchange(address_of(edge, "in")) == b"old"
+    assert set(edge.listen_addresses) == {"in"}
+    edge.drain()
+
+
+async def test_an_aborted_reload_closes_what_it_opened(nursery: trio.Nursery) -> None:
+    backend = await Backend(tag_handler("ok")).start(nursery)
+    backends = {"b": backend}
+    admin = {"admin": f"127.0.0.1:{free_port()}"}
+    running = RunningEdge(config_for(backends, {"in": "b"}))
+    edge = await running.start(nursery)
+    before = edge.config
+    prepared = await edge.prepare_reload(
+        config_for(backends, {"in": "b", "extra": "b"}, edge=admin)
+    )
+    assert prepared.admin is not None
+    opened = [
+        *prepared.opened["extra"].addresses,
+        *prepared.admin.addresses,
+    ]
+    prepared.abort()
+    for address in opened:
+        await assert_refused(address)
+    assert edge.config is before
+    assert edge.admin is None
+    assert set(edge.listen_addresses) == {"in"}
+    edge.drain()
+
+
+async def test_a_prepared_reload_is_not_committed_on_a_draining_edge(
+    nursery: trio.Nursery,
+) -> None:
+    backend = await Backend(tag_handler("ok")).start(nursery)
+    backends = {"b": backend}
+    running = RunningEdge(config_for(backends, {"in": "b"}))
+    edge = await running.start(nursery)
+    before = edge.config
+    prepared = await edge.prepare_reload(config_for(backends, {"extra": "b"}))
+    (extra,) = prepared.opened["extra"].addresses
+    edge.drain()
+    prepared.commit()
+    assert edge.config is before
+    await assert_refused(extra)
+    with trio.fail_after(5):
+        await running.returned.wait()
+
+
+async def test_reload_moves_the_admin_endpoint(nursery: trio.Nursery) -> None:
+    backend = await Backend(tag_handler("ok")).start(nursery)
+    backends = {"b": backend}
+    first, moved = free_port(), free_port()
+    running = RunningEdge(
+        config_for(backends, {"in": "b"}, edge={"admin": f"127.0.0.1:{first}"})
+    )
+    edge = await running.start(nursery)
+    assert (await http_get(("127.0.0.1", first), "/healthz")).status == 200
+    await edge.reload(
+        config_for(backends, {"in": "b"}, edge={"admin": f"127.0.0.1:{moved}"})
+    )
+    assert (await http_get(("127.0.0.1", moved), "/healthz")).status == 200
+    await wait_refused(("127.0.0.1", first))
+    await edge.reload(config_for(backends, {"in": "b"}))  # no admin endpoint
+    assert edge.admin is None
+    await wait_refused(("127.0.0.1", moved))
+    edge.drain()
+
+
+async def wait_refused(address: tuple[str, int]) -> None:
+    """Until *address* refuses connections (the admin server closes its
+    sockets as its task ends, a moment after the reload)."""
+    with trio.fail_after(5):
+        while True:
+            try:
+                await assert_refused(address)
+            except pytest.fail.Exception:
+                await trio.sleep(0.01)
+                continue
+            return

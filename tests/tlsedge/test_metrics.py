@@ -47,6 +47,7 @@ from tlsedge._metrics import (
     EdgeMetrics,
     tls_failure_reason,
 )
+from tlsedge._reload import ReloadResult
 from tlsedge._snapshot import CheckRecord, Snapshot
 
 
@@ -582,3 +583,29 @@ async def test_live_metrics_come_from_the_snapshot() -> None:
         if name.startswith("tlsedge_server_last_check_")
     }
     assert checked == {"10.0.0.2:8080"}
+
+
+async def test_reload_series_come_from_the_record() -> None:
+    metrics = EdgeMetrics()
+    text = metrics.exposition()[0].decode()
+    assert total(text, "tlsedge_config_last_reload_successful") == 1
+    assert (
+        total(text, "tlsedge_config_last_reload_timestamp_seconds")
+        == metrics.reloads.loaded
+    )
+    for result in ("applied", "partial", "refused"):  # present from the start
+        assert (
+            "tlsedge_config_reloads_total",
+            (("result", result),),
+        ) in metric_values(text)
+    metrics.reloads = (
+        metrics.reloads.after(ReloadResult.APPLIED, STARTED)
+        .after(ReloadResult.APPLIED, STARTED + 1)
+        .after(ReloadResult.REFUSED, STARTED + 2, "no")
+    )
+    text = metrics.exposition()[0].decode()
+    assert total(text, "tlsedge_config_last_reload_successful") == 0
+    assert total(text, "tlsedge_config_last_reload_timestamp_seconds") == STARTED + 2
+    assert total(text, "tlsedge_config_reloads_total", result="applied") == 2
+    assert total(text, "tlsedge_config_reloads_total", result="partial") == 0
+    assert total(text, "tlsedge_config_reloads_total", result="refused") == 1

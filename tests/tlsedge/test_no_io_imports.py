@@ -1,11 +1,11 @@
 """tlsedge's pure modules load no I/O framework, as proxyproto loads none.
 
-The balancer, the configuration, the forwarding rules, the access-log record,
-the snapshot and the status page are plain functions and records: importing
-and using them must not pull in trio, asyncio, selectors, socket or ssl. The
-check runs in a fresh interpreter, with the ``tlsedge`` package registered
-without running its ``__init__`` (which imports the server, and so trio), so
-that each module is judged by its own imports.
+The balancer, the configuration, the reload rules, the forwarding rules, the
+access-log record, the snapshot and the status page are plain functions and
+records: importing and using them must not pull in trio, asyncio, selectors,
+socket or ssl. The check runs in a fresh interpreter, with the ``tlsedge``
+package registered without running its ``__init__`` (which imports the
+server, and so trio), so that each module is judged by its own imports.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ FORBIDDEN = ("trio", "asyncio", "socket", "ssl", "selectors")
 PURE = (
     "tlsedge._snapshot",
     "tlsedge._status_page",
+    "tlsedge._reload",
     "tlsedge._balancer",
     "tlsedge._config",
     "tlsedge._forwarded",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from tlsedge._reload import ReloadRecord, ReloadResult
 from tlsedge._snapshot import (
     BackendSnapshot,
     CheckRecord,
@@ -196,3 +197,25 @@ async def test_names_and_details_are_escaped() -> None:
     assert ">a&amp;b<" in html
     assert 'id="backend-x&quot;&gt;&lt;evil&gt;"' in html
     assert ">&lt;evil&gt;<" in html  # a label value from the metrics
+
+
+async def test_the_configuration_section_shows_the_reloads() -> None:
+    loaded = ReloadRecord(loaded=STARTED)
+    html = render_status_page(snapshot(), [], {}, reloads=loaded)
+    assert "Loaded at start 2023-11-14 22:13:20 UTC. No reload (SIGHUP) since." in html
+    assert ">0<" in row_of(html, "refused")
+    refused = loaded.after(ReloadResult.APPLIED, STARTED + 60).after(
+        ReloadResult.REFUSED, STARTED + 3600, "listeners[0].tls: <bad> & worse"
+    )
+    html = render_status_page(snapshot(), [], {}, reloads=refused)
+    assert (
+        'Last reload <span class="badge bad">REFUSED</span> 2023-11-14 23:13:20 UTC '
+        '(2m 5s ago): <span class="detail">listeners[0].tls: &lt;bad&gt; &amp; '
+        "worse</span>."
+    ) in html
+    assert ">1<" in row_of(html, "applied")
+    assert ">0<" in row_of(html, "partial")
+    assert ">1<" in row_of(html, "refused")
+    partial = refused.after(ReloadResult.PARTIAL, STARTED + 3700, "edge.workers")
+    html = render_status_page(snapshot(), [], {}, reloads=partial)
+    assert '<span class="badge warn">PARTIAL</span>' in html
