@@ -399,6 +399,13 @@ class HealthConfig:
 
     kind: HealthKind = "tcp"
     path: str = "/healthz"  # with kind = "http"
+    # With kind = "http": the checks' Host header (Envoy's http_health_check
+    # host, HAProxy's http-check send hdr Host); None: the server's address,
+    # or the backend's tls.sni.
+    host: str | None = None
+    # With kind = "http": the statuses that pass, as inclusive ranges
+    # (HAProxy's http-check expect status, Envoy's expected_statuses).
+    expect: tuple[tuple[int, int], ...] = ((200, 399),)
     # Check this port instead of each server's own (required behind a udp
     # listener: the servers' ports are UDP, checks are TCP or HTTP).
     port: int | None = None
@@ -722,6 +729,52 @@ def _http_path(value: object, path: str) -> str:
             path, f"expected a request path starting with '/', got {_show(text)}"
         )
     return text
+
+
+_HOST_HEADER_EXAMPLES: Final = "'app.example.com', 'app.example.com:8080', '[::1]:8080'"
+
+
+def _host_header(value: object, path: str) -> str:
+    """A Host header: a host name or IP address, with an optional port."""
+    text = _string(value, path)
+    has_port = text.rpartition(":")[2].isdigit() and not text.endswith("]")
+    try:
+        Address.parse(text if has_port else f"{text}:1", min_port=1)
+    except ValueError:
+        raise _fail(
+            path,
+            "expected a host name or IP address with an optional port, such as "
+            f"{_HOST_HEADER_EXAMPLES}, got {_show(text)}",
+        ) from None
+    return text
+
+
+#: HTTP status codes a response can carry (RFC 9110 15: three digits, 1xx-5xx).
+_STATUS_CODES: Final = range(100, 600)
+_STATUS_RANGE_RE: Final = re.compile(r"([0-9]{3})-([0-9]{3})")
+_EXPECTED_STATUS: Final = 'a status such as 200 or a range such as "200-399"'
+
+
+def _status_range(value: object, path: str) -> tuple[int, int]:
+    """A status (``200``) or an inclusive range (``"200-399"``) as (low, high)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value not in _STATUS_CODES:
+            raise _fail(path, f"a status is between 100 and 599, got {value}")
+        return value, value
+    if not isinstance(value, str):
+        raise _fail(path, f"expected {_EXPECTED_STATUS}, got {_describe(value)}")
+    match = _STATUS_RANGE_RE.fullmatch(value)
+    if match is None:
+        hint = " (a single status is an integer: 200)" if value.isdigit() else ""
+        raise _fail(path, f"expected {_EXPECTED_STATUS}, got {_show(value)}{hint}")
+    low, high = int(match[1]), int(match[2])
+    if low not in _STATUS_CODES or high not in _STATUS_CODES or low > high:
+        raise _fail(
+            path,
+            f"expected a range of statuses between 100 and 599, low to high, "
+            f"got {_show(value)}",
+        )
+    return low, high
 
 
 def _array(
@@ -1089,9 +1142,27 @@ def _backend_tls(t: _Table, base_dir: Path) -> BackendTlsConfig:
 
 
 def _health(t: _Table) -> HealthConfig:
+    kind = t.get("kind", _one_of(HEALTH_KINDS))
+    if kind != "http":
+        for http_only in ("host", "expect"):
+            if http_only in t:
+                raise _fail(
+                    t.sub(http_only),
+                    f'only applies with kind = "http" (a {kind} check sends no '
+                    'request); remove it or set kind = "http"',
+                )
     health = HealthConfig(
-        kind=t.get("kind", _one_of(HEALTH_KINDS)),
+        kind=kind,
         path=t.get("path", _http_path),
+        host=t.opt("host", _host_header),
+        expect=t.get(
+            "expect",
+            _array(
+                _status_range,
+                empty_error="empty, so no check could pass; list statuses or ranges, "
+                'such as [200, 204] or ["200-399"]',
+            ),
+        ),
         port=t.opt("port", _int_in(1, 65535)),
         interval=t.get("interval", _DURATION),
         timeout=t.get("timeout", _DURATION),
