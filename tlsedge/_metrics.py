@@ -379,6 +379,7 @@ class _Counters:
     no_server: _Tally[str]
     retries: _Tally[str]
     http_requests: _Tally[tuple[str, ...]]
+    server_http_requests: _Tally[tuple[str, ...]]
     http_duration: _Observations[tuple[str, ...]]
     udp_datagrams: _Tally[tuple[str, ...]]
     udp_dropped: _Tally[tuple[str, ...]]
@@ -539,6 +540,15 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 "tlsedge_http_requests",
                 "HTTP requests (HTTP mode), by response status class.",
                 ("listener", "backend", "code"),
+                registry=r,
+            ),
+        ),
+        server_http_requests=_Tally(
+            Counter(
+                "tlsedge_server_http_requests",
+                "HTTP requests (HTTP mode) that went to a backend server, by "
+                "response status class.",
+                ("backend", "server", "code"),
                 registry=r,
             ),
         ),
@@ -734,7 +744,13 @@ class EdgeMetrics:
             m.no_server[backend] += 1
 
     def record_http_request(
-        self, listener: str, backend: str, status: int, seconds: float
+        self,
+        listener: str,
+        backend: str,
+        status: int,
+        seconds: float,
+        *,
+        server: str | None = None,
     ) -> None:
         """Account for one HTTP request (HTTP mode).
 
@@ -744,9 +760,13 @@ class EdgeMetrics:
             status: The response status sent to the client (502 and 504 for
                 answers the edge made itself); counted by class, ``"2xx"``.
             seconds: From the complete request head to the last response byte.
+            server: The server the request went to, if it went to one.
         """
         m = self._m
-        m.http_requests[listener, backend, _STATUS_CLASSES.get(status, "other")] += 1
+        code = _STATUS_CLASSES.get(status, "other")
+        m.http_requests[listener, backend, code] += 1
+        if server is not None:
+            m.server_http_requests[backend, server, code] += 1
         m.http_duration.observe((listener, backend), seconds)
 
     def udp_datagrams(self, listener: str, direction: str, count: int) -> None:

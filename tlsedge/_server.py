@@ -1401,7 +1401,11 @@ class Edge:
         """Metrics for one HTTP request (a request never answered has no status)."""
         if log.status is not None:
             self._metrics.record_http_request(
-                log.listener, log.backend or "", log.status, log.total
+                log.listener,
+                log.backend or "",
+                log.status,
+                log.total,
+                server=log.server,
             )
 
 

@@ -303,12 +303,17 @@ async def test_tls_handshakes_and_failures(
 
 async def test_http_request_metrics_for_http_mode() -> None:
     metrics = EdgeMetrics()
-    metrics.record_http_request("web", "app", 200, 0.02)
-    metrics.record_http_request("web", "app", 204, 0.2)
-    metrics.record_http_request("web", "app", 502, 3.0)
+    metrics.record_http_request("web", "app", 200, 0.02, server="10.0.0.1:80")
+    metrics.record_http_request("web", "app", 204, 0.2, server="10.0.0.2:80")
+    metrics.record_http_request("web", "app", 502, 3.0)  # no server took it
     text = metrics.exposition()[0].decode()
     assert total(text, "tlsedge_http_requests_total", code="2xx") == 2
     assert total(text, "tlsedge_http_requests_total", code="5xx") == 1
+    # Per server: the requests that went to one.
+    requests = "tlsedge_server_http_requests_total"
+    assert total(text, requests, backend="app", server="10.0.0.1:80") == 1
+    assert total(text, requests, server="10.0.0.2:80", code="2xx") == 1
+    assert total(text, requests) == 2
     assert total(text, "tlsedge_http_request_duration_seconds_count") == 3
     assert (
         total(
