@@ -14,7 +14,7 @@ from functools import partial
 
 import trio
 
-from tlsedge._config import ConfigError, load_config
+from tlsedge._config import ConfigError, ConfigFileError, load_config
 from tlsedge._logging import setup_logging, shutdown_logging
 from tlsedge._preflight import access_log_error, check_environment
 from tlsedge._run import run_edge
@@ -76,12 +76,20 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
+def _config_error(config: str, exc: ConfigError) -> str:
+    """The line that reports *exc* about the file *config*, naming it once
+    (an error about the file itself names it already)."""
+    if isinstance(exc, ConfigFileError):
+        return f"tlsedge: {exc}"
+    return f"tlsedge: {config}: {exc}"
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ConfigError as exc:
         if args.worker is None:
-            print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
+            print(_config_error(args.config, exc), file=sys.stderr)
         else:
             # The supervisor stops the edge and prints the message once, not
             # once per worker.
@@ -97,7 +105,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if not args.config_only:
             trio.run(check_environment, config)
     except ConfigError as exc:
-        print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
+        print(_config_error(args.config, exc), file=sys.stderr)
         return EXIT_CONFIG
     print(
         f"{args.config}: OK ({len(config.listeners)} listeners, "

@@ -59,6 +59,7 @@ __all__ = [
     "CertificateConfig",
     "Config",
     "ConfigError",
+    "ConfigFileError",
     "DiscoveryConfig",
     "EdgeConfig",
     "ForwardedConfig",
@@ -151,8 +152,15 @@ class ConfigError(ValueError):
 
     The message starts with the dotted path of the offending value
     (``listeners[0].tls.policy: unknown policy 'x'; choose one of ...``), or with
-    the file name when the file cannot be read or is not valid TOML.
+    the file name when the file cannot be read or is not valid TOML
+    (`ConfigFileError`).
     """
+
+
+class ConfigFileError(ConfigError):
+    """The configuration file cannot be read or is not TOML; the message
+    starts with the file name (a caller that names the file itself need not
+    name it again)."""
 
 
 # ---------------------------------------------------------------------------
@@ -1414,18 +1422,21 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     Relative paths inside it are resolved against the file's folder.
 
     Raises:
-        ConfigError: The file cannot be read, is not TOML (the message starts with
-            the file name), or is not a valid configuration (it starts with the
-            dotted path).
+        ConfigFileError: The file cannot be read or is not TOML (the message
+            starts with the file name).
+        ConfigError: It is not a valid configuration (the message starts with
+            the dotted path).
     """
     file = Path(path)
     try:
         with file.open("rb") as stream:
             data = tomllib.load(stream)
     except OSError as exc:
-        raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigFileError(f"{file}: cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{file}: invalid TOML: {exc}") from None
+        raise ConfigFileError(f"{file}: invalid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{file}: invalid TOML: not UTF-8 ({exc.reason})") from None
+        raise ConfigFileError(
+            f"{file}: invalid TOML: not UTF-8 ({exc.reason})"
+        ) from None
     return config_from_mapping(data, base_dir=file.absolute().parent)
