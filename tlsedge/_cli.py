@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import sys
 from collections.abc import Sequence
 from functools import partial
 
 import trio
 
-from tlsedge._config import ConfigError, ConfigFileError, load_config
+from tlsedge._config import (
+    ConfigError,
+    ConfigFileError,
+    config_warnings,
+    load_config,
+)
 from tlsedge._logging import setup_logging, shutdown_logging
 from tlsedge._preflight import access_log_error, check_environment
 from tlsedge._run import run_edge
@@ -22,6 +28,8 @@ from tlsedge._server import Edge
 from tlsedge._version import __version__
 
 __all__ = ["main"]
+
+LOGGER = logging.getLogger("tlsedge.cli")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -44,6 +52,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     except OSError as exc:
         raise access_log_error(config.edge.access_log, exc) from exc
+    if args.worker is None:  # once, not once per worker
+        for warning in config_warnings(config):
+            LOGGER.warning("%s: %s", args.config, warning)
     if config.edge.workers > 1 and args.worker is None:
         from tlsedge._workers import supervise
 
@@ -107,6 +118,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(_config_error(args.config, exc), file=sys.stderr)
         return EXIT_CONFIG
+    for warning in config_warnings(config):
+        print(f"tlsedge: {args.config}: warning: {warning}", file=sys.stderr)
     print(
         f"{args.config}: OK ({len(config.listeners)} listeners, "
         f"{len(config.backends)} backends)"

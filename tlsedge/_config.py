@@ -71,6 +71,7 @@ __all__ = [
     "ServerConfig",
     "TlsConfig",
     "config_from_mapping",
+    "config_warnings",
     "load_config",
 ]
 
@@ -1414,6 +1415,48 @@ def config_from_mapping(data: Mapping[str, Any], *, base_dir: Path) -> Config:
     _check_binds(config)
     _check_workers_ports(config)
     return config
+
+
+#: The port gRPC's own examples and most deployments serve on.
+GRPC_PORT: Final = 50051
+
+
+def _grpc_clue(backend: BackendConfig) -> str | None:
+    """Why *backend* looks like a gRPC service (its name, its DNS name, gRPC's
+    usual port), or None."""
+    if "grpc" in backend.name.lower():
+        return "by its name"
+    if backend.discovery is not None and "grpc" in backend.discovery.name.lower():
+        return "by its DNS name"
+    if any(server.address.port == GRPC_PORT for server in backend.servers):
+        return f"by its port {GRPC_PORT}"
+    return None
+
+
+def config_warnings(config: Config) -> list[str]:
+    """What is valid but probably not meant (``tlsedge check`` and ``run``
+    print them), each starting with a dotted path.
+
+    A backend that looks like a gRPC service behind a ``mode = "http"``
+    listener: the edge speaks HTTP/1.1 to backends, and a gRPC server speaks
+    only HTTP/2, so every call would end in a 502.
+    """
+    warnings = []
+    for index, backend in enumerate(config.backends):
+        clue = _grpc_clue(backend)
+        if clue is None:
+            continue
+        for number, listener in enumerate(config.listeners):
+            if listener.backend == backend.name and listener.mode == "http":
+                warnings.append(
+                    f"backends[{index}]: {backend.name!r} looks like a gRPC "
+                    f'service ({clue}), behind the mode = "http" listener '
+                    f"listeners[{number}]: the edge speaks HTTP/1.1 to backends "
+                    "and gRPC servers only HTTP/2, so every call would get 502; "
+                    'serve it from a mode = "tcp" listener (with [listeners.tls] '
+                    'alpn = ["h2"] to end TLS at the edge)'
+                )
+    return warnings
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

@@ -93,6 +93,22 @@ def test_check_missing_file_exits_2(
     )
 
 
+def test_check_warns_about_a_grpc_backend_behind_http_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        config_text(8443, "127.0.0.1:50051").replace(
+            'backend = "b"', 'backend = "b"\nmode = "http"'
+        )
+    )
+    assert main(["check", "--config-only", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"tlsedge: {path}: warning: backends[0]: 'b' ")
+    assert "every call would get 502" in captured.err
+    assert "OK (1 listeners, 1 backends)" in captured.out
+
+
 @pytest.mark.parametrize("command", ["check", "run"])
 def test_a_file_that_is_not_toml_is_named_once(
     tmp_path: Path,

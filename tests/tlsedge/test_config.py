@@ -31,6 +31,7 @@ from tlsedge._config import (
     ServerConfig,
     TlsConfig,
     config_from_mapping,
+    config_warnings,
     load_config,
 )
 
@@ -523,24 +524,6 @@ def test_design_example_loads() -> None:
     assert config.listeners[0].tls is not None
     assert config.backends[0].health == HealthConfig()
     assert config.edge == EdgeConfig(admin=Address(host="127.0.0.1", port=9901))
-
-
-@pytest.mark.parametrize(
-    "host", ["app.example.com", "app:8080", "10.0.0.1", "10.0.0.1:80", "[::1]:8080"]
-)
-def test_health_check_host_header(host: str) -> None:
-    text = L + B + f"[backends.health]\nkind = 'http'\nhost = '{host}'\n"
-    health = parse(text).backends[0].health
-    assert health is not None
-    assert health.host == host  # sent as written
-
-
-def test_health_check_expected_statuses() -> None:
-    text = L + B + "[backends.health]\nkind = 'http'\nexpect = [204, '200-299']\n"
-    health = parse(text).backends[0].health
-    assert health is not None
-    assert health.expect == ((204, 204), (200, 299))
-    assert HealthConfig().expect == ((200, 399),)  # 2xx and 3xx, as before
 
 
 # --- errors -----------------------------------------------------------------
@@ -1277,6 +1260,65 @@ def test_error_names_the_dotted_path(text: str, message: str) -> None:
 )
 def test_valid_variants(text: str) -> None:
     parse(text)
+
+
+@pytest.mark.parametrize(
+    "host", ["app.example.com", "app:8080", "10.0.0.1", "10.0.0.1:80", "[::1]:8080"]
+)
+def test_health_check_host_header(host: str) -> None:
+    text = L + B + f"[backends.health]\nkind = 'http'\nhost = '{host}'\n"
+    health = parse(text).backends[0].health
+    assert health is not None
+    assert health.host == host  # sent as written
+
+
+def test_health_check_expected_statuses() -> None:
+    text = L + B + "[backends.health]\nkind = 'http'\nexpect = [204, '200-299']\n"
+    health = parse(text).backends[0].health
+    assert health is not None
+    assert health.expect == ((204, 204), (200, 299))
+    assert HealthConfig().expect == ((200, 399),)  # 2xx and 3xx, as before
+
+
+@pytest.mark.parametrize(
+    ("text", "warned"),
+    [
+        (
+            listener(mode='"http"', backend='"grpc"')
+            + backend(name='"grpc"', servers='["10.0.0.5:8080"]'),
+            True,
+        ),
+        (
+            listener(mode='"http"', backend='"Orders-gRPC"')
+            + backend(name='"Orders-gRPC"'),
+            True,
+        ),
+        (HTTP + backend(servers='["10.0.0.5:50051"]'), True),
+        (
+            HTTP
+            + backend(
+                servers="",
+                discovery='{ name = "_grpc._tcp.api.default.svc.", type = "SRV" }',
+            ),
+            True,
+        ),
+        (HTTP + B, False),  # an HTTP/1.1 app
+        # tcp mode relays HTTP/2 as it is
+        (listener(backend='"grpc"') + backend(name='"grpc"'), False),
+    ],
+)
+def test_a_grpc_backend_behind_http_mode_is_warned_about(
+    text: str, warned: bool
+) -> None:
+    warnings = config_warnings(parse(text))
+    if not warned:
+        assert warnings == []
+        return
+    (warning,) = warnings
+    assert warning.startswith("backends[0]: ")
+    assert 'behind the mode = "http" listener listeners[0]' in warning
+    assert "every call would get 502" in warning
+    assert 'mode = "tcp"' in warning
 
 
 def test_keys_that_toml_cannot_produce() -> None:
