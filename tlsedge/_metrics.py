@@ -633,23 +633,27 @@ class EdgeMetrics:
     def _fold_live(self) -> None:
         """Count what each metered connection relayed since the last flush."""
         m = self._m
+        from_clients, to_clients = m.bytes_received, m.bytes_sent
+        to_servers, from_servers = m.server_bytes_sent, m.server_bytes_received
         for metered in self._metered.values():
             received, sent, server = metered.meter.traffic()
             log = metered.log
             if received != metered.received:
-                m.bytes_received[log.listener] += received - metered.received
+                from_clients[log.listener] += received - metered.received
                 metered.received = received
             if sent != metered.sent:
-                m.bytes_sent[log.listener] += sent - metered.sent
+                to_clients[log.listener] += sent - metered.sent
                 metered.sent = sent
-            if server is None:
+            if server is None or (
+                received == metered.server_received and sent == metered.server_sent
+            ):
                 continue
             key = (log.backend or "", server)
             if received != metered.server_received:
-                m.server_bytes_sent[key] += received - metered.server_received
+                to_servers[key] += received - metered.server_received
                 metered.server_received = received
             if sent != metered.server_sent:
-                m.server_bytes_received[key] += sent - metered.server_sent
+                from_servers[key] += sent - metered.server_sent
                 metered.server_sent = sent
 
     async def flush_periodically(self) -> None:
