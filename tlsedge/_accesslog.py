@@ -147,6 +147,11 @@ class ConnectionLog:
     start: float = 0.0
     duration: float = 0.0
 
+    def traffic(self) -> tuple[int, int, str | None]:
+        """The byte counts so far and the server, for the metrics while the
+        connection runs (a udp flow adds to its log as datagrams go)."""
+        return self.bytes_from_client, self.bytes_from_server, self.server
+
     def to_json(self) -> str:
         """The access-log line: one JSON object, fields in declaration order."""
         values = [getattr(self, name) for name in _FIELD_NAMES]

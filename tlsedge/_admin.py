@@ -89,8 +89,9 @@ class RateTracker:
     """Per-minute rates for the status page, from periodic samples of totals.
 
     Every `RATE_INTERVAL` seconds the admin server stores the current totals
-    (connections and bytes per listener, summed over all workers); a rate is
-    the growth since the oldest sample still in `RATE_WINDOW`.
+    (connections, bytes and HTTP requests per listener, HTTP requests per
+    server, summed over all workers); a rate is the growth since the oldest
+    sample still in `RATE_WINDOW`.
     """
 
     def __init__(self) -> None:
@@ -119,13 +120,19 @@ class RateTracker:
 
 
 def rate_totals(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, float]:
-    """The totals `RateTracker` follows, keyed ``"conn:<listener>"`` and
-    ``"bytes:<listener>"``, from `EdgeMetrics.samples` output."""
+    """The totals `RateTracker` follows, keyed ``"conn:<listener>"``,
+    ``"bytes:<listener>"``, ``"req:<listener>"`` (HTTP requests) and
+    ``"server-req:<backend>/<server>"``, from `EdgeMetrics.samples` output."""
     totals: dict[str, float] = collections.defaultdict(float)
     for name, labels, value in samples:
         listener = labels.get("listener", "")
         if name == "tlsedge_connections_total":
             totals["conn:" + listener] += value
+        elif name == "tlsedge_http_requests_total":
+            totals["req:" + listener] += value
+        elif name == "tlsedge_server_http_requests_total":
+            server = f"{labels.get('backend')}/{labels.get('server')}"
+            totals["server-req:" + server] += value
         elif name in {
             "tlsedge_client_bytes_received_total",
             "tlsedge_client_bytes_sent_total",

@@ -7,6 +7,7 @@ with its signal handling is `tlsedge._run.run_edge` (shared with the demo).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -14,7 +15,15 @@ from functools import partial
 import trio
 
 from tlsedge._accesslog import ACCESS_LOG_OFF
-from tlsedge._config import ConfigError, load_config, parse_config, read_config_text
+from tlsedge._config import (
+    Config,
+    ConfigError,
+    ConfigFileError,
+    config_warnings,
+    load_config,
+    parse_config,
+    read_config_text,
+)
 from tlsedge._logging import setup_logging, shutdown_logging
 from tlsedge._preflight import access_log_error, check_environment
 from tlsedge._run import reload_from_file, run_edge, tune_gc
@@ -22,6 +31,8 @@ from tlsedge._server import Edge
 from tlsedge._version import __version__
 
 __all__ = ["main"]
+
+LOGGER = logging.getLogger("tlsedge.cli")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -47,6 +58,7 @@ def _run(args: argparse.Namespace) -> int:
 
         # The workers write the access log; the supervisor opens none.
         setup_logging(args.log_level, log_format, ACCESS_LOG_OFF)
+        _log_warnings(config, args.config)
         return supervise(
             config,
             text,
@@ -58,17 +70,33 @@ def _run(args: argparse.Namespace) -> int:
         setup_logging(args.log_level, log_format, config.edge.access_log)
     except OSError as exc:
         raise access_log_error(config.edge.access_log, exc) from exc
+    _log_warnings(config, args.config)
     tune_gc()
     edge = Edge(config)
     trio.run(run_edge, edge, partial(reload_from_file, edge, args.config))
     return EXIT_OK
 
 
+def _log_warnings(config: Config, path: str) -> None:
+    """Log what is valid in *config* but probably not meant (once per edge:
+    the supervisor, not each worker)."""
+    for warning in config_warnings(config):
+        LOGGER.warning("%s: %s", path, warning)
+
+
+def _config_error(config: str, exc: ConfigError) -> str:
+    """The line that reports *exc* about the file *config*, naming it once
+    (an error about the file itself names it already)."""
+    if isinstance(exc, ConfigFileError):
+        return f"tlsedge: {exc}"
+    return f"tlsedge: {config}: {exc}"
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ConfigError as exc:
-        print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
+        print(_config_error(args.config, exc), file=sys.stderr)
         return EXIT_CONFIG
 
 
@@ -78,8 +106,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if not args.config_only:
             trio.run(check_environment, config)
     except ConfigError as exc:
-        print(f"tlsedge: {args.config}: {exc}", file=sys.stderr)
+        print(_config_error(args.config, exc), file=sys.stderr)
         return EXIT_CONFIG
+    for warning in config_warnings(config):
+        print(f"tlsedge: {args.config}: warning: {warning}", file=sys.stderr)
     print(
         f"{args.config}: OK ({len(config.listeners)} listeners, "
         f"{len(config.backends)} backends)"

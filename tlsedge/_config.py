@@ -60,6 +60,7 @@ __all__ = [
     "CertificateConfig",
     "Config",
     "ConfigError",
+    "ConfigFileError",
     "DiscoveryConfig",
     "EdgeConfig",
     "ForwardedConfig",
@@ -71,6 +72,7 @@ __all__ = [
     "ServerConfig",
     "TlsConfig",
     "config_from_mapping",
+    "config_warnings",
     "load_config",
     "parse_config",
     "read_config_text",
@@ -154,8 +156,15 @@ class ConfigError(ValueError):
 
     The message starts with the dotted path of the offending value
     (``listeners[0].tls.policy: unknown policy 'x'; choose one of ...``), or with
-    the file name when the file cannot be read or is not valid TOML.
+    the file name when the file cannot be read or is not valid TOML
+    (`ConfigFileError`).
     """
+
+
+class ConfigFileError(ConfigError):
+    """The configuration file cannot be read or is not TOML; the message
+    starts with the file name (a caller that names the file itself need not
+    name it again)."""
 
 
 # ---------------------------------------------------------------------------
@@ -412,6 +421,13 @@ class HealthConfig:
 
     kind: HealthKind = "tcp"
     path: str = "/healthz"  # with kind = "http"
+    # With kind = "http": the checks' Host header (Envoy's http_health_check
+    # host, HAProxy's http-check send hdr Host); None: the server's address,
+    # or the backend's tls.sni.
+    host: str | None = None
+    # With kind = "http": the statuses that pass, as inclusive ranges
+    # (HAProxy's http-check expect status, Envoy's expected_statuses).
+    expect: tuple[tuple[int, int], ...] = ((200, 399),)
     # Check this port instead of each server's own (required behind a udp
     # listener: the servers' ports are UDP, checks are TCP or HTTP).
     port: int | None = None
@@ -738,6 +754,52 @@ def _http_path(value: object, path: str) -> str:
             path, f"expected a request path starting with '/', got {_show(text)}"
         )
     return text
+
+
+_HOST_HEADER_EXAMPLES: Final = "'app.example.com', 'app.example.com:8080', '[::1]:8080'"
+
+
+def _host_header(value: object, path: str) -> str:
+    """A Host header: a host name or IP address, with an optional port."""
+    text = _string(value, path)
+    has_port = text.rpartition(":")[2].isdigit() and not text.endswith("]")
+    try:
+        Address.parse(text if has_port else f"{text}:1", min_port=1)
+    except ValueError:
+        raise _fail(
+            path,
+            "expected a host name or IP address with an optional port, such as "
+            f"{_HOST_HEADER_EXAMPLES}, got {_show(text)}",
+        ) from None
+    return text
+
+
+#: HTTP status codes a response can carry (RFC 9110 15: three digits, 1xx-5xx).
+_STATUS_CODES: Final = range(100, 600)
+_STATUS_RANGE_RE: Final = re.compile(r"([0-9]{3})-([0-9]{3})")
+_EXPECTED_STATUS: Final = 'a status such as 200 or a range such as "200-399"'
+
+
+def _status_range(value: object, path: str) -> tuple[int, int]:
+    """A status (``200``) or an inclusive range (``"200-399"``) as (low, high)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value not in _STATUS_CODES:
+            raise _fail(path, f"a status is between 100 and 599, got {value}")
+        return value, value
+    if not isinstance(value, str):
+        raise _fail(path, f"expected {_EXPECTED_STATUS}, got {_describe(value)}")
+    match = _STATUS_RANGE_RE.fullmatch(value)
+    if match is None:
+        hint = " (a single status is an integer: 200)" if value.isdigit() else ""
+        raise _fail(path, f"expected {_EXPECTED_STATUS}, got {_show(value)}{hint}")
+    low, high = int(match[1]), int(match[2])
+    if low not in _STATUS_CODES or high not in _STATUS_CODES or low > high:
+        raise _fail(
+            path,
+            f"expected a range of statuses between 100 and 599, low to high, "
+            f"got {_show(value)}",
+        )
+    return low, high
 
 
 def _array(
@@ -1105,9 +1167,27 @@ def _backend_tls(t: _Table, base_dir: Path) -> BackendTlsConfig:
 
 
 def _health(t: _Table) -> HealthConfig:
+    kind = t.get("kind", _one_of(HEALTH_KINDS))
+    if kind != "http":
+        for http_only in ("host", "expect"):
+            if http_only in t:
+                raise _fail(
+                    t.sub(http_only),
+                    f'only applies with kind = "http" (a {kind} check sends no '
+                    'request); remove it or set kind = "http"',
+                )
     health = HealthConfig(
-        kind=t.get("kind", _one_of(HEALTH_KINDS)),
+        kind=kind,
         path=t.get("path", _http_path),
+        host=t.opt("host", _host_header),
+        expect=t.get(
+            "expect",
+            _array(
+                _status_range,
+                empty_error="empty, so no check could pass; list statuses or ranges, "
+                'such as [200, 204] or ["200-399"]',
+            ),
+        ),
         port=t.opt("port", _int_in(1, 65535)),
         interval=t.get("interval", _DURATION),
         timeout=t.get("timeout", _DURATION),
@@ -1357,18 +1437,20 @@ def read_config_text(path: str | os.PathLike[str]) -> str:
     """The text of the configuration file at *path*, as `parse_config` takes it.
 
     Raises:
-        ConfigError: The file cannot be read or is not UTF-8 (the message
-            starts with the file name).
+        ConfigFileError: The file cannot be read or is not UTF-8 (the
+            message starts with the file name).
     """
     file = Path(path)
     try:
         data = file.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigFileError(f"{file}: cannot read: {exc.strerror or exc}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{file}: invalid TOML: not UTF-8 ({exc.reason})") from None
+        raise ConfigFileError(
+            f"{file}: invalid TOML: not UTF-8 ({exc.reason})"
+        ) from None
 
 
 def parse_config(text: str, path: str | os.PathLike[str]) -> Config:
@@ -1380,16 +1462,59 @@ def parse_config(text: str, path: str | os.PathLike[str]) -> Config:
     the text to every worker it starts.
 
     Raises:
-        ConfigError: *text* is not TOML (the message starts with the file
-            name), or not a valid configuration (it starts with the dotted
-            path).
+        ConfigFileError: *text* is not TOML (the message starts with the
+            file name).
+        ConfigError: not a valid configuration (the message starts with the
+            dotted path).
     """
     file = Path(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{file}: invalid TOML: {exc}") from None
+        raise ConfigFileError(f"{file}: invalid TOML: {exc}") from None
     return config_from_mapping(data, base_dir=file.absolute().parent)
+
+
+#: The port gRPC's own examples and most deployments serve on.
+GRPC_PORT: Final = 50051
+
+
+def _grpc_clue(backend: BackendConfig) -> str | None:
+    """Why *backend* looks like a gRPC service (its name, its DNS name, gRPC's
+    usual port), or None."""
+    if "grpc" in backend.name.lower():
+        return "by its name"
+    if backend.discovery is not None and "grpc" in backend.discovery.name.lower():
+        return "by its DNS name"
+    if any(server.address.port == GRPC_PORT for server in backend.servers):
+        return f"by its port {GRPC_PORT}"
+    return None
+
+
+def config_warnings(config: Config) -> list[str]:
+    """What is valid but probably not meant (``tlsedge check`` and ``run``
+    print them), each starting with a dotted path.
+
+    A backend that looks like a gRPC service behind a ``mode = "http"``
+    listener: the edge speaks HTTP/1.1 to backends, and a gRPC server speaks
+    only HTTP/2, so every call would end in a 502.
+    """
+    warnings = []
+    for index, backend in enumerate(config.backends):
+        clue = _grpc_clue(backend)
+        if clue is None:
+            continue
+        for number, listener in enumerate(config.listeners):
+            if listener.backend == backend.name and listener.mode == "http":
+                warnings.append(
+                    f"backends[{index}]: {backend.name!r} looks like a gRPC "
+                    f'service ({clue}), behind the mode = "http" listener '
+                    f"listeners[{number}]: the edge speaks HTTP/1.1 to backends "
+                    "and gRPC servers only HTTP/2, so every call would get 502; "
+                    'serve it from a mode = "tcp" listener (with [listeners.tls] '
+                    'alpn = ["h2"] to end TLS at the edge)'
+                )
+    return warnings
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
@@ -1398,8 +1523,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     Relative paths inside it are resolved against the file's folder.
 
     Raises:
-        ConfigError: The file cannot be read, is not TOML (the message starts with
-            the file name), or is not a valid configuration (it starts with the
-            dotted path).
+        ConfigFileError: The file cannot be read or is not TOML (the message
+            starts with the file name).
+        ConfigError: It is not a valid configuration (the message starts with
+            the dotted path).
     """
     return parse_config(read_config_text(path), path)

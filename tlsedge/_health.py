@@ -7,11 +7,13 @@ the balancer reads). Results flow in from two places and both count as
 *consecutive* results:
 
 - Active checks: `run_health_checks` probes the server every ``interval`` seconds
-  (a TCP connect, or an HTTP GET whose status line must be 2xx/3xx) and records
-  a pass or a failure. A check speaks what the server expects from the edge:
-  the backend's PROXY header version (a header for no client) and TLS with the
-  backend's own client context, so a server that needs either is not marked
-  down for a check it could never pass.
+  (a TCP connect, or an HTTP GET whose status must be one of ``expect``,
+  2xx/3xx by default) and records a pass or a failure. A check speaks what
+  the server expects from the edge: the backend's PROXY header version (a
+  header for no client) and TLS with the backend's own client context, so a
+  server that needs either is not marked down for a check it could never
+  pass; an HTTP check sends the ``host`` it is given (an app that checks its
+  Host header, as Django's ``ALLOWED_HOSTS`` does, answers 400 to any other).
 - Passive results: the relay reports every upstream connect. A failed connect
   counts as a failure toward ``unhealthy_threshold``; a successful one resets the
   consecutive failure count.
@@ -56,6 +58,7 @@ from tlsedge._balancer import Server
 from tlsedge._tls_stream import TLSStream
 
 __all__ = [
+    "DEFAULT_EXPECT",
     "DEFAULT_HEALTHY_THRESHOLD",
     "DEFAULT_INTERVAL",
     "DEFAULT_TIMEOUT",
@@ -94,6 +97,10 @@ MAX_STATUS_LINE: Final = 4096
 
 #: The ``kind`` values of ``[backends.health]``.
 HEALTH_CHECK_KINDS: Final = ("tcp", "http")
+
+#: The statuses an HTTP check passes on unless told (``expect``): 2xx and 3xx,
+#: as HAProxy's ``option httpchk`` and Kubernetes' httpGet probes.
+DEFAULT_EXPECT: Final = ((200, 399),)
 
 # What a check sends first, by the backend's ``send_proxy``: a header that
 # describes no client (v2 LOCAL, v1 UNKNOWN), as HAProxy's
@@ -428,6 +435,7 @@ class ServerHealth:
         interval: float = DEFAULT_INTERVAL,
         timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 (per check, see below)
         host_header: str = "",
+        expect: tuple[tuple[int, int], ...] = DEFAULT_EXPECT,
         send_proxy: str = "none",
         tls_context: ssl.SSLContext | None = None,
         server_hostname: str = "",
@@ -442,6 +450,7 @@ class ServerHealth:
             interval=interval,
             timeout=timeout,
             host_header=host_header,
+            expect=expect,
             send_proxy=send_proxy,
             tls_context=tls_context,
             server_hostname=server_hostname,
@@ -534,10 +543,22 @@ class _Probe(NamedTuple):
     server_hostname: str
     #: The HTTP request (``kind = "http"``), or None (``kind = "tcp"``).
     request: bytes | None
+    #: The statuses that pass an HTTP check: inclusive ranges.
+    expect: tuple[tuple[int, int], ...]
 
 
-async def _read_status_line(stream: trio.abc.ReceiveStream) -> tuple[bool, str]:
-    """Read up to `MAX_STATUS_LINE` bytes until the first line; judge the status."""
+def _statuses(ranges: tuple[tuple[int, int], ...]) -> str:
+    """``"200, 204, 300-399"``: statuses and ranges as the configuration has them."""
+    return ", ".join(
+        str(low) if low == high else f"{low}-{high}" for low, high in ranges
+    )
+
+
+async def _read_status_line(
+    stream: trio.abc.ReceiveStream, expect: tuple[tuple[int, int], ...]
+) -> tuple[bool, str]:
+    """Read up to `MAX_STATUS_LINE` bytes until the first line; judge the
+    status against *expect*."""
     buffer = bytearray()
     while b"\n" not in buffer:
         if len(buffer) >= MAX_STATUS_LINE:
@@ -551,7 +572,9 @@ async def _read_status_line(stream: trio.abc.ReceiveStream) -> tuple[bool, str]:
         line = bytes(buffer[: buffer.index(b"\n")]).rstrip(b"\r")
         return False, f"bad status line {line[:80]!r}"
     status = int(match[1])
-    return 200 <= status < 400, f"HTTP {status}"
+    if any(low <= status <= high for low, high in expect):
+        return True, f"HTTP {status}"
+    return False, f"HTTP {status} (expected {_statuses(expect)})"
 
 
 async def _converse(probe: _Probe, transport: _CheckTransport) -> tuple[bool, str]:
@@ -588,7 +611,7 @@ async def _converse(probe: _Probe, transport: _CheckTransport) -> tuple[bool, st
     if probe.request is None:
         return True, done
     await stream.send_all(probe.request)
-    return await _read_status_line(stream)
+    return await _read_status_line(stream, probe.expect)
 
 
 async def _check_once(probe: _Probe) -> tuple[bool, str]:
@@ -637,6 +660,7 @@ async def run_health_checks(
     # `[backends.health] timeout` field, applied as a move_on_after scope.
     timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
     host_header: str = "",
+    expect: tuple[tuple[int, int], ...] = DEFAULT_EXPECT,
     send_proxy: str = "none",
     tls_context: ssl.SSLContext | None = None,
     server_hostname: str = "",
@@ -656,14 +680,15 @@ async def run_health_checks(
       the socket is closed right away;
     - ``"http"``: send ``GET {path} HTTP/1.1`` with ``Host: {host_header}``
       and ``Connection: close``, and read the status line (at most
-      `MAX_STATUS_LINE` bytes): 2xx and 3xx pass, anything else (another
-      status, garbage, EOF, reset, timeout) fails.
+      `MAX_STATUS_LINE` bytes): a status in ``expect`` passes, anything
+      else (another status, garbage, EOF, reset, timeout) fails.
 
     All of it must finish within ``timeout`` (a `trio.move_on_after` scope).
     A failed check's detail says what failed: "connection refused", "TLS
     handshake failed: certificate verify failed: ...", "PROXY header refused:
     connection closed" (the server ended the connection after the header
-    without a byte of reply), "HTTP 503", "timeout after 5 s".
+    without a byte of reply), "HTTP 503 (expected 200-399)", "timeout after
+    5 s".
 
     The first result sets the initial state outright; see the module docstring.
     Results update ``state`` and are copied to ``server``; UP/DOWN transitions
@@ -688,6 +713,8 @@ async def run_health_checks(
         timeout: Seconds one check may take.
         host_header: Host header for "http" (default: ``server_hostname`` when
             it is a name, else the server's address).
+        expect: The statuses that pass an "http" check, as inclusive
+            ``(low, high)`` ranges (``[backends.health] expect``).
         send_proxy: "none", "v1" or "v2": the backend's ``send_proxy``.
         tls_context: The backend's client context (``protocol = "tls"``), the
             one its connections use; None for plain TCP.
@@ -700,8 +727,8 @@ async def run_health_checks(
 
     Raises:
         ValueError: unknown kind or send_proxy, non-positive interval or
-            timeout, or a path or host_header that is empty or has spaces or
-            control characters.
+            timeout, a path or host_header that is empty or has spaces or
+            control characters, or no status in ``expect``.
     """
     if kind not in HEALTH_CHECK_KINDS:
         raise ValueError(
@@ -715,6 +742,8 @@ async def run_health_checks(
         )
     if not (interval > 0 and timeout > 0):
         raise ValueError(f"interval and timeout must be > 0: {interval}, {timeout}")
+    if not any(low <= high for low, high in expect):
+        raise ValueError(f"no status would pass: expect = {expect!r}")
     address = server.address if port is None else (server.address[0], port)
     if port is not None:
         send_proxy = "none"
@@ -743,6 +772,7 @@ async def run_health_checks(
         tls_context=tls_context,
         server_hostname=server_hostname,
         request=request,
+        expect=expect,
     )
 
     state.start_active_checks()

@@ -15,7 +15,8 @@ kinds of metrics:
   (`EdgeMetrics.proxy_header_error`), and ended (`EdgeMetrics.record`, which
   derives everything else from the finished `ConnectionLog`: termination
   cause, TLS outcome, bytes, duration). HTTP mode calls
-  `EdgeMetrics.record_http_request` per request. A ``mode = "udp"`` flow
+  `EdgeMetrics.record_http_request` per request. Bytes are also counted
+  while a connection runs (`EdgeMetrics.metering`, below). A ``mode = "udp"`` flow
   counts as a connection (opened, recorded when it ends); its listener adds
   datagram counts per batch (`EdgeMetrics.udp_datagrams`) and each dropped
   datagram (`EdgeMetrics.udp_dropped`).
@@ -57,6 +58,27 @@ A worker writes its counts to its files when it answers a scrape, every
 they were at most that long ago. A worker that is killed (SIGKILL) loses
 the counts of its last interval.
 
+Bytes while connections run
+---------------------------
+A relayed connection can run for hours (a WebSocket, a gRPC stream, a
+database session) and an HTTP keep-alive connection for thousands of
+requests: bytes counted only when it ends would leave the byte counters
+flat while the traffic flows. So a connection that relays registers its
+`Meter` (`EdgeMetrics.metering`: a tcp relay, an HTTP connection, a udp
+flow) and each flush first folds in what every registered meter counted
+since the last one (`EdgeMetrics._fold_live`), then `record` adds the rest
+when the connection ends. The connection path itself is unchanged: it keeps
+adding to its own counters (`RelayStats`, `HttpConnectionResult`, the udp
+flow's `ConnectionLog`), with no call per read; the cost is a dict entry per
+connection and, per flush, a look at each open one. A server's byte counts go
+to the server the connection uses at the flush (an HTTP connection's requests
+may go to several), bytes before it has one to the first it gets.
+
+Every scrape flushes, so ``/metrics`` and ``/status`` show the bytes of open
+connections up to that instant; with several workers, each folds its own
+connections at its periodic flush, so a scrape answered by one worker shows
+the others' open connections as they were at most `FLUSH_INTERVAL` ago.
+
 The live collector cannot see other processes: its metrics describe the worker
 that answered the scrape. Every worker runs the same health checks against the
 same servers and drains on the same signal, so the views agree up to one check
@@ -78,7 +100,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
-from typing import Final, TypeVar
+from typing import Final, Protocol, TypeVar
 
 import trio
 from prometheus_client import (
@@ -108,6 +130,7 @@ __all__ = [
     "REFUSED_TERMINATIONS",
     "EdgeMetrics",
     "LiveStateCollector",
+    "Meter",
     "ReloadCollector",
     "multiprocess_directory",
     "tls_failure_reason",
@@ -310,6 +333,41 @@ class _Observations(dict[_K, _Pending]):
             pending.flush()
 
 
+class Meter(Protocol):
+    """A running connection's own byte counts, read at each flush (see
+    "Bytes while connections run" above)."""
+
+    def traffic(self) -> tuple[int, int, str | None]:
+        """Bytes received from the client and sent to it so far (they only
+        grow), and the server the connection uses now (None: none yet)."""
+        ...
+
+
+class _Metered:
+    """A connection registered with `EdgeMetrics.metering`: its meter, and
+    how much of its counts the counters hold already."""
+
+    __slots__ = (
+        "log",
+        "meter",
+        "received",
+        "sent",
+        "server_received",
+        "server_sent",
+    )
+
+    def __init__(self, log: ConnectionLog, meter: Meter) -> None:
+        self.log = log
+        self.meter = meter
+        #: Bytes from and to the client in the listener's counters.
+        self.received = 0
+        self.sent = 0
+        #: The same in the servers' counters (they lag while the connection
+        #: has no server yet).
+        self.server_received = 0
+        self.server_sent = 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Counters:
     """The event metrics (see ``docs/operations.md`` for each one), each
@@ -333,6 +391,7 @@ class _Counters:
     no_server: _Tally[str]
     retries: _Tally[str]
     http_requests: _Tally[tuple[str, ...]]
+    server_http_requests: _Tally[tuple[str, ...]]
     http_duration: _Observations[tuple[str, ...]]
     udp_datagrams: _Tally[tuple[str, ...]]
     udp_dropped: _Tally[tuple[str, ...]]
@@ -496,6 +555,15 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
                 registry=r,
             ),
         ),
+        server_http_requests=_Tally(
+            Counter(
+                "tlsedge_server_http_requests",
+                "HTTP requests (HTTP mode) that went to a backend server, by "
+                "response status class.",
+                ("backend", "server", "code"),
+                registry=r,
+            ),
+        ),
         http_duration=_Observations(
             Histogram(
                 "tlsedge_http_request_duration_seconds",
@@ -567,11 +635,42 @@ class EdgeMetrics:
             self.registry.register(LiveStateCollector(snapshot))
         self.reloads = ReloadRecord(loaded=time.time())
         self.registry.register(ReloadCollector(lambda: self.reloads))
+        #: The connections counted as they run, by ``id()`` of their log
+        #: (which the entry keeps alive).
+        self._metered: dict[int, _Metered] = {}
 
     def flush(self) -> None:
         """Hand the counts since the last flush to prometheus-client (in
-        multiprocess mode: write them to this process's files)."""
+        multiprocess mode: write them to this process's files), the bytes of
+        the connections still running included."""
+        self._fold_live()
         self._m.flush()
+
+    def _fold_live(self) -> None:
+        """Count what each metered connection relayed since the last flush."""
+        m = self._m
+        from_clients, to_clients = m.bytes_received, m.bytes_sent
+        to_servers, from_servers = m.server_bytes_sent, m.server_bytes_received
+        for metered in self._metered.values():
+            received, sent, server = metered.meter.traffic()
+            log = metered.log
+            if received != metered.received:
+                from_clients[log.listener] += received - metered.received
+                metered.received = received
+            if sent != metered.sent:
+                to_clients[log.listener] += sent - metered.sent
+                metered.sent = sent
+            if server is None or (
+                received == metered.server_received and sent == metered.server_sent
+            ):
+                continue
+            key = (log.backend or "", server)
+            if received != metered.server_received:
+                to_servers[key] += received - metered.server_received
+                metered.server_received = received
+            if sent != metered.server_sent:
+                from_servers[key] += sent - metered.server_sent
+                metered.server_sent = sent
 
     async def flush_periodically(self) -> None:
         """Flush every `FLUSH_INTERVAL` in multiprocess mode (`Edge.run` runs
@@ -609,12 +708,24 @@ class EdgeMetrics:
         if attempts > 1:
             m.retries[backend] += attempts - 1
 
+    def metering(self, log: ConnectionLog, meter: Meter) -> None:
+        """Count the bytes of *log*'s connection as they flow: each flush
+        reads *meter*, until `record` (*log*'s end) counts the rest.
+
+        Call it before the connection can end: once registered, `record`
+        must follow, or the entry (and the log) stays until it does.
+        """
+        self._metered[id(log)] = _Metered(log, meter)
+
     def proxy_header_error(self, listener: str, reason: str) -> None:
         """A PROXY header was refused; *reason* is ``RemoteProtocolError.reason``."""
         self._m.proxy_errors[listener, reason] += 1
 
     def record(self, log: ConnectionLog) -> None:
-        """Account for a finished connection (call once, next to ``log.emit()``)."""
+        """Account for a finished connection (call once, next to ``log.emit()``).
+
+        Of its bytes, what `metering` counted already is left out.
+        """
         m = self._m
         listener = log.listener
         termination = log.termination
@@ -624,6 +735,13 @@ class EdgeMetrics:
             m.refused[listener, termination] += 1
         m.duration.observe(listener, log.duration)
         received, sent = log.bytes_from_client, log.bytes_from_server
+        server_received, server_sent = received, sent
+        metered = self._metered.pop(id(log), None) if self._metered else None
+        if metered is not None:
+            server_received -= metered.server_received
+            server_sent -= metered.server_sent
+            received -= metered.received
+            sent -= metered.sent
         if received:
             m.bytes_received[listener] += received
         if sent:
@@ -636,17 +754,23 @@ class EdgeMetrics:
         backend = log.backend or ""
         if log.server is not None:
             server = (backend, log.server)
-            if received:
-                m.server_bytes_sent[server] += received
-            if sent:
-                m.server_bytes_received[server] += sent
+            if server_received:
+                m.server_bytes_sent[server] += server_received
+            if server_sent:
+                m.server_bytes_received[server] += server_sent
         elif termination == Termination.CONNECT_FAILED:
             m.connect_failures[backend] += 1
         elif termination == Termination.NO_SERVER:
             m.no_server[backend] += 1
 
     def record_http_request(
-        self, listener: str, backend: str, status: int, seconds: float
+        self,
+        listener: str,
+        backend: str,
+        status: int,
+        seconds: float,
+        *,
+        server: str | None = None,
     ) -> None:
         """Account for one HTTP request (HTTP mode).
 
@@ -656,9 +780,13 @@ class EdgeMetrics:
             status: The response status sent to the client (502 and 504 for
                 answers the edge made itself); counted by class, ``"2xx"``.
             seconds: From the complete request head to the last response byte.
+            server: The server the request went to, if it went to one.
         """
         m = self._m
-        m.http_requests[listener, backend, _STATUS_CLASSES.get(status, "other")] += 1
+        code = _STATUS_CLASSES.get(status, "other")
+        m.http_requests[listener, backend, code] += 1
+        if server is not None:
+            m.server_http_requests[backend, server, code] += 1
         m.http_duration.observe((listener, backend), seconds)
 
     def udp_datagrams(self, listener: str, direction: str, count: int) -> None:

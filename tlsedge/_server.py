@@ -1381,6 +1381,7 @@ class Edge:
             log=conn.log,
             exits=conn.exits,
             relays=self._relays,
+            metering=self._metrics.metering,
             client_socket=None if client is conn.raw else conn.raw,
         )
         if begun is None:
@@ -1406,6 +1407,7 @@ class Edge:
             log=conn.log,
             exits=conn.exits,
             relays=self._relays,
+            metering=self._metrics.metering,
             # The socket under the client's stream, TLS or not (a client
             # given as its socket is relayed as it is).
             client_socket=None if client is conn.raw else conn.raw,
@@ -1496,12 +1498,14 @@ class Edge:
         (`tlsedge._http.h2driver`: ALPN ``h2``, or the h2c preface) on the
         reactor, with no task: what must await runs in a task of the
         connections nursery. Its end takes over what the connection gives
-        back (`_http_ended`)."""
+        back (`_http_ended`). The metrics read its byte counts while it
+        runs (`HttpConnectionResult.traffic`)."""
         assert self._connections is not None
         pool = conn.pool
         backend = pool.config
         build = h2_connection if h2 else http_connection
         log = conn.log
+        result = HttpConnectionResult()
 
         def ended(result: HttpConnectionResult) -> None:
             self._http.ended(connection)
@@ -1520,10 +1524,12 @@ class Edge:
             drain=self._drain_event,
             spawn=self._connections.start_soon,
             on_done=ended,
+            result=result,
             on_request=self._record_http_request,
             initial_data=leftover,
         )
         owned = conn.exits.pop_all()
+        self._metrics.metering(log, result)
         try:
             self._http.start(connection)
         except BaseException:
@@ -1534,7 +1540,11 @@ class Edge:
         """Metrics for one HTTP request (a request never answered has no status)."""
         if log.status is not None:
             self._metrics.record_http_request(
-                log.listener, log.backend or "", log.status, log.total
+                log.listener,
+                log.backend or "",
+                log.status,
+                log.total,
+                server=log.server,
             )
 
 

@@ -1,7 +1,8 @@
 """The admin endpoint's ``/status`` page: server-rendered HTML, no JavaScript.
 
 In the spirit of HAProxy's stats page: the listeners (addresses, mode, TLS,
-PROXY), each backend's servers with their health state and recent check
+PROXY), HTTP requests per listener and per server (by status class, and per
+second), each backend's servers with their health state and recent check
 history, connections (open, total, per second), bytes and errors. Counts come
 from the metrics registry, so with several workers they are the totals of all
 of them; health, settings and state are those of the worker that answered.
@@ -138,6 +139,13 @@ def _rate(value: float | None) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.0f}"
 
 
+def _rate_sum(rates: Mapping[str, float], prefix: str) -> str:
+    """The sum of the rates whose key starts with *prefix*; "-" without rates."""
+    if not rates:
+        return "-"
+    return _rate(sum(value for key, value in rates.items() if key.startswith(prefix)))
+
+
 def _duration(seconds: float) -> str:
     seconds = max(0, int(seconds))
     days, rest = divmod(seconds, 86400)
@@ -260,6 +268,68 @@ def _listeners(
         ],
         rows,
         "no listeners",
+    )
+
+
+#: The ``code`` label values of the HTTP request counters, in column order.
+_STATUS_CLASSES: Final = ("1xx", "2xx", "3xx", "4xx", "5xx", "other")
+
+_HTTP_REQUESTS: Final = "tlsedge_http_requests_total"
+_SERVER_HTTP_REQUESTS: Final = "tlsedge_server_http_requests_total"
+
+
+def _request_cells(by_class: Mapping[str, float], rate: float | None) -> str:
+    """Requests, their rate, and the count of each status class."""
+    return (
+        _td("Requests", _count(sum(by_class.values())), "num")
+        + _td("Req/s (1 min)", _rate(rate), "num")
+        + "".join(
+            _td(code, _count(by_class.get(code, 0.0)), "num")
+            for code in _STATUS_CLASSES
+        )
+    )
+
+
+_REQUEST_HEADERS: Final = ["Requests", "Req/s (1 min)", *_STATUS_CLASSES]
+
+
+def _http(snapshot: Snapshot, totals: _Totals, rates: Mapping[str, float]) -> str:
+    """HTTP requests by listener and by server, each by status class: the
+    ``http`` listeners and the servers of their backends ("" without any)."""
+    listeners = [lst for lst in snapshot.listeners if lst.mode == "http"]
+    if not listeners:
+        return ""
+    rows = [
+        "<tr>"
+        + _td("Listener", _e(listener.name))
+        + _td("Backend", _e(listener.backend))
+        + _request_cells(
+            totals.by(_HTTP_REQUESTS, "code", listener=listener.name),
+            rates.get("req:" + listener.name),
+        )
+        + "</tr>"
+        for listener in listeners
+    ]
+    behind = {listener.backend for listener in listeners}
+    server_rows = [
+        "<tr>"
+        + _td("Server", _e(server.name))
+        + _td("Backend", _e(backend.name))
+        + _request_cells(
+            totals.by(
+                _SERVER_HTTP_REQUESTS, "code", backend=backend.name, server=server.name
+            ),
+            rates.get(f"server-req:{backend.name}/{server.name}"),
+        )
+        + "</tr>"
+        for backend in snapshot.backends
+        if backend.name in behind
+        for server in backend.servers
+    ]
+    return (
+        "<h2>HTTP requests</h2>"
+        + _table(["Listener", "Backend", *_REQUEST_HEADERS], rows, "no listeners")
+        + _table(["Server", "Backend", *_REQUEST_HEADERS], server_rows, "no servers")
     )
 
 
@@ -458,7 +528,8 @@ def render_status_page(
             readiness, and the times the page shows.
         samples: Its metric samples (`EdgeMetrics.samples`), totals of every
             worker in multiprocess mode.
-        rates: Per-second rates by ``"conn:<listener>"`` (`RateTracker`).
+        rates: Per-second rates (`RateTracker`) by ``"conn:<listener>"``,
+            ``"req:<listener>"`` and ``"server-req:<backend>/<server>"``.
         reloads: The edge's reloads (`EdgeMetrics.reloads`); None: no
             configuration section.
 
@@ -486,12 +557,14 @@ def render_status_page(
             "open connections",
         ),
         (_count(totals.sum("tlsedge_connections_total")), "connections total"),
-        (
-            _rate(sum(v for k, v in rates.items() if k.startswith("conn:")))
-            if rates
-            else "-",
-            "connections/s (1 min)",
-        ),
+        (_rate_sum(rates, "conn:"), "connections/s (1 min)"),
+    ]
+    if any(listener.mode == "http" for listener in snapshot.listeners):
+        cards += [
+            (_count(totals.sum(_HTTP_REQUESTS)), "HTTP requests"),
+            (_rate_sum(rates, "req:"), "requests/s (1 min)"),
+        ]
+    cards += [
         (_bytes(totals.sum("tlsedge_client_bytes_received_total")), "from clients"),
         (_bytes(totals.sum("tlsedge_client_bytes_sent_total")), "to clients"),
         (_count(totals.sum("tlsedge_connections_refused_total")), "refused"),
@@ -518,6 +591,7 @@ def render_status_page(
         f"Generated {_e(generated)}; refreshes every {REFRESH_SECONDS} s.</p>"
         f'<div class="cards">{cards_html}</div>'
         f"<h2>Listeners</h2>{_listeners(snapshot.listeners, totals, rates)}"
+        f"{_http(snapshot, totals, rates)}"
         f"{_backends(snapshot.backends, totals)}"
         f"<h2>Errors</h2>{_errors(totals)}"
         f"<h2>Connections by termination</h2>{_terminations(totals)}"

@@ -8,7 +8,8 @@ everything, also when cancelled), sends the PROXY header (``send_proxy``) and
 the client's first bytes, and hands both to the reactor (`tlsedge._relay`'s
 `DetachedRelays`), which relays with its half-close rules. The connection's
 task ends there; the reactor fills in the access-log record and closes what
-the exit stack held when the relay ends.
+the exit stack held when the relay ends. Meanwhile the metrics read the
+relay's byte counts at each flush (*metering*, `_RelayEnd.traffic`).
 
 The stage is written as two synchronous steps around the waits:
 `_connect_now` starts the first connect attempt, `_relay_now` sends what
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import socket
+from collections.abc import Callable
+from typing import TypeAlias
 
 import trio
 
@@ -29,6 +32,7 @@ from tlsedge._accesslog import ConnectionLog
 from tlsedge._cleanup import Cleanup
 from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
+from tlsedge._metrics import Meter
 from tlsedge._proxy_wrap import proxy_header_for
 from tlsedge._relay import DetachedRelays, RelayStats, set_abortive_close
 from tlsedge._termination import Refused, Termination
@@ -40,7 +44,10 @@ from tlsedge._upstream import (
     Opening,
 )
 
-__all__ = ["serve_tcp", "serve_tcp_now"]
+__all__ = ["Metering", "serve_tcp", "serve_tcp_now"]
+
+#: Counts a connection's bytes while it runs: `EdgeMetrics.metering`.
+Metering: TypeAlias = Callable[[ConnectionLog, Meter], None]
 
 # How a relay ends when the client side finishes first; see ``health_check``.
 _CLIENT_ENDED = frozenset({Termination.CLIENT_CLOSED, Termination.CLIENT_ERROR})
@@ -86,10 +93,12 @@ def _relay_now(
     log: ConnectionLog,
     exits: Cleanup,
     relays: DetachedRelays,
+    metering: Metering,
     client_socket: socket.socket | None,
 ) -> bool:
     """Send ``connected.pending`` as far as it goes without waiting, then
-    hand *client* and the upstream to the reactor.
+    hand *client* and the upstream to the reactor (and the relay's counts
+    to *metering*).
 
     Returns False if bytes are left to send (in ``connected.pending``;
     nothing else was done): the caller sends them, then calls again. True
@@ -110,6 +119,9 @@ def _relay_now(
     # From here the reactor owns the connection: what the connection's exit
     # stack would close and release, it closes and releases at the end.
     owned = exits.pop_all()
+    end = _RelayEnd(log, stats, owned, health_check=downstream.health_check)
+    # Before the start: the relay may end (and the log be recorded) in it.
+    metering(log, end)
     try:
         relays.start(
             client,
@@ -118,7 +130,7 @@ def _relay_now(
             idle_timeout=listener.idle_timeout,
             client_fin_timeout=listener.client_fin_timeout,
             server_fin_timeout=pool.config.server_fin_timeout,
-            on_done=_RelayEnd(log, stats, owned, health_check=downstream.health_check),
+            on_done=end,
             sockets=None if client_socket is None else (client_socket, connected.raw),
             closed_at_end=True,
         )
@@ -138,6 +150,7 @@ def serve_tcp_now(
     log: ConnectionLog,
     exits: Cleanup,
     relays: DetachedRelays,
+    metering: Metering,
     client_socket: socket.socket | None,
 ) -> Connected | Opening | None:
     """`serve_tcp` as far as it goes without waiting (the arguments are
@@ -165,6 +178,7 @@ def serve_tcp_now(
         log=log,
         exits=exits,
         relays=relays,
+        metering=metering,
         client_socket=client_socket,
     ):
         return begun
@@ -181,6 +195,7 @@ async def serve_tcp(
     log: ConnectionLog,
     exits: Cleanup,
     relays: DetachedRelays,
+    metering: Metering,
     begun: Connected | Opening,
     client_socket: socket.socket | None = None,
 ) -> None:
@@ -203,6 +218,8 @@ async def serve_tcp(
             server's lease released by it. Once the relay started, its
             callbacks are the relay's to run (the stack is left empty).
         relays: The edge's relays on the reactor.
+        metering: Given the connection's log and the relay's counts as it
+            starts (`EdgeMetrics.metering`), to count bytes as they flow.
         client_socket: The stdlib socket under *client* when *client* is
             the accepted socket's `trio.SocketStream` (the relay uses it).
         begun: Where `serve_tcp_now` stopped for this connection: the
@@ -241,6 +258,7 @@ async def serve_tcp(
         log=log,
         exits=exits,
         relays=relays,
+        metering=metering,
         client_socket=client_socket,
     )
     if start():
@@ -294,6 +312,11 @@ class _RelayEnd:
             _record(self.log, self.stats, health_check=self.health_check)
         finally:
             self.owned.close()
+
+    def traffic(self) -> tuple[int, int, str | None]:
+        """The relay's byte counts so far and the server (a `Meter`)."""
+        stats = self.stats
+        return stats.bytes_from_client, stats.bytes_from_server, self.log.server
 
 
 def _record(log: ConnectionLog, stats: RelayStats, *, health_check: bool) -> None:

@@ -506,6 +506,7 @@ class UdpListener:
         self.flows.add(key, flow, now)
         self._on_flows(1)
         self._metrics.connection_opened(config.name)
+        self._metrics.metering(log, log)
         if len(self.flows) == 1:
             # The timer is due by the first flow's expiry while there is one;
             # a flow added behind others expires after them.

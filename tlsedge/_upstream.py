@@ -422,6 +422,8 @@ class BackendPool:
                     port=health.port,
                     interval=health.interval,
                     timeout=health.timeout,
+                    host_header=health.host or "",
+                    expect=health.expect,
                     send_proxy=self.config.send_proxy,
                     tls_context=self.tls_context,
                     server_hostname=""

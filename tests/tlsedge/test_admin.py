@@ -387,6 +387,56 @@ async def test_two_workers_report_totals(nursery: trio.Nursery, tmp_path: Path) 
     assert metrics_dir.is_dir()
 
 
+async def test_two_workers_show_the_bytes_of_each_others_open_connections(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # A connection stays open in one worker; a scrape answered by either
+    # worker shows its bytes (the other one's at most a flush interval old).
+    upload = 1 << 20
+    received: list[int] = []
+
+    async def count_until_eof(stream: trio.SocketStream) -> None:
+        received.append(0)
+        while chunk := await stream.receive_some(1 << 16):
+            received[-1] += len(chunk)
+
+    backend = await Backend(count_until_eof).start(nursery)
+    port, admin_port = free_port(), free_port()
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        f'[edge]\nworkers = 2\nadmin = "127.0.0.1:{admin_port}"\n\n'
+        f'[[listeners]]\nname = "in"\nbind = "127.0.0.1:{port}"\nbackend = "b"\n\n'
+        f'[[backends]]\nname = "b"\nservers = ["{backend.address}"]\n'
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}
+    log = tmp_path / "log"
+    admin = ("127.0.0.1", admin_port)
+    async with supervisor(path, log, env) as process:
+        await wait_until(lambda: log.read_text().count("listener in on") == 2, 30, 0.05)
+        await wait_until(lambda: log.read_text().count("admin endpoint on") == 2, 30)
+        client = await connect(("127.0.0.1", port))
+        await client.send_all(b"u" * upload)
+        await wait_until(lambda: received == [upload])
+        seen_by: set[str] = set()
+        with trio.fail_after(30):
+            while len(seen_by) < 2:
+                text = await scrape(admin)
+                assert total(text, "tlsedge_connections_closed_total") == 0
+                if total(text, "tlsedge_client_bytes_received_total") == upload:
+                    seen_by.add(_worker_pid(text))
+                await trio.sleep(0.05)
+        assert seen_by <= {str(pid) for pid in _children(process.pid)}
+        await client.aclose()
+
+
+def _worker_pid(text: str) -> str:
+    """The pid of the worker that answered a scrape."""
+    for family in text_string_to_metric_families(text):
+        if family.name == "tlsedge_worker_info":
+            return str(family.samples[0].labels["pid"])
+    raise AssertionError("no tlsedge_worker_info")
+
+
 def _children(pid: int) -> set[int]:
     found = set()
     for entry in os.listdir("/proc"):

@@ -88,8 +88,43 @@ def test_check_bad_config_exits_2_with_the_dotted_path(
 def test_check_missing_file_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["check", str(tmp_path / "nope.toml")]) == 2
-    assert "cannot read" in capsys.readouterr().err
+    path = tmp_path / "nope.toml"
+    assert main(["check", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"tlsedge: {path}: cannot read: No such file or directory\n"
+    )
+
+
+def test_check_warns_about_a_grpc_backend_behind_http_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        config_text(8443, "127.0.0.1:50051").replace(
+            'backend = "b"', 'backend = "b"\nmode = "http"'
+        )
+    )
+    assert main(["check", "--config-only", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"tlsedge: {path}: warning: backends[0]: 'b' ")
+    assert "every call would get 502" in captured.err
+    assert "OK (1 listeners, 1 backends)" in captured.out
+
+
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_a_file_that_is_not_toml_is_named_once(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    # It used to say "tlsedge: bad.toml: bad.toml: invalid TOML: ...".
+    monkeypatch.chdir(tmp_path)
+    Path("bad.toml").write_text("[edge\n")
+    assert main([command, "bad.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tlsedge: bad.toml: invalid TOML: "), err
+    assert err.count("bad.toml") == 1, err
 
 
 def test_check_meets_what_run_would_meet(

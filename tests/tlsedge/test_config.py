@@ -31,6 +31,7 @@ from tlsedge._config import (
     ServerConfig,
     TlsConfig,
     config_from_mapping,
+    config_warnings,
     load_config,
 )
 
@@ -143,6 +144,8 @@ alpn = ["http/1.1"]
 [backends.health]
 kind = "http"
 path = "/ready?full=1"
+host = "app.example.com:8443"
+expect = [200, 204, "300-399"]
 port = 8081
 interval = 5
 timeout = 5
@@ -272,6 +275,8 @@ FULL_EXPECTED = Config(
             health=HealthConfig(
                 kind="http",
                 path="/ready?full=1",
+                host="app.example.com:8443",
+                expect=((200, 200), (204, 204), (300, 399)),
                 port=8081,
                 interval=5.0,
                 timeout=5.0,
@@ -1163,6 +1168,68 @@ ERRORS: list[tuple[str, str]] = [
         L + B + "[backends.health]\nunhealthy_threshold = 0\n",
         "backends[0].health.unhealthy_threshold: must be at least 1, got 0",
     ),
+    (
+        L + B + "[backends.health]\nhost = 'app.example.com'\n",
+        'backends[0].health.host: only applies with kind = "http" (a tcp check '
+        'sends no request); remove it or set kind = "http"',
+    ),
+    (
+        L + B + "[backends.health]\nexpect = [200]\n",
+        'backends[0].health.expect: only applies with kind = "http"',
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nhost = 'a b'\n",
+        "backends[0].health.host: expected a host name or IP address with an "
+        "optional port, such as 'app.example.com', 'app.example.com:8080', "
+        "'[::1]:8080', got 'a b'",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nhost = '::1'\n",
+        "backends[0].health.host: expected a host name or IP address",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nhost = 'app:0'\n",
+        "backends[0].health.host: expected a host name or IP address",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nhost = 80\n",
+        "backends[0].health.host: expected a string, got an integer (80)",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nexpect = []\n",
+        "backends[0].health.expect: empty, so no check could pass",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nexpect = 200\n",
+        "backends[0].health.expect: expected an array, got an integer (200)",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nexpect = [200, 600]\n",
+        "backends[0].health.expect[1]: a status is between 100 and 599, got 600",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nexpect = ['200']\n",
+        "backends[0].health.expect[0]: expected a status such as 200 or a range "
+        "such as \"200-399\", got '200' (a single status is an integer: 200)",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nexpect = ['2xx']\n",
+        "backends[0].health.expect[0]: expected a status such as 200 or a range",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nexpect = ['399-200']\n",
+        "backends[0].health.expect[0]: expected a range of statuses between 100 "
+        "and 599, low to high, got '399-200'",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nexpect = ['200-999']\n",
+        "backends[0].health.expect[0]: expected a range of statuses between 100",
+    ),
+    (
+        L + B + "[backends.health]\nkind = 'http'\nexpect = [true]\n",
+        "backends[0].health.expect[0]: expected a status such as 200 or a range "
+        'such as "200-399", got a boolean (true)',
+    ),
 ]
 
 
@@ -1198,6 +1265,65 @@ def test_error_names_the_dotted_path(text: str, message: str) -> None:
 )
 def test_valid_variants(text: str) -> None:
     parse(text)
+
+
+@pytest.mark.parametrize(
+    "host", ["app.example.com", "app:8080", "10.0.0.1", "10.0.0.1:80", "[::1]:8080"]
+)
+def test_health_check_host_header(host: str) -> None:
+    text = L + B + f"[backends.health]\nkind = 'http'\nhost = '{host}'\n"
+    health = parse(text).backends[0].health
+    assert health is not None
+    assert health.host == host  # sent as written
+
+
+def test_health_check_expected_statuses() -> None:
+    text = L + B + "[backends.health]\nkind = 'http'\nexpect = [204, '200-299']\n"
+    health = parse(text).backends[0].health
+    assert health is not None
+    assert health.expect == ((204, 204), (200, 299))
+    assert HealthConfig().expect == ((200, 399),)  # 2xx and 3xx, as before
+
+
+@pytest.mark.parametrize(
+    ("text", "warned"),
+    [
+        (
+            listener(mode='"http"', backend='"grpc"')
+            + backend(name='"grpc"', servers='["10.0.0.5:8080"]'),
+            True,
+        ),
+        (
+            listener(mode='"http"', backend='"Orders-gRPC"')
+            + backend(name='"Orders-gRPC"'),
+            True,
+        ),
+        (HTTP + backend(servers='["10.0.0.5:50051"]'), True),
+        (
+            HTTP
+            + backend(
+                servers="",
+                discovery='{ name = "_grpc._tcp.api.default.svc.", type = "SRV" }',
+            ),
+            True,
+        ),
+        (HTTP + B, False),  # an HTTP/1.1 app
+        # tcp mode relays HTTP/2 as it is
+        (listener(backend='"grpc"') + backend(name='"grpc"'), False),
+    ],
+)
+def test_a_grpc_backend_behind_http_mode_is_warned_about(
+    text: str, warned: bool
+) -> None:
+    warnings = config_warnings(parse(text))
+    if not warned:
+        assert warnings == []
+        return
+    (warning,) = warnings
+    assert warning.startswith("backends[0]: ")
+    assert 'behind the mode = "http" listener listeners[0]' in warning
+    assert "every call would get 502" in warning
+    assert 'mode = "tcp"' in warning
 
 
 def test_keys_that_toml_cannot_produce() -> None:

@@ -6,10 +6,11 @@ import logging
 import os
 import socket
 import ssl
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -421,10 +422,10 @@ async def test_http_check_transitions_200_then_500(
     assert up(server)
     await trio.sleep(INTERVAL)
     assert not up(server)
-    assert state.history[-1].detail == "HTTP 500"
+    assert state.history[-1].detail == "HTTP 500 (expected 200-399)"
     assert caplog.messages[-1] == (
         f"backend app server 127.0.0.1:{port} is DOWN after 3 failed checks "
-        "(last: HTTP 500)"
+        "(last: HTTP 500 (expected 200-399))"
     )
     responses[0] = OK
     await trio.sleep(INTERVAL * 2)
@@ -453,9 +454,13 @@ async def test_http_check_default_host_header(
         (b"HTTP/1.0 302 Found\r\nLocation: /\r\n\r\n", True, "HTTP 302"),
         (b"HTTP/1.1 200\r\n\r\n", True, "HTTP 200"),  # empty reason phrase
         (b"HTTP/1.1 399 Odd\n\n", True, "HTTP 399"),
-        (b"HTTP/1.1 404 Not Found\r\n\r\n", False, "HTTP 404"),
-        (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", False, "HTTP 101"),
-        (b"HTTP/1.1 503 Busy\r\n\r\n", False, "HTTP 503"),
+        (b"HTTP/1.1 404 Not Found\r\n\r\n", False, "HTTP 404 (expected 200-399)"),
+        (
+            b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+            False,
+            "HTTP 101 (expected 200-399)",
+        ),
+        (b"HTTP/1.1 503 Busy\r\n\r\n", False, "HTTP 503 (expected 200-399)"),
         (b"hello there\r\n", False, "bad status line b'hello there'"),
         (b"HTTP/2 200\r\n\r\n", False, "bad status line b'HTTP/2 200'"),
         (b"HTTP/1.1 2000 OK\r\n\r\n", False, "bad status line b'HTTP/1.1 2000 OK'"),
@@ -478,6 +483,48 @@ async def test_http_check_judges_status_line(
     port = await start_server(nursery, http_handler([reply], []))
     state = HealthState()
     await start_checker(nursery, Server(("127.0.0.1", port)), state, kind="http")
+    assert state.history[-1].ok is ok
+    assert state.history[-1].detail == detail
+
+
+@pytest.mark.parametrize(
+    ("expect", "reply", "ok", "detail"),
+    [
+        (((200, 200),), b"HTTP/1.1 200 OK\r\n\r\n", True, "HTTP 200"),
+        (
+            ((200, 200),),
+            b"HTTP/1.1 204 No Content\r\n\r\n",
+            False,
+            "HTTP 204 (expected 200)",
+        ),
+        (
+            ((200, 200), (401, 401)),
+            b"HTTP/1.1 401 Unauthorized\r\n\r\n",
+            True,
+            "HTTP 401",
+        ),
+        (
+            ((200, 299), (401, 401)),
+            b"HTTP/1.1 302 Found\r\n\r\n",
+            False,
+            "HTTP 302 (expected 200-299, 401)",
+        ),
+        (((200, 299),), b"HTTP/1.1 299 Odd\r\n\r\n", True, "HTTP 299"),
+    ],
+)
+async def test_http_check_passes_on_the_expected_statuses(  # noqa: PLR0917
+    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock,
+    expect: tuple[tuple[int, int], ...],
+    reply: bytes,
+    ok: bool,
+    detail: str,
+) -> None:
+    port = await start_server(nursery, http_handler([reply], []))
+    state = HealthState()
+    await start_checker(
+        nursery, Server(("127.0.0.1", port)), state, kind="http", expect=expect
+    )
     assert state.history[-1].ok is ok
     assert state.history[-1].detail == detail
 
@@ -568,6 +615,7 @@ async def test_server_health_run_checks(
         ({"kind": "http", "path": "healthz"}, "bad health check path"),
         ({"kind": "http", "path": "/a\r\nX: y"}, "bad health check path"),
         ({"kind": "http", "host_header": "a\r\nX: y"}, "bad health check host_header"),
+        ({"kind": "http", "expect": ()}, "no status would pass"),
     ],
 )
 async def test_run_health_checks_rejects_bad_arguments(
@@ -1110,3 +1158,132 @@ async def test_edge_serves_requests_to_a_proxy_protocol_backend(
         )
     assert response.startswith(b"HTTP/1.1 200 "), response
     assert response.endswith(b"\r\n\r\nok\n")
+
+
+# -- an app that checks the Host header ------------------------------------------
+
+#: A stand-in for a Django app with ``ALLOWED_HOSTS = ["app.example.com"]``:
+#: Python's http.server in a process of its own. A request for another Host
+#: gets 400, as Django answers a DisallowedHost; ``/healthz`` answers 200,
+#: ``/private`` redirects to a login page (``@login_required``).
+_HOST_CHECKING_APP = """
+import http.server
+import sys
+
+ALLOWED_HOSTS = {"app.example.com"}
+
+
+class App(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        host = self.headers.get("Host", "").partition(":")[0]
+        if host not in ALLOWED_HOSTS:
+            self.answer(400, b"Bad Request (400)")
+        elif self.path == "/private":
+            self.answer(302, b"", [("Location", "/login/?next=/private")])
+        else:
+            self.answer(200, b"ok")
+
+    def answer(self, status, body, headers=()):
+        self.send_response(status)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), App)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@contextlib.asynccontextmanager
+async def host_checking_app() -> AsyncIterator[int]:
+    """Run `_HOST_CHECKING_APP`; yields its port."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-c", _HOST_CHECKING_APP], stdout=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    try:
+        said = b""
+        with trio.fail_after(20):
+            while not said.endswith(b"\n"):
+                chunk = await process.stdout.receive_some()
+                assert chunk, "the app exited before it said its port"
+                said += chunk
+        yield int(said)
+    finally:
+        process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+        await process.stdout.aclose()
+
+
+async def test_http_checks_send_the_host_the_app_allows() -> None:
+    # The issue's setup: an HTTP-mode edge in front of an app that refuses
+    # Hosts it does not serve. Checks with the server's address as Host got
+    # 400, the server went DOWN and every request got 503; with
+    # [backends.health] host it stays UP and requests get through.
+    check = {**FAST, "kind": "http", "path": "/healthz"}
+    async with host_checking_app() as port:
+        server = f"127.0.0.1:{port}"
+        config = make_config(
+            [
+                {"name": "by-address", "backend": "by-address", "mode": "http"},
+                {"name": "by-name", "backend": "by-name", "mode": "http"},
+            ],
+            [
+                {"name": "by-address", "servers": [server], "health": check},
+                {
+                    "name": "by-name",
+                    "servers": [server],
+                    "health": {**check, "host": "app.example.com"},
+                },
+            ],
+        )
+        request = (
+            b"GET /healthz HTTP/1.1\r\nHost: app.example.com\r\n"
+            b"Connection: close\r\n\r\n"
+        )
+        async with running_edge(config) as edge:
+            (by_address,) = edge._pools["by-address"].servers
+            (by_name,) = edge._pools["by-name"].servers
+            await wait_until(
+                lambda: (
+                    len(by_address.state.history) >= 2
+                    and len(by_name.state.history) >= 2
+                )
+            )
+            assert not by_address.server.healthy
+            assert details(by_address) == {"HTTP 400 (expected 200-399)"}
+            refused = await exchange(address_of(edge, "by-address"), request)
+            assert refused.startswith(b"HTTP/1.1 503 "), refused
+            assert by_name.server.healthy
+            assert details(by_name) == {"HTTP 200"}
+            served = await exchange(address_of(edge, "by-name"), request)
+            assert served.startswith(b"HTTP/1.1 200 "), served
+            assert served.endswith(b"\r\n\r\nok")
+
+
+async def test_http_checks_pass_only_on_the_expected_statuses() -> None:
+    # A check of a page behind a login: the app redirects (302) to its login
+    # page, which the default 2xx/3xx takes for healthy; expect = [200] does not.
+    check = {**FAST, "kind": "http", "path": "/private", "host": "app.example.com"}
+    async with host_checking_app() as port, trio.open_nursery() as nursery:
+        server = f"127.0.0.1:{port}"
+        default = await checked_server(
+            nursery, backend_config(port, check), healthy=True
+        )
+        assert details(default) == {"HTTP 302"}
+        strict = await checked_server(
+            nursery, backend_config(port, {**check, "expect": [200]}), healthy=False
+        )
+        assert details(strict) == {"HTTP 302 (expected 200)"}
+        assert str(strict.server) == server
+        nursery.cancel_scope.cancel()

@@ -34,6 +34,7 @@ from tests.tlsedge.helpers import (
 )
 from tests.tlsedge.test_admin import admin_address, http_get, total
 from tests.tlsedge.test_http import Client, EchoBackend as H11Backend, _next
+from tests.tlsedge.test_status_page import cells, row_of
 from tlsedge._http.upstreams import NewConnection, Upstream, UpstreamConnections
 from tlsedge._reactor import current_reactor
 from tlsedge._server import Edge
@@ -324,6 +325,53 @@ async def test_curl_keepalive_client_gets_connection_close_after_drain() -> None
     assert "Connection: close" in err.rsplit("GET /slow/0.5", 1)[1], err
     assert "Connection: close" not in err.split("GET /slow/0.5", 1)[0], err
     assert err.count("< HTTP/1.1 200") == 2, err
+
+
+async def test_status_page_shows_http_traffic_under_load() -> None:
+    # At 6,000 requests/s over keep-alive connections the page showed
+    # "0.37 connections/s", no request and 0 B.
+    async with h11_edge(edge={"admin": "127.0.0.1:0"}) as (edge, app, address):
+        admin = admin_address(edge)
+        done = 0
+
+        async def load(client: Client) -> None:
+            nonlocal done
+            while True:
+                response = await client.request("GET", "/")
+                assert response.status == 200
+                done += 1
+
+        clients = [await Client.open(address) for _ in range(4)]
+        try:
+            async with trio.open_nursery() as nursery:
+                for client in clients:
+                    nursery.start_soon(load, client)
+                await wait_until(lambda: done >= 200)
+                assert edge.active_connections == len(clients)
+                html = (await http_get(admin, "/status")).text
+                nursery.cancel_scope.cancel()
+        finally:
+            for client in clients:
+                await client.aclose()
+    section = html.split("<h2>HTTP requests</h2>", 1)[1].split("<h2", 1)[0]
+    listener = cells(row_of(section, "web"))
+    requests, rate, by_class = listener[2], listener[3], listener[4:]
+    assert int(requests.replace(",", "")) >= 200
+    assert float(rate) > 0
+    assert by_class[1] == requests  # every one 2xx
+    assert by_class[0] == by_class[2] == by_class[3] == by_class[4] == "0"
+    server = cells(row_of(section, app.address))
+    assert server[1:3] == ["app", requests]
+    assert float(server[3]) > 0
+    # The keep-alive connections' bytes, though none had ended.
+    cards = {
+        label: value
+        for value, label in re.findall(r"<b>([^<]*)</b><span>([^<]*)</span>", html)
+    }
+    assert cards["HTTP requests"] == requests
+    assert float(cards["requests/s (1 min)"]) > 0
+    assert cards["from clients"] != "0 B"
+    assert cards["to clients"] != "0 B"
 
 
 async def test_access_log_lines_per_request_and_per_connection(

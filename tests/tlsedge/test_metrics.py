@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.test_admin import admin_address, http_get, metric_values, total
+from tests.tlsedge.test_http_edge import h11_edge
 from tests.tlsedge.test_status_page import (
     STARTED,
     backend,
@@ -302,12 +304,17 @@ async def test_tls_handshakes_and_failures(
 
 async def test_http_request_metrics_for_http_mode() -> None:
     metrics = EdgeMetrics()
-    metrics.record_http_request("web", "app", 200, 0.02)
-    metrics.record_http_request("web", "app", 204, 0.2)
-    metrics.record_http_request("web", "app", 502, 3.0)
+    metrics.record_http_request("web", "app", 200, 0.02, server="10.0.0.1:80")
+    metrics.record_http_request("web", "app", 204, 0.2, server="10.0.0.2:80")
+    metrics.record_http_request("web", "app", 502, 3.0)  # no server took it
     text = metrics.exposition()[0].decode()
     assert total(text, "tlsedge_http_requests_total", code="2xx") == 2
     assert total(text, "tlsedge_http_requests_total", code="5xx") == 1
+    # Per server: the requests that went to one.
+    requests = "tlsedge_server_http_requests_total"
+    assert total(text, requests, backend="app", server="10.0.0.1:80") == 1
+    assert total(text, requests, server="10.0.0.2:80", code="2xx") == 1
+    assert total(text, requests) == 2
     assert total(text, "tlsedge_http_request_duration_seconds_count") == 3
     assert (
         total(
@@ -609,3 +616,176 @@ async def test_reload_series_come_from_the_record() -> None:
     assert total(text, "tlsedge_config_reloads_total", result="applied") == 2
     assert total(text, "tlsedge_config_reloads_total", result="partial") == 0
     assert total(text, "tlsedge_config_reloads_total", result="refused") == 1
+
+
+# -- bytes of connections still open ------------------------------------------
+
+
+def byte_counts(text: str, listener: str, backend: str, server: str) -> list[float]:
+    """From and to the client by listener, to and from the server."""
+    labels = {"backend": backend, "server": server}
+    return [
+        total(text, "tlsedge_client_bytes_received_total", listener=listener),
+        total(text, "tlsedge_client_bytes_sent_total", listener=listener),
+        total(text, "tlsedge_server_bytes_sent_total", **labels),
+        total(text, "tlsedge_server_bytes_received_total", **labels),
+    ]
+
+
+async def test_a_tcp_relay_counts_its_bytes_while_it_runs(
+    nursery: trio.Nursery,
+) -> None:
+    # A long session (a database connection, a gRPC stream) used to show
+    # nothing until it closed.
+    upload, download = 8 << 20, 3 << 20
+    received = trio.Event()
+
+    async def backend_handler(stream: trio.SocketStream) -> None:
+        got = 0
+        while got < upload:
+            got += len(await stream.receive_some(1 << 16))
+        received.set()
+        await stream.send_all(b"d" * download)
+        await read_all(stream)
+
+    backend = await Backend(backend_handler).start(nursery)
+    config = make_config(
+        [{"name": "db", "backend": "app"}],
+        [{"name": "app", "servers": [backend.address]}],
+        {"admin": "127.0.0.1:0"},
+    )
+    async with running_edge(config) as edge:
+        admin = admin_address(edge)
+        client = await connect(address_of(edge, "db"))
+        await client.send_all(b"u" * upload)
+        await received.wait()
+        got = 0
+        while got < download:
+            got += len(await client.receive_some(1 << 16))
+        # Open: both ways counted, by listener and by server.
+        text = (await http_get(admin, "/metrics")).text
+        assert total(text, "tlsedge_connections_active", listener="db") == 1
+        counts = byte_counts(text, "db", "app", backend.address)
+        assert counts == [upload, download, upload, download]
+        # More bytes: a later scrape has them too.
+        await client.send_all(b"x" * 100)
+        with trio.fail_after(10):
+            while counts[0] < upload + 100:
+                await trio.sleep(0.01)
+                text = (await http_get(admin, "/metrics")).text
+                counts = byte_counts(text, "db", "app", backend.address)
+        assert counts == [upload + 100, download, upload + 100, download]
+        await client.send_eof()
+        await wait_until(lambda: edge.active_connections == 0)
+        text = (await http_get(admin, "/metrics")).text
+        assert total(text, "tlsedge_connections_closed_total", listener="db") == 1
+        # Closed: the rest counted once, nothing twice.
+        counts = byte_counts(text, "db", "app", backend.address)
+        assert counts == [upload + 100, download, upload + 100, download]
+
+
+async def _read_response(stream: trio.SocketStream) -> bytes:
+    """One response with a Content-Length (or a 101 head), read whole."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    if b" 101 " in head.split(b"\r\n", 1)[0]:
+        return data
+    length = re.search(rb"(?im)^content-length: *(\d+)", head)
+    assert length is not None, head
+    while len(body) < int(length[1]):
+        body += await stream.receive_some(1 << 16)
+    return data[: len(head) + 4] + body
+
+
+async def test_http_connections_count_their_bytes_while_they_run() -> None:
+    # /status showed 0 B for a listener whose keep-alive connections carried
+    # thousands of requests, and a WebSocket carried nothing until it closed.
+    async with h11_edge(edge={"admin": "127.0.0.1:0"}) as (edge, app, address):
+        admin = admin_address(edge)
+        keep_alive = await connect(address)
+        request = b"GET /download/200000 HTTP/1.1\r\nHost: example.com\r\n\r\n"
+        sent = received = 0
+        for _ in range(3):
+            await keep_alive.send_all(request)
+            sent += len(request)
+            received += len(await _read_response(keep_alive))
+        text = (await http_get(admin, "/metrics")).text
+        assert byte_counts(text, "web", "app", app.address) == [sent, received] * 2
+        # An upgraded connection: its relay's bytes count as they go.
+        upgraded = await connect(address)
+        upgrade = (
+            b"GET /upgrade HTTP/1.1\r\nHost: example.com\r\n"
+            b"Connection: Upgrade\r\nUpgrade: echo\r\n\r\n"
+        )
+        await upgraded.send_all(upgrade)
+        head = await _read_response(upgraded)
+        while not head.endswith(b"server-hello|"):
+            head += await upgraded.receive_some(1 << 16)
+        frame = b"frame" * 10000
+        await upgraded.send_all(frame)
+        echoed = b""
+        while len(echoed) < len(frame):
+            echoed += await upgraded.receive_some(1 << 16)
+        assert echoed == frame.upper()
+        sent += len(upgrade) + len(frame)
+        received += len(head) + len(echoed)
+        text = (await http_get(admin, "/metrics")).text
+        assert total(text, "tlsedge_connections_active", listener="web") == 2
+        assert byte_counts(text, "web", "app", app.address) == [sent, received] * 2
+        # Both end: nothing is counted twice.
+        await upgraded.send_eof()
+        assert await read_all(upgraded) == b"|bye"
+        await keep_alive.aclose()
+        await wait_until(lambda: edge.active_connections == 0)
+        received += len(b"|bye")
+        text = (await http_get(admin, "/metrics")).text
+        assert byte_counts(text, "web", "app", app.address) == [sent, received] * 2
+
+
+class _Meter:
+    """A connection's counts as a test sets them."""
+
+    def __init__(self) -> None:
+        self.counts: tuple[int, int, str | None] = (0, 0, None)
+
+    def traffic(self) -> tuple[int, int, str | None]:
+        return self.counts
+
+
+async def test_open_connections_bytes_go_to_the_server_in_use() -> None:
+    # An HTTP connection's requests may go to several servers: each flush
+    # counts what came since the last one for the server used now; the end
+    # counts the rest for the last one. Bytes before a server was chosen go
+    # to the first one.
+    metrics = EdgeMetrics()
+    metrics.connection_opened("web")
+    log = ConnectionLog(id="1", listener="web", peer="127.0.0.1:1", backend="app")
+    meter = _Meter()
+    metrics.metering(log, meter)
+
+    def counts() -> list[float]:
+        text = metrics.exposition()[0].decode()
+        return [
+            total(text, "tlsedge_client_bytes_received_total", listener="web"),
+            total(text, "tlsedge_client_bytes_sent_total", listener="web"),
+            total(text, "tlsedge_server_bytes_sent_total", server="a:1"),
+            total(text, "tlsedge_server_bytes_received_total", server="a:1"),
+            total(text, "tlsedge_server_bytes_sent_total", server="b:2"),
+            total(text, "tlsedge_server_bytes_received_total", server="b:2"),
+        ]
+
+    meter.counts = (100, 0, None)  # a request head, no server yet
+    assert counts() == [100, 0, 0, 0, 0, 0]
+    meter.counts = (150, 1000, "a:1")
+    assert counts() == [150, 1000, 150, 1000, 0, 0]
+    assert counts() == [150, 1000, 150, 1000, 0, 0]  # no change, no count
+    meter.counts = (300, 3000, "b:2")
+    assert counts() == [300, 3000, 150, 1000, 150, 2000]
+    log.bytes_from_client, log.bytes_from_server = 310, 3500
+    log.server = "b:2"
+    metrics.record(log)
+    assert counts() == [310, 3500, 150, 1000, 160, 2500]
+    meter.counts = (999, 999, "a:1")  # ended: no longer read
+    assert counts() == [310, 3500, 150, 1000, 160, 2500]

@@ -616,7 +616,7 @@ async def test_active_http_checks_follow_the_status(nursery: trio.Nursery) -> No
         assert health.server.healthy
         status["code"] = 503
         await wait_until(lambda: not health.server.healthy)
-        assert health.state.last_detail == "HTTP 503"
+        assert health.state.last_detail == "HTTP 503 (expected 200-399)"
         status["code"] = 204
         await wait_until(lambda: health.server.healthy)
 

@@ -219,3 +219,72 @@ async def test_the_configuration_section_shows_the_reloads() -> None:
     partial = refused.after(ReloadResult.PARTIAL, STARTED + 3700, "edge.workers")
     html = render_status_page(snapshot(), [], {}, reloads=partial)
     assert '<span class="badge warn">PARTIAL</span>' in html
+
+
+def cells(row: str) -> list[str]:
+    """The contents of a row's cells."""
+    return re.findall(r"<td[^>]*>(.*?)</td>", row, re.DOTALL)
+
+
+async def test_http_requests_by_listener_and_server() -> None:
+    web = listener("web", mode="http")
+    relay = listener("relay", mode="tcp", backend="db")
+    db = backend(server(("10.0.0.9", 5432)), name="db")
+    snap = snapshot(
+        listeners=(web, relay),
+        backends=(backend(server(), server(("10.0.0.2", 8080))), db),
+    )
+    requests = "tlsedge_http_requests_total"
+    per_server = "tlsedge_server_http_requests_total"
+    first = {"backend": "app", "server": "10.0.0.1:8080"}
+    samples = [
+        (requests, {"listener": "web", "backend": "app", "code": "2xx"}, 5000.0),
+        (requests, {"listener": "web", "backend": "app", "code": "3xx"}, 12.0),
+        (requests, {"listener": "web", "backend": "app", "code": "4xx"}, 30.0),
+        (requests, {"listener": "web", "backend": "app", "code": "5xx"}, 3.0),
+        (per_server, {**first, "code": "2xx"}, 4000.0),
+        (per_server, {**first, "code": "5xx"}, 2.0),
+        ("tlsedge_client_bytes_received_total", {"listener": "web"}, 3 << 20),
+    ]
+    rates = {"conn:web": 0.37, "req:web": 6012.4, "server-req:app/10.0.0.1:8080": 4800}
+    html = render_status_page(snap, samples, rates)
+    section = html.split("<h2>HTTP requests</h2>", 1)[1].split("<h2", 1)[0]
+    # Listener: requests, rate, then 1xx..5xx and other.
+    assert cells(row_of(section, "web")) == [
+        "web",
+        "app",
+        "5,045",
+        "6012",
+        "0",
+        "5,000",
+        "12",
+        "30",
+        "3",
+        "0",
+    ]
+    assert "relay" not in section  # a tcp listener has no requests
+    assert cells(row_of(section, "10.0.0.1:8080")) == [
+        "10.0.0.1:8080",
+        "app",
+        "4,002",
+        "4800",
+        "0",
+        "4,000",
+        "0",
+        "0",
+        "2",
+        "0",
+    ]
+    assert cells(row_of(section, "10.0.0.2:8080"))[2:4] == ["0", "-"]
+    assert "10.0.0.9" not in section  # behind no http listener
+    # The overall cards: requests and their rate next to connections.
+    assert "<b>5,045</b><span>HTTP requests</span>" in html
+    assert "<b>6012</b><span>requests/s (1 min)</span>" in html
+    assert "<b>0.37</b><span>connections/s (1 min)</span>" in html
+    assert "<b>3.0 MiB</b><span>from clients</span>" in html
+
+
+async def test_no_http_section_without_an_http_listener() -> None:
+    html = render(snapshot(), [])
+    assert "HTTP requests" not in html
+    assert "requests/s" not in html

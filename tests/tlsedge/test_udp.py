@@ -322,6 +322,30 @@ async def test_replies_come_from_the_listener_address() -> None:
         assert len(set(echo.sources)) == 1
 
 
+async def test_a_flow_counts_its_bytes_while_it_runs() -> None:
+    def counts(edge: Edge) -> list[float]:
+        server = (("backend", "b"), ("server", echo.address))
+        return [
+            samples(edge, "tlsedge_client_bytes_received_total")[listener],
+            samples(edge, "tlsedge_client_bytes_sent_total")[listener],
+            samples(edge, "tlsedge_server_bytes_sent_total")[server],
+            samples(edge, "tlsedge_server_bytes_received_total")[server],
+        ]
+
+    listener = (("listener", "dns"),)
+    async with servers("a") as (echo,), running_edge(udp_config([echo])) as edge:
+        address = address_of(edge, "dns")
+        async with Client() as client:
+            assert await client.ask(address, b"one") == b"a|one"
+            assert await client.ask(address, b"two" * 100) == b"a|" + b"two" * 100
+            # The flow is open (idle_timeout 60 s): its bytes count already.
+            assert samples(edge, "tlsedge_connections_active") == {listener: 1}
+            assert counts(edge) == [303, 307, 303, 307]
+    # Ended with the edge: counted once.
+    assert samples(edge, "tlsedge_connections_active") == {listener: 0}
+    assert counts(edge) == [303, 307, 303, 307]
+
+
 async def test_largest_datagram_is_relayed() -> None:
     async with servers("") as (echo,), running_edge(udp_config([echo])) as edge:
         address = address_of(edge, "dns")

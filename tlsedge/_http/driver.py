@@ -1527,7 +1527,7 @@ class _HttpConnection:
         upstream = ex.upstream
         assert upstream is not None
         self.upstreams.release(upstream, clean=False, handed_over=True)
-        stats = RelayStats()
+        stats = self.result.upgraded = RelayStats()  # counted as it flows
         try:
             await relay(
                 self.client_stream,
@@ -1538,6 +1538,7 @@ class _HttpConnection:
                 server_fin_timeout=self.backend.config.server_fin_timeout,
             )
         finally:
+            self.result.upgraded = None
             self.result.bytes_from_client += stats.bytes_from_client
             self.result.bytes_to_client += stats.bytes_from_server
             ex.log.bytes_in += stats.bytes_from_client

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from tlsedge._accesslog import (
     access_log_enabled,
@@ -13,6 +13,9 @@ from tlsedge._accesslog import (
     write_access_line,
 )
 from tlsedge._termination import Termination
+
+if TYPE_CHECKING:  # the relay's module is I/O; this one is pure
+    from tlsedge._relay import RelayStats
 
 _json_string: Final = json.encoder.encode_basestring_ascii
 
@@ -47,6 +50,9 @@ class HttpConnectionResult:
         termination: Why it ended (see `Termination`).
         detail: A human-readable detail for errors, or None.
         server: The last upstream server used (``ip:port``), or None.
+        upgraded: While the connection relays after an ``Upgrade``: the
+            relay's counts so far (added to the byte counts above when it
+            ends), else None.
     """
 
     requests: int = 0
@@ -55,6 +61,17 @@ class HttpConnectionResult:
     termination: str = Termination.UNKNOWN
     detail: str | None = None
     server: str | None = None
+    upgraded: RelayStats | None = None
+
+    def traffic(self) -> tuple[int, int, str | None]:
+        """Bytes from and to the client so far (the relay's included) and the
+        server in use: what the metrics read while the connection runs."""
+        from_client, to_client = self.bytes_from_client, self.bytes_to_client
+        upgraded = self.upgraded
+        if upgraded is not None:
+            from_client += upgraded.bytes_from_client
+            to_client += upgraded.bytes_from_server
+        return from_client, to_client, self.server
 
 
 @dataclass(slots=True)
