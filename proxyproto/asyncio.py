@@ -54,7 +54,7 @@ import asyncio
 import logging
 import socket
 import ssl as _ssl
-from asyncio import sslproto
+from asyncio import constants, sslproto, transports
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -99,13 +99,18 @@ def _eof_received(protocol: asyncio.BaseProtocol) -> bool | None:
     return None
 
 
-class _ProxyTransport(asyncio.Transport):
+class _ProxyTransport(transports._FlowControlMixin):
     # The transport the inner protocol sees: the real one, with the header's
     # addresses in get_extra_info and reads paused/resumed through the
     # wrapper (which may still hold bytes from after the header).
 
     # loop.start_tls() accepts this transport (it only needs the methods below).
     _start_tls_compatible = True
+    # loop.sendfile() too (aiohttp's FileResponse calls it): asyncio then
+    # copies the file with write() under flow control, for which it wants a
+    # _FlowControlMixin with _loop and _protocol_paused. (Native sendfile
+    # takes only the loop's own socket transports.)
+    _sendfile_compatible = constants._SendfileMode.FALLBACK
 
     def __init__(
         self,
@@ -113,10 +118,17 @@ class _ProxyTransport(asyncio.Transport):
         wrapper: ProxyProtocolWrapper,
         extra: dict[str, object],
     ) -> None:
-        super().__init__()
+        # Not _FlowControlMixin.__init__: flow control is the real transport's.
+        asyncio.Transport.__init__(self)
+        self._loop = asyncio.get_running_loop()
         self._extra_info = extra
         self._transport = transport
         self._wrapper = wrapper
+
+    @property
+    def _protocol_paused(self) -> bool:
+        # Whether the real transport has paused the protocol's writing.
+        return bool(getattr(self._transport, "_protocol_paused", False))
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         if name in self._extra_info:

@@ -11,6 +11,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -442,3 +443,31 @@ def test_wrapper_holds_leftover_while_inner_is_paused() -> None:
     assert received == PAYLOAD
     assert not early
     assert answer == PAYLOAD
+
+
+def test_loop_sendfile_on_the_handed_over_transport(tmp_path: Path) -> None:
+    # aiohttp's FileResponse calls loop.sendfile(transport, ...): asyncio
+    # refused the wrapper's transport ("sendfile is not supported"), so static
+    # files went out as headers without a body. A file larger than the write
+    # buffer also takes the fallback through pause/resume_writing.
+    content = bytes(range(256)) * 8192  # 2 MiB
+    path = tmp_path / "file.bin"
+    path.write_bytes(content)
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await reader.readline()
+        with path.open("rb") as file:
+            await asyncio.get_running_loop().sendfile(writer.transport, file)
+        writer.write(b"after")
+        writer.close()
+        await writer.wait_closed()
+
+    async def main() -> bytes:
+        server = await start_server(handler, "127.0.0.1", 0, trust=TRUST_LOOPBACK)
+        async with server:
+            answer, _ = await exchange(server_port(server), encode_v1(V1) + PAYLOAD)
+            return answer
+
+    assert run(main()) == content + b"after"
