@@ -63,18 +63,15 @@ from proxyproto._asgi import (
 )
 from proxyproto._errors import RemoteProtocolError
 from proxyproto._events import ProxyHeader
-from proxyproto._extras import missing_extra
+from proxyproto._extras import require
 from proxyproto._policy import Policy, TrustPolicy
 from proxyproto._reader import ReaderOptions
 from proxyproto.sockets import read_header
 
-try:
-    from gunicorn import util
-    from gunicorn.workers import gasgi, gthread, sync
-except ModuleNotFoundError as exc:
-    missing_extra(
-        exc, feature="proxyproto.gunicorn", package="gunicorn", extra="gunicorn"
-    )
+require("gunicorn", feature="proxyproto.gunicorn", extra="gunicorn")
+
+from gunicorn import util
+from gunicorn.workers import gasgi, gthread, sync
 
 __all__ = ["ASGIWorker", "SyncWorker", "ThreadWorker"]
 

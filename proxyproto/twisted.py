@@ -76,30 +76,29 @@ from proxyproto._asgi import (
 )
 from proxyproto._errors import RemoteProtocolError
 from proxyproto._events import NEED_DATA, NO_HEADER, InetAddress, ProxyHeader
-from proxyproto._extras import missing_extra
+from proxyproto._extras import require
 from proxyproto._policy import Policy, TrustPolicy
 from proxyproto._reader import HeaderReader, ReaderOptions
 
-try:
-    from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
-    from twisted.internet.endpoints import quoteStringArgument, serverFromString
-    from twisted.internet.error import ConnectionDone
-    from twisted.internet.interfaces import (
-        IAddress,
-        IDelayedCall,
-        IListeningPort,
-        IReactorTime,
-        IStreamServerEndpoint,
-        IStreamServerEndpointStringParser,
-        ITransport,
-    )
-    from twisted.internet.protocol import Factory, Protocol, connectionDone
-    from twisted.plugin import IPlugin
-    from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
-    from twisted.python.failure import Failure
-    from zope.interface import directlyProvides, implementer, providedBy
-except ModuleNotFoundError as exc:
-    missing_extra(exc, feature="proxyproto.twisted", package="twisted", extra="twisted")
+require("twisted", feature="proxyproto.twisted", extra="twisted")
+
+from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
+from twisted.internet.endpoints import quoteStringArgument, serverFromString
+from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IListeningPort,
+    IReactorTime,
+    IStreamServerEndpoint,
+    IStreamServerEndpointStringParser,
+    ITransport,
+)
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.plugin import IPlugin
+from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
+from twisted.python.failure import Failure
+from zope.interface import directlyProvides, implementer, providedBy
 
 __all__ = [
     "DEFAULT_TIMEOUT",
