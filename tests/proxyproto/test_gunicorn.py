@@ -394,11 +394,11 @@ def test_proxy_protocol_v2_narrows_the_versions(lenient: Gunicorn) -> None:
 
 
 def test_a_second_header_is_not_read(lenient: Gunicorn) -> None:
-    # gunicorn's own reader is off: a PROXY line after ours is the request
-    # line of a bad request, not a second set of addresses.
+    # gunicorn's own reader is off: a second v2 header after ours is a bad
+    # request, not a second set of addresses.
     sock, _ = connect(lenient.port)
     with sock:
-        sock.sendall(v2_header(("192.0.2.3", 3)) + V1_HEADER)
+        sock.sendall(v2_header(("192.0.2.3", 3)) + v2_header(("203.0.113.9", 9)))
         sock.sendall(b"GET / HTTP/1.1\r\nHost: test\r\n\r\n")
         answer = sock.recv(65536)
     assert answer.startswith(b"HTTP/1.1 400")
