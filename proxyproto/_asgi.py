@@ -1,9 +1,10 @@
-"""What ``proxyproto.uvicorn`` and ``proxyproto.hypercorn`` share (private).
+"""What the ASGI adapters (``proxyproto.uvicorn``, ``.hypercorn``, Daphne's in
+``.twisted``, gunicorn's ASGI worker in ``.gunicorn``) share (private).
 
 - the scope extension: ``ProxyInfo``, ``Connection`` (what a connection
   brings to its scopes: the extension and, from the header's SSL TLV, the
-  scheme), ``ProxyScopeMiddleware`` and the context variable Hypercorn's
-  connections carry their ``Connection`` in;
+  scheme), ``scope_with_connection``, ``ProxyScopeMiddleware`` and the
+  context variable Hypercorn's connections carry their ``Connection`` in;
 - ``make_trust_policy`` for the ``trusted``/``untrusted`` arguments, and the
   ``--proxy-*`` command-line options;
 - the header's addresses in the form servers read from a socket
@@ -11,7 +12,7 @@
 - ``ServerProtocolWrapper``: ``proxyproto.asyncio.ProxyProtocolWrapper`` set
   up for a server's per-connection protocol, built once the header is read.
 
-Server-agnostic: imports neither Uvicorn nor Hypercorn (nor trio).
+Server-agnostic: imports none of the servers (nor trio).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ __all__ = [
     "parse_trusted",
     "print_proxy_help",
     "proxy_argument_parser",
+    "scope_with_connection",
     "set_current_connection",
 ]
 
@@ -346,18 +348,25 @@ class ProxyScopeMiddleware:
         if scope["type"] in ("http", "websocket"):
             connection = self.lookup(scope)
             if connection is not None:
-                scope = dict(scope)
-                scope["extensions"] = {
-                    **(scope.get("extensions") or {}),
-                    EXTENSION: connection.info,
-                }
-                if connection.client_tls:
-                    # "scheme" is optional: "http" / "ws" by default.
-                    plain = scope.get(
-                        "scheme", "http" if scope["type"] == "http" else "ws"
-                    )
-                    scope["scheme"] = _TLS_SCHEMES.get(plain, plain)
+                scope = scope_with_connection(scope, connection)
         await self.app(scope, receive, send)
+
+
+def scope_with_connection(
+    scope: Mapping[str, Any], connection: Connection
+) -> dict[str, Any]:
+    """A copy of the HTTP or WebSocket *scope* with *connection*'s extension
+    and, if the client used TLS to the load balancer, scheme."""
+    scope = dict(scope)
+    scope["extensions"] = {
+        **(scope.get("extensions") or {}),
+        EXTENSION: connection.info,
+    }
+    if connection.client_tls:
+        # "scheme" is optional: "http" / "ws" by default.
+        plain = scope.get("scheme", "http" if scope["type"] == "http" else "ws")
+        scope["scheme"] = _TLS_SCHEMES.get(plain, plain)
+    return scope
 
 
 # --------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Optional dependencies: one clear message naming the extra to install (private).
 
 ``proxyproto probe`` and ``proxyproto.strategies`` need Hypothesis,
-``proxyproto.uvicorn`` Uvicorn, ``proxyproto.hypercorn`` Hypercorn; a plain
+``proxyproto.uvicorn`` Uvicorn, ``proxyproto.hypercorn`` Hypercorn,
+``proxyproto.twisted`` Twisted, ``proxyproto.gunicorn`` gunicorn; a plain
 ``pip install tlsedge`` has none of them. The extras in pyproject.toml
-(``probe``, ``uvicorn``, ``hypercorn``) install each with the versions the
-adapters are tested against.
+(``probe``, ``uvicorn``, ``hypercorn``, ``twisted``, ``gunicorn``) install
+each with the versions the adapters are tested against.
 """
 
 from __future__ import annotations

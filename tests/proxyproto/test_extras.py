@@ -101,6 +101,16 @@ def test_command_names_the_missing_extra(
             "proxyproto.tornado",
             "proxyproto.tornado needs tornado: pip install 'tlsedge[tornado]'",
         ),
+        (
+            "twisted",
+            "proxyproto.twisted",
+            "proxyproto.twisted needs twisted: pip install 'tlsedge[twisted]'",
+        ),
+        (
+            "gunicorn",
+            "proxyproto.gunicorn",
+            "proxyproto.gunicorn needs gunicorn: pip install 'tlsedge[gunicorn]'",
+        ),
     ],
 )
 def test_import_names_the_missing_extra(
@@ -148,6 +158,14 @@ def test_the_codec_and_other_commands_need_no_extra() -> None:
 def test_extras_pin_what_the_tests_run() -> None:
     with open(ROOT / "pyproject.toml", "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
-    for name in ("probe", "uvicorn", "hypercorn", "aiohttp", "tornado"):
+    for name in (
+        "probe",
+        "uvicorn",
+        "hypercorn",
+        "aiohttp",
+        "tornado",
+        "twisted",
+        "gunicorn",
+    ):
         assert extras[name], name
         assert set(extras[name]) <= set(extras["test"]), name
