@@ -119,12 +119,14 @@ def plan_header(
             crc32c=crc32c,
             pad_to=pad_to,
         )
-        # Stand-ins of the same kind as the given endpoint: only the
-        # endpoints left to the connection vary.
-        check = (
-            plan.destination or plan.source or ("127.0.0.1", 1),
-            plan.source or plan.destination or ("127.0.0.1", 1),
-        )
+        given = [a for a in (plan.source, plan.destination) if a is not None]
+        if len(given) == 1 and isinstance(given[0], UnixAddress):
+            raise LocalProtocolError(
+                "a UNIX source or destination needs the other one too (the "
+                "connection's own endpoints are TCP)"
+            )
+        # TCP stand-ins for the endpoints left to the connection.
+        check = ("127.0.0.1", 1), ("127.0.0.1", 2)
     if (version if header is None else header.version) == 1 and (
         crc32c or pad_to is not None
     ):
