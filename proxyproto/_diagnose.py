@@ -54,6 +54,7 @@ from typing import Any, Literal
 
 from proxyproto._client import HeaderPlan
 from proxyproto._exchange import GONE, Observation, connect, escape, exchange
+from proxyproto._tls_client import TLSClient
 
 __all__ = [
     "MODES",
@@ -186,13 +187,7 @@ def _tls(config: DiagnoseConfig, mode: int | None) -> Attempt:
             if exc.errno not in GONE:
                 return Attempt(mode, "tls", "error", f"send: {exc}")
         try:
-            with _tls_context().wrap_socket(
-                sock,
-                server_hostname=_server_name(config),
-                do_handshake_on_connect=False,
-            ) as tls:
-                tls.do_handshake()
-                return Attempt(mode, "tls", "served", tls.version() or "TLS")
+            version = TLSClient(sock, _tls_context(), _server_name(config)).handshake()
         except TimeoutError:
             return Attempt(
                 mode, "tls", "refused", f"no handshake within {config.wait:g} s"
@@ -206,6 +201,7 @@ def _tls(config: DiagnoseConfig, mode: int | None) -> Attempt:
             if exc.errno in GONE:
                 return Attempt(mode, "tls", "refused", "reset")
             return Attempt(mode, "tls", "error", f"handshake: {exc}")
+        return Attempt(mode, "tls", "served", version)
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,7 @@ __all__ = [
     "ProbeConfig",
     "ProbeReport",
     "build_battery",
+    "exchange",
     "run",
 ]
 

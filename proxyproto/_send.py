@@ -10,7 +10,6 @@ Blocking sockets, a timeout on every step; stdlib only.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import ssl
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import BinaryIO, Literal
 
 from proxyproto._client import HeaderPlan
 from proxyproto._exchange import GONE
+from proxyproto._tls_client import TLSClient
 
 __all__ = ["SendConfig", "SendError", "SendResult", "send"]
 
@@ -63,13 +63,13 @@ class SendError(Exception):
 
 
 def _copy_answer(
-    sock: socket.socket | ssl.SSLSocket, out: BinaryIO, wait: float
+    sock: socket.socket, stream: socket.socket | TLSClient, out: BinaryIO, wait: float
 ) -> tuple[int, Ending]:
     received = 0
     sock.settimeout(wait)
     while True:
         try:
-            chunk = sock.recv(_CHUNK)
+            chunk = stream.recv(_CHUNK)
         except TimeoutError:
             return received, "silent"
         except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
@@ -99,27 +99,24 @@ def send(config: SendConfig, out: BinaryIO) -> SendResult:
         )
     except OSError as exc:
         raise SendError(f"connect to {config.host}:{config.port}: {exc}") from exc
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(sock)
+    with sock:
         header = config.plan.wire(sock.getsockname(), sock.getpeername())
         try:
             sock.sendall(header)
         except OSError as exc:
             raise SendError(f"send the header: {exc}") from exc
-        stream: socket.socket | ssl.SSLSocket = sock
+        stream: socket.socket | TLSClient = sock
         version = None
         if config.tls is not None:
+            stream = TLSClient(sock, config.tls, config.server_name)
             try:
-                stream = stack.enter_context(
-                    config.tls.wrap_socket(sock, server_hostname=config.server_name)
-                )
+                version = stream.handshake()
             except OSError as exc:
                 raise SendError(f"TLS handshake after the header: {exc}") from exc
-            version = stream.version()
         try:
             stream.sendall(config.request)
         except OSError as exc:
             if exc.errno not in GONE:
                 raise SendError(f"send the request: {exc}") from exc
-        received, ending = _copy_answer(stream, out, config.wait)
+        received, ending = _copy_answer(sock, stream, out, config.wait)
     return SendResult(header, received, ending, version)

@@ -42,9 +42,9 @@ from proxyproto._events import TLV, ProxyHeader
 from proxyproto._extras import missing_extra
 
 try:
-    from requests.adapters import DEFAULT_POOLBLOCK, HTTPAdapter
-    from requests.exceptions import ProxyError
-    from urllib3 import PoolManager
+    import requests
+    import requests.adapters
+    import urllib3
     from urllib3.connection import HTTPConnection, HTTPSConnection
     from urllib3.connectionpool import HTTPConnectionPool
     from urllib3.exceptions import NewConnectionError
@@ -106,7 +106,7 @@ class ProxyHeaderHTTPSConnection(HTTPSConnection):
         return _send_header(self, self.proxy_header_plan, super()._new_conn())
 
 
-class _HeaderPoolManager(PoolManager):
+class _HeaderPoolManager(urllib3.PoolManager):
     """Pools whose connections start with *plan*'s header."""
 
     def __init__(self, plan: HeaderPlan, **kwargs: Any) -> None:
@@ -130,7 +130,7 @@ class _HeaderPoolManager(PoolManager):
         return pool
 
 
-class ProxyHeaderAdapter(HTTPAdapter):
+class ProxyHeaderAdapter(requests.adapters.HTTPAdapter):
     """An ``HTTPAdapter`` whose connections start with a PROXY header.
 
     Raises:
@@ -138,7 +138,7 @@ class ProxyHeaderAdapter(HTTPAdapter):
             other or describe an invalid header.
     """
 
-    __attrs__ = [*HTTPAdapter.__attrs__, "plan"]  # noqa: RUF012 (as requests)
+    __attrs__ = [*requests.adapters.HTTPAdapter.__attrs__, "plan"]  # noqa: RUF012 (as requests)
 
     def __init__(
         self,
@@ -167,7 +167,7 @@ class ProxyHeaderAdapter(HTTPAdapter):
         self,
         connections: int,
         maxsize: int,
-        block: bool = DEFAULT_POOLBLOCK,
+        block: bool = requests.adapters.DEFAULT_POOLBLOCK,
         **pool_kwargs: Any,
     ) -> None:
         # What HTTPAdapter.init_poolmanager keeps (for pickling), then a pool
@@ -184,7 +184,7 @@ class ProxyHeaderAdapter(HTTPAdapter):
         )
 
     def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
-        raise ProxyError(
+        raise requests.exceptions.ProxyError(
             f"ProxyHeaderAdapter sends its PROXY header to the server: it cannot "
             f"go through the HTTP proxy {proxy!r} (pass proxies={{}} with "
             f"trust_env=False, or name the host in NO_PROXY)"

@@ -132,9 +132,14 @@ def tls_files(directory: Path) -> TlsFiles:
 class TrioReceiver:
     """proxyproto's trio adapter serving HTTP/1.1 keep-alive: each answer is
     ``describe(header)`` of its connection plus ``connection`` (accept order)
-    and ``request`` (1 for a connection's first request)."""
+    and ``request`` (1 for a connection's first request). *trust* and
+    *versions* go to ``open_proxy_listener``."""
 
     tls: ssl.SSLContext | None = None
+    trust: TrustPolicy = field(
+        default_factory=lambda: TrustPolicy.everyone(Policy.REQUIRE)
+    )
+    versions: frozenset[int] = frozenset({1, 2})
     headers: list[ProxyHeader | None] = field(default_factory=list)
 
     async def start(self, nursery: trio.Nursery) -> int:
@@ -145,7 +150,7 @@ class TrioReceiver:
     async def _run(self, *, task_status: trio.TaskStatus[int]) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         async with open_proxy_listener(
-            listeners[0], trust=TrustPolicy.everyone(Policy.REQUIRE)
+            listeners[0], trust=self.trust, versions=self.versions
         ) as listener:
             task_status.started(int(listeners[0].socket.getsockname()[1]))
             await trio.serve_listeners(self._handle, [listener])
