@@ -1,18 +1,26 @@
-"""The ``proxyproto`` command: decode, encode and probe PROXY headers.
+"""The ``proxyproto`` command: decode, encode, send and probe PROXY headers.
 
 ``proxyproto decode HEX|-``
     Print a header field by field (``--json`` for machine-readable output).
 ``proxyproto encode --source IP:PORT --destination IP:PORT [...]``
     Build a v1/v2 header and print its hex (``--raw`` writes the bytes).
+``proxyproto send HOST:PORT [...]``
+    Connect, send a header (the encode options), optionally TLS, then a
+    request; copy the answer to stdout (``proxyproto._send``).
 ``proxyproto probe HOST:PORT``
     Fuzz a PROXY receiver with valid and invalid headers and report what it
-    wrongly accepts or refuses (see ``proxyproto._probe``).
+    wrongly accepts or refuses (see ``proxyproto._probe``); with
+    ``--diagnose``, say in one line what the port expects
+    (``proxyproto._diagnose``).
 
 Everything printed that came from a peer (TLV text, UNIX paths, a response) is
-escaped first: a header is attacker-controlled data.
+escaped first: a header is attacker-controlled data (``send`` copies the
+answer to stdout as it came, like curl).
 
-Exit codes: 0 success; 1 an invalid header (decode) or findings (probe);
-2 usage errors, bad input and connection failures.
+Exit codes: 0 success; 1 an invalid header (decode), no answer (send) or
+findings (probe); 2 usage errors, bad input and connection failures;
+``probe --diagnose``: 0 a header required, 1 guesses, 2 unreachable, 3 no
+header expected, 4 undetermined.
 """
 
 from __future__ import annotations
@@ -634,7 +642,7 @@ def _cmd_send(args: argparse.Namespace, out: TextIO, stdin: TextIO) -> int:
     endings = {
         "closed": "the server closed the connection",
         "reset": "the server reset the connection",
-        "silent": f"no byte for {args.wait:g} s",
+        "silent": f"the server stayed silent for {args.wait:g} s",
     }
     if args.verbose:
         then = f", TLS ({result.tls_version})" if result.tls_version else ""
@@ -646,8 +654,8 @@ def _cmd_send(args: argparse.Namespace, out: TextIO, stdin: TextIO) -> int:
     if result.received:
         return EXIT_OK
     sys.stderr.write(
-        f"proxyproto send: no answer: {endings[result.ending]} without a byte "
-        f"(a server refusing the header does this)\n"
+        f"proxyproto send: no answer: {endings[result.ending]} without sending "
+        f"a byte (a server refusing the header does this)\n"
     )
     return EXIT_INVALID
 
@@ -766,7 +774,7 @@ def _cmd_probe(args: argparse.Namespace, out: TextIO) -> int:
 # argument parsing
 # ---------------------------------------------------------------------------
 
-_DESCRIPTION = "Decode, encode and probe PROXY protocol v1/v2 headers."
+_DESCRIPTION = "Decode, encode, send and probe PROXY protocol v1/v2 headers."
 _EPILOG = """\
 examples:
   proxyproto decode 0d0a0d0a000d0a515549540a2111000cc0000201c00002020d0401bb
@@ -774,10 +782,13 @@ examples:
   proxyproto encode --source 192.0.2.1:56324 --destination 192.0.2.2:443 --alpn h2
   proxyproto encode --raw --version 1 --source [2001:db8::1]:1 \\
       --destination [2001:db8::2]:443 | cat - request.txt | nc 127.0.0.1 8080
+  proxyproto send 127.0.0.1:8443 --source 203.0.113.7:5555 --tls --get /
+  proxyproto probe --diagnose 127.0.0.1:8080
   proxyproto probe 127.0.0.1:8080 --payload-http --seed 1
 
-exit codes: 0 ok / no findings, 1 invalid header / findings, 2 usage or
-connection errors
+exit codes: 0 ok / no findings, 1 invalid header / no answer / findings, 2
+usage or connection errors; probe --diagnose: 0 header required, 1 guesses,
+2 unreachable, 3 no header expected, 4 undetermined (docs/probe.md)
 """
 
 

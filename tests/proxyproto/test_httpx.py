@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from tests.proxyproto.client_peers import (
 )
 
 LB_CLIENT = ("203.0.113.7", 5555)
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "proxy_client.py"
 
 
 def sync_get(
@@ -317,3 +319,19 @@ async def test_a_bad_request_extension_is_refused_before_connecting() -> None:
     async with httpx.AsyncClient(transport=AsyncProxyHeaderTransport()) as client:
         with pytest.raises(LocalProtocolError, match="must be a ProxyHeader"):
             await client.get("http://127.0.0.1:9/", extensions={PROXY_HEADER: "x"})
+
+
+async def test_the_example_client(nursery: trio.Nursery) -> None:
+    receiver = TrioReceiver()
+    port = await receiver.start(nursery)
+    result = await trio.run_process(
+        [sys.executable, str(EXAMPLE), f"http://127.0.0.1:{port}/"],
+        capture_stdout=True,
+        capture_stderr=True,
+    )
+    answers = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert [(a["version"], a["source"][0], a["authority"]) for a in answers] == [
+        (2, "203.0.113.7", "example.com"),
+        (2, "198.51.100.9", None),
+        (1, "127.0.0.1", None),
+    ]

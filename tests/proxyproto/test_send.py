@@ -101,7 +101,7 @@ async def test_tls_after_the_header_and_verbose(
         f"TLVs AUTHORITY CRC32C ("
     )
     assert ", TLS (TLSv1.3), " in verbose
-    assert verbose.endswith("bytes, then no byte for 0.5 s\n")
+    assert verbose.endswith("bytes, then the server stayed silent for 0.5 s\n")
 
 
 async def test_an_unverified_certificate_is_an_error(
@@ -129,7 +129,7 @@ async def test_a_refused_header_exits_1(nursery: trio.Nursery) -> None:
     assert result.stdout == b""
     assert result.stderr == (
         b"proxyproto send: no answer: the server closed the connection without "
-        b"a byte (a server refusing the header does this)\n"
+        b"sending a byte (a server refusing the header does this)\n"
     )
 
 
