@@ -87,6 +87,9 @@ class Verdict(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class DiagnoseConfig:
+    """The target, the plain bytes sent after each header (and instead of
+    one), and the timeouts (``wait``: for an answer or a handshake)."""
+
     host: str
     port: int
     payload: bytes
@@ -142,9 +145,9 @@ def _judge_plain(mode: int | None, obs: Observation, wait: float) -> Attempt:
         return Attempt(mode, "plain", "refused", obs.outcome)
     if response[:1] == bytes([_TLS_ALERT]) and response[1:2] == b"\x03":
         return Attempt(mode, "plain", "refused", "TLS alert", response)
-    first_line = response.split(b"\r\n", 1)[0]
     if response[:5] == b"HTTP/" and response[9:12] == b"400":
         return Attempt(mode, "plain", "refused", "HTTP 400", response)
+    first_line = response.split(b"\r\n", 1)[0]
     return Attempt(
         mode, "plain", "served", f"answered {escape(first_line, _SHOWN)}", response
     )
