@@ -1,18 +1,26 @@
-"""The ``proxyproto`` command: decode, encode and probe PROXY headers.
+"""The ``proxyproto`` command: decode, encode, send and probe PROXY headers.
 
 ``proxyproto decode HEX|-``
     Print a header field by field (``--json`` for machine-readable output).
 ``proxyproto encode --source IP:PORT --destination IP:PORT [...]``
     Build a v1/v2 header and print its hex (``--raw`` writes the bytes).
+``proxyproto send HOST:PORT [...]``
+    Connect, send a header (the encode options), optionally TLS, then a
+    request; copy the answer to stdout (``proxyproto._send``).
 ``proxyproto probe HOST:PORT``
     Fuzz a PROXY receiver with valid and invalid headers and report what it
-    wrongly accepts or refuses (see ``proxyproto._probe``).
+    wrongly accepts or refuses (see ``proxyproto._probe``); with
+    ``--diagnose``, say in one line what the port expects
+    (``proxyproto._diagnose``).
 
 Everything printed that came from a peer (TLV text, UNIX paths, a response) is
-escaped first: a header is attacker-controlled data.
+escaped first: a header is attacker-controlled data (``send`` copies the
+answer to stdout as it came, like curl).
 
-Exit codes: 0 success; 1 an invalid header (decode) or findings (probe);
-2 usage errors, bad input and connection failures.
+Exit codes: 0 success; 1 an invalid header (decode), no answer (send) or
+findings (probe); 2 usage errors, bad input and connection failures;
+``probe --diagnose``: 0 a header required, 1 guesses, 2 unreachable, 3 no
+header expected, 4 undetermined.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from proxyproto import (
     encode_v1,
     encode_v2,
 )
+from proxyproto._client import HeaderPlan, plan_header
 from proxyproto._extras import missing_extra
 from proxyproto._ip import ip_text
 
@@ -460,13 +469,8 @@ def _ssl_tlv(args: argparse.Namespace) -> TLV | None:
     return TLV.ssl(info)
 
 
-def build_header(args: argparse.Namespace) -> bytes:
-    """The header the ``encode`` options describe, encoded.
-
-    Raises:
-        LocalProtocolError: the options describe an impossible header.
-        _UsageError: contradictory or missing options.
-    """
+def _header_tlvs(args: argparse.Namespace) -> list[TLV]:
+    """The TLVs the header options ask for, in the documented order."""
     tlvs: list[TLV] = []
     if args.alpn is not None:
         tlvs.append(TLV.alpn(args.alpn.encode("utf-8")))
@@ -486,39 +490,54 @@ def build_header(args: argparse.Namespace) -> bytes:
     if args.gcp_psc_id is not None:
         tlvs.append(TLV.gcp_psc_id(args.gcp_psc_id))
     tlvs.extend(args.tlv)
-    version = args.version
-    if version == 1 and (tlvs or args.crc32c or args.pad_to is not None):
+    if args.version == 1 and (tlvs or args.crc32c or args.pad_to is not None):
         raise _UsageError("v1 headers cannot carry TLVs, a CRC32C or padding")
+    return tlvs
+
+
+def _command_header(args: argparse.Namespace, tlvs: list[TLV]) -> ProxyHeader:
+    """The header of ``--local`` (v2 LOCAL) or ``--unknown``."""
+    if args.local:
+        if args.version == 1:
+            raise _UsageError("--local is a v2 command (v1 has only PROXY)")
+        return ProxyHeader.local(tlvs=tuple(tlvs))
+    return ProxyHeader(
+        version=args.version,
+        command=Command.PROXY,
+        family=Family.UNSPEC,
+        transport=Transport.UNSPEC,
+        source=None,
+        destination=None,
+        tlvs=tuple(tlvs),
+    )
+
+
+def build_header(args: argparse.Namespace) -> bytes:
+    """The header the ``encode`` options describe, encoded.
+
+    Raises:
+        LocalProtocolError: the options describe an impossible header.
+        _UsageError: contradictory or missing options.
+    """
+    tlvs = _header_tlvs(args)
     addressed = args.source is not None or args.destination is not None
     if sum((addressed, args.local, args.unknown)) != 1:
         raise _UsageError(
             "give --source and --destination, or --local, or --unknown (one of them)"
         )
-    if args.local:
-        if version == 1:
-            raise _UsageError("--local is a v2 command (v1 has only PROXY)")
-        header = ProxyHeader.local(tlvs=tuple(tlvs))
-    elif args.unknown:
-        header = ProxyHeader(
-            version=version,
-            command=Command.PROXY,
-            family=Family.UNSPEC,
-            transport=Transport.UNSPEC,
-            source=None,
-            destination=None,
-            tlvs=tuple(tlvs),
-        )
+    if args.local or args.unknown:
+        header = _command_header(args, tlvs)
     else:
         if args.source is None or args.destination is None:
             raise _UsageError("--source and --destination go together")
         header = ProxyHeader.from_addresses(
             args.source,
             args.destination,
-            version=version,
+            version=args.version,
             transport=Transport[args.transport.upper()],
             tlvs=tuple(tlvs),
         )
-    if version == 1:
+    if args.version == 1:
         return encode_v1(header)
     return encode_v2(header, crc32c=args.crc32c, pad_to=args.pad_to)
 
@@ -532,6 +551,115 @@ def _cmd_encode(args: argparse.Namespace, out: TextIO) -> int:
     else:
         out.write(wire.hex() + "\n")
     return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# send
+# ---------------------------------------------------------------------------
+
+
+def _send_plan(args: argparse.Namespace) -> HeaderPlan:
+    """The header plan the ``send`` options describe."""
+    tlvs = _header_tlvs(args)
+    if args.local and args.unknown:
+        raise _UsageError("--local and --unknown exclude each other")
+    if args.local or args.unknown:
+        if args.source is not None or args.destination is not None:
+            raise _UsageError("--local and --unknown take no --source/--destination")
+        return plan_header(
+            _command_header(args, tlvs), crc32c=args.crc32c, pad_to=args.pad_to
+        )
+    return plan_header(
+        version=args.version,
+        source=args.source,
+        destination=args.destination,
+        tlvs=tuple(tlvs),
+        crc32c=args.crc32c,
+        pad_to=args.pad_to,
+    )
+
+
+def _send_request(args: argparse.Namespace, target: str, stdin: TextIO) -> bytes:
+    if args.get is not None:
+        if not args.get.isprintable() or " " in args.get:
+            raise _UsageError(f"--get: not a request target: {args.get!r}")
+        return (
+            f"GET {args.get} HTTP/1.1\r\nHost: {target}\r\n"
+            f"User-Agent: proxyproto/{__version__}\r\nConnection: close\r\n\r\n"
+        ).encode()
+    if args.data == "-":
+        return stdin.buffer.read()
+    try:
+        with open(args.data, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise _UsageError(f"--data: {exc}") from None
+
+
+def _header_text(header: bytes) -> str:
+    decoded = decode_header(header, max_v2_length=0xFFFF)
+    text = f"v{decoded['version']} {decoded['command']}"
+    if decoded["source"] is not None:
+        text += f" {decoded['source']['text']} -> {decoded['destination']['text']}"
+    if decoded["tlvs"]:
+        text += ", TLVs " + " ".join(tlv["name"] for tlv in decoded["tlvs"])
+    return f"{text} ({len(header)} bytes)"
+
+
+def _cmd_send(args: argparse.Namespace, out: TextIO, stdin: TextIO) -> int:
+    import ssl
+
+    from proxyproto import _send
+
+    host, port = _parse_target(args.target)
+    plan = _send_plan(args)
+    context = None
+    if args.tls:
+        try:
+            context = ssl.create_default_context(cafile=args.cacert)
+        except (OSError, ssl.SSLError) as exc:
+            raise _UsageError(f"--cacert: {exc}") from None
+        if args.insecure:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+    elif args.cacert or args.insecure or args.sni:
+        raise _UsageError("--cacert, --insecure and --sni go with --tls")
+    name = f"[{host}]" if ":" in host else host
+    config = _send.SendConfig(
+        host=host,
+        port=port,
+        plan=plan,
+        request=_send_request(args, f"{name}:{port}", stdin),
+        tls=context,
+        server_name=args.sni or host,
+        connect_timeout=args.connect_timeout,
+        wait=args.wait,
+    )
+    out.flush()
+    try:
+        result = _send.send(config, out.buffer)
+    except _send.SendError as exc:
+        sys.stderr.write(f"proxyproto send: error: {exc}\n")
+        return EXIT_USAGE
+    endings = {
+        "closed": "the server closed the connection",
+        "reset": "the server reset the connection",
+        "silent": f"the server stayed silent for {args.wait:g} s",
+    }
+    if args.verbose:
+        then = f", TLS ({result.tls_version})" if result.tls_version else ""
+        sys.stderr.write(
+            f"proxyproto send: sent {_header_text(result.header)}{then}, "
+            f"{len(config.request)} request bytes; received {result.received} "
+            f"bytes, then {endings[result.ending]}\n"
+        )
+    if result.received:
+        return EXIT_OK
+    sys.stderr.write(
+        f"proxyproto send: no answer: {endings[result.ending]} without sending "
+        f"a byte (a server refusing the header does this)\n"
+    )
+    return EXIT_INVALID
 
 
 # ---------------------------------------------------------------------------
@@ -580,6 +708,29 @@ def _parse_target(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _cmd_diagnose(args: argparse.Namespace, out: TextIO) -> int:
+    from proxyproto import _diagnose
+
+    host, port = _parse_target(args.target)
+    payload = _diagnose.http_request(host)
+    if args.payload is not None:
+        payload = _from_hex(args.payload)
+    config = _diagnose.DiagnoseConfig(
+        host=host,
+        port=port,
+        payload=payload,
+        wait=args.wait,
+        connect_timeout=args.connect_timeout,
+        sni=args.sni,
+    )
+    diagnosis = _diagnose.diagnose(config)
+    if args.json:
+        out.write(json.dumps(diagnosis.to_json(), indent=2) + "\n")
+    else:
+        out.write(diagnosis.line() + "\n")
+    return int(diagnosis.verdict)
+
+
 def _cmd_probe(args: argparse.Namespace, out: TextIO) -> int:
     try:
         from proxyproto import _probe
@@ -625,7 +776,7 @@ def _cmd_probe(args: argparse.Namespace, out: TextIO) -> int:
 # argument parsing
 # ---------------------------------------------------------------------------
 
-_DESCRIPTION = "Decode, encode and probe PROXY protocol v1/v2 headers."
+_DESCRIPTION = "Decode, encode, send and probe PROXY protocol v1/v2 headers."
 _EPILOG = """\
 examples:
   proxyproto decode 0d0a0d0a000d0a515549540a2111000cc0000201c00002020d0401bb
@@ -633,11 +784,88 @@ examples:
   proxyproto encode --source 192.0.2.1:56324 --destination 192.0.2.2:443 --alpn h2
   proxyproto encode --raw --version 1 --source [2001:db8::1]:1 \\
       --destination [2001:db8::2]:443 | cat - request.txt | nc 127.0.0.1 8080
+  proxyproto send 127.0.0.1:8443 --source 203.0.113.7:5555 --tls --get /
+  proxyproto probe --diagnose 127.0.0.1:8080
   proxyproto probe 127.0.0.1:8080 --payload-http --seed 1
 
-exit codes: 0 ok / no findings, 1 invalid header / findings, 2 usage or
-connection errors
+exit codes: 0 ok / no findings, 1 invalid header / no answer / findings, 2
+usage or connection errors; probe --diagnose: 0 header required, 1 guesses,
+2 unreachable, 3 no header expected, 4 undetermined (docs/probe.md)
 """
+
+
+def _add_header_options(parser: argparse.ArgumentParser, *, send: bool) -> None:
+    """The options that describe a header (``encode`` and ``send``)."""
+    own = " (default: the connection's own)" if send else ""
+    parser.add_argument("--version", type=int, choices=(1, 2), default=2)
+    parser.add_argument(
+        "--source",
+        type=_endpoint_arg,
+        metavar="IP:PORT",
+        help="client endpoint" + own,
+    )
+    parser.add_argument(
+        "--destination",
+        type=_endpoint_arg,
+        metavar="IP:PORT",
+        help="server endpoint ([IPv6]:PORT; unix:PATH for v2)" + own,
+    )
+    parser.add_argument("--local", action="store_true", help="v2 LOCAL command")
+    parser.add_argument(
+        "--unknown",
+        action="store_true",
+        help="v1 PROXY UNKNOWN, or v2 PROXY with UNSPEC family",
+    )
+    if not send:
+        parser.add_argument(
+            "--transport", choices=("stream", "dgram"), default="stream", help="v2 only"
+        )
+    parser.add_argument("--alpn", help="ALPN TLV, e.g. h2")
+    parser.add_argument("--authority", help="AUTHORITY TLV (host name / SNI)")
+    parser.add_argument("--unique-id", help="UNIQUE_ID TLV (text, <= 128 bytes)")
+    parser.add_argument("--netns", help="NETNS TLV")
+    parser.add_argument("--aws-vpce-id", help="AWS TLV 0xEA, VPC endpoint id")
+    parser.add_argument(
+        "--azure-link-id", type=_int_arg, help="Azure TLV 0xEE, link id (u32)"
+    )
+    parser.add_argument(
+        "--gcp-psc-id", type=_int_arg, help="GCP TLV 0xE0, PSC connection id (u64)"
+    )
+    parser.add_argument(
+        "--tlv",
+        type=_raw_tlv_arg,
+        action="append",
+        default=[],
+        metavar="TYPE:HEX",
+        help="any TLV, e.g. 0xE5:cafe or NOOP: (repeatable)",
+    )
+    ssl = parser.add_argument_group(
+        "SSL TLV (0x20)",
+        "any of these adds an SSL TLV; its client flags default to 'ssl' when "
+        "--ssl-version is given (else none), and verify to 1 (no verified "
+        "client certificate)",
+    )
+    for name in _SSL_TEXT_OPTIONS:
+        ssl.add_argument(f"--ssl-{name.replace('_', '-')}", metavar="TEXT")
+    ssl.add_argument("--ssl-client-cert", metavar="HEX", help="DER client certificate")
+    ssl.add_argument(
+        "--ssl-client",
+        type=_ssl_client_arg,
+        metavar="FLAGS",
+        help="client flags: comma list of ssl, cert-conn, cert-sess, or a number",
+    )
+    ssl.add_argument(
+        "--ssl-verify", type=_int_arg, metavar="N", help="0 = certificate verified"
+    )
+    parser.add_argument(
+        "--crc32c", action="store_true", help="add a CRC32C TLV (v2 only)"
+    )
+    parser.add_argument(
+        "--pad-to",
+        type=int,
+        metavar="N",
+        help="pad with a NOOP TLV to N bytes in total (v2 only)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -702,73 +930,66 @@ def _parser() -> argparse.ArgumentParser:
         "UNIQUE_ID, NETNS, AWS, AZURE, GCP, then --tlv ones, then CRC32C and "
         "padding.",
     )
-    encode.add_argument("--version", type=int, choices=(1, 2), default=2)
-    encode.add_argument(
-        "--source", type=_endpoint_arg, metavar="IP:PORT", help="client endpoint"
-    )
-    encode.add_argument(
-        "--destination",
-        type=_endpoint_arg,
-        metavar="IP:PORT",
-        help="server endpoint ([IPv6]:PORT; unix:PATH for v2)",
-    )
-    encode.add_argument("--local", action="store_true", help="v2 LOCAL command")
-    encode.add_argument(
-        "--unknown",
-        action="store_true",
-        help="v1 PROXY UNKNOWN, or v2 PROXY with UNSPEC family",
-    )
-    encode.add_argument(
-        "--transport", choices=("stream", "dgram"), default="stream", help="v2 only"
-    )
-    encode.add_argument("--alpn", help="ALPN TLV, e.g. h2")
-    encode.add_argument("--authority", help="AUTHORITY TLV (host name / SNI)")
-    encode.add_argument("--unique-id", help="UNIQUE_ID TLV (text, <= 128 bytes)")
-    encode.add_argument("--netns", help="NETNS TLV")
-    encode.add_argument("--aws-vpce-id", help="AWS TLV 0xEA, VPC endpoint id")
-    encode.add_argument(
-        "--azure-link-id", type=_int_arg, help="Azure TLV 0xEE, link id (u32)"
-    )
-    encode.add_argument(
-        "--gcp-psc-id", type=_int_arg, help="GCP TLV 0xE0, PSC connection id (u64)"
-    )
-    encode.add_argument(
-        "--tlv",
-        type=_raw_tlv_arg,
-        action="append",
-        default=[],
-        metavar="TYPE:HEX",
-        help="any TLV, e.g. 0xE5:cafe or NOOP: (repeatable)",
-    )
-    ssl = encode.add_argument_group(
-        "SSL TLV (0x20)",
-        "any of these adds an SSL TLV; its client flags default to 'ssl' when "
-        "--ssl-version is given (else none), and verify to 1 (no verified "
-        "client certificate)",
-    )
-    for name in _SSL_TEXT_OPTIONS:
-        ssl.add_argument(f"--ssl-{name.replace('_', '-')}", metavar="TEXT")
-    ssl.add_argument("--ssl-client-cert", metavar="HEX", help="DER client certificate")
-    ssl.add_argument(
-        "--ssl-client",
-        type=_ssl_client_arg,
-        metavar="FLAGS",
-        help="client flags: comma list of ssl, cert-conn, cert-sess, or a number",
-    )
-    ssl.add_argument(
-        "--ssl-verify", type=_int_arg, metavar="N", help="0 = certificate verified"
-    )
-    encode.add_argument(
-        "--crc32c", action="store_true", help="add a CRC32C TLV (v2 only)"
-    )
-    encode.add_argument(
-        "--pad-to",
-        type=int,
-        metavar="N",
-        help="pad with a NOOP TLV to N bytes in total (v2 only)",
-    )
+    _add_header_options(encode, send=False)
     encode.add_argument(
         "--raw", action="store_true", help="write the bytes to stdout instead of hex"
+    )
+
+    send = sub.add_parser(
+        "send",
+        help="send a PROXY header, then a request; print the answer",
+        description="Connect to HOST:PORT, send a v1 or v2 PROXY header (the "
+        "encode options; by default naming this connection's own endpoints, "
+        "as curl --haproxy-protocol does), optionally start TLS, send the "
+        "request (stdin, --data FILE or --get PATH) and copy the answer to "
+        "stdout until the server closes or stays silent for --wait seconds. "
+        "Exit 0: an answer came; 1: none (the server closed, reset or stayed "
+        "silent without a byte, as when it refuses the header); 2: usage "
+        "errors, no connection, a failed TLS handshake.",
+    )
+    send.add_argument("target", metavar="HOST:PORT")
+    _add_header_options(send, send=True)
+    request = send.add_mutually_exclusive_group()
+    request.add_argument(
+        "--data",
+        metavar="FILE",
+        default="-",
+        help="the bytes to send after the header (default -: stdin)",
+    )
+    request.add_argument(
+        "--get",
+        metavar="PATH",
+        help="send 'GET PATH HTTP/1.1' with Host and Connection: close",
+    )
+    send.add_argument("--tls", action="store_true", help="start TLS after the header")
+    send.add_argument("--cacert", metavar="FILE", help="CA certificates (PEM)")
+    send.add_argument(
+        "--insecure",
+        action="store_true",
+        help="do not check the server's certificate",
+    )
+    send.add_argument(
+        "--sni", metavar="NAME", help="TLS server name (default: HOST if a name)"
+    )
+    send.add_argument(
+        "--wait",
+        type=_positive_float,
+        default=2.0,
+        metavar="SECONDS",
+        help="the answer ends after this long without a byte (default 2)",
+    )
+    send.add_argument(
+        "--connect-timeout",
+        type=_positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="TCP connect and TLS handshake timeout (default 5)",
+    )
+    send.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="say on stderr what was sent and how the answer ended",
     )
 
     probe = sub.add_parser(
@@ -783,6 +1004,13 @@ def _parser() -> argparse.ArgumentParser:
         "resets without answering.",
     )
     probe.add_argument("target", metavar="HOST:PORT")
+    probe.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="say in one line whether the port expects a header, which "
+        "versions, TLS or plain after it, whether it guesses (exit codes: "
+        "docs/probe.md); uses --wait, --connect-timeout, --payload, --sni, --json",
+    )
     probe.add_argument(
         "--seed", type=int, default=None, help="battery seed (default: random)"
     )
@@ -853,6 +1081,11 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument(
         "--no-timing", action="store_true", help="skip the timing probes"
     )
+    probe.add_argument(
+        "--sni",
+        metavar="NAME",
+        help="TLS server name for --diagnose (default: HOST if a name)",
+    )
     probe.add_argument("--json", action="store_true", help="machine-readable report")
     return parser
 
@@ -898,6 +1131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_decode(args, out, sys.stdin)
         if args.command == "encode":
             return _cmd_encode(args, out)
+        if args.command == "send":
+            return _cmd_send(args, out, sys.stdin)
+        if args.diagnose:
+            return _cmd_diagnose(args, out)
         return _cmd_probe(args, out)
     except (_UsageError, LocalProtocolError) as exc:
         sys.stderr.write(f"proxyproto {args.command}: error: {exc}\n")

@@ -50,11 +50,8 @@ categories (``--examples N`` draws each):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import hashlib
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -87,6 +84,7 @@ from proxyproto import (
     encode_v2,
     parse,
 )
+from proxyproto._exchange import Observation, escape, exchange
 from proxyproto.strategies import (
     INVALID_KINDS,
     MAX_ENCODED_V2_LENGTH,
@@ -105,6 +103,7 @@ __all__ = [
     "ProbeConfig",
     "ProbeReport",
     "build_battery",
+    "exchange",
     "run",
 ]
 
@@ -129,14 +128,8 @@ TLV_KINDS = (
 )
 #: The spec asks receivers to wait "at least 3 seconds" for a header.
 SPEC_MIN_TIMEOUT = 3.0
-_RESPONSE_KEEP = 256  # bytes of an answer kept for the report
-_CONNECT_ATTEMPTS = 3
-# errnos meaning "the target reset the connection" (seen on send, shutdown or
-# recv depending on timing).
-_GONE = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ECONNABORTED})
 
 Expect = Literal["accept", "refuse"]
-Outcome = Literal["answered", "held_open", "closed", "reset", "error", "skipped"]
 Verdict = Literal["accepted", "refused", "inconclusive", "error", "skipped"]
 
 # kind -> (severity, the rule the target breaks by accepting it).
@@ -293,40 +286,6 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
-class Observation:
-    """What the target did with one connection."""
-
-    outcome: Outcome
-    response: bytes = b""
-    elapsed: float = 0.0
-    detail: str = ""
-
-    def describe(self, wait: float) -> str:
-        if self.outcome == "answered":
-            text = f"answered {_esc(self.response, 64)}"
-            status = self.response[9:12]
-            if self.response[:7] == b"HTTP/1." and status[:1] in (b"4", b"5"):
-                text += (
-                    f" (HTTP {status.decode('ascii', 'replace')}: the bytes got "
-                    f"past the PROXY layer; the HTTP layer then rejected what "
-                    f"followed)"
-                )
-            return text
-        if self.outcome == "held_open":
-            return (
-                f"kept the connection open for {wait:g} s without answering "
-                f"(waiting for more?)"
-            )
-        if self.outcome == "closed":
-            return f"closed without answering after {self.elapsed:.2f} s"
-        if self.outcome == "reset":
-            return f"reset the connection without answering after {self.elapsed:.2f} s"
-        if self.outcome == "skipped":
-            return "not sent (--max-time reached)"
-        return f"error: {self.detail}"
-
-
-@dataclass(frozen=True, slots=True)
 class ProbeConfig:
     host: str
     port: int
@@ -431,7 +390,7 @@ def _addresses(header: ProxyHeader) -> str:
         if isinstance(address, InetAddress):
             return str(address)
         if isinstance(address, UnixAddress):
-            return "unix:" + _esc(address.path, 24)
+            return "unix:" + escape(address.path, 24)
         return "-"
 
     if header.source is None:
@@ -644,98 +603,6 @@ def rule_for(probe: Probe) -> tuple[str, str]:
 # ---------------------------------------------------------------------------
 
 
-def _esc(data: bytes, limit: int | None = None) -> str:
-    """Peer bytes, escaped (printable ASCII as is, the rest ``\\xNN``)."""
-    shown = data if limit is None else data[:limit]
-    text = repr(shown)[1:]
-    if limit is not None and len(data) > limit:
-        text = text[:-1] + "...'"
-    return text
-
-
-def _connect(config: ProbeConfig) -> socket.socket:
-    last: OSError | None = None
-    for attempt in range(_CONNECT_ATTEMPTS):
-        try:
-            sock = socket.create_connection(
-                (config.host, config.port), timeout=config.connect_timeout
-            )
-        except (ConnectionRefusedError, TimeoutError) as exc:
-            # A full accept queue looks like this too: retry a little later.
-            last = exc
-            time.sleep(0.1 * (attempt + 1))
-            continue
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-    assert last is not None
-    raise last
-
-
-def exchange(
-    config: ProbeConfig,
-    data: bytes,
-    *,
-    payload: bytes = b"",
-    shut_wr: bool = False,
-    trickle: float | None = None,
-    wait: float | None = None,
-) -> Observation:
-    """Send *data* (+ *payload*) on a new connection and watch what happens.
-
-    *trickle* sends *data* one byte every *trickle* seconds. Watches for
-    *wait* seconds (default ``config.wait``) after the last byte is sent.
-    """
-    window = config.wait if wait is None else wait
-    start = time.monotonic()
-    try:
-        sock = _connect(config)
-    except OSError as exc:
-        return Observation(
-            "error", detail=f"connect to {config.host}:{config.port}: {exc}"
-        )
-    with sock:
-        sock.settimeout(max(window, 1.0))
-        try:
-            if trickle is not None:
-                for i in range(len(data)):
-                    sock.sendall(data[i : i + 1])
-                    if i + 1 < len(data):
-                        time.sleep(trickle)
-                if payload:
-                    sock.sendall(payload)
-            else:
-                sock.sendall(data + payload)
-            if shut_wr:
-                sock.shutdown(socket.SHUT_WR)
-        except OSError as exc:
-            if exc.errno not in _GONE:
-                return Observation(
-                    "error", elapsed=time.monotonic() - start, detail=f"send: {exc}"
-                )
-            # Refused (reset) while we were still sending: see what is left.
-        deadline = time.monotonic() + window
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return Observation("held_open", elapsed=time.monotonic() - start)
-            sock.settimeout(remaining)
-            try:
-                chunk = sock.recv(_RESPONSE_KEEP)
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if exc.errno in _GONE:
-                    return Observation("reset", elapsed=time.monotonic() - start)
-                return Observation(
-                    "error", elapsed=time.monotonic() - start, detail=f"recv: {exc}"
-                )
-            elapsed = time.monotonic() - start
-            if not chunk:
-                return Observation("closed", elapsed=elapsed)
-            return Observation("answered", response=chunk, elapsed=elapsed)
-
-
 # ---------------------------------------------------------------------------
 # The report
 # ---------------------------------------------------------------------------
@@ -758,7 +625,7 @@ class TimingResult:
             "outcome": None if obs is None else obs.outcome,
             "elapsed": None if obs is None else round(obs.elapsed, 3),
             "evidence": None if obs is None else obs.describe(wait),
-            "response_escaped": None if obs is None else _esc(obs.response),
+            "response_escaped": None if obs is None else escape(obs.response),
             "finding": self.finding,
             "note": self.note,
             "observed_timeout": self.observed_timeout,
@@ -873,7 +740,7 @@ class ProbeReport:
             "hex": r.probe.data.hex(),
             "outcome": r.observation.outcome,
             "evidence": r.observation.describe(self.config.wait),
-            "response_escaped": _esc(r.observation.response),
+            "response_escaped": escape(r.observation.response),
             "elapsed": round(r.observation.elapsed, 3),
         }
         entry["context"] = header_context(r.probe.data)
@@ -894,7 +761,7 @@ class ProbeReport:
             "versions": sorted(c.versions),
             "examples_per_category": c.examples,
             "payload_hex": c.payload.hex(),
-            "payload_escaped": _esc(c.payload),
+            "payload_escaped": escape(c.payload),
             "wait": c.wait,
             "replay": self.replay_command(),
             "elapsed": round(self.elapsed, 3),
@@ -939,7 +806,7 @@ class ProbeReport:
             f"  tool          proxyproto {__version__}",
             f"  seed          {self.seed}",
             f"  versions      {', '.join(f'v{v}' for v in sorted(c.versions))}",
-            f"  payload       {_esc(c.payload, 64) if c.payload else '(none)'}",
+            f"  payload       {escape(c.payload, 64) if c.payload else '(none)'}",
             f"  wait          {c.wait:g} s",
             f"  elapsed       {self.elapsed:.1f} s",
             f"  replay        {self.replay_command()}",
@@ -1183,7 +1050,7 @@ def _idle_probe(config: ProbeConfig, deadline: float) -> TimingResult:
         )
     elif obs.outcome == "answered":
         result.finding = (
-            f"the target sent {_esc(obs.response, 64)} before any PROXY header: "
+            f"the target sent {escape(obs.response, 64)} before any PROXY header: "
             f"a receiver must not start processing the connection before a "
             f"complete and valid header"
         )

@@ -111,6 +111,16 @@ def test_command_names_the_missing_extra(
             "proxyproto.gunicorn",
             "proxyproto.gunicorn needs gunicorn: pip install 'tlsedge[gunicorn]'",
         ),
+        (
+            "httpx",
+            "proxyproto.httpx",
+            "proxyproto.httpx needs httpx: pip install 'tlsedge[httpx]'",
+        ),
+        (
+            "requests",
+            "proxyproto.requests",
+            "proxyproto.requests needs requests: pip install 'tlsedge[requests]'",
+        ),
     ],
 )
 def test_import_names_the_missing_extra(
@@ -155,6 +165,18 @@ def test_the_codec_and_other_commands_need_no_extra() -> None:
     assert result.stdout == "0d0a0d0a000d0a515549540a20000000\n"
 
 
+def test_diagnose_and_send_need_no_extra() -> None:
+    # Nothing listens on port 9 here: both fail to connect, without a hint.
+    diagnose = run_command_without(
+        "hypothesis", "proxyproto", "probe", "--diagnose", "127.0.0.1:9"
+    )
+    assert diagnose.returncode == 2, diagnose.stderr
+    assert diagnose.stdout.startswith("127.0.0.1:9: cannot tell, a connection failed")
+    send = run_command_without("hypothesis", "proxyproto", "send", "127.0.0.1:9")
+    assert send.returncode == 2
+    assert send.stderr.startswith("proxyproto send: error: connect to 127.0.0.1:9")
+
+
 def test_extras_pin_what_the_tests_run() -> None:
     with open(ROOT / "pyproject.toml", "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
@@ -166,6 +188,8 @@ def test_extras_pin_what_the_tests_run() -> None:
         "tornado",
         "twisted",
         "gunicorn",
+        "httpx",
+        "requests",
     ):
         assert extras[name], name
         assert set(extras[name]) <= set(extras["test"]), name
