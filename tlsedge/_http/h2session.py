@@ -18,7 +18,8 @@ malformed request a connection error); `check_request` applies RFC 9113
 section 8 instead, and a malformed request is a stream error
 (``RST_STREAM PROTOCOL_ERROR``, section 8.1.1). The bytes that later go
 upstream in an HTTP/1.1 request line or field line are held to the gate's
-grammar (`tlsedge._http.gate`), the one the HTTP/1.1 side is held to:
+grammar (`tlsedge._http.head`'s, the one the HTTP/1.1 side is held to; the
+gate, `tlsedge._http.gate`, checks it again as it writes the head):
 ``:method`` a token, ``:path`` visible ASCII, field names tokens (here in
 lowercase), values without NUL, CR, LF, other control bytes or surrounding
 whitespace. Besides: the pseudo-headers known, once each, before the
@@ -96,13 +97,13 @@ import h2.settings
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from tlsedge._config import Http2Config
-from tlsedge._http.gate import (
+from tlsedge._http.head import (
+    HOST_RE,
     field_error,
     method_error,
     show_bytes,
     target_error,
 )
-from tlsedge._http.head import HOST_RE
 
 __all__ = [
     "PREFACE",

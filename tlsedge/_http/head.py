@@ -39,15 +39,20 @@ from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
+    "FIELD_VALUE",
     "HeadRejectedError",
     "RequestHead",
     "RequestRejectedError",
     "ResponseHead",
     "ResponseRejectedError",
+    "field_error",
     "find_head_end",
+    "method_error",
     "parse_request_head",
     "parse_response_head",
+    "show_bytes",
     "split_field_lines",
+    "target_error",
 ]
 
 Header = tuple[bytes, bytes]
@@ -65,6 +70,13 @@ HOST_RE: Final = re.compile(
 REQUEST_LINE_RE: Final = re.compile(
     rb"(" + TOKEN + rb") ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])"
 )
+#: RFC 9110 field-value: field-vchar (VCHAR / obs-text) at both ends, SP and
+#: HTAB only inside; empty allowed. (Written with lookarounds: a third fewer
+#: steps for the regex engine than the grammar's own shape.)
+FIELD_VALUE: Final = rb"(?:(?![ \t])[\t\x20-\x7e\x80-\xff]*(?<![ \t]))?"
+_FIELD_VALUE_RE: Final = re.compile(FIELD_VALUE)
+# A request target as the request line takes it: visible ASCII.
+_TARGET_RE: Final = re.compile(rb"[\x21-\x7e]+")
 _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
 _CODINGS_RE: Final = re.compile(TOKEN + rb"(?:[ \t]*,[ \t]*" + TOKEN + rb")*")
 # A field line: a token, ":", then any bytes but controls (HTAB allowed), CRLF.
@@ -88,6 +100,44 @@ _REQUEST_FIELDS_RE: Final = re.compile(
 _RESPONSE_FRAMING_RE: Final = re.compile(
     rb"\n(content-length|transfer-encoding|connection):[ \t]*([^\r]*)", re.IGNORECASE
 )
+
+
+def method_error(method: bytes) -> str | None:
+    """What is wrong with *method* as a request method (a token), or None."""
+    if TOKEN_RE.fullmatch(method):
+        return None
+    return f"method {show_bytes(method)} is not a token"
+
+
+def target_error(target: bytes) -> str | None:
+    """What is wrong with *target* as the target of a request line (visible
+    ASCII), or None."""
+    if _TARGET_RE.fullmatch(target):
+        return None
+    return (
+        f"request target {show_bytes(target)}: empty, or a control byte, space or "
+        "non-ASCII byte in it"
+    )
+
+
+def field_error(name: bytes, value: bytes) -> str | None:
+    """What is wrong with a field line's name (a token) or value (a
+    field-value), or None: the rules a request head's fields and a trailer
+    section's pass, whatever version they came in."""
+    if not TOKEN_RE.fullmatch(name):
+        return f"field name {show_bytes(name)} is not a token"
+    if not _FIELD_VALUE_RE.fullmatch(value):
+        return (
+            f"field {show_bytes(name)}: NUL, CR, LF or another control byte in its "
+            "value, or surrounding whitespace"
+        )
+    return None
+
+
+def show_bytes(value: bytes) -> str:
+    """*value* for a log or error message: at most 64 bytes, escaped."""
+    text = repr(value[:64])[2:-1]
+    return f"'{text}'"
 
 
 class HeadRejectedError(Exception):
