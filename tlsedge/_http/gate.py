@@ -22,8 +22,9 @@ parsed with (`method_error`, `target_error`, `field_error` name what breaks
 them, one component at a time). The check runs on the bytes that will be
 sent: one compiled expression for the whole head plus a count of its line
 ends, which must be one per field and two more, so that no component can
-carry a line of its own (a CR LF in a value would make two well-formed lines). Only a refused head is taken apart
-again, to name what was wrong (`RequestRejectedError`, 400).
+carry a line of its own (a CR LF in a value would make two well-formed lines).
+Only a refused head is taken apart again, to name what was wrong
+(`RequestRejectedError`, 400).
 `UpstreamRequest.last_chunk` does the same for the trailer section after a
 chunked body.
 
