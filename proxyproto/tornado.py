@@ -319,6 +319,15 @@ class _ProxyServer(TCPServer):
                 read_chunk_size=self.read_chunk_size,
             )
         try:
+            # A peer gone already (a health check that reset after its LOCAL
+            # header) makes ``wrap_socket`` raise from inside the SSLSocket it
+            # made, and that socket, owning the descriptor, is never closed
+            # (CPython 3.11): find out first.
+            sock.getpeername()
+        except OSError:
+            sock.close()
+            return None
+        try:
             tls_sock = ssl_wrap_socket(
                 sock, self.ssl_options, server_side=True, do_handshake_on_connect=False
             )
