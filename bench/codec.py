@@ -20,11 +20,12 @@ APIs used:
 * theirs: ``ProxyProtocolV1().unpack(data)``, ``ProxyProtocolV2().unpack(data)``,
   ``.pack(result)``.
 
-Our parser builds the address objects lazily, on first access to
-``header.source``/``destination``; theirs builds them during ``unpack``. The
-"+ read source" rows touch ``header.source.host`` (ours) and
-``result.source[0]`` (theirs) after the parse: that is the honest comparison
-for a receiver that looks at the client address.
+The "+ read source" rows touch ``header.source.host`` (ours) and
+``result.source[0]`` (theirs) after the parse: the honest comparison for a
+receiver that looks at the client address (tlsedge reads it for every
+connection). The "via HeaderReader + read source" rows are the ones issue 26
+sets goals for: a new ``HeaderReader()`` per header, as a server makes one
+per connection, then ``header.source.host``.
 
 CRC32C: ours uses ``google-crc32c`` (C) when installed, else a pure-Python
 slicing-by-8 table; the "pure-Python CRC" rows force the latter by patching
@@ -295,6 +296,18 @@ def ours_reader(pool: Sequence[bytes]) -> Pass:
     return lambda: _timed(body)
 
 
+def ours_reader_source(pool: Sequence[bytes]) -> Pass:
+    def body() -> None:
+        for data in pool:
+            reader = HeaderReader()
+            reader.receive_data(data)
+            header = reader.next_event()
+            reader.trailing_data  # noqa: B018
+            header.source.host  # type: ignore[union-attr]  # noqa: B018
+
+    return lambda: _timed(body)
+
+
 def theirs_parse(unpack: Callable[[bytes], ProxyResult], pool: Sequence[bytes]) -> Pass:
     def body() -> None:
         for data in pool:
@@ -463,6 +476,26 @@ def build_cases(pool_size: int, seed: int) -> list[Case]:
         ),
         Case("v1 TCP4 via HeaderReader", ours_reader(v1_4), theirs_parse(v1u, v1_4)),
         Case("v2 INET via HeaderReader", ours_reader(v2_4), theirs_parse(v2u, v2_4)),
+        Case(
+            "v1 TCP4 via HeaderReader + read source",
+            ours_reader_source(v1_4),
+            theirs_parse_source(v1u, v1_4),
+        ),
+        Case(
+            "v1 TCP6 via HeaderReader + read source",
+            ours_reader_source(v1_6),
+            theirs_parse_source(v1u, v1_6),
+        ),
+        Case(
+            "v2 INET via HeaderReader + read source",
+            ours_reader_source(v2_4),
+            theirs_parse_source(v2u, v2_4),
+        ),
+        Case(
+            "v2 INET6 via HeaderReader + read source",
+            ours_reader_source(v2_6),
+            theirs_parse_source(v2u, v2_6),
+        ),
         Case("v1 build TCP4", ours_encode(encode_v1, h1_4), theirs_pack(v1p, r4)),
         Case("v1 build TCP6", ours_encode(encode_v1, h1_6), theirs_pack(v1p, r6)),
         Case(
@@ -491,6 +524,15 @@ def build_cases(pool_size: int, seed: int) -> list[Case]:
             theirs_pack(v2p, r_tlv),
         ),
     ]
+
+
+def goal_of(name: str) -> float | None:
+    """The theirs/ours ratio a case must reach, or None if it has no goal."""
+    if "via HeaderReader + read source" in name:
+        return 4.0 if name.startswith("v2") else 2.5
+    if " build " in name and "pure-Python" not in name:
+        return 5.0
+    return None
 
 
 def run_case(case: Case, reps: int, pool_size: int) -> None:
@@ -571,8 +613,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             th_med, th_min = median(case.theirs_times), min(case.theirs_times)
             ratio = th_med / ours_med
             best_ratio = th_min / ours_min
-            if ratio < 5:
-                below.append(case.name)
+            goal = goal_of(case.name)
+            if goal is not None and ratio < goal:
+                below.append(f"{case.name} ({ratio:.2f}x < {goal:.1f}x)")
         else:
             th_med = th_min = ratio = best_ratio = float("nan")
         rows.append(
@@ -602,11 +645,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     print()
-    print("goal: ours >= 5x faster in every case (theirs/ours >= 5.00x)")
+    print(
+        "goals (theirs/ours by median): v2 via HeaderReader + read source >= 4x, "
+        "v1 via HeaderReader + read source >= 2.5x (issue 26); builds >= 5x "
+        "(issue 13)"
+    )
     if below:
-        print("below 5x (by median): " + "; ".join(below))
+        print("below its goal: " + "; ".join(below))
     else:
-        print("every case is at or above 5x (by median)")
+        print("every case with a goal meets it")
     return 0
 
 
