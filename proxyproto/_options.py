@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proxyproto._errors import LocalProtocolError
 
@@ -23,6 +23,10 @@ class Options:
     verify_crc32c: bool = True
     accept_unspec_proxy: bool = False
     accept_ipv4_in_tcp6: bool = False
+    # ``1 in versions`` and ``2 in versions``, for the reader's per-header
+    # dispatch: an attribute load instead of a set lookup.
+    accepts_v1: bool = field(init=False, repr=False, compare=False)
+    accepts_v2: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.versions or not self.versions <= {1, 2}:
@@ -34,6 +38,8 @@ class Options:
             raise LocalProtocolError(
                 f"max_v2_length must be 0..65535, got {self.max_v2_length}"
             )
+        object.__setattr__(self, "accepts_v1", 1 in self.versions)
+        object.__setattr__(self, "accepts_v2", 2 in self.versions)
 
 
 DEFAULT_OPTIONS = Options()

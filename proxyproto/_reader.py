@@ -2,11 +2,13 @@
 
 Theory of operation
 -------------------
-The reader has three states. WAITING: bytes accumulate in a buffer; each
+The reader has four states. WAITING: bytes accumulate in a buffer; each
 ``next_event()`` looks at them and either returns NEED_DATA, finishes, or fails.
-DONE: a header (or, for optional readers, NO_HEADER) was returned; the bytes
-after it are in ``trailing_data`` and the reader takes no more input. ERROR: the
-input was invalid; every later ``next_event()`` raises the same error again.
+CLOSED: the peer closed (``receive_data(b"")``) and no more bytes may come; the
+next ``next_event()`` finishes or fails, as the bytes it has allow. DONE: a
+header (or, for optional readers, NO_HEADER) was returned; the bytes after it
+are in ``trailing_data`` and the reader takes no more input. ERROR: the input
+was invalid; every later ``next_event()`` raises the same error again.
 
 The first byte decides the version: ``\\r`` can only start the v2 signature and
 ``P`` only ``PROXY ``. Anything else, or a later byte that cannot continue a
@@ -42,13 +44,15 @@ _V1_MIN_LENGTH = 15
 
 
 class _State(enum.Enum):
-    WAITING = "WAITING"
+    WAITING = "WAITING"  # for bytes
+    CLOSED = "CLOSED"  # the peer closed (EOF) before a verdict: decided next
     DONE = "DONE"
     ERROR = "ERROR"
 
 
 # Module constants: a global lookup is cheaper than an enum class attribute.
 _WAITING = _State.WAITING
+_CLOSED = _State.CLOSED
 _DONE = _State.DONE
 _ERROR = _State.ERROR
 
@@ -59,14 +63,14 @@ def _decode(
     if not buf:
         return NO_HEADER if optional and eof else NEED_DATA
     first = buf[0]
-    if first == 0x0D and 2 in options.versions:
+    if first == 0x0D and options.accepts_v2:
         if buf[:12] == V2_SIGNATURE:
             return decode_v2(buf, options) or NEED_DATA
         if optional and V2_SIGNATURE[: len(buf)] != buf[:12]:
             return NO_HEADER
         check_v2_prefix(buf)
         return NO_HEADER if optional and eof else NEED_DATA
-    if first == 0x50 and 1 in options.versions:  # "P"
+    if first == 0x50 and options.accepts_v1:  # "P"
         if buf[:6] == V1_PREFIX:
             return decode_v1(buf, options) or NEED_DATA
         if V1_PREFIX[: len(buf)] != buf[:6]:
@@ -182,15 +186,11 @@ class HeaderReader:
         LocalProtocolError: an option is out of range.
     """
 
-    __slots__ = (
-        "_buf",
-        "_eof",
-        "_error",
-        "_optional",
-        "_options",
-        "_state",
-        "_trailing",
-    )
+    # _error and _trailing are only set (and only read) in the ERROR and DONE
+    # states: a reader per connection does not pay for storing them up front.
+    __slots__ = ("_buf", "_error", "_optional", "_options", "_state", "_trailing")
+    _error: RemoteProtocolError
+    _trailing: bytes
 
     def __init__(
         self,
@@ -222,10 +222,7 @@ class HeaderReader:
             )
         self._optional = optional
         self._buf = b""
-        self._eof = False
         self._state = _WAITING
-        self._error: RemoteProtocolError | None = None
-        self._trailing = b""
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Add bytes received from the peer; ``b""`` means the peer closed.
@@ -235,19 +232,23 @@ class HeaderReader:
                 after EOF.
         """
         if self._state is not _WAITING:
-            if self._state is _DONE:
-                raise LocalProtocolError(
-                    "the header was already read; use trailing_data for what follows"
-                )
-            return  # already refused: keep nothing (the buffer stays bounded)
-        if not data:
-            self._eof = True
-        elif self._eof:
-            raise LocalProtocolError("received data after EOF")
+            self._refuse_data(data)
+        elif not data:
+            self._state = _CLOSED
         elif self._buf:
             self._buf += data
         else:
             self._buf = data if type(data) is bytes else bytes(data)
+
+    def _refuse_data(self, data: bytes | bytearray | memoryview) -> None:
+        state = self._state
+        if state is _DONE:
+            raise LocalProtocolError(
+                "the header was already read; use trailing_data for what follows"
+            )
+        if state is _CLOSED and data:
+            raise LocalProtocolError("received data after EOF")
+        # ERROR: already refused, keep nothing (the buffer stays bounded).
 
     def next_event(self) -> ProxyHeader | _Sentinel:
         """Parse what has been received so far.
@@ -262,29 +263,37 @@ class HeaderReader:
                 call.
             LocalProtocolError: the header was already returned.
         """
-        if self._state is not _WAITING:
-            if self._error is not None:
+        state = self._state
+        if state is not _WAITING and state is not _CLOSED:
+            if state is _ERROR:
                 raise self._error
             raise LocalProtocolError("next_event() called after the header was read")
         buf = self._buf
         options = self._options
-        result: tuple[ProxyHeader, int] | _Sentinel
+        result: tuple[ProxyHeader, int] | _Sentinel | None
         try:
             # A complete header in one read is the common case: go straight to
             # its decoder (what _decode would do, a call and a few tests less).
-            if buf[:12] == V2_SIGNATURE and 2 in options.versions:
-                result = decode_v2(buf, options) or NEED_DATA
-            elif buf[:6] == V1_PREFIX and 1 in options.versions:
-                result = decode_v1(buf, options) or NEED_DATA
+            if buf[:12] == V2_SIGNATURE and options.accepts_v2:
+                result = decode_v2(buf, options)
+            elif buf[:6] == V1_PREFIX and options.accepts_v1:
+                result = decode_v1(buf, options)
             else:
-                result = _decode(buf, options, optional=self._optional, eof=self._eof)
-            if isinstance(result, tuple):
+                result = _decode(
+                    buf, options, optional=self._optional, eof=state is _CLOSED
+                )
+            if type(result) is tuple:
                 header, consumed = result
                 self._trailing = buf[consumed:]
                 self._buf = b""
                 self._state = _DONE
                 return header
-            if result is NEED_DATA and self._eof:
+            if result is NO_HEADER:
+                self._trailing = buf
+                self._buf = b""
+                self._state = _DONE
+                return NO_HEADER
+            if state is _CLOSED:
                 raise RemoteProtocolError(
                     f"connection closed after {len(buf)} bytes, before a "
                     f"complete PROXY header",
@@ -295,11 +304,7 @@ class HeaderReader:
             self._error = exc
             self._buf = b""
             raise
-        if result is NO_HEADER:
-            self._trailing = buf
-            self._buf = b""
-            self._state = _DONE
-        return result
+        return NEED_DATA
 
     @property
     def trailing_data(self) -> bytes:
@@ -321,7 +326,7 @@ class HeaderReader:
         only known when the CRLF arrives; peek or read byte by byte), 0 once
         done.
         """
-        if self._state is not _WAITING:
+        if self._state is not _WAITING and self._state is not _CLOSED:
             return 0
         buf = self._buf
         if buf[:1] == b"\r" or (not buf and self._options.versions == {2}):
@@ -355,9 +360,9 @@ def parse(
     opts = _make_options(**options) if options else DEFAULT_OPTIONS
     buf = data if type(data) is bytes else bytes(data)
     # Skip a call in the common cases.
-    if buf[:12] == V2_SIGNATURE and 2 in opts.versions:
+    if buf[:12] == V2_SIGNATURE and opts.accepts_v2:
         result: tuple[ProxyHeader, int] | _Sentinel | None = decode_v2(buf, opts)
-    elif buf[:6] == V1_PREFIX and 1 in opts.versions:
+    elif buf[:6] == V1_PREFIX and opts.accepts_v1:
         result = decode_v1(buf, opts)
     else:
         result = _decode(buf, opts)
