@@ -59,6 +59,9 @@ _KINDS = {
 _UNSPEC = (Family.UNSPEC, Transport.UNSPEC)
 
 _INET6 = struct.Struct("!QQQQHH")  # each address as two u64 halves
+# The length field and the address block, from byte 14 on.
+_INET4_AT14 = struct.Struct("!HIIHH")
+_INET6_AT14 = struct.Struct("!HQQQQHH")
 _INET6_PORTS = struct.Struct("!HH")
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
 _FAMILY_INET = Family.INET
@@ -115,7 +118,45 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
         _reject_fixed_part(buf)
         return None
     command, family, transport, block = kind
-    if len(buf) < V2_FIXED_LENGTH:
+    size = len(buf)
+    if command is _PROXY:
+        # The common case, a PROXY header with its addresses all there: the
+        # length field and the address block in one unpack. Anything else
+        # (short, or a length that does not fit) takes the general path,
+        # which says what is wrong.
+        if block == 12 and size >= 28:
+            length, src, dst, sport, dport = _INET4_AT14.unpack_from(buf, 14)
+            if 12 <= length <= options.max_v2_length:
+                total = V2_FIXED_LENGTH + length
+                if size < total:
+                    return None
+                return new_header(
+                    2,
+                    _PROXY,
+                    family,
+                    transport,
+                    new_inet4(src, sport),
+                    new_inet4(dst, dport),
+                    _decode_tlvs(buf, 28, total, options) if total > 28 else (),
+                ), total
+        elif block == 36 and size >= 52:
+            length, src_hi, src_lo, dst_hi, dst_lo, sport, dport = (
+                _INET6_AT14.unpack_from(buf, 14)
+            )
+            if 36 <= length <= options.max_v2_length:
+                total = V2_FIXED_LENGTH + length
+                if size < total:
+                    return None
+                return new_header(
+                    2,
+                    _PROXY,
+                    family,
+                    transport,
+                    new_inet6((src_hi << 64) | src_lo, sport),
+                    new_inet6((dst_hi << 64) | dst_lo, dport),
+                    _decode_tlvs(buf, 52, total, options) if total > 52 else (),
+                ), total
+    if size < V2_FIXED_LENGTH:
         return None
     length = (buf[14] << 8) | buf[15]
     if length > options.max_v2_length:
@@ -125,7 +166,7 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
             reason="too_large",
         )
     total = V2_FIXED_LENGTH + length
-    if len(buf) < total:
+    if size < total:
         return None
     source: InetAddress | UnixAddress | None = None
     destination: InetAddress | UnixAddress | None = None
@@ -136,17 +177,7 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                 f"header length is {length}",
                 reason="truncated_addresses",
             )
-        # The addresses are built now, not on first use: receivers nearly
-        # always read them, and a lazy attribute costs more than it saves.
-        if block == 12:  # INET
-            src, dst, sport, dport = _INET4.unpack_from(buf, 16)
-            source = new_inet4(src, sport)
-            destination = new_inet4(dst, dport)
-        elif block == 36:  # INET6
-            src_hi, src_lo, dst_hi, dst_lo, sport, dport = _INET6.unpack_from(buf, 16)
-            source = new_inet6((src_hi << 64) | src_lo, sport)
-            destination = new_inet6((dst_hi << 64) | dst_lo, dport)
-        elif block:  # UNIX
+        if block:  # UNIX (INET and INET6 took the fast path above)
             source, destination = decode_v2_addresses(buf)
         elif not options.accept_unspec_proxy:
             raise _reject(
