@@ -17,6 +17,7 @@ import enum
 import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from ipaddress import IPv4Address, IPv6Address
 from operator import attrgetter
 from typing import Literal
@@ -627,12 +628,17 @@ def new_inet(host: IPv4Address | IPv6Address, port: int) -> InetAddress:
 
 # ipaddress's constructors check their argument in Python (a third of a
 # microsecond each); the decoders' values are in range by construction (a u32,
-# a u128, or checked text), so they set the value slot themselves. ``_ip`` (and
-# IPv6's ``_scope_id``) is what every ipaddress version since 3.3 stores.
-_new = object.__new__
-_SET_IPV4 = IPv4Address.__dict__["_ip"].__set__
-_SET_IPV6 = IPv6Address.__dict__["_ip"].__set__
-_SET_SCOPE_ID = IPv6Address.__dict__["_scope_id"].__set__
+# a u128, or checked text), so they make the object without its constructor
+# and store the value slot themselves (IPv4Address and IPv6Address have no
+# __setattr__ of their own). ``_ip`` (and IPv6's ``_scope_id``) is what every
+# ipaddress version since 3.3 stores: checked here, so a Python that changes
+# it fails at import, not at the first header.
+_new_ipv4 = partial(object.__new__, IPv4Address)
+_new_ipv6 = partial(object.__new__, IPv6Address)
+if "_ip" not in IPv4Address.__slots__ or not {"_ip", "_scope_id"} <= set(
+    IPv6Address.__slots__
+):
+    raise ImportError("proxyproto needs ipaddress's _ip and _scope_id slots")
 #: ``int(host)`` for the encoders, without the call to ``__int__``.
 host_value: Callable[[IPv4Address | IPv6Address], int] = attrgetter("_ip")
 
@@ -640,8 +646,8 @@ host_value: Callable[[IPv4Address | IPv6Address], int] = attrgetter("_ip")
 def new_inet4(value: int, port: int) -> InetAddress:
     """An InetAddress of an IPv4 host (0 <= *value* < 2**32) and a port the
     caller has validated."""
-    host = _new(IPv4Address)
-    _SET_IPV4(host, value)
+    host = _new_ipv4()
+    host._ip = value  # type: ignore[attr-defined]
     address = _InetSlots()
     address.host = host
     address.port = port
@@ -652,9 +658,9 @@ def new_inet4(value: int, port: int) -> InetAddress:
 def new_inet6(value: int, port: int) -> InetAddress:
     """An InetAddress of an IPv6 host without zone id (0 <= *value* < 2**128)
     and a port the caller has validated."""
-    host = _new(IPv6Address)
-    _SET_IPV6(host, value)
-    _SET_SCOPE_ID(host, None)
+    host = _new_ipv6()
+    host._ip = value  # type: ignore[attr-defined]
+    host._scope_id = None  # type: ignore[attr-defined]
     address = _InetSlots()
     address.host = host
     address.port = port
