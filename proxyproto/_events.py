@@ -561,6 +561,9 @@ def _as_ipv6(address: InetAddress) -> InetAddress:
 
 
 _FAMILY_HOST_VERSION = {Family.INET: 4, Family.INET6: 6}
+_PROXY = Command.PROXY
+_INET = Family.INET
+_INET6 = Family.INET6
 
 
 # The decoders' private construction path: no __init__, no __post_init__ (the
@@ -578,7 +581,7 @@ class _HeaderSlots:
     family: Family
     transport: Transport
     source: Address | None
-    destination: Address | None
+    destination: Address | _PendingInet | None
     tlvs: tuple[TLV, ...]
 
 
@@ -643,9 +646,63 @@ if "_ip" not in IPv4Address.__slots__ or not {"_ip", "_scope_id"} <= set(
 host_value: Callable[[IPv4Address | IPv6Address], int] = attrgetter("_ip")
 
 
-def new_inet4(value: int, port: int) -> InetAddress:
-    """An InetAddress of an IPv4 host (0 <= *value* < 2**32) and a port the
-    caller has validated."""
+def new_inet4_header(  # noqa: PLR0917 (positional: keywords cost more per call)
+    version: int,
+    transport: Transport,
+    source: int,
+    source_port: int,
+    destination: int,
+    destination_port: int,
+    tlvs: tuple[TLV, ...],
+) -> ProxyHeader:
+    """A PROXY header of the INET family, from IPv4 host values
+    (0 <= value < 2**32), ports and TLVs the caller has validated.
+
+    The source address is made here, the destination on first access (see
+    `_destination`); one call for the whole header, as each call costs.
+    """
+    host = _new_ipv4()
+    host._ip = source  # type: ignore[attr-defined]
+    src = _InetSlots()
+    src.host = host
+    src.port = source_port
+    src.__class__ = InetAddress  # type: ignore[assignment]
+    header = _HeaderSlots()
+    header.version = version
+    header.command = _PROXY
+    header.family = _INET
+    header.transport = transport
+    header.source = src  # type: ignore[assignment]
+    header.destination = (destination, destination_port)
+    header.tlvs = tlvs
+    header.__class__ = ProxyHeader  # type: ignore[assignment]
+    return header  # type: ignore[return-value]
+
+
+def new_inet6_header(  # noqa: PLR0917 (positional: keywords cost more per call)
+    version: int,
+    transport: Transport,
+    source: int,
+    source_port: int,
+    destination: int,
+    destination_port: int,
+    tlvs: tuple[TLV, ...],
+) -> ProxyHeader:
+    """A PROXY header of the INET6 family, from IPv6 host values without zone
+    id (0 <= value < 2**128), ports and TLVs the caller has validated."""
+    header = _HeaderSlots()
+    header.version = version
+    header.command = _PROXY
+    header.family = _INET6
+    header.transport = transport
+    header.source = _new_inet6(source, source_port)
+    header.destination = (destination, destination_port)
+    header.tlvs = tlvs
+    header.__class__ = ProxyHeader  # type: ignore[assignment]
+    return header  # type: ignore[return-value]
+
+
+def _new_inet4(value: int, port: int) -> InetAddress:
     host = _new_ipv4()
     host._ip = value  # type: ignore[attr-defined]
     address = _InetSlots()
@@ -655,9 +712,7 @@ def new_inet4(value: int, port: int) -> InetAddress:
     return address  # type: ignore[return-value]
 
 
-def new_inet6(value: int, port: int) -> InetAddress:
-    """An InetAddress of an IPv6 host without zone id (0 <= *value* < 2**128)
-    and a port the caller has validated."""
+def _new_inet6(value: int, port: int) -> InetAddress:
     host = _new_ipv6()
     host._ip = value  # type: ignore[attr-defined]
     host._scope_id = None  # type: ignore[attr-defined]
@@ -666,6 +721,48 @@ def new_inet6(value: int, port: int) -> InetAddress:
     address.port = port
     address.__class__ = InetAddress  # type: ignore[assignment]
     return address  # type: ignore[return-value]
+
+
+# -- the destination, made on first access -------------------------------------
+# A receiver reads the source address of nearly every header, the destination
+# (its own address, as the client saw it) less often. new_inet4_header and
+# new_inet6_header store the destination as its checked (host value, port)
+# pair; the `destination` property makes the InetAddress on first access and
+# stores it in place of the pair, so it is made once (two threads reading at
+# once may both make one: equal values, the last stored stays). Everything
+# that reads the field goes through the property and gets the InetAddress:
+# ==, hash, repr, pickle and copy (the dataclass's __getstate__),
+# dataclasses.replace, the encoders. The slot itself is read only here and by
+# the validating constructor, which refuses a pair: only a decoder stores one.
+
+_PendingInet = tuple[int, int]
+_DESTINATION_SLOT = ProxyHeader.__dict__["destination"]
+_destination_slot: Callable[[ProxyHeader], Address | _PendingInet | None] = (
+    _DESTINATION_SLOT.__get__
+)
+_set_destination_slot: Callable[[ProxyHeader, Address | None], None] = (
+    _DESTINATION_SLOT.__set__
+)
+
+
+def _destination(header: ProxyHeader) -> Address | None:
+    value = _destination_slot(header)
+    if type(value) is tuple:
+        host_value, port = value
+        value = (_new_inet4 if header.family is _INET else _new_inet6)(host_value, port)
+        _set_destination_slot(header, value)
+    return value  # type: ignore[return-value]
+
+
+type.__setattr__(
+    ProxyHeader,
+    "destination",
+    property(
+        _destination,
+        _set_destination_slot,
+        doc="The destination address (of a decoded header: made on first access).",
+    ),
+)
 
 
 def new_tlv(tlv_type: int, value: bytes, valid: bool) -> TLV:
@@ -680,6 +777,7 @@ def new_tlv(tlv_type: int, value: bytes, valid: bool) -> TLV:
 
 
 def _validate_header(h: ProxyHeader) -> None:
+    destination = _destination_slot(h)  # the slot itself: a pair is refused
     if h.version not in (1, 2):
         raise LocalProtocolError(f"version must be 1 or 2, got {h.version!r}")
     if type(h.tlvs) is not tuple or not all(isinstance(t, TLV) for t in h.tlvs):
@@ -698,7 +796,7 @@ def _validate_header(h: ProxyHeader) -> None:
             raise LocalProtocolError("LOCAL headers have family UNSPEC")
         if h.transport is not Transport.UNSPEC:
             raise LocalProtocolError("UNSPEC family goes with UNSPEC transport")
-        if h.source is not None or h.destination is not None:
+        if h.source is not None or destination is not None:
             raise LocalProtocolError(
                 "LOCAL and UNSPEC headers carry no addresses (source and "
                 "destination must be None)"
@@ -708,7 +806,7 @@ def _validate_header(h: ProxyHeader) -> None:
         raise LocalProtocolError(
             f"family {h.family.name} needs transport STREAM or DGRAM, not UNSPEC"
         )
-    for role, address in (("source", h.source), ("destination", h.destination)):
+    for role, address in (("source", h.source), ("destination", destination)):
         if h.family is Family.UNIX:
             if not isinstance(address, UnixAddress):
                 raise LocalProtocolError(f"UNIX family needs a UnixAddress {role}")

@@ -22,8 +22,8 @@ from proxyproto._events import (
     host_value,
     new_header,
     new_inet,
-    new_inet4,
-    new_inet6,
+    new_inet4_header,
+    new_inet6_header,
 )
 from proxyproto._ip import ip_text
 from proxyproto._options import V1_MAX_LENGTH, Options
@@ -229,14 +229,8 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
             source_port = int(sport)
             destination_port = int(dport)
             if source_port <= 0xFFFF and destination_port <= 0xFFFF:
-                return new_header(
-                    1,
-                    _PROXY,
-                    _INET,
-                    _STREAM,
-                    new_inet4(src, source_port),
-                    new_inet4(dst, destination_port),
-                    (),
+                return new_inet4_header(
+                    1, _STREAM, src, source_port, dst, destination_port, ()
                 ), match.end()
     else:
         match = _TCP6_HEADER.match(buf)
@@ -248,14 +242,8 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                 source_port = int(sport)
                 destination_port = int(dport)
                 if source_port <= 0xFFFF and destination_port <= 0xFFFF:
-                    return new_header(
-                        1,
-                        _PROXY,
-                        _INET6,
-                        _STREAM,
-                        new_inet6(src6, source_port),
-                        new_inet6(dst6, destination_port),
-                        (),
+                    return new_inet6_header(
+                        1, _STREAM, src6, source_port, dst6, destination_port, ()
                     ), match.end()
     end = buf.find(b"\r\n", 0, V1_MAX_LENGTH)
     if end < 0:

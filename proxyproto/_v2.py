@@ -25,8 +25,8 @@ from proxyproto._events import (
     UnixAddress,
     host_value,
     new_header,
-    new_inet4,
-    new_inet6,
+    new_inet4_header,
+    new_inet6_header,
     new_tlv,
 )
 from proxyproto._options import V2_MAX_LENGTH_FIELD, Options
@@ -130,13 +130,13 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                 total = V2_FIXED_LENGTH + length
                 if size < total:
                     return None
-                return new_header(
+                return new_inet4_header(
                     2,
-                    _PROXY,
-                    family,
                     transport,
-                    new_inet4(src, sport),
-                    new_inet4(dst, dport),
+                    src,
+                    sport,
+                    dst,
+                    dport,
                     _decode_tlvs(buf, 28, total, options) if total > 28 else (),
                 ), total
         elif block == 36 and size >= 52:
@@ -147,13 +147,13 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                 total = V2_FIXED_LENGTH + length
                 if size < total:
                     return None
-                return new_header(
+                return new_inet6_header(
                     2,
-                    _PROXY,
-                    family,
                     transport,
-                    new_inet6((src_hi << 64) | src_lo, sport),
-                    new_inet6((dst_hi << 64) | dst_lo, dport),
+                    (src_hi << 64) | src_lo,
+                    sport,
+                    (dst_hi << 64) | dst_lo,
+                    dport,
                     _decode_tlvs(buf, 52, total, options) if total > 52 else (),
                 ), total
     if size < V2_FIXED_LENGTH:

@@ -417,6 +417,38 @@ def test_unknown_attribute_still_raises(data: bytes) -> None:
     assert header.source == _eager(data).source  # still works afterwards
 
 
+@pytest.mark.parametrize("data", LAZY_VECTORS)
+def test_lazy_destination_has_the_public_type(data: bytes) -> None:
+    header = parse(data)[0]
+    assert type(header.destination) is type(_eager(data).destination)
+    if isinstance(header.destination, InetAddress):
+        assert type(header.destination.host) is type(header.source.host)  # type: ignore[union-attr]
+
+
+def test_lazy_destination_survives_copy_and_replace() -> None:
+    # Both read the destination of a header that had not made it yet.
+    header = parse(V2_VALID["tcp6"].data)[0]
+    copied = copy.copy(header)
+    assert copied.destination == header.destination
+    assert dataclasses.replace(header).destination == header.destination
+
+
+@pytest.mark.parametrize(
+    "destination", [(0x01020304, 80), (1, 2, 3), ()], ids=["pair", "triple", "empty"]
+)
+def test_a_tuple_is_never_taken_for_a_destination(destination: Any) -> None:
+    # The decoders keep an unread destination as a (value, port) pair; the
+    # validating constructor must not let one in.
+    with pytest.raises(LocalProtocolError, match="destination"):
+        ProxyHeader(
+            version=2,
+            family=Family.INET,
+            transport=Transport.STREAM,
+            source=_V4,
+            destination=destination,
+        )
+
+
 # -- errors ---------------------------------------------------------------------------
 
 
