@@ -118,26 +118,26 @@ class ReaderOptions(TypedDict, total=False):
 
 
 _ALL_VERSIONS = (1, 2)
-_DEFAULT_MAX_V2_LENGTH = DEFAULT_MAX_V2_LENGTH  # the default argument's object
+_OPTION_NAMES = ReaderOptions.__optional_keys__
 _MAX_CACHED_OPTIONS = 64
 _OPTIONS_CACHE: dict[tuple[frozenset[int], int, bool, bool, bool], Options] = {}
 
 
-def _make_options(
-    versions: Iterable[int] = _ALL_VERSIONS,
-    max_v2_length: int = DEFAULT_MAX_V2_LENGTH,
-    verify_crc32c: bool = True,
-    accept_unspec_proxy: bool = False,
-    accept_ipv4_in_tcp6: bool = False,
-) -> Options:
-    if (
-        versions is _ALL_VERSIONS
-        and max_v2_length == DEFAULT_MAX_V2_LENGTH
-        and verify_crc32c is True
-        and accept_unspec_proxy is False
-        and accept_ipv4_in_tcp6 is False
-    ):
-        return DEFAULT_OPTIONS  # what the code below returns, without building it
+def _make_options(caller: str, given: ReaderOptions) -> Options:
+    """The Options of *given* (the keyword options of a *caller* call).
+
+    Raises:
+        TypeError: an unknown keyword, as Python says it for a parameter.
+        LocalProtocolError: an option is out of range.
+    """
+    for name in given:
+        if name not in _OPTION_NAMES:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    versions = given.get("versions", _ALL_VERSIONS)
+    max_v2_length = given.get("max_v2_length", DEFAULT_MAX_V2_LENGTH)
+    verify_crc32c = given.get("verify_crc32c", True)
+    accept_unspec_proxy = given.get("accept_unspec_proxy", False)
+    accept_ipv4_in_tcp6 = given.get("accept_ipv4_in_tcp6", False)
     # A server builds a reader per connection with the same arguments: build
     # (and check) each set of options once. The cache is bounded; invalid
     # options raise and are never cached.
@@ -193,33 +193,13 @@ class HeaderReader:
     _trailing: bytes
 
     def __init__(
-        self,
-        *,
-        versions: Iterable[int] = _ALL_VERSIONS,
-        optional: bool = False,
-        max_v2_length: int = DEFAULT_MAX_V2_LENGTH,
-        verify_crc32c: bool = True,
-        accept_unspec_proxy: bool = False,
-        accept_ipv4_in_tcp6: bool = False,
+        self, *, optional: bool = False, **options: Unpack[ReaderOptions]
     ) -> None:
-        if (
-            versions is _ALL_VERSIONS
-            and max_v2_length is _DEFAULT_MAX_V2_LENGTH
-            and verify_crc32c is True
-            and accept_unspec_proxy is False
-            and accept_ipv4_in_tcp6 is False
-        ):
-            # The defaults, as passed when not given (identity is enough here:
-            # _make_options finds the same result for equal values).
-            self._options = DEFAULT_OPTIONS
-        else:
-            self._options = _make_options(
-                versions,
-                max_v2_length,
-                verify_crc32c,
-                accept_unspec_proxy,
-                accept_ipv4_in_tcp6,
-            )
+        # The options as ``**``: a call without them skips six keyword
+        # defaults (a reader is made per connection).
+        self._options = (
+            _make_options("HeaderReader", options) if options else DEFAULT_OPTIONS
+        )
         self._optional = optional
         self._buf = b""
         self._state = _WAITING
@@ -357,7 +337,7 @@ def parse(
             (``reason == "incomplete"``).
         LocalProtocolError: an option is out of range.
     """
-    opts = _make_options(**options) if options else DEFAULT_OPTIONS
+    opts = _make_options("parse", options) if options else DEFAULT_OPTIONS
     buf = data if type(data) is bytes else bytes(data)
     # Skip a call in the common cases.
     if buf[:12] == V2_SIGNATURE and opts.accepts_v2:

@@ -588,3 +588,16 @@ def test_options_are_built_once_per_set_of_arguments() -> None:
     for _ in range(2):  # an invalid set is refused every time, never cached
         with pytest.raises(LocalProtocolError):
             HeaderReader(versions={3})
+
+
+def test_unknown_options_are_a_type_error() -> None:
+    # As for any Python call with a keyword it does not take.
+    with pytest.raises(
+        TypeError,
+        match=r"HeaderReader\(\) got an unexpected keyword argument 'max_length'",
+    ):
+        HeaderReader(max_length=10)  # type: ignore[call-arg]
+    with pytest.raises(
+        TypeError, match=r"parse\(\) got an unexpected keyword argument 'strict'"
+    ):
+        parse(b"PROXY UNKNOWN\r\n", strict=True)  # type: ignore[call-arg]
