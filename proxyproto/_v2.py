@@ -59,9 +59,18 @@ _KINDS = {
 _UNSPEC = (Family.UNSPEC, Transport.UNSPEC)
 
 _INET6 = struct.Struct("!QQQQHH")  # each address as two u64 halves
-# The length field and the address block, from byte 14 on.
-_INET4_AT14 = struct.Struct("!HIIHH")
-_INET6_AT14 = struct.Struct("!HQQQQHH")
+# The ver/cmd byte, (the family byte skipped,) the length field and the
+# address block: bytes 12 to 28 (INET) or 52 (INET6).
+_INET4_AT12 = struct.Struct("!BxHIIHH")
+_INET6_AT12 = struct.Struct("!BxHQQQQHH")
+# The transport of each INET and INET6 family byte; None for the others.
+_INET_TRANSPORTS: tuple[Transport | None, ...] = tuple(
+    transport if family in (Family.INET, Family.INET6) else None
+    for family, transport, _ in (
+        _FAMILY_BYTES.get(byte, (Family.UNSPEC, Transport.UNSPEC, 0))
+        for byte in range(256)
+    )
+)
 _INET6_PORTS = struct.Struct("!HH")
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
 _FAMILY_INET = Family.INET
@@ -113,49 +122,55 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
     Raises:
         RemoteProtocolError: the bytes are not a valid v2 header.
     """
+    size = len(buf)
+    if size >= 28:
+        # The common case, a PROXY header of the INET or INET6 family with
+        # its addresses all there: the family byte chooses, then one unpack
+        # reads the ver/cmd byte, the length field and the address block.
+        # Anything else (LOCAL, UNIX, short, a length that does not fit)
+        # takes the general path below, which says what is wrong.
+        family_byte = buf[13]
+        transport = _INET_TRANSPORTS[family_byte]
+        if transport is not None:
+            if family_byte < 0x20:  # INET
+                ver_cmd, length, src, dst, sport, dport = _INET4_AT12.unpack_from(
+                    buf, 12
+                )
+                if ver_cmd == 0x21 and 12 <= length <= options.max_v2_length:
+                    total = V2_FIXED_LENGTH + length
+                    if size < total:
+                        return None
+                    return new_inet4_header(
+                        2,
+                        transport,
+                        src,
+                        sport,
+                        dst,
+                        dport,
+                        _decode_tlvs(buf, 28, total, options) if total > 28 else (),
+                    ), total
+            elif size >= 52:  # INET6
+                ver_cmd, length, src_hi, src_lo, dst_hi, dst_lo, sport, dport = (
+                    _INET6_AT12.unpack_from(buf, 12)
+                )
+                if ver_cmd == 0x21 and 36 <= length <= options.max_v2_length:
+                    total = V2_FIXED_LENGTH + length
+                    if size < total:
+                        return None
+                    return new_inet6_header(
+                        2,
+                        transport,
+                        (src_hi << 64) | src_lo,
+                        sport,
+                        (dst_hi << 64) | dst_lo,
+                        dport,
+                        _decode_tlvs(buf, 52, total, options) if total > 52 else (),
+                    ), total
     kind = _KINDS.get(buf[12:14])
     if kind is None:
         _reject_fixed_part(buf)
         return None
     command, family, transport, block = kind
-    size = len(buf)
-    if command is _PROXY:
-        # The common case, a PROXY header with its addresses all there: the
-        # length field and the address block in one unpack. Anything else
-        # (short, or a length that does not fit) takes the general path,
-        # which says what is wrong.
-        if block == 12 and size >= 28:
-            length, src, dst, sport, dport = _INET4_AT14.unpack_from(buf, 14)
-            if 12 <= length <= options.max_v2_length:
-                total = V2_FIXED_LENGTH + length
-                if size < total:
-                    return None
-                return new_inet4_header(
-                    2,
-                    transport,
-                    src,
-                    sport,
-                    dst,
-                    dport,
-                    _decode_tlvs(buf, 28, total, options) if total > 28 else (),
-                ), total
-        elif block == 36 and size >= 52:
-            length, src_hi, src_lo, dst_hi, dst_lo, sport, dport = (
-                _INET6_AT14.unpack_from(buf, 14)
-            )
-            if 36 <= length <= options.max_v2_length:
-                total = V2_FIXED_LENGTH + length
-                if size < total:
-                    return None
-                return new_inet6_header(
-                    2,
-                    transport,
-                    (src_hi << 64) | src_lo,
-                    sport,
-                    (dst_hi << 64) | dst_lo,
-                    dport,
-                    _decode_tlvs(buf, 52, total, options) if total > 52 else (),
-                ), total
     if size < V2_FIXED_LENGTH:
         return None
     length = (buf[14] << 8) | buf[15]
