@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import TypedDict, Unpack
+from typing import Literal, TypedDict, Unpack
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
 from proxyproto._events import NEED_DATA, NO_HEADER, ProxyHeader, _Sentinel
@@ -59,20 +59,26 @@ _ERROR = _State.ERROR
 
 def _decode(
     buf: bytes, options: Options, *, optional: bool = False, eof: bool = False
-) -> tuple[ProxyHeader, int] | _Sentinel:
+) -> tuple[ProxyHeader, int] | Literal[_Sentinel.NO_HEADER] | None:
+    """What the bytes so far are: a header and its length, NO_HEADER (for an
+    optional reader), or None while more bytes are needed.
+
+    Raises:
+        RemoteProtocolError: the bytes are not a valid header.
+    """
     if not buf:
-        return NO_HEADER if optional and eof else NEED_DATA
+        return NO_HEADER if optional and eof else None
     first = buf[0]
     if first == 0x0D and options.accepts_v2:
         if buf[:12] == V2_SIGNATURE:
-            return decode_v2(buf, options) or NEED_DATA
+            return decode_v2(buf, options)
         if optional and V2_SIGNATURE[: len(buf)] != buf[:12]:
             return NO_HEADER
         check_v2_prefix(buf)
-        return NO_HEADER if optional and eof else NEED_DATA
+        return NO_HEADER if optional and eof else None
     if first == 0x50 and options.accepts_v1:  # "P"
         if buf[:6] == V1_PREFIX:
-            return decode_v1(buf, options) or NEED_DATA
+            return decode_v1(buf, options)
         if V1_PREFIX[: len(buf)] != buf[:6]:
             if optional:
                 return NO_HEADER
@@ -80,7 +86,7 @@ def _decode(
                 f"bad v1 header: expected 'PROXY ', got {quote(buf[:6])}",
                 reason="bad_signature",
             )
-        return NO_HEADER if optional and eof else NEED_DATA
+        return NO_HEADER if optional and eof else None
     if optional:
         return NO_HEADER
     if first == 0x0D:
@@ -93,7 +99,7 @@ def _decode(
             # Only "PROXY " is a v1 header: until it is all there, the verdict
             # (wrong version or plain garbage) could still go either way, and
             # it must not depend on how the bytes were split.
-            return NEED_DATA
+            return None
         raise RemoteProtocolError(
             "got a PROXY v1 header but only v2 is accepted here",
             reason="version_not_allowed",
@@ -250,7 +256,7 @@ class HeaderReader:
             raise LocalProtocolError("next_event() called after the header was read")
         buf = self._buf
         options = self._options
-        result: tuple[ProxyHeader, int] | _Sentinel | None
+        result: tuple[ProxyHeader, int] | None
         try:
             # A complete header in one read is the common case: go straight to
             # its decoder (what _decode would do, a call and a few tests less).
@@ -259,20 +265,21 @@ class HeaderReader:
             elif buf[:6] == V1_PREFIX and options.accepts_v1:
                 result = decode_v1(buf, options)
             else:
-                result = _decode(
+                decided = _decode(
                     buf, options, optional=self._optional, eof=state is _CLOSED
                 )
-            if type(result) is tuple:
+                if decided is NO_HEADER:
+                    self._trailing = buf
+                    self._buf = b""
+                    self._state = _DONE
+                    return NO_HEADER
+                result = decided
+            if result is not None:
                 header, consumed = result
                 self._trailing = buf[consumed:]
                 self._buf = b""
                 self._state = _DONE
                 return header
-            if result is NO_HEADER:
-                self._trailing = buf
-                self._buf = b""
-                self._state = _DONE
-                return NO_HEADER
             if state is _CLOSED:
                 raise RemoteProtocolError(
                     f"connection closed after {len(buf)} bytes, before a "
@@ -341,12 +348,14 @@ def parse(
     buf = data if type(data) is bytes else bytes(data)
     # Skip a call in the common cases.
     if buf[:12] == V2_SIGNATURE and opts.accepts_v2:
-        result: tuple[ProxyHeader, int] | _Sentinel | None = decode_v2(buf, opts)
+        result: tuple[ProxyHeader, int] | Literal[_Sentinel.NO_HEADER] | None = (
+            decode_v2(buf, opts)
+        )
     elif buf[:6] == V1_PREFIX and opts.accepts_v1:
         result = decode_v1(buf, opts)
     else:
         result = _decode(buf, opts)
-    if type(result) is tuple:
+    if result is not None and result is not NO_HEADER:
         return result
     raise RemoteProtocolError(
         f"incomplete PROXY header ({len(buf)} bytes)", reason="incomplete"
