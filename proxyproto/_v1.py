@@ -16,13 +16,15 @@ from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
 from proxyproto._events import (
     Command,
     Family,
+    HeaderSlots,
     InetAddress,
+    InetSlots,
     ProxyHeader,
     Transport,
+    blank_ipv4,
     host_value,
     new_header,
     new_inet,
-    new_inet4_header,
     new_inet6_header,
 )
 from proxyproto._ip import ip_text
@@ -229,9 +231,24 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
             source_port = int(sport)
             destination_port = int(dport)
             if source_port <= 0xFFFF and destination_port <= 0xFFFF:
-                return new_inet4_header(
-                    1, _STREAM, src, source_port, dst, destination_port, ()
-                ), match.end()
+                # new_header inline (see HeaderSlots), the destination left
+                # for first access (see ProxyHeader.destination).
+                host = blank_ipv4()
+                host._ip = src
+                client = InetSlots()
+                client.host = host
+                client.port = source_port
+                client.__class__ = InetAddress  # type: ignore[assignment]
+                header = HeaderSlots()
+                header.version = 1
+                header.command = _PROXY
+                header.family = _INET
+                header.transport = _STREAM
+                header.source = client
+                header.destination = (dst, destination_port)
+                header.tlvs = ()
+                header.__class__ = ProxyHeader  # type: ignore[assignment]
+                return header, match.end()  # type: ignore[return-value]
     else:
         match = _TCP6_HEADER.match(buf)
         if match is not None and match.end() <= V1_MAX_LENGTH:

@@ -18,14 +18,16 @@ from proxyproto._events import (
     UNIX_PATH_LENGTH,
     Command,
     Family,
+    HeaderSlots,
     InetAddress,
+    InetSlots,
     ProxyHeader,
     TLVType,
     Transport,
     UnixAddress,
+    blank_ipv4,
     host_value,
     new_header,
-    new_inet4_header,
     new_inet6_header,
     new_tlv,
 )
@@ -140,15 +142,26 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                     total = V2_FIXED_LENGTH + length
                     if size < total:
                         return None
-                    return new_inet4_header(
-                        2,
-                        transport,
-                        src,
-                        sport,
-                        dst,
-                        dport,
-                        _decode_tlvs(buf, 28, total, options) if total > 28 else (),
-                    ), total
+                    # new_header inline (see HeaderSlots), the destination
+                    # left for first access (see ProxyHeader.destination).
+                    host = blank_ipv4()
+                    host._ip = src
+                    client = InetSlots()
+                    client.host = host
+                    client.port = sport
+                    client.__class__ = InetAddress  # type: ignore[assignment]
+                    header = HeaderSlots()
+                    header.version = 2
+                    header.command = _PROXY
+                    header.family = _FAMILY_INET
+                    header.transport = transport
+                    header.source = client
+                    header.destination = (dst, dport)
+                    header.tlvs = (
+                        _decode_tlvs(buf, 28, total, options) if total > 28 else ()
+                    )
+                    header.__class__ = ProxyHeader  # type: ignore[assignment]
+                    return header, total  # type: ignore[return-value]
             elif size >= 52:  # INET6
                 ver_cmd, length, src_hi, src_lo, dst_hi, dst_lo, sport, dport = (
                     _INET6_AT12.unpack_from(buf, 12)
