@@ -23,6 +23,9 @@ class Options:
     verify_crc32c: bool = True
     accept_unspec_proxy: bool = False
     accept_ipv4_in_tcp6: bool = False
+    # HeaderReader's: NO_HEADER for a stream without a header (parse() has
+    # no use for it).
+    optional: bool = False
     # ``1 in versions`` and ``2 in versions``, for the reader's per-header
     # dispatch: an attribute load instead of a set lookup.
     accepts_v1: bool = field(init=False, repr=False, compare=False)

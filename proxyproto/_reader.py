@@ -24,8 +24,8 @@ socket adapter how much it may read without over-reading.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
-from typing import Literal, TypedDict, Unpack
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypedDict, Unpack
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
 from proxyproto._events import NEED_DATA, NO_HEADER, ProxyHeader, _Sentinel
@@ -123,27 +123,48 @@ class ReaderOptions(TypedDict, total=False):
     accept_ipv4_in_tcp6: bool
 
 
+class HeaderReaderOptions(ReaderOptions, total=False):
+    """The keyword options of ``HeaderReader``: ``parse()``'s and ``optional``."""
+
+    optional: bool
+
+
+_PARSE_KEYWORDS = frozenset(
+    (
+        "versions",
+        "max_v2_length",
+        "verify_crc32c",
+        "accept_unspec_proxy",
+        "accept_ipv4_in_tcp6",
+    )
+)
+_READER_KEYWORDS = _PARSE_KEYWORDS | {"optional"}
 _ALL_VERSIONS = (1, 2)
-_OPTION_NAMES = ReaderOptions.__optional_keys__
 _MAX_CACHED_OPTIONS = 64
-_OPTIONS_CACHE: dict[tuple[frozenset[int], int, bool, bool, bool], Options] = {}
+_OPTIONS_CACHE: dict[tuple[frozenset[int], int, bool, bool, bool, bool], Options] = {}
 
 
-def _make_options(caller: str, given: ReaderOptions) -> Options:
-    """The Options of *given* (the keyword options of a *caller* call).
+def _make_options(
+    keywords: frozenset[str], caller: str, given: Mapping[str, Any]
+) -> Options:
+    """The Options of *given*, the keyword options of a call to *caller*,
+    which takes *keywords*.
 
     Raises:
         TypeError: an unknown keyword, as Python says it for a parameter.
         LocalProtocolError: an option is out of range.
     """
-    for name in given:
-        if name not in _OPTION_NAMES:
-            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    for keyword in given:
+        if keyword not in keywords:
+            raise TypeError(
+                f"{caller}() got an unexpected keyword argument {keyword!r}"
+            )
     versions = given.get("versions", _ALL_VERSIONS)
     max_v2_length = given.get("max_v2_length", DEFAULT_MAX_V2_LENGTH)
     verify_crc32c = given.get("verify_crc32c", True)
     accept_unspec_proxy = given.get("accept_unspec_proxy", False)
     accept_ipv4_in_tcp6 = given.get("accept_ipv4_in_tcp6", False)
+    optional = given.get("optional", False)
     # A server builds a reader per connection with the same arguments: build
     # (and check) each set of options once. The cache is bounded; invalid
     # options raise and are never cached.
@@ -153,6 +174,7 @@ def _make_options(caller: str, given: ReaderOptions) -> Options:
         verify_crc32c,
         accept_unspec_proxy,
         accept_ipv4_in_tcp6,
+        optional,
     )
     options = _OPTIONS_CACHE.get(key)
     if options is None:
@@ -162,6 +184,7 @@ def _make_options(caller: str, given: ReaderOptions) -> Options:
             verify_crc32c=verify_crc32c,
             accept_unspec_proxy=accept_unspec_proxy,
             accept_ipv4_in_tcp6=accept_ipv4_in_tcp6,
+            optional=optional,
         )
         if options == DEFAULT_OPTIONS:
             options = DEFAULT_OPTIONS
@@ -194,19 +217,19 @@ class HeaderReader:
 
     # _error and _trailing are only set (and only read) in the ERROR and DONE
     # states: a reader per connection does not pay for storing them up front.
-    __slots__ = ("_buf", "_error", "_optional", "_options", "_state", "_trailing")
+    __slots__ = ("_buf", "_error", "_options", "_state", "_trailing")
     _error: RemoteProtocolError
     _trailing: bytes
 
-    def __init__(
-        self, *, optional: bool = False, **options: Unpack[ReaderOptions]
-    ) -> None:
-        # The options as ``**``: a call without them skips six keyword
-        # defaults (a reader is made per connection).
+    def __init__(self, **options: Unpack[HeaderReaderOptions]) -> None:
+        # The options as ``**``, all kept in one Options: a call without them
+        # skips six keyword defaults and a store (a reader is made per
+        # connection).
         self._options = (
-            _make_options("HeaderReader", options) if options else DEFAULT_OPTIONS
+            _make_options(_READER_KEYWORDS, "HeaderReader", options)
+            if options
+            else DEFAULT_OPTIONS
         )
-        self._optional = optional
         self._buf = b""
         self._state = _WAITING
 
@@ -266,7 +289,7 @@ class HeaderReader:
                 result = decode_v1(buf, options)
             else:
                 decided = _decode(
-                    buf, options, optional=self._optional, eof=state is _CLOSED
+                    buf, options, optional=options.optional, eof=state is _CLOSED
                 )
                 if decided is NO_HEADER:
                     self._trailing = buf
@@ -344,7 +367,9 @@ def parse(
             (``reason == "incomplete"``).
         LocalProtocolError: an option is out of range.
     """
-    opts = _make_options("parse", options) if options else DEFAULT_OPTIONS
+    opts = (
+        _make_options(_PARSE_KEYWORDS, "parse", options) if options else DEFAULT_OPTIONS
+    )
     buf = data if type(data) is bytes else bytes(data)
     # Skip a call in the common cases.
     if buf[:12] == V2_SIGNATURE and opts.accepts_v2:

@@ -601,3 +601,6 @@ def test_unknown_options_are_a_type_error() -> None:
         TypeError, match=r"parse\(\) got an unexpected keyword argument 'strict'"
     ):
         parse(b"PROXY UNKNOWN\r\n", strict=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="'optional'"):  # a reader's option only
+        parse(b"PROXY UNKNOWN\r\n", optional=True)  # type: ignore[call-arg]
+    assert HeaderReader(optional=True)._options is HeaderReader(optional=True)._options
