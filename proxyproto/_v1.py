@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import struct
 from ipaddress import IPv4Address, IPv6Address
+from typing import Literal
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
 from proxyproto._events import (
@@ -206,11 +207,14 @@ def _ipv6(field: bytes, options: Options) -> IPv6Address:
     raise _reject(f"v1 TCP6 address is not a valid IPv6 address: {quote(field)}")
 
 
-def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
-    """Decode a v1 header at the start of *buf* (which starts with "PROXY ").
+def decode_v1(
+    buf: bytes, options: Options
+) -> tuple[ProxyHeader, int] | Literal[False] | None:
+    """Decode a v1 header at the start of *buf*.
 
     Returns:
-        ``(header, bytes consumed)``, or None if the CRLF has not arrived yet.
+        ``(header, bytes consumed)``; None if the CRLF has not arrived yet;
+        False if *buf* does not start with ``PROXY `` (the caller judges it).
 
     Raises:
         RemoteProtocolError: the bytes are not a valid v1 header.
@@ -262,6 +266,8 @@ def decode_v1(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                     return new_inet6_header(
                         1, _STREAM, src6, source_port, dst6, destination_port, ()
                     ), match.end()
+    if buf[:6] != V1_PREFIX:  # the regular expressions above check it too
+        return False
     end = buf.find(b"\r\n", 0, V1_MAX_LENGTH)
     if end < 0:
         check_v1_prefix(buf[:V1_MAX_LENGTH])
