@@ -300,7 +300,9 @@ class HeaderReader:
                     result = decided
             if result is not None:
                 header, consumed = result
-                self._trailing = buf[consumed:]
+                # A header alone in its read is common (load balancers send
+                # it as they connect): no slice then.
+                self._trailing = buf[consumed:] if consumed < len(buf) else b""
                 self._buf = b""
                 self._state = _DONE
                 return header
