@@ -91,8 +91,15 @@ AWS_SUBTYPE_VPCE_ID = 0x01
 AZURE_SUBTYPE_PRIVATE_ENDPOINT_LINK_ID = 0x01
 
 
+class _InetLayout:
+    # InetAddress's slots, in a base class that InetSlots shares: a
+    # ``__class__`` assignment between two classes that add no slots to a
+    # common base skips comparing their slot lists (see HeaderSlots).
+    __slots__ = ("host", "port")
+
+
 @dataclass(frozen=True, slots=True)
-class InetAddress:
+class InetAddress(_InetLayout):
     """An IPv4 or IPv6 endpoint."""
 
     host: IPv4Address | IPv6Address
@@ -342,8 +349,22 @@ class SSLInfo:
 Address = InetAddress | UnixAddress
 
 
+class _HeaderLayout:
+    # ProxyHeader's slots, in a base class that HeaderSlots shares (see
+    # _InetLayout); the dataclass adds none of its own.
+    __slots__ = (
+        "command",
+        "destination",
+        "family",
+        "source",
+        "tlvs",
+        "transport",
+        "version",
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ProxyHeader:
+class ProxyHeader(_HeaderLayout):
     """One decoded PROXY header.
 
     ``source`` and ``destination`` are None when the real socket endpoints apply:
@@ -583,10 +604,10 @@ class HostSlots:
     _scope_id: str | None
 
 
-class HeaderSlots:
+class HeaderSlots(_HeaderLayout):
     """ProxyHeader's slots, to fill, then ``__class__ = ProxyHeader``."""
 
-    __slots__ = ProxyHeader.__slots__
+    __slots__ = ()
     version: int
     command: Command
     family: Family
@@ -596,10 +617,10 @@ class HeaderSlots:
     tlvs: tuple[TLV, ...]
 
 
-class InetSlots:
+class InetSlots(_InetLayout):
     """InetAddress's slots, to fill, then ``__class__ = InetAddress``."""
 
-    __slots__ = InetAddress.__slots__
+    __slots__ = ()
     host: IPv4Address | IPv6Address | HostSlots
     port: int
 
@@ -718,7 +739,7 @@ def _new_inet6(value: int, port: int) -> InetAddress:
 # the validating constructor, which refuses a pair: only a decoder stores one.
 
 PendingInet = tuple[int, int]
-_DESTINATION_SLOT = ProxyHeader.__dict__["destination"]
+_DESTINATION_SLOT = _HeaderLayout.__dict__["destination"]
 _destination_slot: Callable[[ProxyHeader], Address | PendingInet | None] = (
     _DESTINATION_SLOT.__get__
 )
