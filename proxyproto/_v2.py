@@ -158,7 +158,7 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                     header.source = client
                     header.destination = (dst, dport)
                     header.tlvs = (
-                        _decode_tlvs(buf, 28, total, options) if total > 28 else ()
+                        decode_tlvs(buf, 28, total, options) if total > 28 else ()
                     )
                     header.__class__ = ProxyHeader  # type: ignore[assignment]
                     return header, total  # type: ignore[return-value]
@@ -177,7 +177,7 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                         sport,
                         (dst_hi << 64) | dst_lo,
                         dport,
-                        _decode_tlvs(buf, 52, total, options) if total > 52 else (),
+                        decode_tlvs(buf, 52, total, options) if total > 52 else (),
                     ), total
     kind = _KINDS.get(buf[12:14])
     if kind is None:
@@ -221,7 +221,7 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
         tlv_start = V2_FIXED_LENGTH + block if length >= block else total
     tlvs: tuple[TLV, ...] = ()
     if tlv_start < total:
-        tlvs = _decode_tlvs(buf, tlv_start, total, options)
+        tlvs = decode_tlvs(buf, tlv_start, total, options)
     return new_header(2, command, family, transport, source, destination, tlvs), total
 
 
@@ -245,7 +245,13 @@ def decode_v2_addresses(
     return _unix_path(wire[16:124]), _unix_path(wire[124:232])
 
 
-def _decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV, ...]:
+def decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV, ...]:
+    """Decode and check the TLVs in ``buf[pos:end]`` (the header's end).
+
+    Raises:
+        RemoteProtocolError: a TLV is truncated, overruns the header, or has
+            a value its type does not allow; the CRC32C does not match.
+    """
     tlvs = []
     crc_at = -1
     checks = TLV_CHECKS

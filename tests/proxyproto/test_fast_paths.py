@@ -1,5 +1,9 @@
 """The codec's hand-written fast paths against the reference they replace.
 
+``HeaderReader.next_event`` decodes a whole v2 PROXY TCP/IPv4 header itself
+(a call less per connection than through ``decode_v2``, which ``parse`` uses):
+both must agree on every input, valid or not.
+
 ``_v1`` parses and prints addresses without going through ``ipaddress``'s
 text routines (written in Python, and slow), and ``_tlv`` checks text with
 ``bytes.translate`` instead of decode + ``isprintable``. Each must accept
@@ -18,6 +22,7 @@ from hypothesis import example, given, strategies as st
 
 from proxyproto import (
     TLV,
+    HeaderReader,
     LocalProtocolError,
     ProxyHeader,
     RemoteProtocolError,
@@ -271,3 +276,72 @@ def test_two_crc32c_tlvs_reported_before_a_bad_tlv() -> None:
         encode_v2(header)
     with pytest.raises(LocalProtocolError, match="ALPN"):
         encode_v2(ProxyHeader.local(tlvs=header.tlvs[:2]))
+
+
+def _read_whole(data: bytes, max_v2_length: int) -> object:
+    reader = HeaderReader(max_v2_length=max_v2_length)
+    reader.receive_data(data)
+    try:
+        event = reader.next_event()
+    except RemoteProtocolError as exc:
+        return ("error", exc.reason, str(exc))
+    if isinstance(event, ProxyHeader):
+        return ("header", event, reader.trailing_data)
+    return event
+
+
+def _parse_whole(data: bytes, max_v2_length: int) -> object:
+    try:
+        header, consumed = parse(data, max_v2_length=max_v2_length)
+    except RemoteProtocolError as exc:
+        if exc.reason == "incomplete":
+            return _read_whole(data, max_v2_length)  # NEED_DATA, as parse says
+        return ("error", exc.reason, str(exc))
+    return ("header", header, data[consumed:])
+
+
+_V2_TCP4 = encode_v2(ProxyHeader.from_addresses(("1.2.3.4", 1), ("5.6.7.8", 2)))
+
+
+@st.composite
+def v2_tcp4_inputs(draw: st.DrawFn) -> bytes:
+    """A v2 PROXY TCP/IPv4 header with TLVs and what follows it, then maybe
+    a byte of its fixed part or TLVs changed, or cut short."""
+    tlvs = draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    TLV.alpn(b"h2"),
+                    TLV.authority("example.com"),
+                    TLV.noop(3),
+                    TLV.unique_id(b"x" * 16),
+                    TLV(0xE0, b"gcp"),
+                ]
+            ),
+            max_size=3,
+        )
+    )
+    header = ProxyHeader.from_addresses(
+        ("192.0.2.1", draw(st.integers(0, 65535))),
+        ("10.0.0.1", 443),
+        tlvs=tuple(tlvs),
+    )
+    data = bytearray(encode_v2(header, crc32c=draw(st.booleans())))
+    data += draw(st.binary(max_size=4))
+    if draw(st.booleans()):
+        # Mostly in the 28 bytes the reader's own path reads.
+        at = draw(st.one_of(st.integers(0, 27), st.integers(0, len(data) - 1)))
+        data[at] = draw(st.integers(0, 255))
+    cut = draw(st.integers(0, len(data)))
+    return bytes(data[:cut]) if draw(st.booleans()) else bytes(data)
+
+
+@given(v2_tcp4_inputs(), st.sampled_from([4096, 12, 11, 30]))
+@example(_V2_TCP4, 4096)
+@example(_V2_TCP4[:12] + b"\x20" + _V2_TCP4[13:], 4096)  # LOCAL
+@example(_V2_TCP4[:12] + b"\x11" + _V2_TCP4[13:], 4096)  # version 1
+@example(_V2_TCP4[:11] + b"\x00" + _V2_TCP4[12:], 4096)  # signature
+def test_reader_v2_tcp4_path_agrees_with_decode_v2(
+    data: bytes, max_v2_length: int
+) -> None:
+    assert _read_whole(data, max_v2_length) == _parse_whole(data, max_v2_length)
