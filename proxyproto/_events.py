@@ -351,8 +351,12 @@ Address = InetAddress | UnixAddress
 
 class _HeaderLayout:
     # ProxyHeader's slots, in a base class that HeaderSlots shares (see
-    # _InetLayout); the dataclass adds none of its own.
+    # _InetLayout); the dataclass adds none of its own. The destination is
+    # kept in _destination, behind the ``destination`` property (see
+    # _destination below): the slot named destination is there for the
+    # dataclass to find (it would add one) and stays empty.
     __slots__ = (
+        "_destination",
         "command",
         "destination",
         "family",
@@ -361,6 +365,7 @@ class _HeaderLayout:
         "transport",
         "version",
     )
+    _destination: Address | PendingInet | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -613,7 +618,6 @@ class HeaderSlots(_HeaderLayout):
     family: Family
     transport: Transport
     source: Address | InetSlots | None
-    destination: Address | PendingInet | None
     tlvs: tuple[TLV, ...]
 
 
@@ -648,7 +652,7 @@ def new_header(  # noqa: PLR0917 (positional: keywords cost more per call)
     header.family = family
     header.transport = transport
     header.source = source
-    header.destination = destination
+    header._destination = destination
     header.tlvs = tlvs
     header.__class__ = ProxyHeader  # type: ignore[assignment]
     return header  # type: ignore[return-value]
@@ -699,7 +703,7 @@ def new_inet6_header(  # noqa: PLR0917 (positional: keywords cost more per call)
     header.family = _INET6
     header.transport = transport
     header.source = _new_inet6(source, source_port)
-    header.destination = (destination, destination_port)
+    header._destination = (destination, destination_port)
     header.tlvs = tlvs
     header.__class__ = ProxyHeader  # type: ignore[assignment]
     return header  # type: ignore[return-value]
@@ -731,29 +735,27 @@ def _new_inet6(value: int, port: int) -> InetAddress:
 # (its own address, as the client saw it) less often. The decoders store an
 # INET or INET6 destination as its checked (host value, port) pair; the
 # `destination` property makes the InetAddress on first access and stores it
-# in place of the pair, so it is made once (two threads reading at
-# once may both make one: equal values, the last stored stays). Everything
-# that reads the field goes through the property and gets the InetAddress:
-# ==, hash, repr, pickle and copy (the dataclass's __getstate__),
-# dataclasses.replace, the encoders. The slot itself is read only here and by
-# the validating constructor, which refuses a pair: only a decoder stores one.
+# in place of the pair, so it is made once (two threads reading at once may
+# both make one: equal values, the last stored stays). Everything that reads
+# the field goes through the property and gets the InetAddress: ==, hash,
+# repr, pickle and copy (the dataclass's __getstate__), dataclasses.replace.
+# The storage, _destination, is read as it is by the encoders (which take a
+# pair as it is) and by the validating constructor, which refuses a pair:
+# only a decoder stores one.
 
+#: An unread INET/INET6 destination: its host value and port.
 PendingInet = tuple[int, int]
-_DESTINATION_SLOT = _HeaderLayout.__dict__["destination"]
-_destination_slot: Callable[[ProxyHeader], Address | PendingInet | None] = (
-    _DESTINATION_SLOT.__get__
-)
-_set_destination_slot: Callable[[ProxyHeader, Address | None], None] = (
-    _DESTINATION_SLOT.__set__
+_set_destination: Callable[[ProxyHeader, Address | PendingInet | None], None] = (
+    _HeaderLayout.__dict__["_destination"].__set__
 )
 
 
 def _destination(header: ProxyHeader) -> Address | None:
-    value = _destination_slot(header)
+    value = header._destination
     if type(value) is tuple:
         host_value, port = value
         value = (_new_inet4 if header.family is _INET else _new_inet6)(host_value, port)
-        _set_destination_slot(header, value)
+        _set_destination(header, value)
     return value  # type: ignore[return-value]
 
 
@@ -762,7 +764,7 @@ type.__setattr__(
     "destination",
     property(
         _destination,
-        _set_destination_slot,
+        _set_destination,
         doc="The destination address (of a decoded header: made on first access).",
     ),
 )
@@ -780,7 +782,7 @@ def new_tlv(tlv_type: int, value: bytes, valid: bool) -> TLV:
 
 
 def _validate_header(h: ProxyHeader) -> None:
-    destination = _destination_slot(h)  # the slot itself: a pair is refused
+    destination = h._destination  # as stored: a pair is refused
     if h.version not in (1, 2):
         raise LocalProtocolError(f"version must be 1 or 2, got {h.version!r}")
     if type(h.tlvs) is not tuple or not all(isinstance(t, TLV) for t in h.tlvs):

@@ -337,7 +337,7 @@ class HeaderReader:
                     decoded.family = _INET
                     decoded.transport = _STREAM
                     decoded.source = client
-                    decoded.destination = (dst, dport)
+                    decoded._destination = (dst, dport)
                     decoded.tlvs = (
                         decode_tlvs(buf, 28, total, options) if total > 28 else ()
                     )

@@ -28,7 +28,7 @@ from proxyproto._events import (
     new_inet,
     new_inet6_header,
 )
-from proxyproto._ip import ip_text
+from proxyproto._ip import ip_text, ipv6_text
 from proxyproto._options import V1_MAX_LENGTH, Options
 
 V1_PREFIX = b"PROXY "
@@ -253,7 +253,7 @@ def decode_v1(
                 header.family = _INET
                 header.transport = _STREAM
                 header.source = client
-                header.destination = (dst, destination_port)
+                header._destination = (dst, destination_port)
                 header.tlvs = ()
                 header.__class__ = ProxyHeader  # type: ignore[assignment]
                 return header, match.end()  # type: ignore[return-value]
@@ -321,19 +321,26 @@ def encode_v1(header: ProxyHeader) -> bytes:
             "(build it with ProxyHeader.from_addresses(..., version=1), or "
             "encode() a header in its own version)"
         )
-    src, dst = header.source, header.destination
-    if not isinstance(src, InetAddress) or not isinstance(dst, InetAddress):
+    src = header.source
+    dst = header._destination  # a decoded header's unread pair is taken as is
+    if type(dst) is tuple:
+        dst_value, dst_port = dst
+    elif isinstance(dst, InetAddress):
+        dst_value, dst_port = host_value(dst.host), dst.port
+    else:
+        return b"PROXY UNKNOWN\r\n"
+    if not isinstance(src, InetAddress):
         return b"PROXY UNKNOWN\r\n"
     if header.family is _INET:  # both hosts are IPv4 (checked by ProxyHeader)
+        both = (host_value(src.host) << 32) | dst_value
         return _TCP4_FORMAT % (
-            *_EIGHT_BYTES.unpack(
-                ((host_value(src.host) << 32) | host_value(dst.host)).to_bytes(8)
-            ),
+            *_EIGHT_BYTES.unpack(both.to_bytes(8)),
             src.port,
-            dst.port,
+            dst_port,
         )
     return (
-        f"PROXY TCP6 {ip_text(src.host)} {ip_text(dst.host)} {src.port} {dst.port}\r\n"
+        f"PROXY TCP6 {ip_text(src.host)} {ipv6_text(dst_value)} "
+        f"{src.port} {dst_port}\r\n"
     ).encode("ascii")
 
 

@@ -156,7 +156,7 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                     header.family = _FAMILY_INET
                     header.transport = transport
                     header.source = client
-                    header.destination = (dst, dport)
+                    header._destination = (dst, dport)
                     header.tlvs = (
                         decode_tlvs(buf, 28, total, options) if total > 28 else ()
                     )
@@ -311,15 +311,21 @@ def check_v2_prefix(buf: bytes) -> None:
 
 
 def _address_block(header: ProxyHeader) -> bytes:
-    src, dst = header.source, header.destination
-    if isinstance(src, InetAddress) and isinstance(dst, InetAddress):
-        # ProxyHeader guarantees IPv4 hosts for INET and IPv6 ones for INET6.
+    src = header.source
+    dst = header._destination  # a decoded header's unread pair is taken as is
+    if isinstance(src, InetAddress):
+        # ProxyHeader pairs it with an InetAddress of the same IP version,
+        # IPv4 for INET and IPv6 for INET6.
+        if type(dst) is tuple:
+            d, dst_port = dst
+        elif isinstance(dst, InetAddress):
+            d, dst_port = host_value(dst.host), dst.port
+        else:
+            return b""
+        s = host_value(src.host)
         if header.family is _FAMILY_INET:
-            return _INET4.pack(
-                host_value(src.host), host_value(dst.host), src.port, dst.port
-            )
-        s, d = host_value(src.host), host_value(dst.host)
-        return _INET6.pack(s >> 64, s & _U64, d >> 64, d & _U64, src.port, dst.port)
+            return _INET4.pack(s, d, src.port, dst_port)
+        return _INET6.pack(s >> 64, s & _U64, d >> 64, d & _U64, src.port, dst_port)
     if isinstance(src, UnixAddress) and isinstance(dst, UnixAddress):
         return src.path.ljust(UNIX_PATH_LENGTH, b"\x00") + dst.path.ljust(
             UNIX_PATH_LENGTH, b"\x00"
