@@ -323,10 +323,10 @@ def encode_v1(header: ProxyHeader) -> bytes:
         )
     src = header.source
     dst = header._destination  # a decoded header's unread pair is taken as is
-    if type(dst) is tuple:
-        dst_value, dst_port = dst
-    elif isinstance(dst, InetAddress):
+    if isinstance(dst, InetAddress):
         dst_value, dst_port = host_value(dst.host), dst.port
+    elif type(dst) is tuple:
+        dst_value, dst_port = dst
     else:
         return b"PROXY UNKNOWN\r\n"
     if not isinstance(src, InetAddress):

@@ -316,10 +316,10 @@ def _address_block(header: ProxyHeader) -> bytes:
     if isinstance(src, InetAddress):
         # ProxyHeader pairs it with an InetAddress of the same IP version,
         # IPv4 for INET and IPv6 for INET6.
-        if type(dst) is tuple:
-            d, dst_port = dst
-        elif isinstance(dst, InetAddress):
+        if isinstance(dst, InetAddress):
             d, dst_port = host_value(dst.host), dst.port
+        elif type(dst) is tuple:
+            d, dst_port = dst
         else:
             return b""
         s = host_value(src.host)
