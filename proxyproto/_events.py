@@ -709,16 +709,6 @@ def new_inet6_header(  # noqa: PLR0917 (positional: keywords cost more per call)
     return header  # type: ignore[return-value]
 
 
-def _new_inet4(value: int, port: int) -> InetAddress:
-    host = blank_ipv4()
-    host._ip = value
-    address = InetSlots()
-    address.host = host
-    address.port = port
-    address.__class__ = InetAddress  # type: ignore[assignment]
-    return address  # type: ignore[return-value]
-
-
 def _new_inet6(value: int, port: int) -> InetAddress:
     host = blank_ipv6()
     host._ip = value
@@ -752,11 +742,22 @@ _set_destination: Callable[[ProxyHeader, Address | PendingInet | None], None] = 
 
 def _destination(header: ProxyHeader) -> Address | None:
     value = header._destination
-    if type(value) is tuple:
-        host_value, port = value
-        value = (_new_inet4 if header.family is _INET else _new_inet6)(host_value, port)
-        _set_destination(header, value)
-    return value  # type: ignore[return-value]
+    if type(value) is not tuple:
+        return value  # type: ignore[return-value]
+    # The InetAddress made in line, as the decoders make the source.
+    if header.family is _INET:
+        host = blank_ipv4()
+        host._ip = value[0]
+    else:
+        host = blank_ipv6()
+        host._ip = value[0]
+        host._scope_id = None
+    address = InetSlots()
+    address.host = host
+    address.port = value[1]
+    address.__class__ = InetAddress  # type: ignore[assignment]
+    _set_destination(header, address)  # type: ignore[arg-type]
+    return address  # type: ignore[return-value]
 
 
 type.__setattr__(
