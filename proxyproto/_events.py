@@ -378,7 +378,9 @@ class ProxyHeader(_HeaderLayout):
     because the spec tells receivers to ignore them.
 
     The parser builds these objects directly from the validated wire bytes,
-    without going through the validating constructor a second time.
+    without going through the validating constructor a second time, and an
+    INET/INET6 destination on first access to ``destination`` (it is checked
+    when the header is read: reading it never raises).
     """
 
     version: int
