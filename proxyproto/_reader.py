@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable, Mapping
-from typing import Any, Literal, TypedDict, Unpack
+from collections.abc import Iterable
+from typing import Literal, TypedDict, Unpack
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError, quote
 from proxyproto._events import (
@@ -170,27 +170,21 @@ _MAX_CACHED_OPTIONS = 64
 _OPTIONS_CACHE: dict[tuple[frozenset[int], int, bool, bool, bool, bool], Options] = {}
 
 
-def _make_options(
-    keywords: frozenset[str], caller: str, given: Mapping[str, Any]
+def _make_options(  # noqa: PLR0917 (called with **: keyword defaults cost more)
+    versions: Iterable[int] = _ALL_VERSIONS,
+    max_v2_length: int = DEFAULT_MAX_V2_LENGTH,
+    verify_crc32c: bool = True,
+    accept_unspec_proxy: bool = False,
+    accept_ipv4_in_tcp6: bool = False,
+    optional: bool = False,
 ) -> Options:
-    """The Options of *given*, the keyword options of a call to *caller*,
-    which takes *keywords*.
+    """The Options of these keyword options (HeaderReader's; parse() takes all
+    but *optional*).
 
     Raises:
-        TypeError: an unknown keyword, as Python says it for a parameter.
+        TypeError: not an option (see _check_keywords for the message).
         LocalProtocolError: an option is out of range.
     """
-    for keyword in given:
-        if keyword not in keywords:
-            raise TypeError(
-                f"{caller}() got an unexpected keyword argument {keyword!r}"
-            )
-    versions = given.get("versions", _ALL_VERSIONS)
-    max_v2_length = given.get("max_v2_length", DEFAULT_MAX_V2_LENGTH)
-    verify_crc32c = given.get("verify_crc32c", True)
-    accept_unspec_proxy = given.get("accept_unspec_proxy", False)
-    accept_ipv4_in_tcp6 = given.get("accept_ipv4_in_tcp6", False)
-    optional = given.get("optional", False)
     # A server builds a reader per connection with the same arguments: build
     # (and check) each set of options once. The cache is bounded; invalid
     # options raise and are never cached.
@@ -218,6 +212,21 @@ def _make_options(
             _OPTIONS_CACHE.clear()  # a server uses a handful: start afresh
         _OPTIONS_CACHE[key] = options
     return options
+
+
+def _check_keywords(
+    caller: str, keywords: frozenset[str], given: Iterable[str]
+) -> None:
+    """Raise the TypeError Python raises for a keyword *caller* does not take.
+
+    Raises:
+        TypeError: a keyword of *given* is not in *keywords*.
+    """
+    for keyword in given:
+        if keyword not in keywords:
+            raise TypeError(
+                f"{caller}() got an unexpected keyword argument {keyword!r}"
+            )
 
 
 class HeaderReader:
@@ -251,11 +260,14 @@ class HeaderReader:
         # The options as ``**``, all kept in one Options: a call without them
         # skips six keyword defaults and a store (a reader is made per
         # connection).
-        self._options = (
-            _make_options(_READER_KEYWORDS, "HeaderReader", options)
-            if options
-            else DEFAULT_OPTIONS
-        )
+        if options:
+            try:
+                self._options = _make_options(**options)
+            except TypeError:
+                _check_keywords("HeaderReader", _READER_KEYWORDS, options)
+                raise
+        else:
+            self._options = DEFAULT_OPTIONS
         self._buf = b""
         self._state = _WAITING
 
@@ -438,9 +450,11 @@ def parse(
             (``reason == "incomplete"``).
         LocalProtocolError: an option is out of range.
     """
-    opts = (
-        _make_options(_PARSE_KEYWORDS, "parse", options) if options else DEFAULT_OPTIONS
-    )
+    if options:
+        _check_keywords("parse", _PARSE_KEYWORDS, options)
+        opts = _make_options(**options)
+    else:
+        opts = DEFAULT_OPTIONS
     buf = data if type(data) is bytes else bytes(data)
     # Straight to the decoder of a complete header (the reader has its own
     # path for v2 TCP/IPv4 too).
