@@ -258,8 +258,9 @@ class HeaderReader:
 
         Raises:
             RemoteProtocolError: the peer's bytes are not a valid header, or the
-                peer closed before a complete one. Raised again on every later
-                call.
+                peer closed before a complete one (``reason == "eof"``; or
+                ``"empty"`` when it closed without sending a byte). Raised
+                again on every later call.
             LocalProtocolError: the header was already returned.
         """
         if self._state is not _WAITING:
@@ -285,6 +286,13 @@ class HeaderReader:
                 self._state = _DONE
                 return header
             if result is NEED_DATA and self._eof:
+                if not buf:
+                    # What a TCP health check or a port scan does: not a
+                    # header cut short, so a reason of its own.
+                    raise RemoteProtocolError(
+                        "connection closed without sending a byte (no PROXY header)",
+                        reason="empty",
+                    )
                 raise RemoteProtocolError(
                     f"connection closed after {len(buf)} bytes, before a "
                     f"complete PROXY header",
