@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import resource
 import signal
 import socket
@@ -132,9 +133,28 @@ def fd_count(pid: int) -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port on 127.0.0.1 that was free a moment ago, for a server started
+    next. It is taken below the kernel's ephemeral range: a port in that
+    range can be handed to an outgoing connection (the campaign's own
+    clients, a server's upstream connections) before the server binds it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        ephemeral = int(ports.read().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, ephemeral - 12000), ephemeral)  # noqa: S311
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+#: Ports `free_port` gave this process (a server may not have bound one yet).
+_HANDED_OUT: set[int] = set()
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:

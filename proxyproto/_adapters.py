@@ -1,19 +1,22 @@
-"""Address helpers shared by the I/O adapters (private).
+"""Helpers shared by the I/O adapters (private).
 
 ``proxyproto.trio``, ``proxyproto.sockets``, ``proxyproto.asyncio`` and the
-ASGI servers built on them all answer the same two questions about a
-connection: does the PROXY header's address pair replace the socket's, and in
-what form is an address handed to the application. Pure functions on values:
-stdlib only, no ``socket`` import (``import proxyproto`` never loads this
-module, but the adapters that do load it should not pay for one either).
+servers built on them all answer the same questions about a connection: does
+the PROXY header's address pair replace the socket's, in what form is an
+address handed to the application, and how is a refused header logged.
+Functions on values: stdlib only, no ``socket`` import (``import proxyproto``
+never loads this module, but the adapters that do load it should not pay for
+one either).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import TypeGuard, TypeVar
 
+from proxyproto._errors import RemoteProtocolError
 from proxyproto._events import Command, InetAddress, ProxyHeader, UnixAddress
 from proxyproto._ip import ip_text
 from proxyproto._policy import Policy
@@ -78,3 +81,21 @@ def select_addresses(
     if uses_header_addresses(header, policy):
         return convert(header.source), convert(header.destination)
     return peer, local
+
+
+def log_refusal(logger: logging.Logger, peer: object, exc: RemoteProtocolError) -> None:
+    """Log, in one line on *logger*, why *peer*'s connection is closed before
+    its header was read.
+
+    A peer that closed without sending a byte (``reason == "empty"``) is what
+    TCP health checks and port scans do: not a refused client, so INFO, as
+    for a peer that reset. Anything else (a ``REJECT`` peer; a bad, missing,
+    truncated or late header): WARNING.
+    """
+    if exc.reason == "empty":
+        logger.info(
+            "connection from %s closed before its header, without sending a byte",
+            peer,
+        )
+    else:
+        logger.warning("closing connection from %s: %s", peer, exc)

@@ -306,8 +306,9 @@ class HeaderReader:
 
         Raises:
             RemoteProtocolError: the peer's bytes are not a valid header, or the
-                peer closed before a complete one. Raised again on every later
-                call.
+                peer closed before a complete one (``reason == "eof"``; or
+                ``"empty"`` when it closed without sending a byte). Raised
+                again on every later call.
             LocalProtocolError: the header was already returned.
         """
         state = self._state
@@ -387,6 +388,13 @@ class HeaderReader:
                 self._state = _DONE
                 return header
             if state is _CLOSED:
+                if not buf:
+                    # What a TCP health check or a port scan does: not a
+                    # header cut short, so a reason of its own.
+                    raise RemoteProtocolError(
+                        "connection closed without sending a byte (no PROXY header)",
+                        reason="empty",
+                    )
                 raise RemoteProtocolError(
                     f"connection closed after {len(buf)} bytes, before a "
                     f"complete PROXY header",

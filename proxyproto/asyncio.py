@@ -17,8 +17,10 @@ Then the inner protocol gets ``connection_made`` with a transport proxy whose
 ``get_extra_info`` reports the header's addresses, followed by the bytes that
 came after the header (``data_received`` or, for a ``BufferedProtocol``,
 ``get_buffer``/``buffer_updated``), and from then on every event of the real
-transport. A bad, missing or late header closes the connection and logs a
-line (logger ``proxyproto.asyncio``); the inner protocol never hears of it.
+transport. A bad, missing, truncated or late header closes the connection
+and logs a WARNING (logger ``proxyproto.asyncio``; INFO for a peer that reset,
+or closed without sending a byte, before its header); the inner protocol
+never hears of it.
 
 TLS after the header (a load balancer passing TLS through, with PROXY in
 front) cannot use ``create_server(ssl=...)``: that would expect the header
@@ -58,7 +60,12 @@ from asyncio import constants, sslproto, transports
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from proxyproto._adapters import DEFAULT_TIMEOUT, header_address, select_addresses
+from proxyproto._adapters import (
+    DEFAULT_TIMEOUT,
+    header_address,
+    log_refusal,
+    select_addresses,
+)
 from proxyproto._errors import RemoteProtocolError
 from proxyproto._events import NEED_DATA, NO_HEADER, ProxyHeader
 from proxyproto._policy import Policy, TrustPolicy
@@ -307,7 +314,11 @@ class ProxyProtocolWrapper(asyncio.Protocol):
             return
         self.policy = policy = self._trust.decide(peer, local)
         if policy is Policy.REJECT:
-            self._fail("not a trusted source (trust policy REJECT)")
+            self._fail(
+                RemoteProtocolError(
+                    "not a trusted source (trust policy REJECT)", reason="rejected"
+                )
+            )
             return
         if policy is Policy.SKIP:
             self._start(None, b"")
@@ -365,24 +376,29 @@ class ProxyProtocolWrapper(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, exc: RemoteProtocolError) -> None:
         self._done = True
         self._cancel_timer()
-        self.logger.warning("closing connection from %s: %s", self._peer, message)
+        log_refusal(self.logger, self._peer, exc)
         assert self._transport is not None
         self._transport.close()
 
     def _timed_out(self) -> None:
         self._timer = None
         if not self._done and self._inner is None:
-            self._fail(f"no complete PROXY header within {self._timeout} s")
+            self._fail(
+                RemoteProtocolError(
+                    f"no complete PROXY header within {self._timeout} s",
+                    reason="timeout",
+                )
+            )
 
     def _advance(self) -> None:
         assert self._reader is not None
         try:
             event = self._reader.next_event()
         except RemoteProtocolError as exc:
-            self._fail(str(exc))
+            self._fail(exc)
             return
         if event is NEED_DATA:
             return

@@ -29,10 +29,11 @@ attributes of a subclass (``proxy_untrusted = Policy.SKIP`` serves other
 peers directly; ``proxy_header_timeout``; ``proxy_reader_options``), which a
 config file can name: ``worker_class = MyWorker``.
 
-A refused connection (REJECT, a bad, missing or late header) is closed with
-one WARNING on gunicorn's error log; a peer gone before its header (HAProxy's
-``check``) gets one INFO line. With ``--certfile`` the TLS handshake starts
-on the bytes after the header.
+A refused connection (REJECT, a bad, missing, truncated or late header) is
+closed with one WARNING on gunicorn's error log; a peer gone before its header
+(HAProxy's ``check`` resets, a TCP health check closes without a byte) gets
+one INFO line. With ``--certfile`` the TLS handshake starts on the bytes after
+the header.
 
 Checked against gunicorn 27.0.1.
 """
@@ -51,6 +52,7 @@ from proxyproto._adapters import (
     DEFAULT_TIMEOUT,
     format_address,
     header_address,
+    log_refusal,
     uses_header_addresses,
 )
 from proxyproto._asgi import (
@@ -171,7 +173,7 @@ class _ProxyWorker:
                 **self.proxy_options,
             )
         except RemoteProtocolError as exc:
-            LOGGER.warning("closing connection from %s: %s", peer, exc)
+            log_refusal(LOGGER, peer, exc)
             return None
         except OSError as exc:
             LOGGER.info("connection from %s lost before its header: %s", peer, exc)

@@ -24,7 +24,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Unpack
 
-from proxyproto._adapters import DEFAULT_TIMEOUT, header_address, select_addresses
+from proxyproto._adapters import (
+    DEFAULT_TIMEOUT,
+    header_address,
+    log_refusal,
+    select_addresses,
+)
 from proxyproto._errors import RemoteProtocolError
 from proxyproto._events import NEED_DATA, NO_HEADER, ProxyHeader
 from proxyproto._options import DEFAULT_MAX_V2_LENGTH, V1_MAX_LENGTH
@@ -107,8 +112,9 @@ def read_header(
 
     Raises:
         RemoteProtocolError: invalid, missing, incomplete at EOF
-            (``reason == "eof"``), late (``reason == "timeout"``), or the
-            policy is REJECT (``reason == "rejected"``).
+            (``reason == "eof"``; ``"empty"`` if not a byte came), late
+            (``reason == "timeout"``), or the policy is REJECT
+            (``reason == "rejected"``).
         OSError: the connection failed (e.g. reset by the peer).
     """
     if policy is Policy.REJECT:
@@ -310,7 +316,7 @@ class ProxyProtocolMixin:
         try:
             info = self.read_proxy_header(request, client_address)
         except RemoteProtocolError as exc:
-            LOGGER.warning("closing connection from %s: %s", client_address, exc)
+            log_refusal(LOGGER, client_address, exc)
             return
         except OSError as exc:
             LOGGER.info(

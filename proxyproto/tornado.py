@@ -38,9 +38,9 @@ bytes that belong to the header. Nothing past the header is read, so the
 request or the TLS ClientHello is still in the socket when the task builds
 the ``IOStream`` (an ``SSLIOStream`` with ``ssl_options``, as Tornado's own
 step would) and calls ``handle_stream`` with the client address. A refused
-peer, a bad, missing or late header: the socket is closed and one line is
-logged on ``proxyproto.tornado`` (WARNING; INFO for a peer that reset before
-its header, as health checks do).
+peer, a bad, missing, truncated or late header: the socket is closed and one
+line is logged on ``proxyproto.tornado`` (WARNING; INFO for a peer that reset
+or closed without a byte before its header, as health checks do).
 
 ``ProxyHTTPServer.handle_stream`` builds Tornado's per-connection request
 context (private ``_HTTPRequestContext``) with the header's protocol, and
@@ -58,6 +58,7 @@ import ssl
 import weakref
 from typing import Any
 
+from proxyproto._adapters import log_refusal
 from proxyproto._asgi import (
     DEFAULT_TIMEOUT,
     DEFAULT_TRUSTED,
@@ -293,7 +294,7 @@ class _ProxyServer(TCPServer):
                 async with asyncio.timeout(self.proxy_header_timeout):
                     header = await _read_header(sock, policy, self.proxy_reader_options)
             except RemoteProtocolError as exc:
-                LOGGER.warning("closing connection from %s: %s", address, exc)
+                log_refusal(LOGGER, address, exc)
                 return None
             except TimeoutError:
                 LOGGER.warning(

@@ -30,6 +30,7 @@ from proxyproto._adapters import (
     DEFAULT_TIMEOUT,
     format_address,
     inet_address,
+    log_refusal,
     select_addresses,
 )
 from proxyproto._errors import RemoteProtocolError
@@ -255,8 +256,9 @@ async def read_proxy_header(
 
     Raises:
         RemoteProtocolError: the header is invalid, missing, incomplete at EOF
-            (``reason == "eof"``), too slow (``reason == "timeout"``), or the
-            policy is REJECT (``reason == "rejected"``).
+            (``reason == "eof"``; ``"empty"`` if not a byte came), too slow
+            (``reason == "timeout"``), or the policy is REJECT
+            (``reason == "rejected"``).
         trio.BrokenResourceError: the connection failed while reading.
     """
     peer, local = socket_addresses(stream)
@@ -315,8 +317,9 @@ async def accept_proxy_header(
 
     - A peer gone before its header (the connection reset before we asked
       for its address: HAProxy's health checks connect, send a ``LOCAL``
-      header and reset at once) or whose connection broke while sending
-      it: INFO. Nothing is wrong with its bytes.
+      header and reset at once), whose connection broke while sending it,
+      or that closed without sending a byte (a TCP health check, a port
+      scan): INFO. Nothing is wrong with its bytes.
     - A ``REJECT`` peer, a bad, missing, incomplete or late header: WARNING.
 
     A ``LOCAL`` header is a complete, valid header: the stream is returned,
@@ -346,7 +349,7 @@ async def accept_proxy_header(
             stream, policy=policy, header_timeout=header_timeout, **reader_options
         )
     except RemoteProtocolError as exc:
-        logger.warning("closing connection from %s: %s", peer, exc)
+        log_refusal(logger, peer, exc)
         await trio.aclose_forcefully(stream)
         return None
     except trio.BrokenResourceError as exc:

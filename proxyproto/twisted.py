@@ -43,8 +43,9 @@ header. With TLS after the header the wrapped factory is a
 ``TLSMemoryBIOFactory``, so those bytes start the handshake. A bad, missing,
 incomplete or late header closes the connection with one WARNING on the
 ``proxyproto.twisted`` logger; a peer that resets before its header is
-complete (HAProxy's ``check``) gets one INFO line. The application never
-hears of a refused connection.
+complete (HAProxy's ``check``) or closes without sending a byte (a TCP health
+check) gets one INFO line. The application never hears of a refused
+connection.
 
 An endpoint string's own endpoint (``tcp:``, ``ssl:``, ``unix:``,
 ``systemd:``, ...) is parsed by Twisted as usual, against a stand-in reactor
@@ -66,7 +67,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from proxyproto._adapters import DEFAULT_TIMEOUT, HeaderAddress, select_addresses
+from proxyproto._adapters import (
+    DEFAULT_TIMEOUT,
+    HeaderAddress,
+    log_refusal,
+    select_addresses,
+)
 from proxyproto._asgi import (
     DEFAULT_TRUSTED,
     Connection,
@@ -212,7 +218,11 @@ class ProxyProtocol(ProtocolWrapper):
             _socket_tuple(self.peer_address), _socket_tuple(self.local_address)
         )
         if policy is Policy.REJECT:
-            self._refuse("not a trusted source (trust policy REJECT)")
+            self._refuse(
+                RemoteProtocolError(
+                    "not a trusted source (trust policy REJECT)", reason="rejected"
+                )
+            )
             return
         if policy is Policy.SKIP:
             self._hand_over(None, b"")
@@ -257,15 +267,11 @@ class ProxyProtocol(ProtocolWrapper):
                 self._timer.cancel()
             self._timer = None
 
-    def _refuse(self, message: str) -> None:
+    def _refuse(self, exc: RemoteProtocolError) -> None:
         self._stage = _Stage.CLOSED
         self._cancel_timer()
         self._reader = None
-        LOGGER.warning(
-            "closing connection from %s: %s",
-            _socket_tuple_or_none(self.peer_address),
-            message,
-        )
+        log_refusal(LOGGER, _socket_tuple_or_none(self.peer_address), exc)
         assert self.transport is not None
         self.transport.loseConnection()
 
@@ -273,14 +279,18 @@ class ProxyProtocol(ProtocolWrapper):
         self._timer = None
         if self._stage is _Stage.READING:
             timeout = self.factory.settings.header_timeout
-            self._refuse(f"no complete PROXY header within {timeout} s")
+            self._refuse(
+                RemoteProtocolError(
+                    f"no complete PROXY header within {timeout} s", reason="timeout"
+                )
+            )
 
     def _advance(self) -> None:
         assert self._reader is not None
         try:
             event = self._reader.next_event()
         except RemoteProtocolError as exc:
-            self._refuse(str(exc))
+            self._refuse(exc)
             return
         if event is NEED_DATA:
             return

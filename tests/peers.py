@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,31 @@ __all__ = ["free_port", "haproxy", "nginx", "require", "wait_for_port"]
 
 _STARTUP_TIMEOUT = 15.0
 
+# Ports free_port() handed out in this process: two peers of one test must
+# not get the same one.
+_HANDED_OUT: set[int] = set()
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago, for a peer started
+    next, never one this process was given before. It is taken below the
+    kernel's ephemeral range (as campaigns/common.py does): a port in that
+    range can go to an outgoing connection before the peer binds it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        ephemeral = int(ports.read().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, ephemeral - 12000), ephemeral)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
 
 def require(program: str) -> str:
     """The path of *program*; skip (or fail under TLSEDGE_REQUIRE_PEERS=1)."""
@@ -36,24 +62,6 @@ def require(program: str) -> str:
             pytest.fail(message + " but TLSEDGE_REQUIRE_PEERS=1")
         pytest.skip(message)
     return path
-
-
-# Ports free_port() handed out in this process: the kernel may offer a port
-# again at once, and two peers of one test must not get the same one.
-_HANDED_OUT: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for peers that need a fixed port),
-    never one this process was given before."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    while True:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def wait_for_port(

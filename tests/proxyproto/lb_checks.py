@@ -4,11 +4,15 @@ HAProxy's ``check`` on a ``send-proxy-v2`` server connects, sends a v2
 ``LOCAL`` header and resets the connection (SO_LINGER 0); AWS NLB sends
 ``LOCAL`` and closes. Sent before the server accepts, the reset leaves a
 connection in the accept queue whose peer is already gone (``getpeername()``
-fails): the case that used to be logged as a refused peer.
+fails): the case that used to be logged as a refused peer. A plain TCP check
+(Kubernetes ``tcpSocket``, a HAProxy ``tcp-check`` cut short when HAProxy
+stops, a port scan) connects and closes without a byte: INFO too, unlike a
+peer that closes after part of a header (`CLOSED_BEFORE_HEADER`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import struct
@@ -29,6 +33,51 @@ LOCAL_V2 = bytes.fromhex("0d0a0d0a000d0a515549540a20000000")
 
 #: In every INFO line about a peer that left before its header was complete.
 BEFORE_HEADER = "before its header"
+
+
+#: What a peer sends before it closes (FIN) with its header incomplete; the
+#: level of the one line logged about it, and a text in that line. Nothing
+#: at all is a TCP health check or a port scan (INFO); part of a header is a
+#: broken sender (WARNING).
+CLOSED_BEFORE_HEADER = [
+    pytest.param(b"", "INFO", "without sending a byte", id="no-byte"),
+    pytest.param(
+        b"PROXY TCP4 192.0.2.1 ",
+        "WARNING",
+        "connection closed after 21 bytes, before a complete PROXY header",
+        id="half-header",
+    ),
+]
+
+
+def close_before_header(port: int, data: bytes) -> int:
+    """Connect, send *data*, close (FIN), and wait until the server has
+    closed too; the client's port (in every line logged about it)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        client_port: int = sock.getsockname()[1]
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(1) == b""
+    return client_port
+
+
+def assert_logged_once(
+    caplog: pytest.LogCaptureFixture,
+    client_port: int,
+    logger: str,
+    level: str,
+    text: str,
+) -> None:
+    """Exactly one record about the client on *client_port*, on *logger* at
+    *level* and containing *text*; none at WARNING anywhere for an INFO."""
+    about = [r for r in caplog.records if f", {client_port})" in r.getMessage()]
+    assert [(r.name, r.levelname) for r in about] == [(logger, level)], [
+        f"{r.name} {r.levelname}: {r.getMessage()}" for r in caplog.records
+    ]
+    assert text in about[0].getMessage()
+    if level == "INFO":
+        assert_no_warnings(caplog)
 
 
 def reset_after(port: int, data: bytes) -> None:

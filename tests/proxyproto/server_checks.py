@@ -89,6 +89,21 @@ def wait_for_log(log: Path, text: str, timeout: float = TIMEOUT) -> str:
     return content
 
 
+def wait_for_lines(
+    log: Path, offset: int, text: str, timeout: float = TIMEOUT
+) -> list[str]:
+    """The lines written to *log* past *offset*, once one contains *text*."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with log.open("rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+        if any(text in line for line in lines):
+            return lines
+        assert time.monotonic() < deadline, f"{text!r} not in the log:\n{lines}"
+        time.sleep(0.05)
+
+
 def connect(port: int) -> tuple[socket.socket, int]:
     """A connection from 127.0.0.1 with a pinned source port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -29,6 +29,11 @@ from proxyproto import (
     encode_v2,
 )
 from proxyproto.asyncio import ProxyProtocolWrapper, start_server
+from tests.proxyproto.lb_checks import (
+    CLOSED_BEFORE_HEADER,
+    assert_logged_once,
+    close_before_header,
+)
 
 V1 = ProxyHeader.from_addresses(("192.0.2.7", 51234), ("198.51.100.1", 443), version=1)
 V2 = ProxyHeader.from_addresses(
@@ -174,24 +179,16 @@ def test_local_uses_socket_endpoints() -> None:
 
 
 @pytest.mark.parametrize(
-    ("trust", "data", "eof", "message"),
+    ("trust", "data", "message"),
     [
-        (TRUST_LOOPBACK, b"GET / HTTP/1.1\r\n\r\n", False, "not a PROXY header"),
-        (TRUST_LOOPBACK, b"PROXY TCP4 1.2.3.4 ", True, "connection closed after"),
-        (TRUST_LOOPBACK, b"", True, "connection closed after 0 bytes"),
-        (
-            TrustPolicy.from_cidrs(["10.0.0.0/8"]),
-            encode_v1(V1) + PAYLOAD,
-            False,
-            "REJECT",
-        ),
+        (TRUST_LOOPBACK, b"GET / HTTP/1.1\r\n\r\n", "not a PROXY header"),
+        (TrustPolicy.from_cidrs(["10.0.0.0/8"]), encode_v1(V1) + PAYLOAD, "REJECT"),
     ],
 )
 def test_bad_connections_are_closed_and_logged(
     caplog: pytest.LogCaptureFixture,
     trust: TrustPolicy,
     data: bytes,
-    eof: bool,
     message: str,
 ) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
@@ -200,7 +197,7 @@ def test_bad_connections_are_closed_and_logged(
     async def main() -> bytes:
         server = await start_server(make_handler(seen), "127.0.0.1", 0, trust=trust)
         async with server:
-            answer, _ = await exchange(server_port(server), data, eof=eof)
+            answer, _ = await exchange(server_port(server), data)
             # the server is still fine afterwards
             if trust is TRUST_LOOPBACK:
                 good, _ = await exchange(server_port(server), encode_v1(V1) + PAYLOAD)
@@ -211,6 +208,29 @@ def test_bad_connections_are_closed_and_logged(
     assert all(info["proxyproto.header"] is not None for info in seen)
     messages = [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME]
     assert any(message in m for m in messages), messages
+
+
+@pytest.mark.parametrize(("data", "level", "text"), CLOSED_BEFORE_HEADER)
+def test_close_before_header_is_logged_once(
+    caplog: pytest.LogCaptureFixture, data: bytes, level: str, text: str
+) -> None:
+    # A TCP health check closes without a byte: one INFO line, no WARNING.
+    # After part of a header the sender is broken: one WARNING.
+    caplog.set_level(logging.INFO)
+    seen: list[Seen] = []
+
+    async def main() -> int:
+        server = await start_server(
+            make_handler(seen), "127.0.0.1", 0, trust=TRUST_LOOPBACK
+        )
+        async with server:
+            return await asyncio.to_thread(
+                close_before_header, server_port(server), data
+            )
+
+    client_port = run(main())
+    assert seen == []
+    assert_logged_once(caplog, client_port, LOGGER_NAME, level, text)
 
 
 def test_silent_client_times_out_without_blocking_others(

@@ -29,7 +29,9 @@ from proxyproto.gunicorn import ThreadWorker
 from tests.peers import free_port, haproxy
 from tests.proxyproto.lb_checks import (
     BEFORE_HEADER,
+    CLOSED_BEFORE_HEADER,
     HAPROXY_CHECKS,
+    close_before_header,
     run_haproxy_checks,
     send_health_checks,
 )
@@ -51,6 +53,7 @@ from tests.proxyproto.server_checks import (
     tls_connect,
     tlsedge_in_front,
     v2_header,
+    wait_for_lines,
     wait_for_log,
 )
 
@@ -345,13 +348,20 @@ def test_untrusted_peer_is_refused(server: Gunicorn) -> None:
     assert len(server.warnings_since(offset)) == 1
 
 
-def test_eof_inside_header_is_closed(server: Gunicorn) -> None:
-    sock, source_port = connect(server.port)
-    with sock:
-        sock.sendall(V1_HEADER[:10])
-        sock.shutdown(socket.SHUT_WR)
-        assert_closed(sock)
-    wait_for_log(server.log, f"{source_port}): connection closed after 10 bytes")
+@pytest.mark.parametrize(("data", "level", "text"), CLOSED_BEFORE_HEADER)
+def test_close_before_header_is_logged_once(
+    server: Gunicorn, data: bytes, level: str, text: str
+) -> None:
+    # A TCP health check closes without a byte: one INFO line, no WARNING.
+    # After part of a header the sender is broken: one WARNING.
+    offset = server.offset()
+    client_port = close_before_header(server.port, data)
+    lines = wait_for_lines(server.log, offset, f", {client_port})")
+    (line,) = [line for line in lines if f", {client_port})" in line]
+    assert f"[{level}]" in line
+    assert text in line
+    if level == "INFO":
+        assert not server.warnings_since(offset)
 
 
 def test_health_checks_are_info_not_warnings(server: Gunicorn) -> None:

@@ -42,8 +42,11 @@ from proxyproto.hypercorn import serve  # noqa: E402
 from tests.peers import free_port, haproxy, require  # noqa: E402
 from tests.proxyproto.lb_checks import (  # noqa: E402
     BEFORE_HEADER,
+    CLOSED_BEFORE_HEADER,
     HAPROXY_CHECKS,
+    assert_logged_once,
     assert_no_warnings,
+    close_before_header,
     queue_health_checks,
     run_haproxy_checks,
     send_health_checks,
@@ -468,6 +471,18 @@ def test_slow_header_times_out(flavour: str, caplog: pytest.LogCaptureFixture) -
             assert_closed(sock, within=5)
             assert time.monotonic() - start < 3
     assert "0.3 s" in caplog.text
+
+
+@pytest.mark.parametrize(("data", "level", "text"), CLOSED_BEFORE_HEADER)
+def test_close_before_header_is_logged_once(
+    flavour: str, data: bytes, level: str, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A TCP health check closes without a byte: one INFO line, no WARNING.
+    # After part of a header the sender is broken: one WARNING.
+    caplog.set_level(logging.INFO)
+    with running(flavour) as port:
+        client_port = close_before_header(port, data)
+    assert_logged_once(caplog, client_port, LOGGER_NAME, level, text)
 
 
 def test_health_checks_are_not_warnings(

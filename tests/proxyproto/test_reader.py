@@ -137,13 +137,25 @@ def test_need_data_before_anything() -> None:
 
 @pytest.mark.parametrize("data", VALID)
 def test_eof_on_any_proper_prefix_is_an_error(data: bytes) -> None:
-    for cut in range(0, len(data), max(1, len(data) // 16)):
+    for cut in range(1, len(data), max(1, len(data) // 16)):
         reader = HeaderReader()
-        if cut:
-            reader.receive_data(data[:cut])
+        reader.receive_data(data[:cut])
         assert reader.next_event() is NEED_DATA
         reader.receive_data(b"")
         assert reason_of(reader) == "eof"
+
+
+@pytest.mark.parametrize("versions", [{1}, {2}, {1, 2}])
+def test_eof_before_any_byte_is_empty_not_eof(versions: set[int]) -> None:
+    # A TCP health check or a port scan: connect, then close without a byte.
+    # Not a header cut short, so adapters and metrics can tell it apart.
+    reader = HeaderReader(versions=versions)
+    assert reader.next_event() is NEED_DATA
+    reader.receive_data(b"")
+    with pytest.raises(RemoteProtocolError, match="without sending a byte") as info:
+        reader.next_event()
+    assert info.value.reason == "empty"
+    assert reason_of(reader) == "empty"  # raised again, unchanged
 
 
 def test_eof_message_says_how_many_bytes() -> None:

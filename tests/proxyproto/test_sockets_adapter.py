@@ -33,6 +33,11 @@ from proxyproto.sockets import (
     ProxyRequestHandlerMixin,
     read_header,
 )
+from tests.proxyproto.lb_checks import (
+    CLOSED_BEFORE_HEADER,
+    assert_logged_once,
+    close_before_header,
+)
 
 V1 = ProxyHeader.from_addresses(("192.0.2.7", 51234), ("198.51.100.1", 443), version=1)
 V1_TCP6 = ProxyHeader.from_addresses(
@@ -145,14 +150,21 @@ def test_silent_client_times_out() -> None:
         assert server.gettimeout() == 0.0
 
 
-@pytest.mark.parametrize("sent", [b"", b"PROXY TCP4 1.2.3.4", HEADERS["v2"][:20]])
-def test_eof_before_complete_header(sent: bytes) -> None:
+@pytest.mark.parametrize(
+    ("sent", "reason"),
+    [
+        (b"", "empty"),
+        (b"PROXY TCP4 1.2.3.4", "eof"),
+        (HEADERS["v2"][:20], "eof"),
+    ],
+)
+def test_eof_before_complete_header(sent: bytes, reason: str) -> None:
     with pair() as (client, server):
         client.sendall(sent)
         client.shutdown(socket.SHUT_WR)
         with pytest.raises(RemoteProtocolError) as info:
             read_header(server)
-        assert info.value.reason == "eof"
+        assert info.value.reason == reason
 
 
 @pytest.mark.parametrize(
@@ -406,6 +418,18 @@ def test_server_closes_bad_headers_and_untrusted_peers(
     ]
     assert any("not a PROXY header" in m for m in messages), messages
     assert any("REJECT" in m for m in messages), messages
+
+
+@pytest.mark.parametrize(("data", "level", "text"), CLOSED_BEFORE_HEADER)
+def test_server_logs_a_close_before_header_once(
+    caplog: pytest.LogCaptureFixture, data: bytes, level: str, text: str
+) -> None:
+    # A TCP health check closes without a byte: one INFO line, no WARNING.
+    # After part of a header the sender is broken: one WARNING.
+    caplog.set_level(logging.INFO)
+    with running_server(TRUST_LOOPBACK) as (_, port):
+        client_port = close_before_header(port, data)
+    assert_logged_once(caplog, client_port, "proxyproto.sockets", level, text)
 
 
 def test_silent_client_does_not_block_others(caplog: pytest.LogCaptureFixture) -> None:

@@ -31,6 +31,11 @@ from proxyproto.trio import (
     read_proxy_header,
     socket_addresses,
 )
+from tests.proxyproto.lb_checks import (
+    CLOSED_BEFORE_HEADER,
+    assert_logged_once,
+    close_before_header,
+)
 
 V1 = ProxyHeader.from_addresses(("192.0.2.7", 51234), ("198.51.100.1", 443), version=1)
 V2 = ProxyHeader.from_addresses(
@@ -270,14 +275,21 @@ async def test_read_default_timeout(autojump_clock: trio.testing.MockClock) -> N
     assert trio.current_time() - start == pytest.approx(5.0)
 
 
-@pytest.mark.parametrize("sent", [b"", b"PROXY TCP4 1.2.3.4", encode_v2(V2)[:20]])
-async def test_read_eof(sent: bytes) -> None:
+@pytest.mark.parametrize(
+    ("sent", "reason"),
+    [
+        (b"", "empty"),
+        (b"PROXY TCP4 1.2.3.4", "eof"),
+        (encode_v2(V2)[:20], "eof"),
+    ],
+)
+async def test_read_eof(sent: bytes, reason: str) -> None:
     server, client = trio.testing.memory_stream_pair()
     await client.send_all(sent)
     await client.send_eof()
     with pytest.raises(RemoteProtocolError) as info:
         await read_proxy_header(server)
-    assert info.value.reason == "eof"
+    assert info.value.reason == reason
 
 
 @pytest.mark.parametrize(
@@ -499,6 +511,23 @@ async def test_listener_closes_and_logs_bad_connections(
     if trusted == "127.0.0.1":  # the accept loop still works
         answer, _ = await ask(port, encode_v1(V1) + PAYLOAD)
         assert answer == b"ok " + PAYLOAD
+    nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("data", "level", "text"), CLOSED_BEFORE_HEADER)
+async def test_listener_logs_a_close_before_header_once(
+    nursery: trio.Nursery,
+    caplog: pytest.LogCaptureFixture,
+    data: bytes,
+    level: str,
+    text: str,
+) -> None:
+    # A TCP health check closes without a byte: one INFO line, no WARNING.
+    # After part of a header the sender is broken: one WARNING.
+    caplog.set_level(logging.INFO)
+    port = await start(nursery, [], TRUST_LOOPBACK)
+    client_port = await trio.to_thread.run_sync(close_before_header, port, data)
+    assert_logged_once(caplog, client_port, LOGGER_NAME, level, text)
     nursery.cancel_scope.cancel()
 
 

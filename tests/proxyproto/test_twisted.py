@@ -47,8 +47,10 @@ from proxyproto.twisted import (
 from tests.peers import free_port, haproxy
 from tests.proxyproto.lb_checks import (
     BEFORE_HEADER,
+    CLOSED_BEFORE_HEADER,
     HAPROXY_CHECKS,
     LOCAL_V2,
+    close_before_header,
     run_haproxy_checks,
     send_health_checks,
 )
@@ -68,6 +70,7 @@ from tests.proxyproto.server_checks import (
     tls_connect,
     tlsedge_in_front,
     v2_header,
+    wait_for_lines,
     wait_for_log,
 )
 
@@ -339,14 +342,20 @@ def test_slow_header_times_out(daphne: Daphne) -> None:
     assert "no complete PROXY header within 0.5 s" in text
 
 
-def test_eof_inside_header_is_closed(daphne: Daphne) -> None:
-    sock, source_port = connect(daphne.ports["main"])
-    with sock:
-        sock.sendall(V1_HEADER[:10])
-        sock.shutdown(socket.SHUT_WR)
-        assert_closed(sock)
-    text = wait_for_log(daphne.log, f"{source_port}): connection closed after 10 bytes")
-    assert "before a complete PROXY header" in text
+@pytest.mark.parametrize(("data", "level", "text"), CLOSED_BEFORE_HEADER)
+def test_close_before_header_is_logged_once(
+    daphne: Daphne, data: bytes, level: str, text: str
+) -> None:
+    # A TCP health check closes without a byte: one INFO line, no WARNING.
+    # After part of a header the sender is broken: one WARNING.
+    offset = daphne.offset()
+    client_port = close_before_header(daphne.ports["main"], data)
+    lines = wait_for_lines(daphne.log, offset, f", {client_port})")
+    (line,) = [line for line in lines if f", {client_port})" in line]
+    assert f" {level} " in line
+    assert text in line
+    if level == "INFO":
+        assert not warnings_in(lines)
 
 
 def test_only_v2_accepted(daphne: Daphne) -> None:

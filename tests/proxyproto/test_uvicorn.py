@@ -38,8 +38,11 @@ from proxyproto.uvicorn import ProxyConfig  # noqa: E402
 from tests.peers import free_port, haproxy, require  # noqa: E402
 from tests.proxyproto.lb_checks import (  # noqa: E402
     BEFORE_HEADER,
+    CLOSED_BEFORE_HEADER,
     HAPROXY_CHECKS,
+    assert_logged_once,
     assert_no_warnings,
+    close_before_header,
     queue_health_checks,
     run_haproxy_checks,
     send_health_checks,
@@ -467,15 +470,16 @@ def test_slow_header_times_out(caplog: pytest.LogCaptureFixture) -> None:
     assert "no complete PROXY header within 0.3 s" in caplog.text
 
 
-def test_eof_inside_header_is_closed(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "proxyproto.uvicorn")
+@pytest.mark.parametrize(("data", "level", "text"), CLOSED_BEFORE_HEADER)
+def test_close_before_header_is_logged_once(
+    data: bytes, level: str, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A TCP health check closes without a byte: one INFO line, no WARNING.
+    # After part of a header the sender is broken: one WARNING.
+    caplog.set_level(logging.INFO)
     with running() as port:
-        sock, _ = connect(port)
-        with sock:
-            sock.sendall(V1_HEADER[:10])
-            sock.shutdown(socket.SHUT_WR)
-            assert_closed(sock)
-    assert "before a complete PROXY header" in caplog.text
+        client_port = close_before_header(port, data)
+    assert_logged_once(caplog, client_port, "proxyproto.uvicorn", level, text)
 
 
 def test_health_checks_are_not_warnings(caplog: pytest.LogCaptureFixture) -> None:

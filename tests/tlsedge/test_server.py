@@ -1165,6 +1165,7 @@ _REFUSED_HEADERS: dict[str, tuple[dict[str, Any], bytes, str, str]] = {
         "bad_v1_protocol",
     ),
     "eof-inside": ({"trusted": LOOPBACK}, b"PROXY TCP4 ", "header_error", "eof"),
+    "no-byte": ({"trusted": LOOPBACK}, b"", "header_error", "empty"),
     "rejected": (
         {"trusted": ELSEWHERE, "untrusted": "reject"},
         b"PROXY UNKNOWN\r\n",

@@ -198,6 +198,21 @@ async def test_eof_inside_the_header_is_a_header_error() -> None:
     assert info.value.reason == "eof"
 
 
+async def test_a_close_without_a_byte_has_its_own_reason() -> None:
+    # A TCP health check or a port scan, counted apart from a header cut
+    # short (tlsedge_proxy_header_errors_total{reason="empty"}).
+    async with pair() as (ours, theirs):
+        await theirs.send_eof()
+        with pytest.raises(Refused) as info:
+            await unwrap(ours, PEER)
+    assert info.value.termination is Termination.HEADER_ERROR
+    assert info.value.reason == "empty"
+    assert (
+        info.value.detail
+        == "connection closed without sending a byte (no PROXY header)"
+    )
+
+
 async def test_a_reset_inside_the_header_is_a_client_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         right = socket.create_connection(server.getsockname())

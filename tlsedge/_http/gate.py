@@ -35,6 +35,15 @@ checked) apply the target form, the body size limit, the Upgrade rules and
 the forwarding rewrite (`tlsedge._http.rules.RequestRewriter`), and return an
 `UpstreamRequest`. The drivers get nothing else to send: the exchange
 (`tlsedge._http.exchange.UpstreamExchange`) takes only an `UpstreamRequest`.
+
+The common HTTP/1.1 request (an origin-form target from a client that is no
+trusted proxy, no Upgrade, no ``Connection`` naming a field it holds) is not
+split into fields and written again: its head is *spliced*, the request line
+and the field lines as received, minus the lines the proxy drops, plus the
+forwarding lines (`tlsedge._http.rules.RequestRewriter.splice`). Every byte of
+it then passed the parser's rules already, whole lines were cut and ours are
+made from checked values, so it is not checked a second time; a test holds
+the splice to the split-and-written path (`tests/tlsedge/http/test_gate.py`).
 """
 
 from __future__ import annotations
@@ -53,7 +62,12 @@ from tlsedge._http.head import (
     method_error,
     target_error,
 )
-from tlsedge._http.rules import RequestRewriter, origin_form
+from tlsedge._http.rules import (
+    NOT_NAMED_AWAY,
+    RequestRewriter,
+    any_field,
+    origin_form,
+)
 
 if TYPE_CHECKING:
     from tlsedge._http.h2session import H2Request
@@ -247,9 +261,21 @@ def from_http1(
         raise RequestRejectedError(
             413, f"request body larger than {max_body_size} bytes"
         )
+    if head.chunked:
+        body = BodyKind.CHUNKED
+    elif length:
+        body = BodyKind.LENGTH
+    else:
+        body = BodyKind.NONE
+    asks_upgrade = head.upgrade and b"upgrade" in head.connection
+    if authority is None and not asks_upgrade and not _names_a_field(head):
+        spliced = rewriter.splice(head.field_lines, host=head.host)
+        if spliced is not None:
+            lines, request_id = spliced
+            return _spliced(head, target, lines, body, request_id)
     headers = head.headers
     upgrade = False
-    if head.upgrade and b"upgrade" in head.connection:
+    if asks_upgrade:
         headers = _without_h2c(headers)
         upgrade = any(name.lower() == b"upgrade" for name, _ in headers)
     fields, request_id = rewriter.head_fields(
@@ -259,12 +285,6 @@ def from_http1(
         authority=authority,
         host=head.host,
     )
-    if head.chunked:
-        body = BodyKind.CHUNKED
-    elif length:
-        body = BodyKind.LENGTH
-    else:
-        body = BodyKind.NONE
     return UpstreamRequest(
         head.method,
         target,
@@ -273,6 +293,35 @@ def from_http1(
         request_id=request_id,
         upgrade=upgrade,
     )
+
+
+def _names_a_field(head: RequestHead) -> bool:
+    """Whether the head's ``Connection`` names a field it holds (one the
+    proxy drops, beyond the hop-by-hop ones)."""
+    named = head.connection - NOT_NAMED_AWAY
+    return bool(named) and any_field(head.field_lines, named)
+
+
+def _spliced(
+    head: RequestHead,
+    target: bytes,
+    field_lines: bytes,
+    body: BodyKind,
+    request_id: bytes | None,
+) -> UpstreamRequest:
+    """The upstream request spliced from a head the parser validated
+    (`tlsedge._http.rules.RequestRewriter.splice`: whole lines cut out, ours
+    appended): its request line and lines passed the rules already, and the
+    framing fields are the head's, which the parser checked."""
+    request = object.__new__(UpstreamRequest)
+    request.data = b"%s %s HTTP/1.1\r\n%s\r\n" % (head.method, target, field_lines)
+    request.method = head.method
+    request.body = body
+    request.content_length = head.content_length
+    request.host = head.host
+    request.request_id = request_id
+    request.upgrade = False
+    return request
 
 
 def from_http2(

@@ -24,10 +24,10 @@ contract, `tests/tlsedge/test_http.py` and `http/test_head.py` check them):
 Speed: a well-formed head is validated by one compiled regex over the whole head;
 the few fields the parse reads are then found by one case-insensitive
 ``findall`` whose pattern names them (each field line follows a LF), so no
-other field is looked at in Python. A request's fields are split into pairs
-(``bytes.split``/``partition`` in list comprehensions) for the forwarding
-rewrite; a response's are not: its field lines go on as received, minus the
-hop-by-hop ones (`ResponseHead.headers` splits them when asked). A head that
+other field is looked at in Python. Neither a request's fields nor a
+response's are split into pairs: their field lines go on as received, minus
+the lines the proxy drops, plus the ones it adds (`RequestHead.headers` and
+`ResponseHead.headers` split them when asked). A head that
 fails the regex is re-examined line by line (`_request_head_error`), only to
 name the first rule it breaks.
 """
@@ -164,6 +164,9 @@ class ResponseRejectedError(HeadRejectedError):
 class RequestHead:
     """A parsed, validated request head.
 
+    ``field_lines`` are the field lines exactly as received (each ending with
+    CRLF, no blank line after them): what the gate splices the upstream head
+    from (`tlsedge._http.gate.from_http1`); `headers` splits them.
     ``content_length`` is None unless the request declares one; ``chunked`` is
     True for ``Transfer-Encoding: chunked``; neither means no body.
     ``connection`` holds the lowercased ``Connection`` tokens;
@@ -174,7 +177,7 @@ class RequestHead:
     method: bytes
     target: bytes
     version: bytes
-    headers: list[Header]
+    field_lines: bytes
     content_length: int | None
     chunked: bool
     host: bytes | None
@@ -182,6 +185,11 @@ class RequestHead:
     upgrade: bool
     user_agent: bytes | None
     expect: bytes | None
+
+    @property
+    def headers(self) -> list[Header]:
+        """The fields in order: names as sent, values without OWS."""
+        return split_field_lines(self.field_lines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +318,7 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
         method,
         target,
         version,
-        split_field_lines(block),
+        block,
         content_length,
         bool(codings),
         host,

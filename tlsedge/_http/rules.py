@@ -15,10 +15,11 @@ cannot run it twice (`may_retry`). Error responses are small plain-text bodies
 from __future__ import annotations
 
 import dataclasses
+import functools
 import http
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from tlsedge._config import ForwardedConfig, ListenerConfig
@@ -27,8 +28,11 @@ from tlsedge._forwarded import (
     FORWARDING_HEADERS,
     ForwardingContext,
     choose_request_id,
+    client_ip_text,
+    forwarded_element,
     forwarding_key,
     is_trusted_peer,
+    new_request_id,
     rewrite_forwarding_headers,
 )
 from tlsedge._http.body import encode_field_lines
@@ -44,7 +48,9 @@ __all__ = [
     "HOP_BY_HOP",
     "IDEMPOTENT_METHODS",
     "MAX_LOGGED_TEXT",
+    "NOT_NAMED_AWAY",
     "RequestRewriter",
+    "any_field",
     "end_to_end_fields",
     "error_response_bytes",
     "log_text",
@@ -77,6 +83,8 @@ HOP_BY_HOP: Final = frozenset(
 )
 #: Fields a ``Connection`` header may not make us drop: framing and routing.
 _PROTECTED: Final = frozenset({b"host", b"content-length", b"transfer-encoding"})
+#: ``Connection`` tokens that name no field the proxy would not drop anyway.
+NOT_NAMED_AWAY: Final = HOP_BY_HOP | _PROTECTED
 #: Fields dropped from trailers: framing, routing, hop-by-hop.
 _NOT_IN_TRAILERS: Final = HOP_BY_HOP | _PROTECTED | {b"trailer", b"expect"}
 # The first bytes of every hop-by-hop name, either case: other names are kept
@@ -94,6 +102,8 @@ _HOP_LINE_BUT_UPGRADE_RE: Final = re.compile(
     rb"^(?:connection|http2-settings|keep-alive|proxy-connection|te):[^\r]*\r\n",
     re.IGNORECASE | re.MULTILINE,
 )
+# The characters of a token (RFC 9110 section 5.6.2).
+_TOKEN_CHARS: Final = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]"
 # Validated field lines as we write them (`encode_field_lines`): ``name: value``
 # with one SP after the colon, a value neither empty nor with OWS around it.
 _AS_WRITTEN_RE: Final = re.compile(
@@ -223,8 +233,8 @@ def end_to_end_fields(head: ResponseHead, *, keep_upgrade: bool) -> bytes:
     written again.
     """
     lines = head.field_lines
-    named = head.connection - HOP_BY_HOP - _PROTECTED
-    if not _AS_WRITTEN_RE.fullmatch(lines) or (named and _any_field(lines, named)):
+    named = head.connection - NOT_NAMED_AWAY
+    if not _AS_WRITTEN_RE.fullmatch(lines) or (named and any_field(lines, named)):
         return encode_field_lines(
             strip_hop_by_hop(
                 split_field_lines(lines),
@@ -237,7 +247,28 @@ def end_to_end_fields(head: ResponseHead, *, keep_upgrade: bool) -> bytes:
     return _HOP_LINE_RE.sub(b"", lines)
 
 
-def _any_field(lines: bytes, names: Iterable[bytes]) -> bool:
+@functools.lru_cache(maxsize=16)
+def _dropped_lines_re(underscores: bool, request_id: bytes | None) -> re.Pattern[bytes]:
+    """The field lines `RequestRewriter.splice` cuts from an untrusted
+    client's request: what `strip_hop_by_hop`, the underscore rule and
+    `tlsedge._forwarded.rewrite_forwarding_headers` drop from its fields.
+
+    Hop-by-hop names as written; the forwarding fields and the request id's
+    (*request_id*, lower case) in either spelling (``_`` for ``-``); with
+    *underscores* off, every name holding a ``_``.
+    """
+    either = [key.replace(b"-", b"[-_]") for key in sorted(FORWARDING_HEADERS)]
+    if request_id is not None:
+        either.append(re.escape(request_id).replace(b"\\-", b"[-_]"))
+    names = [re.escape(name) for name in sorted(HOP_BY_HOP)] + either
+    if not underscores:
+        names.append(_TOKEN_CHARS + b"*_" + _TOKEN_CHARS + b"*")
+    return re.compile(
+        rb"^(?:" + b"|".join(names) + rb"):[^\r]*\r\n", re.IGNORECASE | re.MULTILINE
+    )
+
+
+def any_field(lines: bytes, names: Iterable[bytes]) -> bool:
     """Whether validated field lines hold a field of one of *names* (lower case)."""
     lowered = b"\n" + lines.lower()
     return any(b"\n" + name + b":" in lowered for name in names)
@@ -311,6 +342,28 @@ class RequestRewriter:
     forwarded: ForwardedConfig
     context: ForwardingContext
     underscores: bool
+    #: The lines `splice` adds to every request of the connection (they do
+    #: not change between requests).
+    _our_lines: bytes = field(init=False, repr=False, compare=False)
+    #: The lines `splice` cuts (`_dropped_lines_re`).
+    _dropped: re.Pattern[bytes] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        forwarded, context = self.forwarded, self.context
+        lines = []
+        if forwarded.x_forwarded_for:
+            ip = client_ip_text(context.client[0] if context.client else None)
+            lines.append(b"X-Forwarded-For: " + ip + b"\r\n")
+        if forwarded.x_forwarded_proto:
+            proto = b"https" if context.tls else b"http"
+            lines.append(b"X-Forwarded-Proto: " + proto + b"\r\n")
+        if forwarded.x_forwarded_port and context.destination is not None:
+            port = str(int(context.destination[1])).encode()
+            lines.append(b"X-Forwarded-Port: " + port + b"\r\n")
+        object.__setattr__(self, "_our_lines", b"".join(lines))
+        object.__setattr__(
+            self, "_dropped", _dropped_lines_re(self.underscores, self.request_id_name)
+        )
 
     @classmethod
     def for_connection(
@@ -374,6 +427,38 @@ class RequestRewriter:
             out, self.forwarded, context, request_id=rid_header
         )
         return out, request_id
+
+    def splice(
+        self, field_lines: bytes, *, host: bytes | None
+    ) -> tuple[bytes, bytes | None] | None:
+        """The field lines for the backend and the request id (if any), cut
+        and spliced from the request's own validated *field_lines*: what
+        `head_fields` gives, without splitting a field.
+
+        The lines that go are cut out whole (hop-by-hop, the client's
+        forwarding fields and request id, and names with ``_`` unless
+        ``underscores_in_headers``: `_dropped_lines_re`); ours are appended in
+        `head_fields`' order. None when the fields must be split after all:
+        from a trusted proxy (its forwarding chains are joined with our hop).
+        The caller keeps to requests whose ``Connection`` names no field
+        present, with no Upgrade and an origin-form target.
+
+        Args:
+            field_lines: A parsed head's field lines (`RequestHead.field_lines`).
+            host: The request's Host (for ``Forwarded: host=``).
+        """
+        if self.context.trusted:
+            return None
+        lines = self._dropped.sub(b"", field_lines) + self._our_lines
+        forwarded = self.forwarded
+        if forwarded.forwarded:
+            context = dataclasses.replace(self.context, host=host)
+            lines += b"Forwarded: " + forwarded_element(context) + b"\r\n"
+        request_id = None
+        if forwarded.request_id:
+            request_id = new_request_id()
+            lines += forwarded.request_id.encode() + b": " + request_id + b"\r\n"
+        return lines, request_id
 
     def clean_trailers(self, trailers: Sequence[Header]) -> list[Header]:
         """Trailers without framing, hop-by-hop and forwarding fields.

@@ -467,3 +467,100 @@ def test_http2_goes_upstream_as_its_http11_equivalent_or_not_at_all(
         assert b"".join(decoder.feed(over_http2[end:])) == body
         assert decoder.done
         assert decoder.excess == 0
+
+
+# -- the spliced head is the split-and-written one --------------------------------
+
+_SPLICE_NAMES = st.sampled_from(
+    [
+        b"Accept",
+        b"x-a",
+        b"X_A",
+        b"Connection",
+        b"Keep-Alive",
+        b"TE",
+        b"Upgrade",
+        b"Proxy-Connection",
+        b"HTTP2-Settings",
+        b"X-Forwarded-For",
+        b"x_forwarded_for",
+        b"X-Forwarded_Proto",
+        b"X-Forwarded-Port",
+        b"X-Forwarded-Host",
+        b"X-Real-IP",
+        b"Forwarded",
+        b"X-Request-Id",
+        b"x_request_id",
+        b"Cookie",
+        b"Content-Type",
+        b"close",
+        b"Trailer",
+    ]
+)
+_SPLICE_VALUES = st.sampled_from(
+    [b"1", b"a b", b"close", b"keep-alive", b"x-a, close", b"X_A", b"1.2.3.4", b""]
+)
+
+
+@st.composite
+def spliceable_heads(draw: st.DrawFn) -> bytes:
+    """Request heads as clients write them (any OWS), the field names the
+    proxy acts on among others."""
+    fields = draw(st.lists(st.tuples(_SPLICE_NAMES, _SPLICE_VALUES), max_size=8))
+    lines = b"".join(
+        name
+        + draw(st.sampled_from([b": ", b":", b":  ", b":\t"]))
+        + value
+        + draw(st.sampled_from([b"", b" ", b"\t"]))
+        + b"\r\n"
+        for name, value in fields
+    )
+    target = draw(st.sampled_from([b"/", b"/a?b=c", b"*"]))
+    method = b"OPTIONS" if target == b"*" else draw(st.sampled_from([b"GET", b"PUT"]))
+    version = draw(st.sampled_from([b"1.1", b"1.0"]))
+    host = b"Host: h.test\r\n" if version == b"1.1" or draw(st.booleans()) else b""
+    return b"%s %s HTTP/%s\r\n%s%s\r\n" % (method, target, version, host, lines)
+
+
+@given(
+    spliceable_heads(),
+    st.builds(
+        ForwardedConfig,
+        x_forwarded_for=st.booleans(),
+        x_forwarded_proto=st.booleans(),
+        x_forwarded_port=st.booleans(),
+        forwarded=st.booleans(),
+        request_id=st.sampled_from(["", "X-Request-Id"]),
+    ),
+    st.booleans(),
+)
+def test_a_spliced_head_carries_the_fields_the_written_one_does(
+    data: bytes, forwarded: ForwardedConfig, underscores: bool
+) -> None:
+    try:
+        head = parse_request_head(data, max_headers=100)
+    except RequestRejectedError:
+        return
+    rewriter = RequestRewriter(
+        forwarded=forwarded, context=REWRITER.context, underscores=underscores
+    )
+    request = from_http1(head, rewriter, max_body_size=0)
+    fields, _ = rewriter.head_fields(
+        head.headers,
+        connection=head.connection,
+        upgrade=False,
+        authority=None,
+        host=head.host,
+    )
+    sent = parse_request_head(request.head_for(SERVER), max_headers=200)
+    rid = forwarded.request_id.encode()
+    if request.request_id is not None:  # a fresh id each way: compare the rest
+        assert (rid, request.request_id) in sent.headers
+    assert [f for f in sent.headers if f[0] != rid] == [
+        f for f in fields if f[0] != rid
+    ] + ([(b"Host", SERVER.encode())] if head.host is None else [])
+    assert (sent.method, sent.target, sent.content_length) == (
+        head.method,
+        head.target,
+        head.content_length,
+    )
