@@ -65,6 +65,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -104,10 +105,28 @@ class BenchError(Exception):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A port on 127.0.0.1 that was free a moment ago, for a server started
+    next, taken below the kernel's ephemeral range (as tests/peers.py and
+    campaigns/common.py do): a port in that range can go to one of wrk's
+    connections before the server binds it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        ephemeral = int(ports.read().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, ephemeral - 12000), ephemeral)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
         return port
+    raise BenchError("no free port below the ephemeral range")
+
+
+#: Ports `free_port` gave this process (a server may not have bound one yet).
+_HANDED_OUT: set[int] = set()
 
 
 def is_listening(port: int) -> bool:
