@@ -12,7 +12,11 @@ module only feeds and drains them: `tlsedge._http.session.ClientSession`
 `tlsedge._http.exchange.UpstreamExchange` (a request to upstream bytes, the
 upstream's bytes to response events). The header rules (origin-form target,
 hop-by-hop fields, forwarding headers, trailers, retries) are pure functions of
-`tlsedge._http.rules`.
+`tlsedge._http.rules`. The upstream half of an exchange (a connection, the
+request sent, the response read, hold / release / retry / fail) is the
+`tlsedge._http.attempt.UpstreamAttempt` HTTP/2 uses too; this module is its
+HTTP/1.1 client side (`_Exchange`: the body from the session's events, the
+response written to the client's socket) and the connection around it.
 
 Who runs what. The connection is a handler of the worker's reactor
 (`tlsedge._reactor`): the reactor calls `_HttpConnection.ready` when the
@@ -99,17 +103,28 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Final, Protocol
 
 import trio
 
 from tlsedge._accesslog import format_address
-from tlsedge._balancer import Server
 from tlsedge._config import HttpConfig, ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
+from tlsedge._http.attempt import (
+    BODY,
+    DELIVERED,
+    QUEUED,
+    RESPONSE_TRANSITIONS,
+    STARTED,
+    SWITCHED,
+    WAITING,
+    WRITTEN,
+    Due,
+    UpstreamAttempt,
+    upstream_socket,
+)
 from tlsedge._http.body import BodyKind
 from tlsedge._http.events import (
     NEED_DATA,
@@ -120,8 +135,8 @@ from tlsedge._http.events import (
     Request,
     Response,
 )
-from tlsedge._http.exchange import UpstreamError, UpstreamExchange
-from tlsedge._http.gate import UpstreamRequest, from_http1
+from tlsedge._http.exchange import UpstreamError
+from tlsedge._http.gate import from_http1
 from tlsedge._http.head import (
     REQUEST_LINE_RE,
     RequestHead,
@@ -137,19 +152,8 @@ from tlsedge._http.rules import (
     reason_phrase,
     strip_hop_by_hop,
 )
-from tlsedge._http.session import ClientClosedMidRequestError, ClientSession, Phase
-from tlsedge._http.upstream_step import (
-    IO_ERRORS,
-    UPSTREAM_READ_STALLED,
-    UPSTREAM_WRITE_STALLED,
-    Failure,
-    head_not_sent,
-    is_clean,
-    log_retry,
-    response_timeout,
-    should_retry,
-    upstream_failure,
-)
+from tlsedge._http.session import ClientSession, Phase
+from tlsedge._http.upstream_step import IO_ERRORS, Failure, response_timeout
 from tlsedge._http.upstreams import (
     PARK_AFTER,
     NewConnection,
@@ -167,7 +171,7 @@ from tlsedge._reactor import (
 )
 from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Termination
-from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
+from tlsedge._upstream import BackendPool, ConnectFailedError
 
 __all__ = [
     "Spawn",
@@ -216,58 +220,131 @@ _WAIT: Final = "wait"
 _DONE: Final = "done"
 
 
+#: The request's head went out and its body still goes upstream.
+_BODY_GOES: Final = frozenset({BODY, WRITTEN})
+
 _CLIENT_READ_STALLED: Final = Failure(
     Termination.CLIENT_ERROR, "client did not read for idle_timeout", None
 )
 
 
-@dataclass(slots=True)
-class _Exchange:
-    """One request and its answer; the fields after ``has_body`` describe the
-    current attempt (a retry starts them afresh)."""
+class _Exchange(UpstreamAttempt):
+    """One request and its answer: the upstream attempt, with HTTP/1.1's
+    client side (body pieces from the session's events, the response
+    relayed as bytes to the client's socket)."""
 
+    __slots__ = ("head",)
+
+    host: _HttpConnection
+    #: The request as the client sent it.
     head: RequestHead
-    log: RequestLog
-    started: float
-    request: UpstreamRequest
-    has_body: bool
-    exclude: Server | None = None  # the server a failed first attempt used
-    fresh: bool = False  # a retry: a new connection, not a pooled one
-    retried: bool = False
-    connect_started: float = 0.0
-    upstream: Upstream | None = None
-    raw: RawStream | None = None
-    conn: UpstreamExchange | None = None
-    #: The head (and the body bytes that came with it) went out.
-    head_sent: bool = False
-    #: The whole request is written (sent, or waiting in ``raw.out``).
-    request_written: bool = False
-    #: The upstream stopped taking the body: the rest is not sent.
-    body_stopped: bool = False
-    body_started: float = 0.0
-    body_progress: float = 0.0  # the last body bytes from the client
-    upstream_progress: float = 0.0  # since when the upstream owes a write
-    read_progress: float = 0.0  # the last response bytes from the upstream
-    head_deadline: float = math.inf  # response_timeout once the request is sent
-    head_received: bool = False  # the final response head has arrived
-    response_started: bool = False  # ... and gone out to the client
-    response_queued: bool = False  # all of it is written
-    response_complete: bool = False  # ... and the client took it
-    trailers_ok: bool = False
-    failure: Failure | None = None
 
-    def new_attempt(self) -> None:
-        self.upstream = self.raw = self.conn = None
-        self.head_sent = self.request_written = self.body_stopped = False
-        self.head_deadline = math.inf
-        self.failure = None
+    def _next_piece(self) -> bytes | list[Header] | None:
+        event = self.host.session.next_event()
+        if event is NEED_DATA:
+            return None
+        if isinstance(event, Body):
+            return event.data
+        assert isinstance(event, EndOfBody), event
+        return event.trailers
+
+    def _body_stopped(self) -> None:
+        """The rest of the body stays unread (the exchange ends the
+        connection, or the response decides)."""
+
+    def _request_read(self) -> bool:
+        return self.host.session.request_read
+
+    def _body_bytes(self) -> int:
+        return self.host.session.body_bytes
+
+    def _failed(self, failure: Failure) -> None:
+        self.host._after_failure(self, failure)
+
+    def _relay_response(self) -> None:
+        """Upstream -> client: every event the exchange has, in one write."""
+        ex = self
+        connection = self.host
+        conn = ex.conn
+        assert conn is not None
+        session = connection.session
+        pending: list[bytes] = []
+        try:
+            while True:
+                event = conn.next_event()
+                if event is NEED_DATA:
+                    break
+                if isinstance(event, Body):
+                    pending.append(session.send_data(event.data))
+                elif isinstance(event, EndOfBody):
+                    trailers = (
+                        strip_hop_by_hop(event.trailers, keep_upgrade=False)
+                        if ex.trailers_ok and event.trailers
+                        else []
+                    )
+                    pending.append(session.send_end(trailers))
+                    assert QUEUED in RESPONSE_TRANSITIONS[ex.response]
+                    ex.response = QUEUED
+                    break
+                elif isinstance(event, Response):
+                    # (`UpstreamAttempt.read` set ``read_progress`` just now.)
+                    ex.log.first_byte = ex.read_progress - ex.started
+                    pending.append(connection._response_head(ex, event))
+                    connection.arm(ex.read_progress + connection.idle_timeout)
+                else:
+                    assert isinstance(event, Informational), event
+                    head = event.head
+                    if head.status == 101:
+                        connection._switch(ex, head, pending)
+                        return
+                    if head.status == 100:
+                        if not session.expects_continue:
+                            continue
+                    elif ex.head.version != b"1.1":
+                        continue
+                    pending.append(
+                        session.send_informational(
+                            head.status,
+                            reason_phrase(head.status, head.reason),
+                            strip_hop_by_hop(head.headers, keep_upgrade=False),
+                        )
+                    )
+        except UpstreamError as exc:
+            if connection._send_pending(ex, pending):
+                ex.upstream_failed(exc)
+            return
+        if (
+            connection._send_pending(ex, pending)
+            and ex.response is QUEUED
+            and not connection.client.out
+        ):
+            ex.response_delivered()
+
+    def _done(self) -> None:
+        """The exchange ended well: the next request, or the end."""
+        self.log.termination = Termination.OK
+        connection = self.host
+        session = connection.session
+        connection._request_done()
+        if session.keep_alive and not connection.drain_event.is_set():
+            session.start_next_cycle()
+            connection._await_request()
+            return
+        connection._end(
+            Termination.DRAINED
+            if connection.drain_event.is_set()
+            else Termination.CLOSED
+        )
+        if session.request_read:
+            connection._finish()
+        else:
+            connection._linger()
 
 
 class _HttpConnection:
     """One client connection in HTTP mode; see the module docstring."""
 
     __slots__ = (
-        "_response_timeout_failure",
         "armed",
         "backend",
         "client",
@@ -285,10 +362,12 @@ class _HttpConnection:
         "http",
         "idle",
         "idle_timeout",
+        "idle_upstreams",
         "job_scope",
         "linger_deadline",
         "lingered",
         "listener",
+        "listener_name",
         "log",
         "now",
         "on_done",
@@ -296,6 +375,7 @@ class _HttpConnection:
         "reactor",
         "request_start_time",
         "request_started",
+        "response_timeout_failure",
         "result",
         "rewriter",
         "session",
@@ -328,6 +408,7 @@ class _HttpConnection:
         self.client_stream = client_stream
         self.client = client
         self.listener = listener
+        self.listener_name = listener.name
         self.http: HttpConfig = listener.http
         self.idle_timeout = listener.idle_timeout
         self.backend = backend
@@ -367,6 +448,8 @@ class _HttpConnection:
         # The upstream connection held for the next request (see Upstream
         # connections), its socket watched, and since when.
         self.held: Upstream | None = None
+        #: The same, as `UpstreamConnections.take` wants it.
+        self.idle_upstreams: tuple[Upstream, ...] = ()
         self.held_raw: RawStream | None = None
         self.held_since = 0.0
         self.linger_deadline = math.inf
@@ -379,7 +462,7 @@ class _HttpConnection:
         self.on_done = on_done
         #: The scope of the job running in a task, if one is.
         self.job_scope: trio.CancelScope | None = None
-        self._response_timeout_failure = response_timeout(self.http.response_timeout)
+        self.response_timeout_failure = response_timeout(self.http.response_timeout)
 
     # -- the edge's calls, and the jobs that must await --------------------
 
@@ -440,7 +523,7 @@ class _HttpConnection:
         self.failed(exc)
 
     def _start(self) -> None:
-        self._arm(self.head_deadline)
+        self.arm(self.head_deadline)
         if self.client.tls is not None:
             # Records its engine read past the handshake.
             self._read_client(read_socket=False)
@@ -458,14 +541,12 @@ class _HttpConnection:
         try:
             self.timer.cancel()
             self.drain_event.forget(self._drained_while_idle)
-            ex = self.ex
-            for raw in (self.client, ex.raw if ex is not None else None):
-                if raw is not None and raw.interest is not None:
-                    self.reactor.unregister(raw.fd)
-                    raw.interest = None
-            if ex is not None and ex.raw is not None:
-                ex.raw.detach()
-                ex.raw = None
+            client = self.client
+            if client.interest is not None:
+                self.reactor.unregister(client.fd)
+                client.interest = None
+            if self.ex is not None:
+                self.ex.let_go()
             self._park_held()
             self._request_done()
         finally:
@@ -503,35 +584,29 @@ class _HttpConnection:
             # reset it or sent stray bytes.
             self._drop_held()
         else:
-            self._upstream_ready(fd, events)
+            ex = self.ex
+            # (Else a stale event of an upstream already let go.)
+            if ex is not None and ex.raw is not None and fd == ex.raw.fd:
+                if self.state is _UPGRADE:
+                    self._upgraded_upstream_ready(ex, events)
+                else:
+                    ex.ready(events)
         self._update_interest()
 
-    def _upstream_ready(self, fd: int, events: int) -> None:
-        ex = self.ex
-        if ex is None or ex.raw is None or fd != ex.raw.fd:
-            return  # a stale event of an upstream already let go
+    def _upgraded_upstream_ready(self, ex: _Exchange, events: int) -> None:
         raw = ex.raw
-        acted = False
+        assert raw is not None
         if raw.out and events & (WRITABLE | ERROR | HANGUP):
-            acted = True
-            self._flush_upstream()
-            if self.ex is not ex or ex.raw is not raw:
+            try:
+                if raw.flush():
+                    ex.upstream_progress = self.now()
+            except IO_ERRORS as exc:
+                self._upgrade_failed(f"upstream write failed: {exc}")
                 return
-        if (
-            raw.interest
-            and raw.interest & READABLE
-            and events & (READABLE | ERROR | HANGUP)
-        ):
-            self._read_upstream()
-        elif not acted and events & ERROR:
-            self._upstream_failed(
-                UpstreamError(
-                    "upstream connection reset",
-                    empty=ex.conn is None or not ex.conn.received,
-                )
-            )
-        elif not acted and events & HANGUP:
-            raw.hung_up = True
+            if not raw.out:
+                self._relay_if_flushed()
+        else:
+            ex.ready(events)
 
     def failed(self, exc: Exception) -> None:
         """A bug (logged by the reactor): end this connection with an RST."""
@@ -556,9 +631,8 @@ class _HttpConnection:
             if self.session.phase is Phase.BODY:
                 read = (
                     raw is not None
-                    and ex.head_sent
+                    and ex.request_progress in _BODY_GOES
                     and not raw.out
-                    and not ex.body_stopped
                 )
             else:  # read ahead by one read at most
                 read = not self.session.buffered and not client.out
@@ -577,11 +651,14 @@ class _HttpConnection:
             want_client = WRITABLE if client.out else 0
             if raw is not None:
                 want_upstream = WRITABLE if raw.out else 0
-        self._watch(client, want_client)
-        if raw is not None:
+        # (Registrations persist: most events change nothing.)
+        if want_client != client.interest or client.hung_up:
+            self._watch(client, want_client)
+        if raw is not None and (want_upstream != raw.interest or raw.hung_up):
             self._watch(raw, want_upstream)
-        if self.held_raw is not None:
-            self._watch(self.held_raw, READABLE)
+        held = self.held_raw
+        if held is not None and held.interest != READABLE:
+            self._watch(held, READABLE)
 
     def _watch(self, raw: RawStream, interest: int | None) -> None:
         if interest == 0 and raw.hung_up:
@@ -589,11 +666,6 @@ class _HttpConnection:
         raw.interest = self.reactor.watch(raw.fd, raw.interest, interest, self)
 
     # -- timers ------------------------------------------------------------
-
-    def _arm(self, deadline: float) -> None:
-        if deadline < self.armed:
-            self.armed = deadline
-            self.reactor.call_at(deadline, self.timer)
 
     def _timer(self) -> None:
         if self.state is _DONE:
@@ -610,12 +682,12 @@ class _HttpConnection:
                     return
                 deadline, _ = self._deadline()
             if deadline < math.inf:
-                self._arm(deadline)
+                self.arm(deadline)
         except Exception as exc:  # a bug: end this connection alone
             LOGGER.exception("listener %s: HTTP connection failed", self.listener.name)
             self.failed(exc)
 
-    def _deadline(self) -> tuple[float, Callable[[], None] | None]:
+    def _deadline(self) -> Due:
         """What is due next, and when (see Timeouts)."""
         state = self.state
         client = self.client
@@ -643,34 +715,15 @@ class _HttpConnection:
                 ex.upstream_progress if raw is not None and raw.out else math.inf,
             )
             return since + idle, self._upgrade_stalled
-        due: tuple[float, Callable[[], None] | None] = (math.inf, None)
+        due: Due = (math.inf, None)
         if client.out:
             due = (self.client_progress + idle, self._client_stalled)
-        elif ex.head_received and not ex.response_queued:
-            due = (ex.read_progress + idle, self._response_stalled)
-        if raw is not None and raw.out and ex.upstream_progress + idle < due[0]:
-            due = (ex.upstream_progress + idle, self._upstream_write_stalled)
-        if not ex.head_received and ex.head_deadline < due[0]:
-            due = (ex.head_deadline, self._response_timed_out)
-        if self.session.phase is Phase.BODY and ex.head_sent and not ex.body_stopped:
-            body_due = self._body_deadline(ex)
+        due = ex.upstream_due(due, client_holds=bool(client.out))
+        if self.session.phase is Phase.BODY and ex.request_progress in _BODY_GOES:
+            body_due = ex.body_due()
             if body_due < due[0]:
-                due = (body_due, self._body_timed_out)
+                due = (body_due, ex.body_timed_out)
         return due
-
-    def _body_deadline(self, ex: _Exchange) -> float:
-        """When the request body is late: ``idle_timeout`` after its last
-        bytes, or behind ``request_body_min_rate``."""
-        deadline = ex.body_progress + self.idle_timeout
-        rate = self.http.request_body_min_rate
-        if rate:
-            deadline = min(
-                deadline,
-                ex.body_started
-                + self.http.request_body_timeout
-                + self.session.body_bytes / rate,
-            )
-        return deadline
 
     def _head_timed_out(self) -> None:
         if not self.idle:
@@ -694,37 +747,6 @@ class _HttpConnection:
 
     def _client_stalled(self) -> None:
         self._client_failed(_CLIENT_READ_STALLED.detail)
-
-    def _response_stalled(self) -> None:
-        self._fail(UPSTREAM_READ_STALLED)
-
-    def _upstream_write_stalled(self) -> None:
-        ex = self.ex
-        assert ex is not None
-        if ex.head_sent:
-            self._body_undeliverable("upstream did not read for idle_timeout")
-        else:
-            self._fail(UPSTREAM_WRITE_STALLED)
-
-    def _response_timed_out(self) -> None:
-        self._fail(self._response_timeout_failure)
-
-    def _body_timed_out(self) -> None:
-        ex = self.ex
-        assert ex is not None
-        rate = self.http.request_body_min_rate
-        now = self.now()
-        reason = "request body stalled for idle_timeout"
-        if rate and now >= (
-            ex.body_started
-            + self.http.request_body_timeout
-            + self.session.body_bytes / rate
-        ):
-            reason = (
-                f"request body slower than request_body_min_rate ({rate} bytes/s):"
-                f" {self.session.body_bytes} bytes in {now - ex.body_started:.1f} s"
-            )
-        self._fail(Failure(Termination.BAD_REQUEST, reason, 408))
 
     def _upgrade_stalled(self) -> None:
         self._upgrade_failed("a side did not read for idle_timeout")
@@ -754,7 +776,7 @@ class _HttpConnection:
             ex = self.ex
             assert ex is not None
             ex.body_progress = self.now()
-            self._pump_body()
+            ex.pump_body()
 
     def _send_client(self, data: bytes, log: RequestLog | None = None) -> None:
         """Write to the client (raises on failure); what it does not take now
@@ -766,7 +788,7 @@ class _HttpConnection:
             client.send(data)
             if client.out:
                 self.client_progress = self.now()
-                self._arm(self.client_progress + self.idle_timeout)
+                self.arm(self.client_progress + self.idle_timeout)
         self.result.bytes_to_client += len(data)
         if log is not None:
             log.bytes_out += len(data)
@@ -787,8 +809,8 @@ class _HttpConnection:
         elif state is _EXCHANGE:
             ex = self.ex
             assert ex is not None
-            if ex.response_queued:
-                self._response_done()
+            if ex.response is QUEUED:
+                ex.response_delivered()
         elif state is _LINGER:
             if client.eof:
                 self._finish()
@@ -798,7 +820,9 @@ class _HttpConnection:
     def _client_failed(self, detail: str) -> None:
         state = self.state
         if state is _EXCHANGE:
-            self._fail(Failure(Termination.CLIENT_ERROR, detail, None))
+            ex = self.ex
+            assert ex is not None
+            ex.fail(Failure(Termination.CLIENT_ERROR, detail, None))
         elif state is _UPGRADE:
             self._upgrade_failed(detail)
         elif state is _HEAD:
@@ -820,7 +844,7 @@ class _HttpConnection:
         self.first = False
         self.idle = True
         self.head_deadline = self.now() + self.http.keepalive_timeout
-        self._arm(self.head_deadline)
+        self.arm(self.head_deadline)
         self.drain_event.call_on_set(self._drained_while_idle)
         if self.state is _HEAD:
             self._advance_head()
@@ -832,7 +856,7 @@ class _HttpConnection:
         self.request_started = self.started if self.first else now
         self.request_start_time = time.time() - (now - self.request_started)
         self.head_deadline = self.request_started + self.http.request_header_timeout
-        self._arm(self.head_deadline)
+        self.arm(self.head_deadline)
 
     def _advance_head(self) -> None:
         """Take the next request from the session, if it has one whole."""
@@ -932,294 +956,66 @@ class _HttpConnection:
             log.host = upstream_request.host.decode("ascii")
         if upstream_request.request_id is not None:
             log.request_id = upstream_request.request_id.decode("ascii")
-        self.ex = _Exchange(
-            head=head,
-            log=log,
-            started=started,
-            request=upstream_request,
-            has_body=upstream_request.body is not BodyKind.NONE,
-        )
+        self.ex = ex = _Exchange(self, upstream_request, log, started)
+        ex.head = head
         self.state = _EXCHANGE
-        self._acquire()
+        ex.acquire()
 
-    def _acquire(self) -> None:
-        """Begin an attempt on a reused connection, or have the task open one."""
-        ex = self.ex
-        assert ex is not None
-        ex.connect_started = self.now()
-        try:
-            taken = self.upstreams.take(
-                ex.exclude,
-                fresh=ex.fresh,
-                held=(self.held,) if self.held is not None else (),
-            )
-        except NoServerError as exc:
-            self._refuse(503, str(exc), Termination.NO_SERVER)
-            return
-        if isinstance(taken, NewConnection):
-            self._start_job(partial(self._connect, taken))
-        else:
-            self._begin(taken)
+    # -- what the upstream attempt asks of its host (`AttemptHost`) ----------
 
-    async def _connect(self, new: NewConnection) -> None:
+    def arm(self, deadline: float) -> None:
+        if deadline < self.armed:
+            self.armed = deadline
+            self.reactor.call_at(deadline, self.timer)
+
+    def attach(self, attempt: UpstreamAttempt, upstream: Upstream) -> RawStream:
+        """The held connection's socket, or a new one's (`_update_interest`
+        watches it)."""
+        if upstream is not self.held:
+            return upstream_socket(upstream)
+        raw = self.held_raw
+        assert raw is not None
+        self.held = self.held_raw = None
+        self.idle_upstreams = ()
+        return raw
+
+    def hold(
+        self, attempt: UpstreamAttempt, upstream: Upstream, raw: RawStream
+    ) -> bool:
+        """Keep a clean upstream connection for the next request, its socket
+        registered: no pool round trip, no re-registration, and the reactor
+        tells if the server closes it meanwhile."""
+        if self.held is not None or self.upstreams.proxy_header is not None:
+            return False
+        self.upstreams.hold(upstream)
+        self.held, self.held_raw = upstream, raw
+        self.idle_upstreams = (upstream,)
+        self.held_since = self.now()
+        self.arm(self.held_since + PARK_AFTER)
+        return True
+
+    def open_upstream(self, attempt: UpstreamAttempt, new: NewConnection) -> None:
+        assert attempt is self.ex
+        self._start_job(partial(self._connect, self.ex, new))
+
+    def detach(self, attempt: UpstreamAttempt, raw: RawStream) -> None:
+        if raw.interest is not None:
+            self.reactor.unregister(raw.fd)
+
+    def interest_changed(self, attempt: UpstreamAttempt) -> None:
+        """`_update_interest` runs after every event anyway."""
+
+    async def _connect(self, ex: _Exchange, new: NewConnection) -> None:
         try:
             upstream = await self.upstreams.connect(new)
         except ConnectFailedError as exc:
             self.state = _EXCHANGE
-            self._refuse(502, str(exc), Termination.CONNECT_FAILED)
+            ex.connect_failed(str(exc))
             return
         self.state = _EXCHANGE
-        self._begin(upstream)
-
-    def _begin(self, upstream: Upstream) -> None:
-        """Send the request head (and what the session holds of the body)."""
-        ex = self.ex
-        assert ex is not None
-        now = self.now()
-        log = ex.log
-        log.connect = now - ex.connect_started
-        log.server = server = format_address(upstream.server.address)
-        self.result.server = server
-        raw: RawStream | None
-        if upstream is self.held:
-            raw, self.held, self.held_raw = self.held_raw, None, None
-        else:
-            raw = RawStream.of(upstream.stream)
-        if raw is None:
-            msg = f"upstream stream not socket-backed: {upstream.stream!r}"
-            raise TypeError(msg)
-        ex.upstream = upstream
-        ex.raw = raw
-        ex.conn = conn = UpstreamExchange(ex.request)
-        try:
-            # HTTP/1.0 without Host: the server's address, per attempt.
-            data = conn.request_head(server)
-            complete = conn.request_complete
-            if not complete:
-                data, complete = self._take_buffered_body(ex, data)
-        except RequestRejectedError as exc:
-            self._fail(Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
-            return
-        except ClientClosedMidRequestError as exc:
-            self._fail(Failure(Termination.CLIENT_ERROR, str(exc), None))
-            return
-        ex.request_written = complete
-        prefix, upstream.prefix = upstream.prefix, b""
-        try:
-            raw.send(prefix + data if prefix else data)
-        except IO_ERRORS as exc:
-            self._head_not_sent(exc)
-            return
-        if raw.out:
-            ex.upstream_progress = now
-            self._arm(now + self.idle_timeout)
-        else:
-            self._head_sent(ex)
-
-    def _head_not_sent(self, exc: Exception) -> None:
-        self._fail(head_not_sent(exc))
-
-    def _take_buffered_body(self, ex: _Exchange, head: bytes) -> tuple[bytes, bool]:
-        """*head* and the body bytes the session already holds, framed for the
-        upstream, and whether that is the whole request (a small upload
-        usually is: it then goes in one write)."""
-        session = self.session
-        pieces = [head]
-        while True:
-            event = session.next_event()
-            if event is NEED_DATA:
-                return b"".join(pieces), False
-            assert isinstance(event, (Body, EndOfBody)), event
-            pieces.append(self._upstream_bytes(ex, event))
-            if isinstance(event, EndOfBody):
-                return b"".join(pieces), True
-
-    def _upstream_bytes(self, ex: _Exchange, event: Body | EndOfBody) -> bytes:
-        """A piece of the client's body, or its end, framed for the upstream."""
-        conn = ex.conn
-        assert conn is not None
-        if isinstance(event, Body):
-            ex.log.bytes_in += len(event.data)
-            return conn.request_data(event.data)
-        return conn.request_end(self.rewriter.clean_trailers(event.trailers))
-
-    def _head_sent(self, ex: _Exchange) -> None:
-        ex.head_sent = True
-        if ex.request_written:
-            self._request_sent(ex)
-            return
-        # The body's clock starts now (Timeouts): until the head went out,
-        # the client is not read.
-        ex.body_started = ex.body_progress = self.now()
-        self._arm(self._body_deadline(ex))
-        self._pump_body()
-
-    def _request_sent(self, ex: _Exchange) -> None:
-        """The request is upstream: its answer's head is due within
-        ``response_timeout`` (unless it already came)."""
-        if ex.response_complete:
-            self._end_exchange()
-            return
-        if ex.head_received:
-            return
-        ex.head_deadline = self.now() + self.http.response_timeout
-        self._arm(ex.head_deadline)
-
-    def _pump_body(self) -> None:
-        """Client -> upstream: what the session has of the body, while the
-        upstream takes it (backpressure)."""
-        ex = self.ex
-        assert ex is not None
-        raw = ex.raw
-        assert raw is not None
-        session = self.session
-        while not raw.out and not ex.request_written and not ex.body_stopped:
-            try:
-                event = session.next_event()
-            except RequestRejectedError as exc:
-                self._fail(Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
-                return
-            except ClientClosedMidRequestError as exc:
-                self._fail(Failure(Termination.CLIENT_ERROR, str(exc), None))
-                return
-            if event is NEED_DATA:
-                return
-            assert isinstance(event, (Body, EndOfBody)), event
-            try:
-                data = self._upstream_bytes(ex, event)
-            except RequestRejectedError as exc:
-                self._fail(Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
-                return
-            if isinstance(event, EndOfBody):
-                ex.request_written = True
-            try:
-                raw.send(data)
-            except IO_ERRORS as exc:
-                self._body_undeliverable(f"upstream write failed: {exc}")
-                return
-            if raw.out:
-                ex.upstream_progress = self.now()
-                self._arm(ex.upstream_progress + self.idle_timeout)
-            elif ex.request_written:
-                self._request_sent(ex)
-
-    def _body_undeliverable(self, reason: str) -> None:
-        """The upstream takes no more of the body. It may still have
-        answered (e.g. 413 and close): the response decides; only stop
-        sending."""
-        ex = self.ex
-        assert ex is not None
-        assert ex.raw is not None
-        LOGGER.debug("request body not delivered: %s", reason)
-        ex.body_stopped = True
-        ex.raw.out.clear()
-        if ex.head_deadline == math.inf:
-            self._request_sent(ex)
-        elif ex.response_complete:
-            self._end_exchange()
-
-    def _flush_upstream(self) -> None:
-        ex = self.ex
-        assert ex is not None
-        raw = ex.raw
-        assert raw is not None
-        try:
-            if raw.flush():
-                ex.upstream_progress = self.now()
-        except IO_ERRORS as exc:
-            if ex.head_sent:
-                self._body_undeliverable(f"upstream write failed: {exc}")
-            else:
-                self._head_not_sent(exc)
-            return
-        if raw.out:
-            return
-        if self.state is _UPGRADE:
-            self._relay_if_flushed()
-        elif not ex.head_sent:
-            self._head_sent(ex)
-        elif ex.request_written:
-            self._request_sent(ex)
-        else:
-            self._pump_body()
+        ex.begin(upstream)
 
     # -- the response --------------------------------------------------------
-
-    def _read_upstream(self) -> None:
-        ex = self.ex
-        assert ex is not None
-        raw = ex.raw
-        conn = ex.conn
-        assert raw is not None
-        assert conn is not None
-        try:
-            data = raw.receive()
-        except IO_ERRORS as exc:
-            self._upstream_failed(
-                UpstreamError(f"upstream read failed: {exc}", empty=not conn.received)
-            )
-            return
-        if data is None:
-            return
-        if ex.head_received:
-            ex.read_progress = self.now()
-        conn.receive_data(data)
-        self._pump_response(ex, conn)
-
-    def _pump_response(self, ex: _Exchange, conn: UpstreamExchange) -> None:
-        """Upstream -> client: every event the exchange has, in one write."""
-        session = self.session
-        pending: list[bytes] = []
-        try:
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    break
-                if isinstance(event, Body):
-                    pending.append(session.send_data(event.data))
-                elif isinstance(event, EndOfBody):
-                    trailers = (
-                        strip_hop_by_hop(event.trailers, keep_upgrade=False)
-                        if ex.trailers_ok and event.trailers
-                        else []
-                    )
-                    pending.append(session.send_end(trailers))
-                    ex.response_queued = True
-                    break
-                elif isinstance(event, Response):
-                    ex.head_received = True
-                    ex.read_progress = self.now()
-                    ex.log.first_byte = ex.read_progress - ex.started
-                    pending.append(self._response_head(ex, event))
-                    self._arm(ex.read_progress + self.idle_timeout)
-                else:
-                    assert isinstance(event, Informational), event
-                    head = event.head
-                    if head.status == 101:
-                        self._switch(ex, head, pending)
-                        return
-                    if head.status == 100:
-                        if not session.expects_continue:
-                            continue
-                    elif ex.head.version != b"1.1":
-                        continue
-                    pending.append(
-                        session.send_informational(
-                            head.status,
-                            reason_phrase(head.status, head.reason),
-                            strip_hop_by_hop(head.headers, keep_upgrade=False),
-                        )
-                    )
-        except UpstreamError as exc:
-            if self._send_pending(ex, pending):
-                self._upstream_failed(exc)
-            return
-        if (
-            self._send_pending(ex, pending)
-            and ex.response_queued
-            and not self.client.out
-        ):
-            self._response_done()
 
     def _send_pending(self, ex: _Exchange, pending: list[bytes]) -> bool:
         """Write *pending* to the client; False if it failed (and the
@@ -1232,7 +1028,7 @@ class _HttpConnection:
         try:
             self._send_client(data, ex.log)
         except IO_ERRORS as exc:
-            self._fail(
+            ex.fail(
                 Failure(Termination.CLIENT_ERROR, f"client write failed: {exc}", None)
             )
             return False
@@ -1241,7 +1037,8 @@ class _HttpConnection:
     def _response_head(self, ex: _Exchange, response: Response) -> bytes:
         head = response.head
         ex.log.status = head.status
-        ex.response_started = True
+        assert STARTED in RESPONSE_TRANSITIONS[ex.response]
+        ex.response = STARTED
         ex.trailers_ok = response.body is BodyKind.CHUNKED
         # The backend may answer before the request's last bytes left our
         # buffer: what counts is whether the client's request was read in
@@ -1255,61 +1052,14 @@ class _HttpConnection:
             close=self.drain_event.is_set() or not session.request_read,
         )
 
-    def _response_done(self) -> None:
-        """The client took the whole response. A request read in full is
-        still delivered upstream (under ``idle_timeout``) before the exchange
-        ends, so the upstream never holds half of one; a request not read in
-        full is not read further."""
-        ex = self.ex
-        assert ex is not None
-        ex.response_complete = True
-        raw = ex.raw
-        if (
-            self.session.request_read
-            and raw is not None
-            and not ex.body_stopped
-            and (raw.out or not ex.request_written)
-        ):
-            return
-        self._end_exchange()
-
-    def _upstream_failed(self, exc: UpstreamError) -> None:
-        ex = self.ex
-        assert ex is not None
-        self._fail(upstream_failure(exc, response_started=ex.response_started))
-
-    # -- the end of an exchange ------------------------------------------------
-
-    def _fail(self, failure: Failure) -> None:
-        ex = self.ex
-        assert ex is not None
-        if ex.failure is None:
-            ex.failure = failure
-        self._end_exchange()
-
-    def _let_go(self, ex: _Exchange) -> None:
-        """Stop watching the attempt's upstream socket."""
-        raw = ex.raw
-        if raw is not None:
-            if raw.interest is not None:
-                self.reactor.unregister(raw.fd)
-            raw.detach()
-            ex.raw = None
-
-    def _hold(self, upstream: Upstream, raw: RawStream) -> None:
-        """Keep a clean upstream connection for the next request, its socket
-        registered: no pool round trip, no re-registration, and the reactor
-        tells if the server closes it meanwhile."""
-        self.upstreams.hold(upstream)
-        self.held, self.held_raw = upstream, raw
-        self.held_since = self.now()
-        self._arm(self.held_since + PARK_AFTER)
+    # -- held upstream connections, the end of an exchange ---------------------
 
     def _drop_held(self) -> None:
         held, raw = self.held, self.held_raw
         assert held is not None
         assert raw is not None
         self.held = self.held_raw = None
+        self.idle_upstreams = ()
         if raw.interest is not None:
             self.reactor.unregister(raw.fd)
         raw.detach()
@@ -1322,77 +1072,26 @@ class _HttpConnection:
         if held is None or raw is None:
             return
         self.held = self.held_raw = None
+        self.idle_upstreams = ()
         if raw.interest is not None:
             self.reactor.unregister(raw.fd)
         raw.detach()
         self.upstreams.park_held(held)
 
-    def _end_exchange(self) -> None:
-        ex = self.ex
-        assert ex is not None
-        upstream = ex.upstream
-        failure = ex.failure
-        retry = should_retry(
-            failure,
-            upstream,
-            response_started=ex.response_started,
-            method=ex.head.method,
-            has_body=ex.has_body,
-            retried=ex.retried,
-        )
-        if upstream is not None:
-            raw = ex.raw
-            clean = is_clean(failure, ex.conn, raw, body_stopped=ex.body_stopped)
-            if (
-                clean
-                and raw is not None
-                and self.held is None
-                and self.upstreams.proxy_header is None
-            ):
-                self._hold(upstream, raw)
-                ex.raw = None
-            else:
-                self._let_go(ex)
-                self.upstreams.release(upstream, clean=clean)
-        if retry:
-            assert failure is not None
-            assert upstream is not None
-            log_retry(self.listener.name, ex.log, failure)
-            if not upstream.reused:
-                ex.retried = True
-                ex.exclude = upstream.server
-            ex.fresh = True
-            ex.new_attempt()
-            self._acquire()
-            return
-        if failure is not None:
-            self._after_failure(ex, failure)
-            return
-        ex.log.termination = Termination.OK
-        session = self.session
-        self._request_done()
-        if session.keep_alive and not self.drain_event.is_set():
-            session.start_next_cycle()
-            self._await_request()
-            return
-        self._end(
-            Termination.DRAINED if self.drain_event.is_set() else Termination.CLOSED
-        )
-        if session.request_read:
-            self._finish()
-        else:
-            self._linger()
-
     def _after_failure(self, ex: _Exchange, failure: Failure) -> None:
         log = ex.log
-        if failure.status is not None and not ex.response_started:
+        response = ex.response
+        if failure.status is not None and response is WAITING:
             self._refuse(failure.status, failure.detail, failure.termination)
             return
         log.termination = failure.termination
         log.detail = failure.detail
         self._end(failure.termination, failure.detail)
         self._request_done()
-        if ex.response_started and not ex.response_complete:
+        if response is DELIVERED:
+            # The response went out whole; the request could not finish.
+            self._linger()
+        elif response is not WAITING:
             # Never let a cut response look complete: reset the connection.
             set_abortive_close(self.client.sock)
             if failure.termination == Termination.SERVER_ABORTED:
@@ -1405,9 +1104,6 @@ class _HttpConnection:
                     failure.detail,
                 )
             self._finish()
-        elif ex.response_complete:
-            # The response went out whole; the request could not finish.
-            self._linger()
         else:
             self._finish()
 
@@ -1457,7 +1153,7 @@ class _HttpConnection:
             return
         self.lingered = 0
         self.linger_deadline = self.now() + LINGER_TIMEOUT
-        self._arm(self.linger_deadline)
+        self.arm(self.linger_deadline)
 
     # -- Upgrade -------------------------------------------------------------
 
@@ -1466,7 +1162,7 @@ class _HttpConnection:
         each side sent past the heads, then relay bytes."""
         if not ex.request.upgrade:
             if self._send_pending(ex, pending):
-                self._upstream_failed(
+                ex.upstream_failed(
                     UpstreamError("unexpected 101 from upstream: no upgrade was asked")
                 )
             return
@@ -1481,7 +1177,8 @@ class _HttpConnection:
         )
         ex.log.first_byte = self.now() - ex.started
         ex.log.status = 101
-        ex.response_started = True
+        assert SWITCHED in RESPONSE_TRANSITIONS[ex.response]
+        ex.response = SWITCHED
         if not self._send_pending(ex, pending):
             return
         self.state = _UPGRADE
@@ -1494,7 +1191,7 @@ class _HttpConnection:
                 ex.raw.send(from_client)
                 if ex.raw.out:
                     ex.upstream_progress = self.now()
-                    self._arm(ex.upstream_progress + self.idle_timeout)
+                    self.arm(ex.upstream_progress + self.idle_timeout)
         except IO_ERRORS as exc:
             self._upgrade_failed(str(exc))
             return
@@ -1507,7 +1204,7 @@ class _HttpConnection:
         assert ex.raw is not None
         if self.client.out or ex.raw.out:
             return
-        self._let_go(ex)
+        ex.let_go()
         self._start_job(partial(self._relay_upgraded, ex))
 
     def _upgrade_failed(self, detail: str) -> None:
@@ -1519,7 +1216,7 @@ class _HttpConnection:
         set_abortive_close(self.client.sock)
         if ex.raw is not None:
             set_abortive_close(ex.raw.sock)
-        self._let_go(ex)
+        ex.let_go()
         self.upstreams.release(ex.upstream, clean=False)
         self._finish()
 

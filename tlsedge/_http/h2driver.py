@@ -28,9 +28,12 @@ cold pool would pay ten connect times in a row). A stream reset meanwhile
 cancels its connect; a connect cancelled from outside (the drain deadline)
 ends the connection, as does ``drain()``.
 
-Each stream drives one `UpstreamExchange` at a time exactly as the HTTP/1.1
-driver does for a request, sharing its decisions
-(`tlsedge._http.upstream_step`): the same `UpstreamConnections` (pool,
+Each stream's request goes upstream through the same
+`tlsedge._http.attempt.UpstreamAttempt` as an HTTP/1.1 request (one
+`UpstreamExchange` at a time, the decisions of
+`tlsedge._http.upstream_step`); `_StreamAttempt` is its HTTP/2 client side
+(the body from the stream's queue, the response as frames). The same
+`UpstreamConnections` (pool,
 dedicated ``send_proxy`` connections, TLS backends), the same
 `RequestRewriter` (forwarding headers, request id, stripping), the same retry
 rule (`tlsedge._http.rules.may_retry`), the same error statuses (503 no
@@ -73,6 +76,7 @@ none is left (or is ended at the drain deadline).
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import time
@@ -84,10 +88,20 @@ from typing import Final
 import trio
 
 from tlsedge._accesslog import format_address
-from tlsedge._balancer import Server
 from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
+from tlsedge._http.attempt import (
+    BODY,
+    DELIVERED,
+    RESPONSE_TRANSITIONS,
+    STARTED,
+    STOPPED,
+    WAITING,
+    Due,
+    UpstreamAttempt,
+    upstream_socket,
+)
 from tlsedge._http.body import BodyKind
 from tlsedge._http.driver import Spawn, socket_backed
 from tlsedge._http.events import (
@@ -98,8 +112,8 @@ from tlsedge._http.events import (
     NeedData,
     Response,
 )
-from tlsedge._http.exchange import UpstreamError, UpstreamExchange
-from tlsedge._http.gate import UpstreamRequest, from_http2
+from tlsedge._http.exchange import UpstreamError
+from tlsedge._http.gate import from_http2
 from tlsedge._http.h2session import (
     PREFACE,
     ConnectionEnded,
@@ -125,15 +139,8 @@ from tlsedge._http.rules import (
 )
 from tlsedge._http.upstream_step import (
     IO_ERRORS,
-    UPSTREAM_READ_STALLED,
-    UPSTREAM_WRITE_STALLED,
     Failure,
-    head_not_sent,
-    is_clean,
-    log_retry,
     response_timeout,
-    should_retry,
-    upstream_failure,
 )
 from tlsedge._http.upstreams import (
     PARK_AFTER,
@@ -153,7 +160,7 @@ from tlsedge._reactor import (
 )
 from tlsedge._relay import set_abortive_close
 from tlsedge._termination import Termination
-from tlsedge._upstream import BackendPool, ConnectFailedError, NoServerError
+from tlsedge._upstream import BackendPool, ConnectFailedError
 
 __all__ = ["h2_connection", "sniff_preface"]
 
@@ -172,12 +179,6 @@ _NOT_IN_H2: Final = frozenset({b"transfer-encoding", b"keep-alive", b"upgrade"})
 _OPEN: Final = "open"
 _CLOSING: Final = "closing"  # the last frames (a GOAWAY) go out
 _DONE: Final = "done"
-
-# What a stream is doing (`_Stream.phase`).
-_CONNECTING: Final = "connecting"  # the task opens its upstream connection
-_EXCHANGE: Final = "exchange"  # an attempt on an upstream connection
-_ANSWERING: Final = "answering"  # our own error response goes out
-_CLOSED: Final = "closed"
 
 
 # -- h2c with prior knowledge: the preface, read on the reactor ----------------
@@ -267,99 +268,137 @@ async def sniff_preface(
 # -- one stream ----------------------------------------------------------------
 
 
+class StreamPhase(enum.Enum):
+    """What a stream is doing."""
+
+    #: Its request goes upstream (an `UpstreamAttempt` on a connection).
+    EXCHANGE = "exchange"
+    #: A job opens its upstream connection.
+    CONNECTING = "connecting"
+    #: Our own error response goes out.
+    ANSWERING = "answering"
+    CLOSED = "closed"
+
+    __hash__ = object.__hash__  # (as `tlsedge._http.attempt.RequestProgress`)
+
+
+# The members as module constants (as in `tlsedge._http.attempt`).
+_EXCHANGE: Final = StreamPhase.EXCHANGE
+_CONNECTING: Final = StreamPhase.CONNECTING
+_ANSWERING: Final = StreamPhase.ANSWERING
+_CLOSED: Final = StreamPhase.CLOSED
+
+#: The legal moves of `StreamPhase` (a retry may connect again).
+STREAM_TRANSITIONS: Final[dict[StreamPhase, frozenset[StreamPhase]]] = {
+    _EXCHANGE: frozenset({_CONNECTING, _ANSWERING, _CLOSED}),
+    _CONNECTING: frozenset({_EXCHANGE, _CLOSED}),
+    _ANSWERING: frozenset({_CLOSED}),
+    _CLOSED: frozenset(),
+}
+
+
 class _Stream:
-    """One request stream; the fields after ``retried`` describe the current
-    attempt (a retry starts them afresh)."""
+    """One request stream: the client side of its exchange (the request's
+    body pieces, the response's bytes waiting for a window)."""
 
     __slots__ = (
+        "attempt",
         "blocked_since",
         "body",
         "body_bytes",
-        "body_progress",
-        "body_started",
-        "body_stopped",
         "cancelled",
-        "conn",
-        "connect_started",
-        "exclude",
-        "failure",
-        "fresh",
-        "head_deadline",
-        "head_received",
-        "head_sent",
+        "connection",
         "id",
         "log",
         "lookahead",
         "out",
         "out_end",
         "phase",
-        "raw",
-        "read_progress",
         "request",
         "request_read",
-        "request_written",
-        "response_done",
-        "response_started",
-        "retried",
-        "scope",
         "started",
-        "trailers_ok",
-        "unacked",
-        "upstream",
-        "upstream_progress",
-        "upstream_request",
     )
 
     def __init__(
-        self, stream_id: int, request: H2Request, log: RequestLog, started: float
+        self,
+        connection: _H2Connection,
+        stream_id: int,
+        request: H2Request,
+        log: RequestLog,
+        started: float,
     ) -> None:
+        self.connection = connection
         self.id = stream_id
         self.request = request
         self.log = log
         self.started = started
         self.phase = _EXCHANGE
-        #: What goes upstream, once the gate let it through.
-        self.upstream_request: UpstreamRequest | None = None
+        #: Its way upstream, once the gate let the request through.
+        self.attempt: _StreamAttempt | None = None
         #: Client body events not written upstream yet (not acknowledged).
         self.body: deque[RequestData | RequestEnd] = deque()
         self.body_bytes = 0  # body bytes the client sent (request_body_min_rate)
         self.request_read = request.end_stream  # the client's END_STREAM came
         self.cancelled = False  # reset by the client, or the connection ended
-        #: Our response began (head sent), and ended (END_STREAM queued).
-        self.response_started = False
-        self.response_done = False
         #: Response body bytes the client's windows did not take yet, and
         #: whether the last of them ends the response.
         self.out: memoryview | None = None
         self.out_end = False
         self.blocked_since = math.inf  # since when `out` waits for the client
-        self.failure: Failure | None = None
-        # Retries.
-        self.exclude: Server | None = None  # the server a failed attempt used
-        self.fresh = False  # a retry: a new connection, not a pooled one
-        self.retried = False
-        #: The connect job's scope (a reset cancels it).
-        self.scope: trio.CancelScope | None = None
-        self.connect_started = 0.0
-        self.new_attempt()
-
-    def new_attempt(self) -> None:
-        self.upstream: Upstream | None = None
-        self.raw: RawStream | None = None
-        self.conn: UpstreamExchange | None = None
-        self.unacked = 0  # flow-controlled bytes waiting in ``raw.out``
-        self.head_sent = False  # the request head left ``raw.out``
-        self.request_written = False  # all of the request is in ``raw``
-        self.body_stopped = False  # the upstream takes no more of the body
-        self.body_started = 0.0  # the head went upstream: the body's clock
-        self.body_progress = 0.0  # the last body bytes from the client
-        self.upstream_progress = 0.0  # since when the upstream owes a write
-        self.read_progress = 0.0  # the last response bytes from the upstream
-        self.head_deadline = math.inf  # response_timeout once the request is sent
-        self.head_received = False
-        self.trailers_ok = False
+        #: The response event `_H2Connection._peek` looked at.
         self.lookahead: Informational | Response | Body | EndOfBody | None = None
-        self.failure = None
+
+    def to(self, phase: StreamPhase) -> None:
+        assert phase in STREAM_TRANSITIONS[self.phase], (self.phase, phase)
+        self.phase = phase
+
+    def stalled(self) -> None:
+        """The client did not take the stream's response for ``idle_timeout``."""
+        self.connection._stream_stalled(self)
+
+
+class _StreamAttempt(UpstreamAttempt):
+    """A stream's upstream attempt, with HTTP/2's client side: body pieces
+    from the stream's queue, acknowledged (the client's window reopens)
+    once the upstream took them; the response relayed as frames within the
+    client's windows."""
+
+    __slots__ = ("stream",)
+
+    host: _H2Connection
+    stream: _Stream
+
+    def _next_piece(self) -> bytes | list[Header] | None:
+        body = self.stream.body
+        if not body:
+            return None
+        event = body.popleft()
+        if isinstance(event, RequestEnd):
+            return event.trailers
+        self.unacked += event.flow_length
+        return event.data
+
+    def _acknowledge(self) -> None:
+        self.host.session.acknowledge(self.stream.id, self.unacked)
+        self.unacked = 0
+
+    def _body_stopped(self) -> None:
+        self.host._acknowledge_held(self.stream)
+
+    def _request_read(self) -> bool:
+        return self.stream.request_read
+
+    def _body_bytes(self) -> int:
+        return self.stream.body_bytes
+
+    def _relay_response(self) -> None:
+        self.host._pump_response(self.stream)
+
+    def _failed(self, failure: Failure) -> None:
+        self.host._after_failure(self.stream, failure)
+
+    def _done(self) -> None:
+        self.host._close_stream(self.stream)
 
 
 def _reset_code(failure: Failure) -> int:
@@ -394,6 +433,7 @@ class _H2Connection:
     ) -> None:
         self.client = client
         self.listener = listener
+        self.listener_name = listener.name
         self.http = listener.http
         self.idle_timeout = listener.idle_timeout
         self.backend = backend
@@ -414,6 +454,7 @@ class _H2Connection:
         #: its socket and since when; and by descriptor.
         self.held: dict[Upstream, tuple[RawStream, float]] = {}
         self.held_fds: dict[int, Upstream] = {}
+        self.idle_upstreams = self.held  # (as `UpstreamConnections.take` wants it)
         self.max_held = listener.http2.max_concurrent_streams
         self.session = H2Session(listener.http2, max_headers=self.http.max_headers)
         self.reactor = current_reactor()
@@ -421,12 +462,12 @@ class _H2Connection:
         self.started = self.now()
         self.state = _OPEN
         self.streams: dict[int, _Stream] = {}
-        #: Upstream sockets by descriptor, and their streams.
-        self.by_fd: dict[int, _Stream] = {}
+        #: Upstream sockets by descriptor, and their streams' attempts.
+        self.by_fd: dict[int, _StreamAttempt] = {}
         #: Streams whose response data waits for a window or the client.
         self.blocked: set[_Stream] = set()
-        #: Streams whose upstream socket's interest may have to change.
-        self.dirty: set[_Stream] = set()
+        #: Attempts whose upstream socket's interest may have to change.
+        self.dirty: set[_StreamAttempt] = set()
         #: Response DATA given to the session since its bytes last went out.
         self.unflushed = 0
         self.any_stream = False
@@ -441,7 +482,7 @@ class _H2Connection:
         self.initial_data = initial_data
         self.spawn = spawn
         self.on_done = on_done
-        self._response_timeout = response_timeout(self.http.response_timeout)
+        self.response_timeout_failure = response_timeout(self.http.response_timeout)
         self._client_stall = Failure(
             Termination.CLIENT_ERROR,
             "client did not read (or open its window) for idle_timeout",
@@ -464,9 +505,9 @@ class _H2Connection:
         ``drained``, their connects are cancelled."""
         self._finish()
 
-    async def _run_connect(self, stream: _Stream, new: NewConnection) -> None:
+    async def _run_connect(self, attempt: _StreamAttempt, new: NewConnection) -> None:
         try:
-            await self._connect(stream, new)
+            await self._connect(attempt, new)
         except trio.Cancelled:  # the edge stopped (or the drain deadline)
             self._finish()
             raise
@@ -479,32 +520,33 @@ class _H2Connection:
         )
         self.failed(exc)
 
-    async def _connect(self, stream: _Stream, new: NewConnection) -> None:
+    async def _connect(self, attempt: _StreamAttempt, new: NewConnection) -> None:
         upstream: Upstream | None = None
-        failure: Failure | None = None
-        scope = stream.scope
+        failure: str | None = None
+        scope = attempt.scope
         assert scope is not None
         with scope:
             try:
                 upstream = await self.upstreams.connect(new)
             except ConnectFailedError as exc:
-                failure = Failure(Termination.CONNECT_FAILED, str(exc), 502)
-        stream.scope = None
+                failure = str(exc)
+        attempt.scope = None
+        stream = attempt.stream
         if stream.cancelled or self.state is not _OPEN:
             if upstream is not None:
                 # Nobody wants it: closed, not pooled.
                 self.upstreams.release(upstream, clean=False)
             return
-        stream.phase = _EXCHANGE
+        stream.to(_EXCHANGE)
         if upstream is None:
             assert failure is not None
-            self._after_failure(stream, failure)
+            attempt.connect_failed(failure)
         else:
-            self._begin(stream, upstream)
+            attempt.begin(upstream)
         self._settle()
 
     def _start(self, initial_data: bytes) -> None:
-        self._arm(self.started + self.http.request_header_timeout)
+        self.arm(self.started + self.http.request_header_timeout)
         self.drain_event.call_on_set(self._drained)
         if initial_data and self.state is _OPEN:
             self._received(initial_data)
@@ -573,7 +615,7 @@ class _H2Connection:
         if self.client_broken is not None or not self.client.out:
             self._finish()
         else:
-            self._arm(self.client_progress + self.idle_timeout)
+            self.arm(self.client_progress + self.idle_timeout)
 
     # -- the reactor's calls ---------------------------------------------------
 
@@ -598,9 +640,9 @@ class _H2Connection:
                 elif events & HANGUP:
                     client.hung_up = True
         else:
-            stream = self.by_fd.get(fd)
-            if stream is not None:
-                self._upstream_ready(stream, events)
+            attempt = self.by_fd.get(fd)
+            if attempt is not None:
+                attempt.ready(events)
             else:
                 held = self.held_fds.get(fd)
                 if held is not None:
@@ -637,20 +679,26 @@ class _H2Connection:
             return
         client = self.client
         read = self.state is _OPEN and not client.eof
-        self._watch(client, (READABLE if read else 0) | (WRITABLE if client.out else 0))
+        want = (READABLE if read else 0) | (WRITABLE if client.out else 0)
+        # (Registrations persist: most rounds change nothing.)
+        if want != client.interest or client.hung_up:
+            self._watch(client, want)
         dirty = self.dirty
         while dirty:
-            stream = dirty.pop()
-            raw = stream.raw
+            attempt = dirty.pop()
+            raw = attempt.raw
             if raw is None:
                 continue
+            stream = attempt.stream
             read = (
                 not raw.eof
                 and stream.out is None
-                and not stream.response_done
+                and attempt.response is not DELIVERED
                 and stream.phase is _EXCHANGE
             )
-            self._watch(raw, (READABLE if read else 0) | (WRITABLE if raw.out else 0))
+            want = (READABLE if read else 0) | (WRITABLE if raw.out else 0)
+            if want != raw.interest or raw.hung_up:
+                self._watch(raw, want)
 
     def _watch(self, raw: RawStream, interest: int | None) -> None:
         if interest == 0 and raw.hung_up:
@@ -658,11 +706,6 @@ class _H2Connection:
         raw.interest = self.reactor.watch(raw.fd, raw.interest, interest, self)
 
     # -- timers ----------------------------------------------------------------
-
-    def _arm(self, deadline: float) -> None:
-        if deadline < self.armed:
-            self.armed = deadline
-            self.reactor.call_at(deadline, self.timer)
 
     def _timer(self) -> None:
         if self.state is _DONE:
@@ -679,7 +722,7 @@ class _H2Connection:
                     continue
                 deadline, stream_expire = self._stream_deadline(stream)
                 if stream_expire is not None and now >= deadline:
-                    stream_expire(stream)
+                    stream_expire()
             self._settle()
             if self.state is _DONE:
                 return
@@ -687,14 +730,14 @@ class _H2Connection:
             for stream in self.streams.values():
                 earliest = min(earliest, self._stream_deadline(stream)[0])
             if earliest < math.inf:
-                self._arm(earliest)
+                self.arm(earliest)
         except Exception as exc:  # a bug: end this connection alone
             LOGGER.exception(
                 "listener %s: HTTP/2 connection failed", self.listener.name
             )
             self.failed(exc)
 
-    def _deadline(self) -> tuple[float, Callable[[], None] | None]:
+    def _deadline(self) -> Due:
         """What is due next for the connection, and when (see Timeouts)."""
         idle = self.idle_timeout
         if self.client.out:
@@ -709,7 +752,7 @@ class _H2Connection:
             )
         if not self.any_stream:
             return self.started + http.request_header_timeout, self._timed_out
-        due: tuple[float, Callable[[], None] | None] = (math.inf, None)
+        due: Due = (math.inf, None)
         if not self.session.active and not self.streams:
             due = (self.idle_since + http.keepalive_timeout, self._timed_out)
             park = self.idle_since + PARK_AFTER
@@ -724,54 +767,22 @@ class _H2Connection:
                 due = (expiry, self._expire_held)
         return due
 
-    def _stream_deadline(
-        self, stream: _Stream
-    ) -> tuple[float, Callable[[_Stream], None] | None]:
+    def _stream_deadline(self, stream: _Stream) -> Due:
         """What is due next for *stream*, and when (see Timeouts)."""
-        idle = self.idle_timeout
-        due: tuple[float, Callable[[_Stream], None] | None] = (math.inf, None)
+        due: Due = (math.inf, None)
         if stream.out is not None:
-            due = (stream.blocked_since + idle, self._stream_stalled)
-        if stream.phase is not _EXCHANGE:
+            due = (stream.blocked_since + self.idle_timeout, stream.stalled)
+        attempt = stream.attempt
+        if stream.phase is not _EXCHANGE or attempt is None:
             return due
-        raw = stream.raw
+        raw = attempt.raw
         if raw is None:
             return due
-        if raw.out:
-            if stream.upstream_progress + idle < due[0]:
-                due = (stream.upstream_progress + idle, self._upstream_write_stalled)
-        elif (
-            stream.head_sent
-            and not stream.request_written
-            and not stream.body_stopped
-            and not stream.body
-            and self._body_deadline(stream) < due[0]
-        ):
-            due = (self._body_deadline(stream), self._body_stalled)
-        if not stream.head_received:
-            if stream.head_deadline < due[0]:
-                due = (stream.head_deadline, self._response_timed_out)
-        elif (
-            not stream.response_done
-            and stream.out is None
-            and stream.read_progress + idle < due[0]
-        ):
-            due = (stream.read_progress + idle, self._response_stalled)
-        return due
-
-    def _body_deadline(self, stream: _Stream) -> float:
-        """When the client's request body is late: ``idle_timeout`` after its
-        last bytes, or behind ``request_body_min_rate`` (as in HTTP/1.1)."""
-        deadline = stream.body_progress + self.idle_timeout
-        rate = self.http.request_body_min_rate
-        if rate:
-            deadline = min(
-                deadline,
-                stream.body_started
-                + self.http.request_body_timeout
-                + stream.body_bytes / rate,
-            )
-        return deadline
+        if not raw.out and attempt.request_progress is BODY and not stream.body:
+            body_due = attempt.body_due()
+            if body_due < due[0]:
+                due = (body_due, attempt.body_timed_out)
+        return attempt.upstream_due(due, client_holds=stream.out is not None)
 
     def _client_stalled(self) -> None:
         self._client_failed("client did not read for idle_timeout")
@@ -799,34 +810,12 @@ class _H2Connection:
         self._shut_down()
 
     def _stream_stalled(self, stream: _Stream) -> None:
-        if stream.phase is _ANSWERING:
+        attempt = stream.attempt
+        if stream.phase is _ANSWERING or attempt is None:
             self.session.reset(stream.id, ErrorCodes.CANCEL)
             self._close_stream(stream)
         else:
-            self._fail(stream, self._client_stall)
-
-    def _upstream_write_stalled(self, stream: _Stream) -> None:
-        if stream.head_sent:
-            self._body_undeliverable(stream, "upstream did not read for idle_timeout")
-        else:
-            self._fail(stream, UPSTREAM_WRITE_STALLED)
-
-    def _body_stalled(self, stream: _Stream) -> None:
-        reason = "request body stalled for idle_timeout"
-        if self.now() < stream.body_progress + self.idle_timeout:
-            elapsed = self.now() - stream.body_started
-            reason = (
-                "request body slower than request_body_min_rate "
-                f"({self.http.request_body_min_rate} bytes/s): "
-                f"{stream.body_bytes} bytes in {elapsed:.1f} s"
-            )
-        self._fail(stream, Failure(Termination.BAD_REQUEST, reason, 408))
-
-    def _response_timed_out(self, stream: _Stream) -> None:
-        self._fail(stream, self._response_timeout)
-
-    def _response_stalled(self, stream: _Stream) -> None:
-        self._fail(stream, UPSTREAM_READ_STALLED)
+            attempt.fail(self._client_stall)
 
     def _drained(self) -> None:
         """The edge drains: GOAWAY, the streams in flight finish."""
@@ -867,7 +856,7 @@ class _H2Connection:
         if session.in_header_block:
             if self.header_block_since is None:
                 self.header_block_since = now
-                self._arm(now + self.http.request_header_timeout)
+                self.arm(now + self.http.request_header_timeout)
         else:
             self.header_block_since = None
 
@@ -893,7 +882,7 @@ class _H2Connection:
         self.result.bytes_to_client += len(data)
         if client.out and not waiting:
             self.client_progress = self.now()
-            self._arm(self.client_progress + self.idle_timeout)
+            self.arm(self.client_progress + self.idle_timeout)
 
     def _flush_client(self) -> None:
         client = self.client
@@ -919,7 +908,11 @@ class _H2Connection:
                 continue  # ended by an earlier one's failure
             if stream.phase is _ANSWERING:
                 self._pump_answer(stream)
-            elif stream.phase is _EXCHANGE and stream.conn is not None:
+            elif (
+                stream.phase is _EXCHANGE
+                and stream.attempt is not None
+                and stream.attempt.conn is not None
+            ):
                 self._pump_response(stream)
 
     # -- session events --------------------------------------------------------
@@ -945,7 +938,13 @@ class _H2Connection:
 
     def _request_body(self, event: RequestData | RequestEnd) -> None:
         stream = self.streams.get(event.stream_id)
-        if stream is None or stream.body_stopped or stream.phase is _ANSWERING:
+        attempt = None if stream is None else stream.attempt
+        if (
+            stream is None
+            or attempt is None  # answering (the gate refused the request)
+            or attempt.request_progress is STOPPED
+            or stream.phase is _ANSWERING
+        ):
             if isinstance(event, RequestData):
                 self.session.acknowledge(event.stream_id, event.flow_length)
             if stream is not None and isinstance(event, RequestEnd):
@@ -956,22 +955,22 @@ class _H2Connection:
         else:
             stream.body_bytes += len(event.data)
         stream.body.append(event)
-        stream.body_progress = self.now()
-        raw = stream.raw
+        attempt.body_progress = self.now()
+        raw = attempt.raw
         if (
             stream.phase is _EXCHANGE
             and raw is not None
-            and stream.head_sent
+            and attempt.request_progress is BODY
             and not raw.out
         ):
-            self._pump_body(stream)
+            attempt.pump_body()
 
     def _cancelled(self, stream: _Stream, code: int) -> None:
         """The client reset the stream: its upstream connection, holding half
         an exchange, is closed."""
         stream.cancelled = True
         log = stream.log
-        if stream.failure is None:
+        if stream.attempt is None or stream.attempt.failure is None:
             log.termination = Termination.CLIENT_ERROR
             log.detail = f"client reset the stream (error code {code})"
         self._close_stream(stream)
@@ -1040,7 +1039,7 @@ class _H2Connection:
         if request.user_agent is not None:
             log.user_agent = log_text(request.user_agent)
         log.bytes_in = request.size
-        stream = _Stream(event.stream_id, request, log, self.now())
+        stream = _Stream(self, event.stream_id, request, log, self.now())
         self.streams[stream.id] = stream
         self.any_stream = True
         self.result.requests += 1
@@ -1064,260 +1063,97 @@ class _H2Connection:
             return
         if request.request_id is not None:
             stream.log.request_id = request.request_id.decode("ascii")
-        stream.upstream_request = request
-        self._acquire(stream)
-
-    def _acquire(self, stream: _Stream) -> None:
-        """Begin an attempt on a reused connection, or open one in a task."""
-        stream.connect_started = self.now()
-        try:
-            taken = self.upstreams.take(
-                stream.exclude, fresh=stream.fresh, held=self.held
-            )
-        except NoServerError as exc:
-            self._after_failure(stream, Failure(Termination.NO_SERVER, str(exc), 503))
-            return
-        if isinstance(taken, NewConnection):
-            stream.phase = _CONNECTING
-            stream.scope = trio.CancelScope()
-            self.spawn(partial(self._run_connect, stream, taken))
-        else:
-            self._begin(stream, taken)
-
-    def _begin(self, stream: _Stream, upstream: Upstream) -> None:
-        """Send the request head, and the body pieces that came meanwhile."""
-        now = self.now()
-        log = stream.log
-        log.connect = now - stream.connect_started
-        log.server = server = format_address(upstream.server.address)
-        self.result.server = server
-        raw: RawStream | None
-        if upstream in self.held:
-            raw, _ = self.held.pop(upstream)
-            del self.held_fds[raw.fd]
-        else:
-            raw = RawStream.of(upstream.stream)
-        if raw is None:
-            msg = f"upstream stream not socket-backed: {upstream.stream!r}"
-            raise TypeError(msg)
-        stream.upstream = upstream
-        stream.raw = raw
-        self.by_fd[raw.fd] = stream
-        self.dirty.add(stream)
-        assert stream.upstream_request is not None
-        stream.conn = conn = UpstreamExchange(stream.upstream_request)
-        flow = 0
-        try:
-            pieces = [conn.request_head(server)]
-            stream.request_written = conn.request_complete
-            body = stream.body
-            while body and not stream.request_written:
-                event = body.popleft()
-                if isinstance(event, RequestData):
-                    flow += event.flow_length
-                pieces.append(self._upstream_bytes(stream, event))
-                if isinstance(event, RequestEnd):
-                    stream.request_written = True
-        except RequestRejectedError as exc:
-            self.session.acknowledge(stream.id, flow)
-            self._fail(stream, Failure(Termination.BAD_REQUEST, exc.reason, exc.status))
-            return
-        prefix, upstream.prefix = upstream.prefix, b""
-        if prefix:
-            pieces.insert(0, prefix)
-        try:
-            raw.send(b"".join(pieces))
-        except IO_ERRORS as exc:
-            self.session.acknowledge(stream.id, flow)
-            self._fail(stream, head_not_sent(exc))
-            return
-        if raw.out:
-            stream.unacked = flow
-            stream.upstream_progress = now
-            self._arm(now + self.idle_timeout)
-        else:
-            self.session.acknowledge(stream.id, flow)
-            self._head_sent(stream)
-
-    def _upstream_bytes(
-        self, stream: _Stream, event: RequestData | RequestEnd
-    ) -> bytes:
-        """A piece of the client's body, or its end, framed for the upstream.
-
-        Raises:
-            RequestRejectedError: the exchange refuses it (a length that does
-                not add up, a trailer the gate refuses).
-        """
-        conn = stream.conn
-        assert conn is not None
-        if isinstance(event, RequestData):
-            stream.log.bytes_in += len(event.data)
-            return conn.request_data(event.data)
-        return conn.request_end(self.rewriter.clean_trailers(event.trailers))
-
-    def _head_sent(self, stream: _Stream) -> None:
-        stream.head_sent = True
-        if stream.request_written:
-            self._request_sent(stream)
-            return
-        # The body's clock starts now: until the head went out, pieces wait.
-        stream.body_started = stream.body_progress = self.now()
-        self._arm(stream.body_progress + self.idle_timeout)
-        self._pump_body(stream)
-
-    def _request_sent(self, stream: _Stream) -> None:
-        """The request is upstream: its answer's head is due within
-        ``response_timeout`` (unless it already came)."""
-        if stream.response_done:
-            self._end_exchange(stream)
-            return
-        if stream.head_received:
-            return
-        stream.head_deadline = self.now() + self.http.response_timeout
-        self._arm(stream.head_deadline)
-
-    def _pump_body(self, stream: _Stream) -> None:
-        """Client -> upstream, each piece acknowledged once the upstream's
-        socket took it (backpressure)."""
-        raw = stream.raw
-        assert raw is not None
-        body = stream.body
-        session = self.session
-        while body and not raw.out and not stream.request_written:
-            event = body.popleft()
-            flow = 0 if isinstance(event, RequestEnd) else event.flow_length
-            try:
-                data = self._upstream_bytes(stream, event)
-            except RequestRejectedError as exc:
-                session.acknowledge(stream.id, flow)
-                self._fail(
-                    stream, Failure(Termination.BAD_REQUEST, exc.reason, exc.status)
-                )
-                return
-            if isinstance(event, RequestEnd):
-                stream.request_written = True
-            try:
-                if data:
-                    raw.send(data)
-            except IO_ERRORS as exc:
-                session.acknowledge(stream.id, flow)
-                self._body_undeliverable(stream, f"upstream write failed: {exc}")
-                return
-            if raw.out:
-                stream.unacked = flow
-                stream.upstream_progress = self.now()
-                self._arm(stream.upstream_progress + self.idle_timeout)
-                self.dirty.add(stream)
-                return
-            session.acknowledge(stream.id, flow)
-        if stream.request_written and not raw.out:
-            self._request_sent(stream)
-
-    def _body_undeliverable(self, stream: _Stream, reason: str) -> None:
-        """The upstream takes no more of the body. It may still have
-        answered (e.g. 413 and close): the response decides; only stop
-        sending (the client's pieces are acknowledged as they come)."""
-        raw = stream.raw
-        assert raw is not None
-        LOGGER.debug("request body not delivered: %s", reason)
-        stream.body_stopped = True
-        raw.out.clear()
-        self.dirty.add(stream)
-        self._acknowledge_held(stream)
-        if stream.head_deadline == math.inf:
-            self._request_sent(stream)
-        elif stream.response_done:
-            self._end_exchange(stream)
+        stream.attempt = attempt = _StreamAttempt(
+            self, request, stream.log, stream.started
+        )
+        attempt.stream = stream
+        attempt.acquire()
 
     def _acknowledge_held(self, stream: _Stream) -> None:
         """Body the stream holds will not go upstream: the client's window
         gets it back."""
         session = self.session
-        session.acknowledge(stream.id, stream.unacked)
-        stream.unacked = 0
+        attempt = stream.attempt
+        if attempt is not None and attempt.unacked:
+            attempt._acknowledge()
         for event in stream.body:
             if isinstance(event, RequestData):
                 session.acknowledge(stream.id, event.flow_length)
         stream.body.clear()
 
-    # -- the upstream socket ---------------------------------------------------
+    # -- what the upstream attempts ask of their host (`AttemptHost`) ----------
 
-    def _upstream_ready(self, stream: _Stream, events: int) -> None:
-        raw = stream.raw
-        assert raw is not None
-        acted = False
-        if raw.out and events & (WRITABLE | ERROR | HANGUP):
-            acted = True
-            self._flush_upstream(stream)
-            if stream.raw is not raw:
-                return
+    def arm(self, deadline: float) -> None:
+        if deadline < self.armed:
+            self.armed = deadline
+            self.reactor.call_at(deadline, self.timer)
+
+    def hold(
+        self, attempt: UpstreamAttempt, upstream: Upstream, raw: RawStream
+    ) -> bool:
+        """Keep a clean upstream connection for the next streams, its socket
+        registered: no pool round trip, no re-registration, and the reactor
+        tells if the server closes it meanwhile."""
         if (
-            raw.interest
-            and raw.interest & READABLE
-            and events & (READABLE | ERROR | HANGUP)
+            self.upstreams.proxy_header is not None
+            or len(self.held) >= self.max_held
+            or self.state is not _OPEN
         ):
-            self._read_upstream(stream)
-        elif not acted and events & ERROR:
-            conn = stream.conn
-            self._upstream_failed(
-                stream,
-                UpstreamError(
-                    "upstream connection reset", empty=conn is None or not conn.received
-                ),
-            )
-        elif not acted and events & HANGUP:
-            raw.hung_up = True
-            self.dirty.add(stream)
+            return False
+        del self.by_fd[raw.fd]
+        self.dirty.discard(attempt)
+        self.upstreams.hold(upstream)
+        now = self.now()
+        if not self.held:
+            self.arm(now + self.upstreams.keepalive.idle_timeout)
+        self.held[upstream] = (raw, now)
+        self.held_fds[raw.fd] = upstream
+        self._watch(raw, READABLE)
+        return True
 
-    def _flush_upstream(self, stream: _Stream) -> None:
-        raw = stream.raw
-        assert raw is not None
-        try:
-            if raw.flush():
-                stream.upstream_progress = self.now()
-        except IO_ERRORS as exc:
-            if stream.head_sent:
-                self._body_undeliverable(stream, f"upstream write failed: {exc}")
-            else:
-                self._fail(stream, head_not_sent(exc))
-            return
-        if raw.out:
-            return
-        self.dirty.add(stream)
-        self.session.acknowledge(stream.id, stream.unacked)
-        stream.unacked = 0
-        if not stream.head_sent:
-            self._head_sent(stream)
-        elif stream.request_written:
-            self._request_sent(stream)
+    def open_upstream(self, attempt: UpstreamAttempt, new: NewConnection) -> None:
+        """A task per stream that connects: a slow server does not hold up
+        the streams behind it."""
+        assert isinstance(attempt, _StreamAttempt)
+        attempt.stream.to(_CONNECTING)
+        attempt.scope = trio.CancelScope()
+        self.spawn(partial(self._run_connect, attempt, new))
+
+    def attach(self, attempt: UpstreamAttempt, upstream: Upstream) -> RawStream:
+        assert isinstance(attempt, _StreamAttempt)
+        entry = self.held.pop(upstream, None)
+        if entry is None:
+            raw = upstream_socket(upstream)
         else:
-            self._pump_body(stream)
+            raw, _ = entry
+            del self.held_fds[raw.fd]
+        self.by_fd[raw.fd] = attempt
+        self.dirty.add(attempt)
+        return raw
 
-    def _read_upstream(self, stream: _Stream) -> None:
-        raw = stream.raw
-        conn = stream.conn
-        assert raw is not None
-        assert conn is not None
-        try:
-            data = raw.receive()
-        except IO_ERRORS as exc:
-            self._upstream_failed(
-                stream,
-                UpstreamError(f"upstream read failed: {exc}", empty=not conn.received),
-            )
-            return
-        if data is None:
-            return
-        if not data:
-            self.dirty.add(stream)
-        stream.read_progress = self.now()
-        conn.receive_data(data)
-        self._pump_response(stream)
+    def detach(self, attempt: UpstreamAttempt, raw: RawStream) -> None:
+        if raw.interest is not None:
+            self.reactor.unregister(raw.fd)
+            raw.interest = None
+        del self.by_fd[raw.fd]
+        self.dirty.discard(attempt)
 
-    def _upstream_failed(self, stream: _Stream, exc: UpstreamError) -> None:
-        self._fail(
-            stream, upstream_failure(exc, response_started=stream.response_started)
-        )
+    def interest_changed(self, attempt: UpstreamAttempt) -> None:
+        assert isinstance(attempt, _StreamAttempt)
+        self.dirty.add(attempt)
+
+    def _drop_held(self, upstream: Upstream, *, close: bool) -> None:
+        """Stop holding *upstream*: closed, or to the shared pool."""
+        raw, _ = self.held.pop(upstream)
+        del self.held_fds[raw.fd]
+        if raw.interest is not None:
+            self.reactor.unregister(raw.fd)
+            raw.interest = None
+        raw.detach()
+        if close:
+            close_now(upstream.stream)
+        else:
+            self.upstreams.park_held(upstream)
 
     # -- the response ----------------------------------------------------------
 
@@ -1328,9 +1164,10 @@ class _H2Connection:
         if event is not None:
             stream.lookahead = None
             return event
-        conn = stream.conn
-        assert conn is not None
-        return conn.next_event()
+        attempt = stream.attempt
+        assert attempt is not None
+        assert attempt.conn is not None
+        return attempt.conn.next_event()
 
     def _peek(
         self, stream: _Stream
@@ -1344,14 +1181,19 @@ class _H2Connection:
     def _pump_response(self, stream: _Stream) -> None:
         """Upstream -> client: 1xx, the head, the body, trailers, as far as
         the windows allow."""
+        attempt = stream.attempt
+        assert attempt is not None
         session = self.session
         sid = stream.id
         try:
             while True:
-                if stream.out is not None and not self._send_out(stream):
-                    return
-                if stream.response_done:
-                    self._response_sent(stream)
+                if stream.out is not None:
+                    if not self._send_out(stream):
+                        return
+                    if stream.out_end:
+                        self._response_sent(stream)
+                        return
+                if attempt.response is DELIVERED:
                     return
                 event = self._next(stream)
                 if event is NEED_DATA:
@@ -1360,18 +1202,21 @@ class _H2Connection:
                     # The last piece carries END_STREAM when no trailers follow.
                     following = self._peek(stream)
                     last = isinstance(following, EndOfBody) and not (
-                        stream.trailers_ok and following.trailers
+                        attempt.trailers_ok and following.trailers
                     )
                     if last:
                         stream.lookahead = None
                     stream.out = memoryview(event.data)
                     stream.out_end = last
                 elif isinstance(event, EndOfBody):
-                    trailers = _h2_fields(event.trailers) if stream.trailers_ok else []
+                    trailers = _h2_fields(event.trailers) if attempt.trailers_ok else []
                     session.send_end(sid, trailers)
-                    stream.response_done = True
+                    self._response_sent(stream)
+                    return
                 elif isinstance(event, Response):
-                    self._response_head(stream, event)
+                    if self._response_head(stream, attempt, event):
+                        self._response_sent(stream)
+                        return
                 else:
                     assert isinstance(event, Informational), event
                     head = event.head
@@ -1385,25 +1230,28 @@ class _H2Connection:
                         sid, head.status, _h2_fields(head.headers), end_stream=False
                     )
         except UpstreamError as exc:
-            self._upstream_failed(stream, exc)
+            attempt.upstream_failed(exc)
 
-    def _response_head(self, stream: _Stream, event: Response) -> None:
+    def _response_head(
+        self, stream: _Stream, attempt: _StreamAttempt, event: Response
+    ) -> bool:
+        """Send the response head; True if it ends the response."""
         head = event.head
         log = stream.log
-        stream.head_received = True
         log.first_byte = self.now() - stream.started
         log.status = head.status
         fields = _h2_fields(head.headers, connection=head.connection)
-        stream.trailers_ok = event.body is BodyKind.CHUNKED
+        attempt.trailers_ok = event.body is BodyKind.CHUNKED
         following = self._peek(stream)
-        stream.response_started = True
+        assert STARTED in RESPONSE_TRANSITIONS[attempt.response]
+        attempt.response = STARTED
         if isinstance(following, EndOfBody) and not following.trailers:
             stream.lookahead = None
             self.session.send_headers(stream.id, head.status, fields, end_stream=True)
-            stream.response_done = True
-            return
+            return True
         self.session.send_headers(stream.id, head.status, fields, end_stream=False)
-        self._arm(stream.read_progress + self.idle_timeout)
+        self.arm(attempt.read_progress + self.idle_timeout)
+        return False
 
     def _send_out(self, stream: _Stream) -> bool:
         """Send what the stream holds of the response body, as far as the
@@ -1426,9 +1274,10 @@ class _H2Connection:
                     # The stall counts from the last progress, not the
                     # last window update (it may be another stream's).
                     stream.blocked_since = self.now()
-                    self._arm(stream.blocked_since + self.idle_timeout)
+                    self.arm(stream.blocked_since + self.idle_timeout)
                 self.blocked.add(stream)
-                self.dirty.add(stream)
+                if stream.attempt is not None:
+                    self.dirty.add(stream.attempt)
                 return False
             chunk, view = view[:size], view[size:]
             last = stream.out_end and not view
@@ -1438,140 +1287,41 @@ class _H2Connection:
             sent = True
         stream.out = None
         self.blocked.discard(stream)
-        self.dirty.add(stream)
-        if stream.out_end:
-            stream.response_done = True
+        if stream.attempt is not None:
+            self.dirty.add(stream.attempt)
         return True
 
     def _stream_gone(self, stream: _Stream) -> None:
         """The session no longer takes the stream's response (it ended)."""
-        if stream.phase is _ANSWERING:
+        attempt = stream.attempt
+        if stream.phase is _ANSWERING or attempt is None:
             self._close_stream(stream)
         else:
-            self._fail(
-                stream,
+            attempt.fail(
                 Failure(
                     Termination.CLIENT_ERROR, "the stream or the connection ended", None
-                ),
+                )
             )
 
     def _response_sent(self, stream: _Stream) -> None:
-        """The whole response is queued. A request read in full is still
-        delivered upstream (under ``idle_timeout``) before the exchange ends,
-        so the upstream never holds half of one; the rest of a request not
-        read in full is not wanted."""
+        """The whole response is queued; the rest of a request not read in
+        full is not wanted (see `UpstreamAttempt.response_delivered`)."""
         if not stream.request_read:
             self.session.stop_request(stream.id)
-        raw = stream.raw
-        if (
-            stream.request_read
-            and raw is not None
-            and not stream.body_stopped
-            and (raw.out or not stream.request_written)
-        ):
-            return
-        self._end_exchange(stream)
+        attempt = stream.attempt
+        assert attempt is not None
+        attempt.response_delivered()
 
-    # -- the end of an exchange ------------------------------------------------
-
-    def _fail(self, stream: _Stream, failure: Failure) -> None:
-        if stream.failure is None:
-            stream.failure = failure
-        self._end_exchange(stream)
-
-    def _let_go(self, stream: _Stream) -> None:
-        """Stop watching the attempt's upstream socket."""
-        raw = stream.raw
-        if raw is None:
-            return
-        if raw.interest is not None:
-            self.reactor.unregister(raw.fd)
-            raw.interest = None
-        del self.by_fd[raw.fd]
-        raw.detach()
-        stream.raw = None
-        self.dirty.discard(stream)
-
-    def _hold(self, stream: _Stream, upstream: Upstream, raw: RawStream) -> None:
-        """Keep a clean upstream connection for the next streams, its socket
-        registered: no pool round trip, no re-registration, and the reactor
-        tells if the server closes it meanwhile."""
-        del self.by_fd[raw.fd]
-        stream.raw = None
-        self.dirty.discard(stream)
-        self.upstreams.hold(upstream)
-        now = self.now()
-        if not self.held:
-            self._arm(now + self.upstreams.keepalive.idle_timeout)
-        self.held[upstream] = (raw, now)
-        self.held_fds[raw.fd] = upstream
-        self._watch(raw, READABLE)
-
-    def _drop_held(self, upstream: Upstream, *, close: bool) -> None:
-        """Stop holding *upstream*: closed, or to the shared pool."""
-        raw, _ = self.held.pop(upstream)
-        del self.held_fds[raw.fd]
-        if raw.interest is not None:
-            self.reactor.unregister(raw.fd)
-            raw.interest = None
-        raw.detach()
-        if close:
-            close_now(upstream.stream)
-        else:
-            self.upstreams.park_held(upstream)
-
-    def _end_exchange(self, stream: _Stream) -> None:
-        upstream = stream.upstream
-        failure = stream.failure
-        retry = should_retry(
-            failure,
-            upstream,
-            response_started=stream.response_started,
-            method=stream.request.method,
-            has_body=stream.upstream_request is not None
-            and stream.upstream_request.body is not BodyKind.NONE,
-            retried=stream.retried,
-        )
-        if upstream is not None:
-            raw = stream.raw
-            clean = is_clean(
-                failure, stream.conn, raw, body_stopped=stream.body_stopped
-            )
-            if (
-                clean
-                and raw is not None
-                and self.upstreams.proxy_header is None
-                and len(self.held) < self.max_held
-                and self.state is _OPEN
-            ):
-                self._hold(stream, upstream, raw)
-            else:
-                self._let_go(stream)
-                self.upstreams.release(upstream, clean=clean)
-            stream.upstream = None
-        self.blocked.discard(stream)
-        stream.out = None
-        if retry:
-            assert failure is not None
-            assert upstream is not None
-            log_retry(self.listener.name, stream.log, failure)
-            if not upstream.reused:
-                stream.retried = True
-                stream.exclude = upstream.server
-            stream.fresh = True
-            stream.new_attempt()
-            self._acquire(stream)
-            return
-        if failure is not None:
-            self._after_failure(stream, failure)
-            return
-        self._close_stream(stream)
+    # -- the end of a stream ---------------------------------------------------
 
     def _after_failure(self, stream: _Stream, failure: Failure) -> None:
+        self.blocked.discard(stream)
+        stream.out = None
         log = stream.log
         log.termination = failure.termination
         log.detail = failure.detail
-        if stream.response_started:
+        attempt = stream.attempt
+        if attempt is not None and attempt.response is not WAITING:
             self.session.reset(stream.id, _reset_code(failure))
         elif failure.status is not None and not stream.cancelled:
             self._respond_error(
@@ -1587,7 +1337,7 @@ class _H2Connection:
     ) -> None:
         """A small plain-text error response (as HTTP/1.1's, without close)."""
         stream.log.error_response(self.listener.name, status, reason, termination)
-        stream.phase = _ANSWERING
+        stream.to(_ANSWERING)
         body = error_body(status, reason)
         self.session.send_headers(
             stream.id,
@@ -1598,7 +1348,6 @@ class _H2Connection:
             ],
             end_stream=False,
         )
-        stream.response_started = True
         if stream.request.method == b"HEAD":
             self.session.send_end(stream.id, [])
             self._answered(stream)
@@ -1622,25 +1371,21 @@ class _H2Connection:
         line logged."""
         if stream.phase is _CLOSED:
             return
-        stream.phase = _CLOSED
-        if stream.scope is not None:
-            stream.scope.cancel()
-        upstream = stream.upstream
-        if upstream is not None:
-            self._let_go(stream)
-            self.upstreams.release(upstream, clean=False)
-            stream.upstream = None
+        stream.to(_CLOSED)
+        attempt = stream.attempt
+        if attempt is not None:
+            attempt.abandon()
+            self.dirty.discard(attempt)
         session = self.session
         self._acknowledge_held(stream)
         session.forget(stream.id)
         del self.streams[stream.id]
         self.blocked.discard(stream)
-        self.dirty.discard(stream)
         stream.out = None
         now = self.now()
         if not session.active and not self.streams:
             self.idle_since = now
-            self._arm(now + min(PARK_AFTER, self.http.keepalive_timeout))
+            self.arm(now + min(PARK_AFTER, self.http.keepalive_timeout))
         log = stream.log
         log.total = now - stream.started
         self._emit(log)
