@@ -224,6 +224,10 @@ class AttemptHost(Protocol):
     def idle_upstreams(self) -> Reversible[Upstream]:
         """The idle connections held for the next requests, oldest first."""
 
+    #: The earliest deadline the timer is armed for (`arm` does nothing
+    #: for a later one).
+    armed: float
+
     def arm(self, deadline: float) -> None:
         """Have the timer look at the deadlines again at *deadline*."""
 
@@ -500,8 +504,9 @@ class UpstreamAttempt(abc.ABC):
         if self.response is not WAITING:
             return
         host = self.host
-        self.head_deadline = host.now() + host.http.response_timeout
-        host.arm(self.head_deadline)
+        self.head_deadline = deadline = host.now() + host.http.response_timeout
+        if deadline < host.armed:  # (`arm`'s own test, a call less per request)
+            host.arm(deadline)
 
     # -- the body ----------------------------------------------------------------
 

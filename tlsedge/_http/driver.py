@@ -19,10 +19,11 @@ HTTP/1.1 client side (`_Exchange`: the body from the session's events, the
 response written to the client's socket) and the connection around it.
 
 Who runs what. The connection is a handler of the worker's reactor
-(`tlsedge._reactor`): the reactor calls `_HttpConnection.ready` when the
-client's or the upstream's socket is ready, and everything the proxying needs
-then happens in that call, without awaiting: non-blocking reads and writes
-through `tlsedge._raw_stream.RawStream` (TLS included), the session and the
+(`tlsedge._reactor`), built on `tlsedge._http.connection.ReactorConnection`
+like HTTP/2's: the reactor calls ``ready`` when the client's or the
+upstream's socket is ready, and everything the proxying needs then happens in
+that call, without awaiting: non-blocking reads and writes through
+`tlsedge._raw_stream.RawStream` (TLS included), the session and the
 exchange, the next request. A keep-alive request over a pooled upstream
 connection thus costs no trio task switch at all, and the connection has no
 trio task of its own: the edge starts it (``start()``) and its end calls
@@ -30,14 +31,17 @@ trio task of its own: the edge starts it (``start()``) and its end calls
 it is given (the edge's connections nursery) and gone once done: opening an
 upstream connection (connect, retries, a TLS handshake), and after an
 ``Upgrade`` the byte relay (`tlsedge._relay.relay`). While a job runs,
-neither socket is registered; a job cancelled from outside (the drain
-deadline) ends the connection as ``drained``, as does ``drain()``.
-`serve_http` is the same connection with a task waiting for its end (for
-library users and tests). An idle keep-alive connection held through the
-edge costs about 4.6-5.0 KiB of RSS in plain HTTP (7.4-7.6 KiB with the
-parked task it had before; 2,000 held, 2026-11-24).
+neither socket is registered (state ``WAIT``); ``drain()`` (the drain
+deadline) ends the connection as ``drained`` and cancels a connect, and a
+relay so cancelled ends it the same way. `serve_http` is the same connection
+with a task waiting for its end (for library users and tests). An idle
+keep-alive connection held through the edge cost about 4.6-5.0 KiB of RSS in
+plain HTTP (7.4-7.6 KiB with the parked task it had before; 2,000 held,
+2026-11-24).
 
-States (``_HttpConnection.state``)::
+States (``_HttpConnection.state``, a
+`tlsedge._http.connection.ConnectionState`; the legal moves are
+`tlsedge._http.connection.HTTP1_TRANSITIONS`)::
 
     HEAD --request--> EXCHANGE --response complete, keep-alive--> HEAD
       |                 |  \\--needs a new upstream connection--> WAIT (job)
@@ -51,9 +55,10 @@ not read. Between requests, the next request is read only once the previous
 response went out. During an exchange the client is read ahead by at most one
 read (a pipelined request), so a client closing early is seen.
 
-Timeouts. Reads and writes store timestamps only; one reactor timer per
-connection fires at the earliest deadline armed so far and recomputes what is
-due from the state (`_HttpConnection._deadline`), named after the
+Timeouts. Reads and writes store timestamps only; the connection's one lazy
+reactor timer fires at the earliest deadline armed so far and recomputes what
+is due from the state (`_HttpConnection._deadline`, with the upstream side's
+from `UpstreamAttempt.upstream_due`), named after the
 ``[listeners.http]`` fields: ``keepalive_timeout`` (waiting for the first byte
 of a next request: quiet close), ``request_header_timeout`` (the rest of the
 head; for the first request counted from the start of the connection: 408),
@@ -94,7 +99,8 @@ carries the rest with its half-close rules. ``CONNECT`` gets 501 (this is a
 reverse proxy, not a tunnel). Drain: once ``drain`` is set, the next response
 of the connection carries ``Connection: close`` and the connection ends after
 it; a connection idle between requests is closed at once (a callback
-registered with the `tlsedge._drain.Drain` while it is idle).
+registered with the `tlsedge._drain.Drain` for the connection's life, which
+acts only between requests).
 """
 
 from __future__ import annotations
@@ -102,14 +108,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
-from typing import Final, Protocol
+from typing import Final
 
 import trio
 
-from tlsedge._accesslog import format_address
-from tlsedge._config import HttpConfig, ListenerConfig
+from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
 from tlsedge._http.attempt import (
@@ -123,9 +128,22 @@ from tlsedge._http.attempt import (
     WRITTEN,
     Due,
     UpstreamAttempt,
-    upstream_socket,
 )
 from tlsedge._http.body import BodyKind
+from tlsedge._http.connection import (
+    DONE,
+    EXCHANGE,
+    HEAD,
+    HTTP1_TRANSITIONS,
+    LINGER,
+    UPGRADE,
+    WAIT,
+    ReactorConnection,
+    Spawn,
+    Startable,
+    run_to_end,
+    socket_backed,
+)
 from tlsedge._http.events import (
     NEED_DATA,
     Body,
@@ -146,19 +164,15 @@ from tlsedge._http.head import (
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.pool import KeepAlivePool, close_now
 from tlsedge._http.rules import (
-    RequestRewriter,
     end_to_end_fields,
     log_text,
     reason_phrase,
     strip_hop_by_hop,
 )
 from tlsedge._http.session import ClientSession, Phase
-from tlsedge._http.upstream_step import IO_ERRORS, Failure, response_timeout
+from tlsedge._http.upstream_step import IO_ERRORS, Failure
 from tlsedge._http.upstreams import (
     PARK_AFTER,
-    NewConnection,
-    Upstream,
-    UpstreamConnections,
 )
 from tlsedge._raw_stream import RawStream
 from tlsedge._reactor import (
@@ -166,12 +180,10 @@ from tlsedge._reactor import (
     HANGUP,
     READABLE,
     WRITABLE,
-    Cancellable,
-    current_reactor,
 )
 from tlsedge._relay import RelayStats, relay, set_abortive_close
 from tlsedge._termination import Termination
-from tlsedge._upstream import BackendPool, ConnectFailedError
+from tlsedge._upstream import BackendPool
 
 __all__ = [
     "Spawn",
@@ -186,39 +198,11 @@ LOGGER = logging.getLogger("tlsedge.http")
 
 Header = tuple[bytes, bytes]
 
-#: How a connection starts a job that must await in a task of its own (a
-#: nursery's ``start_soon``): the edge's connections nursery.
-Spawn = Callable[[Callable[[], Awaitable[None]]], None]
-
-
-class Startable(Protocol):
-    """A connection that no task waits for: `http_connection`,
-    `tlsedge._http.h2driver.h2_connection`."""
-
-    def start(self) -> None: ...
-    def drain(self) -> None: ...
-
-
-class _Builder(Protocol):
-    def __call__(
-        self, *, spawn: Spawn, on_done: Callable[[HttpConnectionResult], None]
-    ) -> Startable: ...
-
-
 #: After an error response: FIN, then read and discard the client's unread data
 #: for up to this long / this much (nginx's lingering_close, much shorter), so
 #: that closing with unread data (which sends an RST) cannot destroy the answer.
 LINGER_TIMEOUT: Final = 2.0
 LINGER_MAX_BYTES: Final = 1 << 20
-
-# The connection's states (see the module docstring).
-_HEAD: Final = "head"
-_EXCHANGE: Final = "exchange"
-_UPGRADE: Final = "upgrade"
-_LINGER: Final = "linger"
-_WAIT: Final = "wait"
-_DONE: Final = "done"
-
 
 #: The request's head went out and its body still goes upstream.
 _BODY_GOES: Final = frozenset({BODY, WRITTEN})
@@ -258,6 +242,12 @@ class _Exchange(UpstreamAttempt):
     def _body_bytes(self) -> int:
         return self.host.session.body_bytes
 
+    def ready(self, events: int) -> None:
+        if self.response is SWITCHED:
+            self.host._upgraded_upstream_ready(self, events)
+        else:
+            UpstreamAttempt.ready(self, events)
+
     def _failed(self, failure: Failure) -> None:
         self.host._after_failure(self, failure)
 
@@ -290,7 +280,9 @@ class _Exchange(UpstreamAttempt):
                     # (`UpstreamAttempt.read` set ``read_progress`` just now.)
                     ex.log.first_byte = ex.read_progress - ex.started
                     pending.append(connection._response_head(ex, event))
-                    connection.arm(ex.read_progress + connection.idle_timeout)
+                    stall = ex.read_progress + connection.idle_timeout
+                    if stall < connection.armed:
+                        connection.arm(stall)
                 else:
                     assert isinstance(event, Informational), event
                     head = event.head
@@ -341,52 +333,26 @@ class _Exchange(UpstreamAttempt):
             connection._linger()
 
 
-class _HttpConnection:
+class _HttpConnection(ReactorConnection):
     """One client connection in HTTP mode; see the module docstring."""
 
     __slots__ = (
-        "armed",
-        "backend",
-        "client",
-        "client_progress",
         "client_stream",
-        "client_text",
-        "connection_id",
-        "drain_event",
         "ex",
         "first",
         "head_deadline",
-        "held",
-        "held_raw",
-        "held_since",
-        "http",
         "idle",
-        "idle_timeout",
-        "idle_upstreams",
-        "job_scope",
         "linger_deadline",
         "lingered",
-        "listener",
-        "listener_name",
         "log",
-        "now",
-        "on_done",
-        "on_request",
-        "reactor",
+        "relay_scope",
         "request_start_time",
         "request_started",
-        "response_timeout_failure",
-        "result",
-        "rewriter",
         "session",
-        "sni",
-        "spawn",
-        "started",
-        "state",
-        "timer",
-        "tls_text",
-        "upstreams",
     )
+
+    KIND = "HTTP"
+    TRANSITIONS = HTTP1_TRANSITIONS
 
     def __init__(
         self,
@@ -405,193 +371,71 @@ class _HttpConnection:
         spawn: Spawn,
         on_done: Callable[[HttpConnectionResult], None],
     ) -> None:
+        super().__init__(
+            client,
+            downstream,
+            listener=listener,
+            backend=backend,
+            keepalive=keepalive,
+            proxy_header=proxy_header,
+            drain=drain,
+            result=result,
+            on_request=on_request,
+            spawn=spawn,
+            on_done=on_done,
+            max_held=1,
+        )
         self.client_stream = client_stream
-        self.client = client
-        self.listener = listener
-        self.listener_name = listener.name
-        self.http: HttpConfig = listener.http
-        self.idle_timeout = listener.idle_timeout
-        self.backend = backend
-        self.client_text = format_address(downstream.client)
-        ssl_info = downstream.tls
-        self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
-        self.sni = ssl_info.server_name if ssl_info else None
-        self.drain_event = drain
-        self.connection_id = downstream.id
-        self.result = result
-        self.on_request = on_request
-        self.rewriter = RequestRewriter.for_connection(listener, downstream)
+        http = self.http
         self.session = ClientSession(
-            max_header_bytes=self.http.max_header_bytes,
-            max_headers=self.http.max_headers,
-            max_body_size=self.http.max_body_size,
+            max_header_bytes=http.max_header_bytes,
+            max_headers=http.max_headers,
+            max_body_size=http.max_body_size,
             initial_data=initial_data,
         )
         result.bytes_from_client += len(initial_data)
-        self.upstreams = UpstreamConnections(
-            backend, keepalive, downstream.client_ip, proxy_header
-        )
-        self.reactor = current_reactor()
-        self.now = self.reactor.now
-        self.started = self.now()
-        self.state = _HEAD
+        self.state = HEAD
         self.first = True  # reading the connection's first request
         self.idle = True  # no byte of the request being read yet
         # When the request being read began (trio clock, Unix time): the
         # connection's start for the first one, its first byte for later ones.
         self.request_started = self.started
         self.request_start_time = time.time()
-        self.head_deadline = self.started + self.http.request_header_timeout
-        self.client_progress = 0.0  # since when the client owes a read
+        self.head_deadline = self.started + http.request_header_timeout
         self.ex: _Exchange | None = None
         self.log: RequestLog | None = None  # the request's, until written
-        # The upstream connection held for the next request (see Upstream
-        # connections), its socket watched, and since when.
-        self.held: Upstream | None = None
-        #: The same, as `UpstreamConnections.take` wants it.
-        self.idle_upstreams: tuple[Upstream, ...] = ()
-        self.held_raw: RawStream | None = None
-        self.held_since = 0.0
         self.linger_deadline = math.inf
         self.lingered = 0
-        self.armed = math.inf  # the earliest pending timer of ours
-        # Cancelled at the end: the reactor's heap keeps what it is given
-        # until the deadline, and this connection must not live that long.
-        self.timer = Cancellable(self._timer)
-        self.spawn = spawn
-        self.on_done = on_done
-        #: The scope of the job running in a task, if one is.
-        self.job_scope: trio.CancelScope | None = None
-        self.response_timeout_failure = response_timeout(self.http.response_timeout)
-
-    # -- the edge's calls, and the jobs that must await --------------------
-
-    def start(self) -> None:
-        """Serve from the reactor; *on_done* is called once the connection
-        ended (maybe before this returns)."""
-        try:
-            self._start()
-        except Exception as exc:  # noqa: BLE001 (a bug: logged, this connection ends)
-            self._crashed(exc)
+        #: The relay's scope after an ``Upgrade``, once it runs.
+        self.relay_scope: trio.CancelScope | None = None
 
     def drain(self) -> None:
         """End the connection now, as ``drained`` (the drain deadline): a
-        running job is cancelled (its task ends the connection)."""
-        if self.job_scope is not None:
-            self.job_scope.cancel()
+        running relay is cancelled (its task ends the connection)."""
+        if self.relay_scope is not None:
+            self.relay_scope.cancel()
         else:
             self._finish()
-
-    def _start_job(self, job: Callable[[], Awaitable[None]]) -> None:
-        """Run *job* in a task of its own; the sockets rest until it is done.
-        Its scope is there from now on: `drain` before the task starts
-        cancels the job all the same."""
-        self.state = _WAIT
-        scope = self.job_scope = trio.CancelScope()
-        self.spawn(partial(self._run_job, job, scope))
-
-    async def _run_job(
-        self, job: Callable[[], Awaitable[None]], scope: trio.CancelScope
-    ) -> None:
-        try:
-            if not scope.cancel_called:
-                with scope:
-                    await job()
-        except trio.Cancelled:  # the edge stopped (or the drain deadline)
-            self._finish()
-            raise
-        except Exception as exc:  # noqa: BLE001 (a bug: logged, this connection ends)
-            self._crashed(exc)
-            return
-        finally:
-            if self.job_scope is scope:  # (a job may have started the next)
-                self.job_scope = None
-        if scope.cancel_called:  # `drain`
-            self._finish()
-            return
-        try:
-            self._update_interest()
-        except Exception as exc:  # noqa: BLE001 (as above)
-            self._crashed(exc)
-
-    def _crashed(self, exc: Exception) -> None:
-        LOGGER.error(
-            "listener %s: HTTP connection failed",
-            self.listener.name,
-            exc_info=exc,
-        )
-        self.failed(exc)
 
     def _start(self) -> None:
         self.arm(self.head_deadline)
+        # For the connection's life (`_drained` acts only between requests):
+        # no registration per request.
+        self.drain_event.call_on_set(self._drained)
         if self.client.tls is not None:
             # Records its engine read past the handshake.
             self._read_client(read_socket=False)
-        if self.state is _HEAD:
+        if self.state is HEAD:
             self._advance_head()
         self._update_interest()
 
-    def _finish(self) -> None:
-        """The connection is over: nothing registered, the request logged,
-        every upstream connection closed or pooled, then *on_done*. Its
-        owner closes the client."""
-        if self.state is _DONE:
-            return
-        self.state = _DONE
-        try:
-            self.timer.cancel()
-            self.drain_event.forget(self._drained_while_idle)
-            client = self.client
-            if client.interest is not None:
-                self.reactor.unregister(client.fd)
-                client.interest = None
-            if self.ex is not None:
-                self.ex.let_go()
-            self._park_held()
-            self._request_done()
-        finally:
-            self.client.detach()
-            self.upstreams.close()
-            result = self.result
-            if result.termination == Termination.UNKNOWN:  # the drain deadline
-                result.termination = Termination.DRAINED
-            self.on_done(result)
+    def _end_requests(self) -> None:
+        ex = self.ex
+        if ex is not None:
+            ex.abandon()
+        self._request_done()
 
     # -- the reactor's calls -------------------------------------------------
-
-    def ready(self, fd: int, events: int) -> None:
-        client = self.client
-        if fd == client.fd:
-            acted = False
-            if client.out and events & (WRITABLE | ERROR | HANGUP):
-                acted = True
-                self._flush_client()
-            if (
-                self.state is not _DONE
-                and client.interest
-                and client.interest & READABLE
-                and events & (READABLE | ERROR | HANGUP)
-            ):
-                acted = True
-                self._read_client()
-            if not acted and self.state is not _DONE:
-                if events & ERROR:
-                    self._client_failed("client connection reset")
-                elif events & HANGUP:
-                    client.hung_up = True
-        elif self.held_raw is not None and fd == self.held_raw.fd:
-            # An idle connection has nothing to say: the server closed it,
-            # reset it or sent stray bytes.
-            self._drop_held()
-        else:
-            ex = self.ex
-            # (Else a stale event of an upstream already let go.)
-            if ex is not None and ex.raw is not None and fd == ex.raw.fd:
-                if self.state is _UPGRADE:
-                    self._upgraded_upstream_ready(ex, events)
-                else:
-                    ex.ready(events)
-        self._update_interest()
 
     def _upgraded_upstream_ready(self, ex: _Exchange, events: int) -> None:
         raw = ex.raw
@@ -608,25 +452,19 @@ class _HttpConnection:
         else:
             ex.ready(events)
 
-    def failed(self, exc: Exception) -> None:
-        """A bug (logged by the reactor): end this connection with an RST."""
-        self._end(Termination.INTERNAL_ERROR, repr(exc))
-        set_abortive_close(self.client.sock)
-        self._finish()
-
     def _update_interest(self) -> None:
         """Watch each socket for what its state waits for."""
         state = self.state
-        if state is _DONE:
+        if state is DONE:
             return
         client = self.client
         ex = self.ex
         raw = ex.raw if ex is not None else None
         want_client: int | None = None
         want_upstream: int | None = None
-        if state is _HEAD:
+        if state is HEAD:
             want_client = WRITABLE if client.out else READABLE
-        elif state is _EXCHANGE:
+        elif state is EXCHANGE:
             assert ex is not None
             if self.session.phase is Phase.BODY:
                 read = (
@@ -644,10 +482,10 @@ class _HttpConnection:
                 # connection unusable): no interest change per request.
                 read = not raw.eof and not client.out
                 want_upstream = (READABLE if read else 0) | (WRITABLE if raw.out else 0)
-        elif state is _LINGER:
+        elif state is LINGER:
             read = not client.eof and not client.out
             want_client = (READABLE if read else 0) | (WRITABLE if client.out else 0)
-        elif state is _UPGRADE:
+        elif state is UPGRADE:
             want_client = WRITABLE if client.out else 0
             if raw is not None:
                 want_upstream = WRITABLE if raw.out else 0
@@ -656,60 +494,43 @@ class _HttpConnection:
             self._watch(client, want_client)
         if raw is not None and (want_upstream != raw.interest or raw.hung_up):
             self._watch(raw, want_upstream)
-        held = self.held_raw
-        if held is not None and held.interest != READABLE:
-            self._watch(held, READABLE)
+        if self.dirty:  # (the attempt's socket, watched just now)
+            self.dirty.clear()
 
-    def _watch(self, raw: RawStream, interest: int | None) -> None:
-        if interest == 0 and raw.hung_up:
-            interest = None  # a level-triggered hang-up would wake us in a loop
-        raw.interest = self.reactor.watch(raw.fd, raw.interest, interest, self)
+    _ready_done = _settle = _update_interest
 
     # -- timers ------------------------------------------------------------
 
-    def _timer(self) -> None:
-        if self.state is _DONE:
-            return
-        now = self.now()
-        if self.armed <= now:
-            self.armed = math.inf  # this was the earliest pending timer
-        try:
-            deadline, expire = self._deadline()
-            if expire is not None and now >= deadline:
-                expire()
-                self._update_interest()
-                if self.state is _DONE:
-                    return
-                deadline, _ = self._deadline()
-            if deadline < math.inf:
-                self.arm(deadline)
-        except Exception as exc:  # a bug: end this connection alone
-            LOGGER.exception("listener %s: HTTP connection failed", self.listener.name)
-            self.failed(exc)
+    def _expire(self, now: float) -> None:
+        deadline, expire = self._deadline()
+        if expire is not None and now >= deadline:
+            expire()
+
+    def _earliest(self) -> float:
+        return self._deadline()[0]
 
     def _deadline(self) -> Due:
         """What is due next, and when (see Timeouts)."""
         state = self.state
         client = self.client
         idle = self.idle_timeout
-        if state is _HEAD:
+        if state is HEAD:
             if client.out:
                 return self.client_progress + idle, self._client_stalled
-            if (
-                self.held is not None
-                and self.held_since + PARK_AFTER < self.head_deadline
-            ):
-                return self.held_since + PARK_AFTER, self._park_held
+            if self.held:
+                park = self._oldest_held() + PARK_AFTER
+                if park < self.head_deadline:
+                    return park, self._park_held
             return self.head_deadline, self._head_timed_out
-        if state is _LINGER:
+        if state is LINGER:
             if client.out:
                 return self.client_progress + idle, self._finish
             return self.linger_deadline, self._finish
         ex = self.ex
-        if ex is None or (state is not _EXCHANGE and state is not _UPGRADE):
+        if ex is None or (state is not EXCHANGE and state is not UPGRADE):
             return math.inf, None
         raw = ex.raw
-        if state is _UPGRADE:
+        if state is UPGRADE:
             since = min(
                 self.client_progress if client.out else math.inf,
                 ex.upstream_progress if raw is not None and raw.out else math.inf,
@@ -740,8 +561,8 @@ class _HttpConnection:
         )
         self._finish()
 
-    def _drained_while_idle(self) -> None:
-        if self.state is _HEAD and self.idle and not self.first:
+    def _drained(self) -> None:
+        if self.state is HEAD and self.idle and not self.first:
             self._end(Termination.DRAINED)
             self._finish()
 
@@ -763,16 +584,16 @@ class _HttpConnection:
         if data is None:
             return
         state = self.state
-        if state is _LINGER:
+        if state is LINGER:
             self.lingered += len(data)
             if not data or self.lingered >= LINGER_MAX_BYTES:
                 self._finish()
             return
         self.result.bytes_from_client += len(data)
         self.session.receive_data(data)
-        if state is _HEAD:
+        if state is HEAD:
             self._advance_head()
-        elif state is _EXCHANGE and self.session.phase is Phase.BODY:
+        elif state is EXCHANGE and self.session.phase is Phase.BODY:
             ex = self.ex
             assert ex is not None
             ex.body_progress = self.now()
@@ -804,59 +625,58 @@ class _HttpConnection:
         if client.out:
             return
         state = self.state
-        if state is _HEAD:
+        if state is HEAD:
             self._advance_head()
-        elif state is _EXCHANGE:
+        elif state is EXCHANGE:
             ex = self.ex
             assert ex is not None
             if ex.response is QUEUED:
                 ex.response_delivered()
-        elif state is _LINGER:
+        elif state is LINGER:
             if client.eof:
                 self._finish()
-        elif state is _UPGRADE:
+        elif state is UPGRADE:
             self._relay_if_flushed()
 
     def _client_failed(self, detail: str) -> None:
         state = self.state
-        if state is _EXCHANGE:
+        if state is EXCHANGE:
             ex = self.ex
             assert ex is not None
             ex.fail(Failure(Termination.CLIENT_ERROR, detail, None))
-        elif state is _UPGRADE:
+        elif state is UPGRADE:
             self._upgrade_failed(detail)
-        elif state is _HEAD:
+        elif state is HEAD:
             self._end(Termination.CLIENT_ERROR, detail)
             self._finish()
         else:
             self._finish()
-
-    def _end(self, termination: str, detail: str | None = None) -> None:
-        self.result.termination = termination
-        self.result.detail = detail
 
     # -- reading a request head ------------------------------------------------
 
     def _await_request(self) -> None:
         """Between requests: the next one's first byte is due within
         ``keepalive_timeout``, and a drain closes the connection."""
-        self.state = _HEAD
+        assert HEAD in HTTP1_TRANSITIONS[self.state]
+        self.state = HEAD
         self.first = False
         self.idle = True
-        self.head_deadline = self.now() + self.http.keepalive_timeout
-        self.arm(self.head_deadline)
-        self.drain_event.call_on_set(self._drained_while_idle)
-        if self.state is _HEAD:
+        self.head_deadline = deadline = self.now() + self.http.keepalive_timeout
+        if deadline < self.armed:
+            self.arm(deadline)
+        if self.state is HEAD:
             self._advance_head()
 
     def _request_begins(self) -> None:
         now = self.now()
         self.idle = False
-        self.drain_event.forget(self._drained_while_idle)
         self.request_started = self.started if self.first else now
         self.request_start_time = time.time() - (now - self.request_started)
-        self.head_deadline = self.request_started + self.http.request_header_timeout
-        self.arm(self.head_deadline)
+        self.head_deadline = deadline = (
+            self.request_started + self.http.request_header_timeout
+        )
+        if deadline < self.armed:
+            self.arm(deadline)
 
     def _advance_head(self) -> None:
         """Take the next request from the session, if it has one whole."""
@@ -958,64 +778,21 @@ class _HttpConnection:
             log.request_id = upstream_request.request_id.decode("ascii")
         self.ex = ex = _Exchange(self, upstream_request, log, started)
         ex.head = head
-        self.state = _EXCHANGE
+        assert EXCHANGE in HTTP1_TRANSITIONS[self.state]
+        self.state = EXCHANGE
         ex.acquire()
 
     # -- what the upstream attempt asks of its host (`AttemptHost`) ----------
 
-    def arm(self, deadline: float) -> None:
-        if deadline < self.armed:
-            self.armed = deadline
-            self.reactor.call_at(deadline, self.timer)
+    def _connecting(self, attempt: UpstreamAttempt) -> None:
+        assert WAIT in HTTP1_TRANSITIONS[self.state]
+        assert WAIT in HTTP1_TRANSITIONS[self.state]
+        self.state = WAIT
 
-    def attach(self, attempt: UpstreamAttempt, upstream: Upstream) -> RawStream:
-        """The held connection's socket, or a new one's (`_update_interest`
-        watches it)."""
-        if upstream is not self.held:
-            return upstream_socket(upstream)
-        raw = self.held_raw
-        assert raw is not None
-        self.held = self.held_raw = None
-        self.idle_upstreams = ()
-        return raw
-
-    def hold(
-        self, attempt: UpstreamAttempt, upstream: Upstream, raw: RawStream
-    ) -> bool:
-        """Keep a clean upstream connection for the next request, its socket
-        registered: no pool round trip, no re-registration, and the reactor
-        tells if the server closes it meanwhile."""
-        if self.held is not None or self.upstreams.proxy_header is not None:
-            return False
-        self.upstreams.hold(upstream)
-        self.held, self.held_raw = upstream, raw
-        self.idle_upstreams = (upstream,)
-        self.held_since = self.now()
-        self.arm(self.held_since + PARK_AFTER)
-        return True
-
-    def open_upstream(self, attempt: UpstreamAttempt, new: NewConnection) -> None:
-        assert attempt is self.ex
-        self._start_job(partial(self._connect, self.ex, new))
-
-    def detach(self, attempt: UpstreamAttempt, raw: RawStream) -> None:
-        if raw.interest is not None:
-            self.reactor.unregister(raw.fd)
-
-    def interest_changed(self, attempt: UpstreamAttempt) -> None:
-        """`_update_interest` runs after every event anyway."""
-
-    async def _connect(self, ex: _Exchange, new: NewConnection) -> None:
-        try:
-            upstream = await self.upstreams.connect(new)
-        except ConnectFailedError as exc:
-            self.state = _EXCHANGE
-            ex.connect_failed(str(exc))
-            return
-        self.state = _EXCHANGE
-        ex.begin(upstream)
-
-    # -- the response --------------------------------------------------------
+    def _connected(self, attempt: UpstreamAttempt) -> None:
+        assert EXCHANGE in HTTP1_TRANSITIONS[self.state]
+        assert EXCHANGE in HTTP1_TRANSITIONS[self.state]
+        self.state = EXCHANGE
 
     def _send_pending(self, ex: _Exchange, pending: list[bytes]) -> bool:
         """Write *pending* to the client; False if it failed (and the
@@ -1053,30 +830,6 @@ class _HttpConnection:
         )
 
     # -- held upstream connections, the end of an exchange ---------------------
-
-    def _drop_held(self) -> None:
-        held, raw = self.held, self.held_raw
-        assert held is not None
-        assert raw is not None
-        self.held = self.held_raw = None
-        self.idle_upstreams = ()
-        if raw.interest is not None:
-            self.reactor.unregister(raw.fd)
-        raw.detach()
-        close_now(held.stream)
-
-    def _park_held(self) -> None:
-        """Give the held connection to the shared pool (the client is idle
-        for `PARK_AFTER`, or gone)."""
-        held, raw = self.held, self.held_raw
-        if held is None or raw is None:
-            return
-        self.held = self.held_raw = None
-        self.idle_upstreams = ()
-        if raw.interest is not None:
-            self.reactor.unregister(raw.fd)
-        raw.detach()
-        self.upstreams.park_held(held)
 
     def _after_failure(self, ex: _Exchange, failure: Failure) -> None:
         log = ex.log
@@ -1140,7 +893,8 @@ class _HttpConnection:
 
     def _linger(self) -> None:
         """Half-close, then discard what the client still sends, briefly."""
-        self.state = _LINGER
+        assert LINGER in HTTP1_TRANSITIONS[self.state]
+        self.state = LINGER
         self.ex = None
         client = self.client
         try:
@@ -1181,7 +935,8 @@ class _HttpConnection:
         ex.response = SWITCHED
         if not self._send_pending(ex, pending):
             return
-        self.state = _UPGRADE
+        assert UPGRADE in HTTP1_TRANSITIONS[self.state]
+        self.state = UPGRADE
         from_upstream = ex.conn.trailing_data
         from_client = self.session.trailing_data
         try:
@@ -1205,7 +960,10 @@ class _HttpConnection:
         if self.client.out or ex.raw.out:
             return
         ex.let_go()
-        self._start_job(partial(self._relay_upgraded, ex))
+        assert WAIT in HTTP1_TRANSITIONS[self.state]
+        self.state = WAIT
+        self.relay_scope = scope = trio.CancelScope()
+        self._start_job(partial(self._relay_upgraded, ex), scope)
 
     def _upgrade_failed(self, detail: str) -> None:
         ex = self.ex
@@ -1216,12 +974,11 @@ class _HttpConnection:
         set_abortive_close(self.client.sock)
         if ex.raw is not None:
             set_abortive_close(ex.raw.sock)
-        ex.let_go()
-        self.upstreams.release(ex.upstream, clean=False)
+        ex.abandon()
         self._finish()
 
     async def _relay_upgraded(self, ex: _Exchange) -> None:
-        upstream = ex.upstream
+        upstream, ex.upstream = ex.upstream, None
         assert upstream is not None
         self.upstreams.release(upstream, clean=False, handed_over=True)
         stats = self.result.upgraded = RelayStats()  # counted as it flows
@@ -1245,23 +1002,6 @@ class _HttpConnection:
             self._end(ex.log.termination)
             close_now(upstream.stream)
             self._finish()
-
-
-def socket_backed(client: trio.abc.Stream) -> RawStream:
-    """The non-blocking I/O over *client*, for either driver.
-
-    Raises:
-        TypeError: *client* is not a `trio.SocketStream` or an established
-            `TLSStream` over one.
-    """
-    raw = RawStream.of(client)
-    if raw is None:
-        msg = (
-            "an HTTP connection needs a trio.SocketStream or an established"
-            f" TLSStream over one, not {client!r}"
-        )
-        raise TypeError(msg)
-    return raw
 
 
 def http_connection(
@@ -1307,21 +1047,6 @@ def http_connection(
         spawn=spawn,
         on_done=on_done,
     )
-
-
-async def run_to_end(build: _Builder) -> None:
-    """Start a connection (*build* makes it) and wait until it ended, its
-    jobs in a nursery of this task; cancelled, the connection ends as
-    ``drained``."""
-    ended = trio.Event()
-    async with trio.open_nursery() as jobs:
-        connection = build(spawn=jobs.start_soon, on_done=lambda _: ended.set())
-        try:
-            connection.start()
-            await ended.wait()
-        finally:
-            if not ended.is_set():
-                connection.drain()
 
 
 async def serve_http(

@@ -10,8 +10,9 @@ cleartext = "prior-knowledge"`` (`sniff_preface` tells). The sans-IO
 module feeds it and drains it.
 
 Who runs what. As in HTTP/1.1 (`tlsedge._http.driver`), the connection is a
-handler of the worker's reactor (`tlsedge._reactor`), and so is every upstream
-socket its streams use: the reactor calls `_H2Connection.ready` when the
+`tlsedge._http.connection.ReactorConnection`, a handler of the worker's
+reactor (`tlsedge._reactor`), and so is every upstream socket its streams
+use: the reactor calls ``ready`` when the
 client's or an upstream's socket is ready, and everything then happens in that
 call without awaiting: client bytes into the session, its events dispatched
 (a new stream, body pieces, resets, window updates), request bytes written
@@ -25,8 +26,10 @@ upstream connection (`UpstreamConnections.connect`: connect, retries, a TLS
 handshake), one task per stream that needs one, so a slow or failing server
 does not hold up the streams behind it (one at a time, ten new streams on a
 cold pool would pay ten connect times in a row). A stream reset meanwhile
-cancels its connect; a connect cancelled from outside (the drain deadline)
-ends the connection, as does ``drain()``.
+cancels its connect; ``drain()`` (the drain deadline) ends the connection
+and cancels every connect. Stream phases are `StreamPhase`, with
+`STREAM_TRANSITIONS`; the connection's states are
+`tlsedge._http.connection.HTTP2_TRANSITIONS`.
 
 Each stream's request goes upstream through the same
 `tlsedge._http.attempt.UpstreamAttempt` as an HTTP/1.1 request (one
@@ -58,8 +61,9 @@ upstream (its socket is not watched for reading), so the upstream is read no
 faster than the client takes the response.
 
 Timeouts (the ``[listeners.http]`` ones, per connection and per stream), as
-timestamps checked by one lazy reactor timer per connection
-(`_H2Connection._timer`). Connection: the first request's header block within
+timestamps checked by the connection's one lazy reactor timer
+(`_H2Connection._expire`, the streams' upstream side from
+`UpstreamAttempt.upstream_due`). Connection: the first request's header block within
 ``request_header_timeout`` of the connection's start, any later header block
 within ``request_header_timeout`` of its first frame (a CONTINUATION trickle
 ends there), no stream open for ``keepalive_timeout`` (GOAWAY, close), a
@@ -82,12 +86,10 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from functools import partial
 from typing import Final
 
 import trio
 
-from tlsedge._accesslog import format_address
 from tlsedge._config import ListenerConfig
 from tlsedge._downstream import Downstream
 from tlsedge._drain import Drain
@@ -100,10 +102,17 @@ from tlsedge._http.attempt import (
     WAITING,
     Due,
     UpstreamAttempt,
-    upstream_socket,
 )
 from tlsedge._http.body import BodyKind
-from tlsedge._http.driver import Spawn, socket_backed
+from tlsedge._http.connection import (
+    CLOSING,
+    DONE,
+    HTTP2_TRANSITIONS,
+    OPEN,
+    ReactorConnection,
+    Spawn,
+    socket_backed,
+)
 from tlsedge._http.events import (
     NEED_DATA,
     Body,
@@ -130,9 +139,8 @@ from tlsedge._http.h2session import (
 )
 from tlsedge._http.head import RequestRejectedError
 from tlsedge._http.log import HttpConnectionResult, RequestLog
-from tlsedge._http.pool import KeepAlivePool, close_now
+from tlsedge._http.pool import KeepAlivePool
 from tlsedge._http.rules import (
-    RequestRewriter,
     error_body,
     log_text,
     strip_hop_by_hop,
@@ -140,27 +148,20 @@ from tlsedge._http.rules import (
 from tlsedge._http.upstream_step import (
     IO_ERRORS,
     Failure,
-    response_timeout,
 )
 from tlsedge._http.upstreams import (
     PARK_AFTER,
-    NewConnection,
-    Upstream,
-    UpstreamConnections,
 )
 from tlsedge._raw_stream import RawStream
 from tlsedge._reactor import (
-    ERROR,
-    HANGUP,
     READABLE,
     WRITABLE,
     Cancellable,
     Reactor,
     current_reactor,
 )
-from tlsedge._relay import set_abortive_close
 from tlsedge._termination import Termination
-from tlsedge._upstream import BackendPool, ConnectFailedError
+from tlsedge._upstream import BackendPool
 
 __all__ = ["h2_connection", "sniff_preface"]
 
@@ -174,12 +175,6 @@ HIGH_WATER: Final = 65536
 #: Response fields that HTTP/2 forbids (RFC 9113 section 8.2.2), beyond the
 #: hop-by-hop ones `strip_hop_by_hop` drops.
 _NOT_IN_H2: Final = frozenset({b"transfer-encoding", b"keep-alive", b"upgrade"})
-
-# The connection's states.
-_OPEN: Final = "open"
-_CLOSING: Final = "closing"  # the last frames (a GOAWAY) go out
-_DONE: Final = "done"
-
 
 # -- h2c with prior knowledge: the preface, read on the reactor ----------------
 
@@ -412,8 +407,11 @@ def _reset_code(failure: Failure) -> int:
 # -- the connection ------------------------------------------------------------
 
 
-class _H2Connection:
+class _H2Connection(ReactorConnection):
     """One HTTP/2 client connection; see the module docstring."""
+
+    KIND = "HTTP/2"
+    TRANSITIONS = HTTP2_TRANSITIONS
 
     def __init__(
         self,
@@ -431,164 +429,60 @@ class _H2Connection:
         spawn: Spawn,
         on_done: Callable[[HttpConnectionResult], None],
     ) -> None:
-        self.client = client
-        self.listener = listener
-        self.listener_name = listener.name
-        self.http = listener.http
-        self.idle_timeout = listener.idle_timeout
-        self.backend = backend
-        self.drain_event = drain
-        self.result = result
-        self.on_request = on_request
-        self.connection_id = downstream.id
-        self.client_text = format_address(downstream.client)
-        ssl_info = downstream.tls
-        self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
-        self.sni = ssl_info.server_name if ssl_info else None
-        self.rewriter = RequestRewriter.for_connection(listener, downstream)
-        self.upstreams = UpstreamConnections(
-            backend, keepalive, downstream.client_ip, proxy_header
+        super().__init__(
+            client,
+            downstream,
+            listener=listener,
+            backend=backend,
+            keepalive=keepalive,
+            proxy_header=proxy_header,
+            drain=drain,
+            result=result,
+            on_request=on_request,
+            spawn=spawn,
+            on_done=on_done,
+            max_held=listener.http2.max_concurrent_streams,
         )
-        #: The clean upstream connections its streams left, held (sockets
-        #: still registered) for its next streams, oldest first: each with
-        #: its socket and since when; and by descriptor.
-        self.held: dict[Upstream, tuple[RawStream, float]] = {}
-        self.held_fds: dict[int, Upstream] = {}
-        self.idle_upstreams = self.held  # (as `UpstreamConnections.take` wants it)
-        self.max_held = listener.http2.max_concurrent_streams
         self.session = H2Session(listener.http2, max_headers=self.http.max_headers)
-        self.reactor = current_reactor()
-        self.now = self.reactor.now
-        self.started = self.now()
-        self.state = _OPEN
+        self.state = OPEN
         self.streams: dict[int, _Stream] = {}
-        #: Upstream sockets by descriptor, and their streams' attempts.
-        self.by_fd: dict[int, _StreamAttempt] = {}
         #: Streams whose response data waits for a window or the client.
         self.blocked: set[_Stream] = set()
-        #: Attempts whose upstream socket's interest may have to change.
-        self.dirty: set[_StreamAttempt] = set()
         #: Response DATA given to the session since its bytes last went out.
         self.unflushed = 0
         self.any_stream = False
         self.idle_since = self.started
         self.header_block_since: float | None = None
-        self.client_progress = 0.0  # since when the client owes a read
         self.client_broken: str | None = None  # a write failed: why
         self.draining = False
-        self.armed = math.inf  # the earliest pending timer of ours
         self.settling = False  # a _settle is deferred to the batch's end
-        self.timer = Cancellable(self._timer)
         self.initial_data = initial_data
-        self.spawn = spawn
-        self.on_done = on_done
-        self.response_timeout_failure = response_timeout(self.http.response_timeout)
         self._client_stall = Failure(
             Termination.CLIENT_ERROR,
             "client did not read (or open its window) for idle_timeout",
             None,
         )
 
-    # -- the edge's calls, and the connects that must await --------------------
-
-    def start(self) -> None:
-        """Serve from the reactor; *on_done* is called once the connection
-        ended (maybe before this returns)."""
+    def _start(self) -> None:
         initial_data, self.initial_data = self.initial_data, b""
-        try:
-            self._start(initial_data)
-        except Exception as exc:  # noqa: BLE001 (a bug: logged, this connection ends)
-            self._crashed(exc)
-
-    def drain(self) -> None:
-        """End the connection now (the drain deadline): its streams end as
-        ``drained``, their connects are cancelled."""
-        self._finish()
-
-    async def _run_connect(self, attempt: _StreamAttempt, new: NewConnection) -> None:
-        try:
-            await self._connect(attempt, new)
-        except trio.Cancelled:  # the edge stopped (or the drain deadline)
-            self._finish()
-            raise
-        except Exception as exc:  # noqa: BLE001 (a bug: logged, this connection ends)
-            self._crashed(exc)
-
-    def _crashed(self, exc: Exception) -> None:
-        LOGGER.error(
-            "listener %s: HTTP/2 connection failed", self.listener.name, exc_info=exc
-        )
-        self.failed(exc)
-
-    async def _connect(self, attempt: _StreamAttempt, new: NewConnection) -> None:
-        upstream: Upstream | None = None
-        failure: str | None = None
-        scope = attempt.scope
-        assert scope is not None
-        with scope:
-            try:
-                upstream = await self.upstreams.connect(new)
-            except ConnectFailedError as exc:
-                failure = str(exc)
-        attempt.scope = None
-        stream = attempt.stream
-        if stream.cancelled or self.state is not _OPEN:
-            if upstream is not None:
-                # Nobody wants it: closed, not pooled.
-                self.upstreams.release(upstream, clean=False)
-            return
-        stream.to(_EXCHANGE)
-        if upstream is None:
-            assert failure is not None
-            attempt.connect_failed(failure)
-        else:
-            attempt.begin(upstream)
-        self._settle()
-
-    def _start(self, initial_data: bytes) -> None:
         self.arm(self.started + self.http.request_header_timeout)
         self.drain_event.call_on_set(self._drained)
-        if initial_data and self.state is _OPEN:
+        if initial_data and self.state is OPEN:
             self._received(initial_data)
-        if self.client.tls is not None and self.state is _OPEN:
+        if self.client.tls is not None and self.state is OPEN:
             # Records its engine read past the handshake.
             self._read_client(read_socket=False)
         self._settle()
 
-    def _finish(self) -> None:
-        """The connection is over: every stream ended and logged, every
-        upstream socket let go (closed unless clean), nothing registered,
-        then *on_done*. Its owner closes the client."""
-        if self.state is _DONE:
-            return
-        try:
-            self._cancel_streams()  # the last stream's end may finish us
-        finally:
-            if self.state is not _DONE:
-                self.state = _DONE
-                try:
-                    self._park_held()
-                    self.timer.cancel()
-                    self.drain_event.forget(self._drained)
-                    client = self.client
-                    if client.interest is not None:
-                        self.reactor.unregister(client.fd)
-                        client.interest = None
-                finally:
-                    self._call_on_done()
+    def _connecting(self, attempt: UpstreamAttempt) -> None:
+        """A task per stream that connects: a slow server does not hold up
+        the streams behind it."""
+        assert isinstance(attempt, _StreamAttempt)
+        attempt.stream.to(_CONNECTING)
 
-    def _call_on_done(self) -> None:
-        self.client.detach()
-        self.upstreams.close()
-        result = self.result
-        if result.termination == Termination.UNKNOWN:  # the drain deadline
-            result.termination = Termination.DRAINED
-        self.on_done(result)
-
-    def _end(self, termination: str, detail: str | None = None) -> None:
-        if self.result.termination == Termination.UNKNOWN:
-            self.result.termination = termination
-            self.result.detail = detail
+    def _connected(self, attempt: UpstreamAttempt) -> None:
+        assert isinstance(attempt, _StreamAttempt)
+        attempt.stream.to(_EXCHANGE)
 
     def _cancel_streams(self) -> None:
         """End every stream: nothing more can be read for them."""
@@ -603,12 +497,15 @@ class _H2Connection:
                 log.detail = "the connection ended before the response did"
             self._close_stream(stream)
 
+    _end_requests = _cancel_streams
+
     def _shut_down(self) -> None:
         """The session ended or is ended now: every stream stops, the last
         frames (a GOAWAY) go out, then the connection closes."""
-        if self.state is not _OPEN:
+        if self.state is not OPEN:
             return
-        self.state = _CLOSING
+        assert CLOSING in HTTP2_TRANSITIONS[self.state]
+        self.state = CLOSING
         self._cancel_streams()
         self.session.close()
         self._flush_session()
@@ -619,36 +516,7 @@ class _H2Connection:
 
     # -- the reactor's calls ---------------------------------------------------
 
-    def ready(self, fd: int, events: int) -> None:
-        client = self.client
-        if fd == client.fd:
-            acted = False
-            if client.out and events & (WRITABLE | ERROR | HANGUP):
-                acted = True
-                self._flush_client()
-            if (
-                self.state is _OPEN
-                and client.interest
-                and client.interest & READABLE
-                and events & (READABLE | ERROR | HANGUP)
-            ):
-                acted = True
-                self._read_client()
-            if not acted and self.state is not _DONE:
-                if events & ERROR:
-                    self._client_failed("client connection reset")
-                elif events & HANGUP:
-                    client.hung_up = True
-        else:
-            attempt = self.by_fd.get(fd)
-            if attempt is not None:
-                attempt.ready(events)
-            else:
-                held = self.held_fds.get(fd)
-                if held is not None:
-                    # An idle connection has nothing to say: the server
-                    # closed it, reset it or sent stray bytes.
-                    self._drop_held(held, close=True)
+    def _ready_done(self) -> None:
         # Once per batch: the streams' frames ready in it go out together.
         if not self.settling:
             self.settling = True
@@ -658,34 +526,29 @@ class _H2Connection:
         self.settling = False
         self._settle()
 
-    def failed(self, exc: Exception) -> None:
-        """A bug (logged by the reactor): end this connection with an RST."""
-        self._end(Termination.INTERNAL_ERROR, repr(exc))
-        set_abortive_close(self.client.sock)
-        self._finish()
-
     def _settle(self) -> None:
         """After a round of work: what the session queued goes out, and each
         socket is watched for what it waits for."""
-        if self.state is _DONE:
+        if self.state is DONE:
             return
         self._flush_session()
         if self.client_broken is not None:
             self._end(Termination.CLIENT_ERROR, self.client_broken)
             self._finish()
             return
-        if self.state is _CLOSING and not self.client.out:
+        if self.state is CLOSING and not self.client.out:
             self._finish()
             return
         client = self.client
-        read = self.state is _OPEN and not client.eof
+        read = self.state is OPEN and not client.eof
         want = (READABLE if read else 0) | (WRITABLE if client.out else 0)
         # (Registrations persist: most rounds change nothing.)
         if want != client.interest or client.hung_up:
             self._watch(client, want)
         dirty = self.dirty
         while dirty:
-            attempt = dirty.pop()
+            attempt, _ = dirty.popitem()
+            assert isinstance(attempt, _StreamAttempt)
             raw = attempt.raw
             if raw is None:
                 continue
@@ -700,49 +563,31 @@ class _H2Connection:
             if want != raw.interest or raw.hung_up:
                 self._watch(raw, want)
 
-    def _watch(self, raw: RawStream, interest: int | None) -> None:
-        if interest == 0 and raw.hung_up:
-            interest = None  # a level-triggered hang-up would wake us in a loop
-        raw.interest = self.reactor.watch(raw.fd, raw.interest, interest, self)
-
     # -- timers ----------------------------------------------------------------
 
-    def _timer(self) -> None:
-        if self.state is _DONE:
-            return
-        now = self.now()
-        if self.armed <= now:
-            self.armed = math.inf  # this was the earliest pending timer
-        try:
-            deadline, expire = self._deadline()
-            if expire is not None and now >= deadline:
-                expire()
-            for stream in list(self.streams.values()):
-                if stream.phase is _CLOSED or self.state is not _OPEN:
-                    continue
-                deadline, stream_expire = self._stream_deadline(stream)
-                if stream_expire is not None and now >= deadline:
-                    stream_expire()
-            self._settle()
-            if self.state is _DONE:
-                return
-            earliest, _ = self._deadline()
-            for stream in self.streams.values():
-                earliest = min(earliest, self._stream_deadline(stream)[0])
-            if earliest < math.inf:
-                self.arm(earliest)
-        except Exception as exc:  # a bug: end this connection alone
-            LOGGER.exception(
-                "listener %s: HTTP/2 connection failed", self.listener.name
-            )
-            self.failed(exc)
+    def _expire(self, now: float) -> None:
+        deadline, expire = self._deadline()
+        if expire is not None and now >= deadline:
+            expire()
+        for stream in list(self.streams.values()):
+            if stream.phase is _CLOSED or self.state is not OPEN:
+                continue
+            deadline, stream_expire = self._stream_deadline(stream)
+            if stream_expire is not None and now >= deadline:
+                stream_expire()
+
+    def _earliest(self) -> float:
+        earliest, _ = self._deadline()
+        for stream in self.streams.values():
+            earliest = min(earliest, self._stream_deadline(stream)[0])
+        return earliest
 
     def _deadline(self) -> Due:
         """What is due next for the connection, and when (see Timeouts)."""
         idle = self.idle_timeout
         if self.client.out:
             return self.client_progress + idle, self._client_stalled
-        if self.state is not _OPEN:
+        if self.state is not OPEN:
             return math.inf, None
         http = self.http
         if self.header_block_since is not None:
@@ -761,8 +606,7 @@ class _H2Connection:
         if self.held:
             # The oldest held connection goes at the pool's idle timeout, as
             # one in the pool would.
-            _, since = next(iter(self.held.values()))
-            expiry = since + self.upstreams.keepalive.idle_timeout
+            expiry = self._oldest_held() + self.upstreams.keepalive.idle_timeout
             if expiry < due[0]:
                 due = (expiry, self._expire_held)
         return due
@@ -787,16 +631,6 @@ class _H2Connection:
     def _client_stalled(self) -> None:
         self._client_failed("client did not read for idle_timeout")
 
-    def _park_held(self) -> None:
-        """No stream for `PARK_AFTER` (or the connection ended): the held
-        upstream connections go to the shared pool."""
-        for upstream in list(self.held):
-            self._drop_held(upstream, close=False)
-
-    def _expire_held(self) -> None:
-        upstream = next(iter(self.held))
-        self._drop_held(upstream, close=True)
-
     def _timed_out(self) -> None:
         if self.draining:
             self._end(Termination.DRAINED)
@@ -819,7 +653,7 @@ class _H2Connection:
 
     def _drained(self) -> None:
         """The edge drains: GOAWAY, the streams in flight finish."""
-        if self.state is not _OPEN or self.draining:
+        if self.state is not OPEN or self.draining:
             return
         self.draining = True
         self.session.goaway()
@@ -892,7 +726,7 @@ class _H2Connection:
         except IO_ERRORS as exc:
             self._client_failed(f"client write failed: {exc}")
             return
-        if len(client.out) < HIGH_WATER and self.state is _OPEN:
+        if len(client.out) < HIGH_WATER and self.state is OPEN:
             self._resume()
 
     def _congested(self) -> bool:
@@ -1083,78 +917,6 @@ class _H2Connection:
 
     # -- what the upstream attempts ask of their host (`AttemptHost`) ----------
 
-    def arm(self, deadline: float) -> None:
-        if deadline < self.armed:
-            self.armed = deadline
-            self.reactor.call_at(deadline, self.timer)
-
-    def hold(
-        self, attempt: UpstreamAttempt, upstream: Upstream, raw: RawStream
-    ) -> bool:
-        """Keep a clean upstream connection for the next streams, its socket
-        registered: no pool round trip, no re-registration, and the reactor
-        tells if the server closes it meanwhile."""
-        if (
-            self.upstreams.proxy_header is not None
-            or len(self.held) >= self.max_held
-            or self.state is not _OPEN
-        ):
-            return False
-        del self.by_fd[raw.fd]
-        self.dirty.discard(attempt)
-        self.upstreams.hold(upstream)
-        now = self.now()
-        if not self.held:
-            self.arm(now + self.upstreams.keepalive.idle_timeout)
-        self.held[upstream] = (raw, now)
-        self.held_fds[raw.fd] = upstream
-        self._watch(raw, READABLE)
-        return True
-
-    def open_upstream(self, attempt: UpstreamAttempt, new: NewConnection) -> None:
-        """A task per stream that connects: a slow server does not hold up
-        the streams behind it."""
-        assert isinstance(attempt, _StreamAttempt)
-        attempt.stream.to(_CONNECTING)
-        attempt.scope = trio.CancelScope()
-        self.spawn(partial(self._run_connect, attempt, new))
-
-    def attach(self, attempt: UpstreamAttempt, upstream: Upstream) -> RawStream:
-        assert isinstance(attempt, _StreamAttempt)
-        entry = self.held.pop(upstream, None)
-        if entry is None:
-            raw = upstream_socket(upstream)
-        else:
-            raw, _ = entry
-            del self.held_fds[raw.fd]
-        self.by_fd[raw.fd] = attempt
-        self.dirty.add(attempt)
-        return raw
-
-    def detach(self, attempt: UpstreamAttempt, raw: RawStream) -> None:
-        if raw.interest is not None:
-            self.reactor.unregister(raw.fd)
-            raw.interest = None
-        del self.by_fd[raw.fd]
-        self.dirty.discard(attempt)
-
-    def interest_changed(self, attempt: UpstreamAttempt) -> None:
-        assert isinstance(attempt, _StreamAttempt)
-        self.dirty.add(attempt)
-
-    def _drop_held(self, upstream: Upstream, *, close: bool) -> None:
-        """Stop holding *upstream*: closed, or to the shared pool."""
-        raw, _ = self.held.pop(upstream)
-        del self.held_fds[raw.fd]
-        if raw.interest is not None:
-            self.reactor.unregister(raw.fd)
-            raw.interest = None
-        raw.detach()
-        if close:
-            close_now(upstream.stream)
-        else:
-            self.upstreams.park_held(upstream)
-
     # -- the response ----------------------------------------------------------
 
     def _next(
@@ -1277,7 +1039,7 @@ class _H2Connection:
                     self.arm(stream.blocked_since + self.idle_timeout)
                 self.blocked.add(stream)
                 if stream.attempt is not None:
-                    self.dirty.add(stream.attempt)
+                    self.dirty[stream.attempt] = None
                 return False
             chunk, view = view[:size], view[size:]
             last = stream.out_end and not view
@@ -1288,7 +1050,7 @@ class _H2Connection:
         stream.out = None
         self.blocked.discard(stream)
         if stream.attempt is not None:
-            self.dirty.add(stream.attempt)
+            self.dirty[stream.attempt] = None
         return True
 
     def _stream_gone(self, stream: _Stream) -> None:
@@ -1375,7 +1137,7 @@ class _H2Connection:
         attempt = stream.attempt
         if attempt is not None:
             attempt.abandon()
-            self.dirty.discard(attempt)
+            self.dirty.pop(attempt, None)
         session = self.session
         self._acknowledge_held(stream)
         session.forget(stream.id)
@@ -1389,7 +1151,7 @@ class _H2Connection:
         log = stream.log
         log.total = now - stream.started
         self._emit(log)
-        if self.draining and not self.streams and self.state is _OPEN:
+        if self.draining and not self.streams and self.state is OPEN:
             self._end(Termination.DRAINED)
             self._shut_down()
 
