@@ -3,7 +3,7 @@
 Run: ``python bench/callgrind_http.py [--requests 100,300]``
 
 Wall-clock figures on a shared machine move with the load; instruction counts
-do not. This runs the proxy (`tlsedge._http.driver.serve_http` on the
+do not. This runs the proxy (`tlsedge._pipeline.http.h1.serve_http` on the
 reactor, one plain client connection, X-Forwarded-For on) in a process under
 ``valgrind --tool=callgrind``, once per request count, with the client and
 the backend in processes of their own (not counted). One keep-alive
@@ -74,12 +74,12 @@ PROXY = textwrap.dedent(
     import logging, sys
     from pathlib import Path
     import trio
-    from tlsedge._config import config_from_mapping
-    from tlsedge._downstream import Downstream
-    from tlsedge._drain import Drain
-    from tlsedge._http.driver import serve_http
-    from tlsedge._http.pool import KeepAlivePool
-    from tlsedge._upstream import BackendPool
+    from tlsedge._core.config import config_from_mapping
+    from tlsedge._core.downstream import Downstream
+    from tlsedge._reactor.drain import Drain
+    from tlsedge._pipeline.http.h1 import serve_http
+    from tlsedge._backends.keepalive import KeepAlivePool
+    from tlsedge._backends.upstream import BackendPool
 
     logging.getLogger("tlsedge").addHandler(logging.NullHandler())
     logging.getLogger("tlsedge").propagate = False

@@ -2,7 +2,7 @@
 
 Run: ``python bench/client_hello.py [--reps 5]``
 
-`tlsedge._client_hello.ServerNameCheck` reads every ClientHello before OpenSSL
+`tlsedge._tls.client_hello.ServerNameCheck` reads every ClientHello before OpenSSL
 does (a non-ASCII server name would make Python's ``ssl`` print a traceback).
 This times it on a real ClientHello from Python's ``ssl`` (TLS 1.3, the SNI
 ``edge.test``) against the server's own work on that ClientHello: OpenSSL
@@ -20,7 +20,7 @@ import timeit
 
 import trustme
 
-from tlsedge._client_hello import ServerNameCheck
+from tlsedge._tls.client_hello import ServerNameCheck
 
 
 def main() -> None:

@@ -44,8 +44,8 @@ from typing import Any
 import h11
 from _common import banner, fmt_ratio, median, render_table
 
-from tlsedge._config import ForwardedConfig
-from tlsedge._forwarded import ForwardingContext
+from tlsedge._core.config import ForwardedConfig
+from tlsedge._core.forwarded import ForwardingContext
 from tlsedge._http.events import Body, EndOfBody, Request, Response
 from tlsedge._http.exchange import UpstreamExchange
 from tlsedge._http.gate import from_http1

@@ -30,12 +30,12 @@ from collections.abc import Callable
 
 from _common import banner, render_table
 
-from tlsedge._accesslog import ConnectionLog
-from tlsedge._cleanup import Cleanup
+from tlsedge._core.accesslog import ConnectionLog
+from tlsedge._core.cleanup import Cleanup
+from tlsedge._core.metrics import EdgeMetrics, Meter
+from tlsedge._core.termination import RelayStats
 from tlsedge._http.log import HttpConnectionResult
-from tlsedge._metrics import EdgeMetrics, Meter
-from tlsedge._relay import RelayStats
-from tlsedge._tcp_mode import _RelayEnd
+from tlsedge._pipeline.tcp import _RelayEnd
 
 LISTENERS = 4
 SERVERS = 8

@@ -1,4 +1,4 @@
-"""Micro-benchmark for ``tlsedge._relay``: stream path vs raw-socket path vs splice.
+"""Micro-benchmark for ``tlsedge._reactor.relay``: stream vs raw-socket path vs splice.
 
 Run: ``python bench/relay_micro.py [--bulk-mib 1024] [--conns 50] [--exchanges 2000]``
 
@@ -6,9 +6,10 @@ The relay runs in this process (one trio thread); the peers (clients and a backe
 run in a forked child process using asyncio protocols, so the relay gets a core of
 its own. Three relay variants are measured in the same run:
 
-* ``stream``: :func:`tlsedge._relay.relay` on streams wrapped in a pass-through
+* ``stream``: :func:`tlsedge._reactor.relay.relay` on streams wrapped in a pass-through
   ``HalfCloseableStream`` (forces the generic trio stream path),
-* ``raw``: :func:`tlsedge._relay.relay` on plain ``trio.SocketStream`` (fast path),
+* ``raw``: :func:`tlsedge._reactor.relay.relay` on plain ``trio.SocketStream``
+  (fast path),
 * ``splice``: a minimal ``os.splice``-through-a-pipe relay written here, Linux only.
 
 Workloads: ``bulk`` (one connection sends ``--bulk-mib`` MiB client->server, then
@@ -30,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from tlsedge._relay import RelayStats, relay
+from tlsedge._core.termination import RelayStats
+from tlsedge._reactor.relay import relay
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

@@ -4,7 +4,7 @@ Run: ``python bench/tls.py [--quick] [--duration 10] [--reps 3] [--no-pin]``
      ``python bench/tls.py --profile bench/results/profile`` (py-spy on tlsedge)
 
 Each proxy terminates TLS with the same ECDSA P-256 certificate (made with
-``tlsedge._certs.make_dev_certificates`` in a temporary directory) and relays
+``tlsedge._tls.certs.make_dev_certificates`` in a temporary directory) and relays
 plain TCP to the same nginx (started as in ``edge.py``: one worker, fixed
 6-byte answer). One process / thread each:
 
@@ -59,7 +59,7 @@ from edge import (
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tlsedge._certs import make_dev_certificates  # noqa: E402
+from tlsedge._tls.certs import make_dev_certificates  # noqa: E402
 
 PROXY_CPU = "1"
 LOAD_CPU = "0"

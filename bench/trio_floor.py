@@ -5,7 +5,7 @@ Run: ``python bench/trio_floor.py PORT UPSTREAM_PORT`` (plain HTTP on 127.0.0.1)
 
 One task per client connection and one upstream connection per client
 connection, kept open; each request head is parsed by tlsedge's parser, gets
-``X-Forwarded-For`` and goes upstream through `tlsedge._sockio`; the response
+``X-Forwarded-For`` and goes upstream through `tlsedge._tls.sockio`; the response
 must have a Content-Length (nginx's ``return 200`` has one) and is relayed as
 it came. No timeouts, no pool, no balancing, no logging, no metrics, no
 hop-by-hop or forwarding rules, no bodies, no error answers: it is a
@@ -20,8 +20,8 @@ import sys
 
 import trio
 
-from tlsedge import _sockio as sockio
 from tlsedge._http.head import find_head_end, parse_request_head, parse_response_head
+from tlsedge._tls import sockio
 
 READ_SIZE = 65536
 

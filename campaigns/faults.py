@@ -46,8 +46,8 @@ from common import (
     write_json,
 )
 
-from tlsedge._config import Config, config_from_mapping
-from tlsedge._server import Edge
+from tlsedge._control.edge import Edge
+from tlsedge._core.config import Config, config_from_mapping
 
 Handler = Callable[[trio.SocketStream], Awaitable[None]]
 

@@ -192,7 +192,7 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 # A system task meant to live as long as the run (besides trio's own, named
-# "<...>"): tlsedge's reactor (`tlsedge._reactor.current_reactor`); a relay
+# "<...>"): tlsedge's reactor (`tlsedge._reactor.loop.current_reactor`); a relay
 # ends by unregistering from it, not by stopping it.
 _RUN_SERVICE = "tlsedge reactor"
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import trio
 
-import tlsedge._upstream
+import tlsedge._backends.upstream
 from tests.peers import free_port
 from tests.tlsedge.helpers import (
     Backend,
@@ -40,7 +40,7 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
-from tlsedge._config import Config
+from tlsedge._core.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -344,7 +344,7 @@ async def test_edge_survives_running_out_of_file_descriptors(
 
 
 class _SocketModule:
-    """``socket`` as seen by tlsedge._upstream, whose ``socket()`` fails with
+    """``socket`` as seen by tlsedge._backends.upstream, whose ``socket()`` fails with
     EMFILE the first *failures* times (the process is out of fds)."""
 
     def __init__(self, failures: int) -> None:
@@ -369,7 +369,9 @@ async def test_running_out_of_fds_does_not_mark_the_server_down(
     failed connect to the server, which was marked DOWN after 6 of them, and
     every later client got no_server for the 30 s until the next trial."""
     backend = await Backend(tag_handler("ok")).start(nursery)
-    monkeypatch.setattr(tlsedge._upstream, "socket", _SocketModule(failures=10))
+    monkeypatch.setattr(
+        tlsedge._backends.upstream, "socket", _SocketModule(failures=10)
+    )
     async with running_edge(config([backend.address], retries=0)) as edge:
         for _ in range(10):
             assert await refused(address_of(edge, "in"), b"") == b""

@@ -57,8 +57,8 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
-from tlsedge._config import Config
-from tlsedge._proxy_wrap import ConnectionFacts, build_proxy_header
+from tlsedge._core.config import Config
+from tlsedge._core.proxy_wrap import ConnectionFacts, build_proxy_header
 
 LOOPBACK = ["127.0.0.1/32"]
 ELSEWHERE = ["10.0.0.0/8"]

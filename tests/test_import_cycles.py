@@ -96,10 +96,50 @@ def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
 
 def test_the_packages_have_no_import_cycle() -> None:
     graph = import_graph(module_files(ROOT, PACKAGES))
-    assert "tlsedge._server" in graph["tlsedge"]  # the graph is the real one
+    assert "tlsedge._control.edge" in graph["tlsedge"]  # the graph is the real one
     assert "proxyproto._tlv" in graph["proxyproto._v2"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or ())
+
+
+#: tlsedge's layers, bottom first (docs/architecture.md): a module imports
+#: from its own layer or the ones below, never from one above.
+LAYERS = ("_core", "_http", "_tls", "_reactor", "_backends", "_pipeline", "_control")
+
+
+def layer_of(module: str) -> int | None:
+    """The rank of *module*'s layer in `LAYERS`, None outside them."""
+    parts = module.split(".")
+    if parts[0] != "tlsedge" or len(parts) < 2 or parts[1] not in LAYERS:
+        return None
+    return LAYERS.index(parts[1])
+
+
+def upward_imports(graph: Mapping[str, set[str]]) -> list[str]:
+    """Every import of *graph* that goes from a layer to one above it."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        rank = layer_of(module)
+        for target in sorted(imported):
+            target_rank = layer_of(target)
+            if rank is not None and target_rank is not None and target_rank > rank:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_tlsedge_imports_only_go_downward() -> None:
+    graph = import_graph(module_files(ROOT, ["tlsedge"]))
+    assert {layer_of(m) for m in graph} >= set(range(len(LAYERS)))
+    assert upward_imports(graph) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    graph = {
+        "tlsedge._core.config": {"tlsedge._control.cli"},
+        "tlsedge._control.cli": {"tlsedge._core.config"},
+        "tlsedge._version": {"tlsedge._control.cli"},
+    }
+    assert upward_imports(graph) == ["tlsedge._core.config -> tlsedge._control.cli"]
 
 
 def test_every_kind_of_import_is_an_edge(tmp_path: Path) -> None:

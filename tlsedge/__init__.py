@@ -10,13 +10,13 @@ Use it as the ``tlsedge`` command, or inside a trio program::
 
 from __future__ import annotations
 
-from tlsedge._config import (
+from tlsedge._control.edge import Edge as Edge, serve as serve
+from tlsedge._core.config import (
     Config as Config,
     ConfigError as ConfigError,
     config_from_mapping as config_from_mapping,
     load_config as load_config,
 )
-from tlsedge._server import Edge as Edge, serve as serve
 from tlsedge._version import __version__ as __version__
 
 __all__ = [

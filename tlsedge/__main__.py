@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from tlsedge._cli import main
+from tlsedge._control.cli import main
 
 sys.exit(main())

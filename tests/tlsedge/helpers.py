@@ -21,8 +21,8 @@ from proxyproto import (
     UnixAddress,
     parse,
 )
-from tlsedge._config import Config, config_from_mapping
-from tlsedge._server import Edge
+from tlsedge._control.edge import Edge
+from tlsedge._core.config import Config, config_from_mapping
 
 __all__ = [
     "Backend",

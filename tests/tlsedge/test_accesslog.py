@@ -1,5 +1,5 @@
-"""The access-log lines' JSON encoding (`tlsedge._accesslog.JsonLine`), and
-how addresses are written (`tlsedge._accesslog.format_address`), also over real
+"""The access-log lines' JSON encoding (`tlsedge._core.accesslog.JsonLine`), and
+how addresses are written (`tlsedge._core.accesslog.format_address`), also over real
 connections."""
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from tests.tlsedge.helpers import (
 )
 from tests.tlsedge.test_admin import admin_address, http_get
 from tests.tlsedge.test_admission import exchange_from
-from tlsedge._accesslog import JsonLine, format_address, format_time
+from tlsedge._core.accesslog import JsonLine, format_address, format_time
+from tlsedge._core.termination import Termination
 from tlsedge._http import log as http_log
 from tlsedge._http.log import RequestLog
-from tlsedge._termination import Termination
 
 _VALUES = st.one_of(
     st.none(),

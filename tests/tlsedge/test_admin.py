@@ -29,10 +29,10 @@ from tests.tlsedge.helpers import (
     tag_handler,
     wait_until,
 )
-from tlsedge import _admin
-from tlsedge._config import ConfigError
-from tlsedge._metrics import EdgeMetrics
-from tlsedge._server import Edge
+from tlsedge._control import admin as _admin
+from tlsedge._control.edge import Edge
+from tlsedge._core.config import ConfigError
+from tlsedge._core.metrics import EdgeMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

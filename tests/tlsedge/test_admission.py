@@ -1,6 +1,6 @@
 """Client source ranges: a listener's ``allow`` and ``deny`` networks.
 
-The matcher alone (`tlsedge._admission`), then real clients from several
+The matcher alone (`tlsedge._core.admission`), then real clients from several
 loopback addresses (127.0.0.0/8 is all ours), curl from an ``--interface``,
 and HAProxy's ``send-proxy-v2`` carrying addresses of other networks.
 """
@@ -33,9 +33,9 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.test_admin import admin_address, http_get, total
-from tlsedge._admission import AccessRules, Network
-from tlsedge._cli import main
-from tlsedge._config import load_config
+from tlsedge._control.cli import main
+from tlsedge._core.admission import AccessRules, Network
+from tlsedge._core.config import load_config
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, strategies as st
 
-from tlsedge._balancer import POLICIES, Balancer, Server, ServerLease
+from tlsedge._core.balancer import POLICIES, Balancer, Server, ServerLease
 
 
 class FakeClock:

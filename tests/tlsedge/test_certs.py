@@ -1,4 +1,4 @@
-"""Tests for tlsedge._certs: loading, checking and making certificates."""
+"""Tests for tlsedge._tls.certs: loading, checking and making certificates."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import NameOID
 
-from tlsedge._certs import (
+from tlsedge._tls.certs import (
     CertificateError,
     LoadedCertificate,
     load_certificate,

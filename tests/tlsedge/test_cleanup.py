@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tlsedge._cleanup import Cleanup
+from tlsedge._core.cleanup import Cleanup
 
 
 def test_callbacks_run_last_added_first_once() -> None:

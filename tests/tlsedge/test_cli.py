@@ -22,8 +22,8 @@ import trio
 from tests.peers import free_port, require
 from tests.tlsedge.helpers import Backend, exchange, read_all, wait_until
 from tests.tlsedge.test_admin import scrape, total
-from tlsedge._cli import main
-from tlsedge._run import GC_YOUNG_THRESHOLD, tune_gc
+from tlsedge._control.cli import main
+from tlsedge._control.run import GC_YOUNG_THRESHOLD, tune_gc
 from tlsedge._version import __version__
 
 ROOT = Path(__file__).resolve().parents[2]

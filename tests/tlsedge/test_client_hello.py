@@ -1,4 +1,4 @@
-"""The ClientHello's server name, read before OpenSSL does (`tlsedge._client_hello`).
+"""The ClientHello's server name, read before OpenSSL (`tlsedge._tls.client_hello`).
 
 ClientHellos from Python's ``ssl`` and hand-built ones, checked whole, in
 pieces, behind a HelloRetryRequest, and against the real thing: the check
@@ -18,7 +18,7 @@ import trustme
 from hypothesis import given, settings, strategies as st
 
 from tests.tlsedge.helpers import capture_unraisable, client_hello, tls_extension
-from tlsedge._client_hello import ServerNameCheck, non_ascii_server_name
+from tlsedge._tls.client_hello import ServerNameCheck, non_ascii_server_name
 
 BAD_NAME = b"\xff\xfe\xc3("
 

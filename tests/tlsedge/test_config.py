@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import event, given, strategies as st
 
-from tlsedge._config import (
+from tlsedge._core.config import (
     Address,
     BackendConfig,
     BackendTlsConfig,

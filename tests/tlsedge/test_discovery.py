@@ -20,10 +20,15 @@ import pytest
 import trio
 
 from tests.tlsedge.helpers import close_clients, connect, make_config, wait_until
-from tlsedge._config import Config, ConfigError, DiscoveryConfig, config_from_mapping
-from tlsedge._discovery import DnsDiscovery, Found, scale_srv_weights
-from tlsedge._server import Edge
-from tlsedge._upstream import BackendPool
+from tlsedge._backends.discovery import DnsDiscovery, Found, scale_srv_weights
+from tlsedge._backends.upstream import BackendPool
+from tlsedge._control.edge import Edge
+from tlsedge._core.config import (
+    Config,
+    ConfigError,
+    DiscoveryConfig,
+    config_from_mapping,
+)
 
 Mode = Literal["answer", "drop", "servfail"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from tlsedge._drain import Drain
+from tlsedge._reactor.drain import Drain
 
 
 async def test_set_cancels_the_registered_waits_and_wakes_wait() -> None:

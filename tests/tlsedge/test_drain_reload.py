@@ -25,8 +25,8 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.test_admin import http_get
-from tlsedge._config import Config, ConfigError
-from tlsedge._server import Edge
+from tlsedge._control.edge import Edge
+from tlsedge._core.config import Config, ConfigError
 
 
 @pytest.fixture(autouse=True)

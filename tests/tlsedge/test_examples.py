@@ -24,8 +24,8 @@ import yaml
 
 from tests.peers import require
 from tests.tlsedge.helpers import Backend, address_of, read_proxy, running_edge
-from tlsedge._cli import main
-from tlsedge._config import (
+from tlsedge._control.cli import main
+from tlsedge._core.config import (
     Address,
     CertificateConfig,
     ServerConfig,

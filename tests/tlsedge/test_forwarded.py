@@ -11,8 +11,8 @@ import pytest
 from hypothesis import example, given, strategies as st
 
 from tests.tlsedge.test_http import echo_and_proxy, get, seen_headers
-from tlsedge._config import ForwardedConfig
-from tlsedge._forwarded import (
+from tlsedge._core.config import ForwardedConfig
+from tlsedge._core.forwarded import (
     FORWARDING_HEADERS,
     ForwardingContext,
     choose_request_id,

@@ -30,9 +30,7 @@ from tests.tlsedge.helpers import (
     running_edge,
     wait_until,
 )
-from tlsedge._balancer import Balancer, Server
-from tlsedge._config import Config
-from tlsedge._health import (
+from tlsedge._backends.health import (
     HISTORY_LENGTH,
     MAX_STATUS_LINE,
     PASSIVE_DOWN_TIME,
@@ -40,8 +38,10 @@ from tlsedge._health import (
     ServerHealth,
     run_health_checks,
 )
-from tlsedge._tls_stream import TLSStream
-from tlsedge._upstream import BackendPool
+from tlsedge._backends.upstream import BackendPool
+from tlsedge._core.balancer import Balancer, Server
+from tlsedge._core.config import Config
+from tlsedge._tls.stream import TLSStream
 
 INTERVAL = 10.0
 TIMEOUT = 5.0

@@ -27,18 +27,18 @@ from hypothesis import given, strategies as st
 
 from tests.peers import free_port, nginx, require
 from tests.tlsedge.helpers import Backend, make_config, wait_until
-from tlsedge._config import Config, ConfigError
-from tlsedge._downstream import Downstream
-from tlsedge._drain import Drain
+from tlsedge._backends.keepalive import KeepAlivePool
+from tlsedge._backends.upstream import BackendPool
+from tlsedge._core.config import Config, ConfigError
+from tlsedge._core.downstream import Downstream
 from tlsedge._http.body import ChunkedDecoder
-from tlsedge._http.driver import _HttpConnection, serve_http
 from tlsedge._http.gate import MAX_INFORMATIONAL
 from tlsedge._http.head import RequestRejectedError, parse_request_head
 from tlsedge._http.log import HttpConnectionResult
-from tlsedge._http.pool import KeepAlivePool
 from tlsedge._http.rules import origin_form, strip_hop_by_hop
-from tlsedge._relay import set_abortive_close
-from tlsedge._upstream import BackendPool
+from tlsedge._pipeline.http.h1 import _HttpConnection, serve_http
+from tlsedge._reactor.drain import Drain
+from tlsedge._reactor.relay import set_abortive_close
 
 # -- sans-IO: request-head checks ---------------------------------------------
 

@@ -38,9 +38,13 @@ from tests.tlsedge.helpers import (
 )
 from tests.tlsedge.http.test_gate import H2Case, h2_cases
 from tests.tlsedge.test_admin import admin_address, http_get, total
-from tlsedge._cli import main
-from tlsedge._http.upstreams import NewConnection, Upstream, UpstreamConnections
-from tlsedge._server import Edge
+from tlsedge._control.cli import main
+from tlsedge._control.edge import Edge
+from tlsedge._pipeline.http.upstreams import (
+    NewConnection,
+    Upstream,
+    UpstreamConnections,
+)
 
 # -- the backend: h11, answering by path, keeping the raw bytes it received ---------
 

@@ -35,10 +35,14 @@ from tests.tlsedge.helpers import (
 from tests.tlsedge.test_admin import admin_address, http_get, total
 from tests.tlsedge.test_http import Client, EchoBackend as H11Backend, _next
 from tests.tlsedge.test_status_page import cells, row_of
-from tlsedge._http.upstreams import NewConnection, Upstream, UpstreamConnections
-from tlsedge._reactor import current_reactor
-from tlsedge._server import Edge
-from tlsedge._tls_stream import TLSStream
+from tlsedge._control.edge import Edge
+from tlsedge._pipeline.http.upstreams import (
+    NewConnection,
+    Upstream,
+    UpstreamConnections,
+)
+from tlsedge._reactor.loop import current_reactor
+from tlsedge._tls.stream import TLSStream
 
 
 class EchoBackend:

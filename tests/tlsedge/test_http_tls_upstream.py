@@ -25,10 +25,10 @@ import trio
 from tests.peers import free_port, nginx, require, wait_for_port
 from tests.tlsedge.helpers import Backend, address_of, make_config, running_edge
 from tests.tlsedge.test_http import Client, running_proxy
-from tlsedge._balancer import Server
-from tlsedge._cli import main
-from tlsedge._http.pool import KeepAlivePool
-from tlsedge._tls_stream import TLSStream
+from tlsedge._backends.keepalive import KeepAlivePool
+from tlsedge._control.cli import main
+from tlsedge._core.balancer import Server
+from tlsedge._tls.stream import TLSStream
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ from tests.tlsedge.helpers import (
     running_edge,
     wait_until,
 )
-from tlsedge._config import Config
+from tlsedge._core.config import Config
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import trio
 
 from tests.peers import free_port, nginx
 from tests.tlsedge.helpers import make_config, read_all
-from tlsedge._server import Edge
+from tlsedge._control.edge import Edge
 
 
 @pytest.mark.parametrize("send_proxy", ["v1", "v2"])

@@ -13,7 +13,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from tlsedge._config import Config, load_config
+from tlsedge._core.config import Config, load_config
 
 FOLDER = Path(__file__).resolve().parents[2] / "examples" / "kubernetes"
 # The oldest version the manifests target (the preStop sleep action is on by

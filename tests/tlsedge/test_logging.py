@@ -32,8 +32,20 @@ from tests.tlsedge.helpers import (
     tag_handler,
     wait_until,
 )
-from tlsedge import _accesslog
-from tlsedge._accesslog import (
+from tlsedge._control.cli import main
+from tlsedge._control.logs import (
+    EscapingFormatter,
+    JsonFormatter,
+    escape_control,
+    log_unraisable,
+    reopen_logs,
+    run_access_log_flusher,
+    setup_logging,
+    shutdown_logging,
+    switch_access_log,
+)
+from tlsedge._core import accesslog as _accesslog
+from tlsedge._core.accesslog import (
     BATCH_SIZE,
     FLUSH_INTERVAL,
     PIPE_BUF,
@@ -44,18 +56,6 @@ from tlsedge._accesslog import (
     flush_access_log,
     format_time,
     write_access_line,
-)
-from tlsedge._cli import main
-from tlsedge._logging import (
-    EscapingFormatter,
-    JsonFormatter,
-    escape_control,
-    log_unraisable,
-    reopen_logs,
-    run_access_log_flusher,
-    setup_logging,
-    shutdown_logging,
-    switch_access_log,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,7 +272,7 @@ def test_unopenable_access_log_changes_nothing(tmp_path: Path) -> None:
 def test_switch_access_log_moves_the_lines_and_keeps_the_process_log(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A reload that changes edge.access_log (tlsedge._run.ProcessReload).
+    # A reload that changes edge.access_log (tlsedge._control.run.ProcessReload).
     setup_logging("info", "text")
     emit_access("stderr")
     first, second = tmp_path / "first.log", tmp_path / "second.log"
@@ -547,8 +547,8 @@ def test_a_full_pipe_does_not_block_and_recovers(
 
 WRITER_SCRIPT = """
 import json, sys
-from tlsedge._accesslog import write_access_line
-from tlsedge._logging import setup_logging
+from tlsedge._core.accesslog import write_access_line
+from tlsedge._control.logs import setup_logging
 setup_logging("info", "text", "stdout")
 tag, count = sys.argv[1], int(sys.argv[2])
 for i in range(count):

@@ -39,8 +39,8 @@ from tests.tlsedge.test_status_page import (
     server,
     snapshot,
 )
-from tlsedge._accesslog import ConnectionLog
-from tlsedge._metrics import (
+from tlsedge._core.accesslog import ConnectionLog
+from tlsedge._core.metrics import (
     CONNECTION_BUCKETS,
     FLUSH_INTERVAL,
     HTTP_BUCKETS,
@@ -49,8 +49,8 @@ from tlsedge._metrics import (
     EdgeMetrics,
     tls_failure_reason,
 )
-from tlsedge._reload import ReloadResult
-from tlsedge._snapshot import CheckRecord, Snapshot
+from tlsedge._core.reload import ReloadResult
+from tlsedge._core.snapshot import CheckRecord, Snapshot
 
 
 @pytest.fixture(autouse=True)
@@ -429,7 +429,7 @@ async def test_histograms_bucket_as_prometheus_client_observe_does() -> None:
 _WORKER = """
 import sys
 import trio
-from tlsedge._metrics import EdgeMetrics
+from tlsedge._core.metrics import EdgeMetrics
 
 async def main() -> None:
     metrics = EdgeMetrics()

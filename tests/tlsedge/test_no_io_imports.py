@@ -16,18 +16,18 @@ import textwrap
 
 FORBIDDEN = ("trio", "asyncio", "socket", "ssl", "selectors")
 PURE = (
-    "tlsedge._snapshot",
-    "tlsedge._status_page",
-    "tlsedge._reload",
-    "tlsedge._balancer",
-    "tlsedge._config",
-    "tlsedge._forwarded",
-    "tlsedge._accesslog",
-    "tlsedge._admission",
-    "tlsedge._termination",
-    "tlsedge._downstream",
-    "tlsedge._proxy_wrap",
-    "tlsedge._udp_flows",
+    "tlsedge._core.snapshot",
+    "tlsedge._control.status_page",
+    "tlsedge._core.reload",
+    "tlsedge._core.balancer",
+    "tlsedge._core.config",
+    "tlsedge._core.forwarded",
+    "tlsedge._core.accesslog",
+    "tlsedge._core.admission",
+    "tlsedge._core.termination",
+    "tlsedge._core.downstream",
+    "tlsedge._core.proxy_wrap",
+    "tlsedge._core.udp_flows",
     "tlsedge._http.head",
     "tlsedge._http.body",
     "tlsedge._http.rules",
@@ -60,11 +60,11 @@ _SCRIPT = textwrap.dedent(
         print(module, " ".join(sorted(loaded() - before)))
 
     # Use them too: a lazy import inside a function would show up here.
-    from tlsedge._balancer import Balancer, Server
-    from tlsedge._config import config_from_mapping
-    from tlsedge._forwarded import ForwardingContext, rewrite_forwarding_headers
-    from tlsedge._snapshot import Snapshot
-    from tlsedge._status_page import render_status_page
+    from tlsedge._core.balancer import Balancer, Server
+    from tlsedge._core.config import config_from_mapping
+    from tlsedge._core.forwarded import ForwardingContext, rewrite_forwarding_headers
+    from tlsedge._core.snapshot import Snapshot
+    from tlsedge._control.status_page import render_status_page
 
     config = config_from_mapping(
         {

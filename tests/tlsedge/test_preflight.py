@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import trustme
 
-from tlsedge._config import ConfigError, load_config
-from tlsedge._preflight import check_environment
+from tlsedge._backends.preflight import check_environment
+from tlsedge._core.config import ConfigError, load_config
 
 # What ``tlsedge check`` opens and resolves, like ``nginx -t``: one TLS listener
 # and one TLS backend, every file made by trustme in the config's folder.

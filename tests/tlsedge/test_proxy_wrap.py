@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from proxyproto import SSLClient, parse
-from tlsedge._downstream import Downstream
-from tlsedge._proxy_wrap import proxy_header_for
-from tlsedge._tls import SSLFacts
+from tlsedge._core.downstream import Downstream, SSLFacts
+from tlsedge._core.proxy_wrap import proxy_header_for
 
 TLVS = ("alpn", "authority", "ssl", "unique-id", "crc32c")
 

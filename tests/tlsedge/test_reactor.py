@@ -30,11 +30,11 @@ from tests.tlsedge.test_relay import (
     tcp_pair,
     tcp_wiring,
 )
-from tlsedge import _reactor
-from tlsedge._reactor import READABLE, current_reactor
-from tlsedge._relay import RelayStats, relay
-from tlsedge._termination import Termination
-from tlsedge._tls_stream import TLSStream
+from tlsedge._core.termination import RelayStats, Termination
+from tlsedge._reactor import loop as _reactor
+from tlsedge._reactor.loop import READABLE, current_reactor
+from tlsedge._reactor.relay import relay
+from tlsedge._tls.stream import TLSStream
 
 CA = trustme.CA()
 SERVER_CERT = CA.issue_cert("tlsedge.test")

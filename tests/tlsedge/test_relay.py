@@ -17,16 +17,10 @@ import trio.testing
 import trustme
 from hypothesis import given, strategies as st
 
-from tlsedge._reactor import current_reactor
-from tlsedge._relay import (
-    DetachedRelays,
-    RelayStats,
-    _Flow,
-    relay,
-    set_abortive_close,
-)
-from tlsedge._termination import Termination
-from tlsedge._tls_stream import TLSStream
+from tlsedge._core.termination import RelayStats, Termination
+from tlsedge._reactor.loop import current_reactor
+from tlsedge._reactor.relay import DetachedRelays, _Flow, relay, set_abortive_close
+from tlsedge._tls.stream import TLSStream
 
 MIB = 1 << 20
 # Generous hang guard for real-socket tests; only trips if something hangs.

@@ -1,10 +1,11 @@
 """Stateful test of relay()'s half-close state machine over real kernel TCP sockets.
 
 Hypothesis drives two peers, a client and a server, each one end of a loopback TCP
-connection whose other end is handed to :func:`tlsedge._relay.relay`. The peers are
-plain blocking stdlib sockets used from the test's thread; the relay runs in its own
-``trio.run`` in a helper thread with a :class:`trio.testing.MockClock` that only
-moves when a rule makes time pass, so the idle and fin timers are deterministic.
+connection whose other end is handed to :func:`tlsedge._reactor.relay.relay`.
+The peers are plain blocking stdlib sockets used from the test's thread; the relay
+runs in its own ``trio.run`` in a helper thread with a
+:class:`trio.testing.MockClock` that only moves when a rule makes time pass, so the
+idle and fin timers are deterministic.
 
 After every step the ``relay_matches_model`` invariant waits until the relay has
 *settled* into the state the model predicts, and fails if it reaches a different
@@ -63,8 +64,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tlsedge._relay import RelayStats, relay
-from tlsedge._termination import Termination
+from tlsedge._core.termination import RelayStats, Termination
+from tlsedge._reactor.relay import relay
 
 # Longest a settle or a blocking read may take before the test calls it a hang.
 # Loopback delivery takes microseconds; this only matters when something is wrong.

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from tests.tlsedge.helpers import make_config
-from tlsedge._config import Config
-from tlsedge._reload import (
+from tlsedge._core.config import Config
+from tlsedge._core.reload import (
     ReloadRecord,
     ReloadResult,
     edge_changes,

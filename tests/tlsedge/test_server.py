@@ -20,7 +20,7 @@ import trio
 import trio.testing
 import trustme
 
-import tlsedge._tcp_mode
+import tlsedge._pipeline.tcp
 from proxyproto import ProxyHeader, encode, encode_v2, parse
 from tests.peers import free_port
 from tests.test_faults import blackhole
@@ -52,13 +52,13 @@ from tests.tlsedge.test_tls_edge import (
     round_trip,
     tls_connect,
 )
-from tlsedge._config import Config
-from tlsedge._proxy_wrap import proxy_header_for
-from tlsedge._relay import set_abortive_close
-from tlsedge._server import Edge
-from tlsedge._tls_accept import ReactorHandshake
-from tlsedge._tls_stream import TLSStream
-from tlsedge._unwrap import ReactorHeaderRead
+from tlsedge._control.edge import Edge
+from tlsedge._core.config import Config
+from tlsedge._core.proxy_wrap import proxy_header_for
+from tlsedge._pipeline.handshake import ReactorHandshake
+from tlsedge._pipeline.unwrap import ReactorHeaderRead
+from tlsedge._reactor.relay import set_abortive_close
+from tlsedge._tls.stream import TLSStream
 
 LOOPBACK = ["127.0.0.1/32"]
 ELSEWHERE = ["10.0.0.0/8"]
@@ -1545,7 +1545,7 @@ async def test_a_bug_on_one_connection_does_not_stop_the_edge(
             raise RuntimeError("simulated bug")
         return proxy_header_for(*args, **kwargs)
 
-    monkeypatch.setattr(tlsedge._tcp_mode, "proxy_header_for", broken_once)
+    monkeypatch.setattr(tlsedge._pipeline.tcp, "proxy_header_for", broken_once)
     async with running_edge(config) as edge:
         address = address_of(edge, "in")
         async with await connect(address) as client:

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from tlsedge import _sockio as sockio
+from tlsedge._tls import sockio
 
 
 def stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:

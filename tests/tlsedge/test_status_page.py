@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from tlsedge._reload import ReloadRecord, ReloadResult
-from tlsedge._snapshot import (
+from tlsedge._control.status_page import render_status_page
+from tlsedge._core.reload import ReloadRecord, ReloadResult
+from tlsedge._core.snapshot import (
     BackendSnapshot,
     CheckRecord,
     HealthCheckSettings,
@@ -16,7 +17,6 @@ from tlsedge._snapshot import (
     ServerSnapshot,
     Snapshot,
 )
-from tlsedge._status_page import render_status_page
 
 STARTED = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tlsedge._termination import Refused, Termination
+from tlsedge._core.termination import Refused, Termination
 
 
 def test_members_are_their_values_in_logs_and_labels() -> None:

@@ -1,4 +1,4 @@
-"""Tests for tlsedge._tls: policies, SNI selection, client auth, reload, facts.
+"""Tests for tlsedge._tls.contexts: policies, SNI selection, client auth, reload, facts.
 
 Handshakes run two ways: in memory (a client and a server ``SSLObject`` joined
 by ``MemoryBIO`` pairs) and over loopback against a blocking ``ssl`` server in a
@@ -26,17 +26,17 @@ import trustme
 from cryptography import x509
 
 from tests.peers import require
-from tlsedge._certs import CertificateError, make_dev_certificates
-from tlsedge._config import (
+from tlsedge._core.config import (
     TLS_POLICIES,
     BackendTlsConfig,
     CertificateConfig,
     TlsConfig,
 )
-from tlsedge._tls import (
+from tlsedge._core.downstream import SSLFacts
+from tlsedge._tls.certs import CertificateError, make_dev_certificates
+from tlsedge._tls.contexts import (
     POLICIES,
     ServerTLS,
-    SSLFacts,
     backend_server_hostname,
     build_client_context,
     build_server_contexts,

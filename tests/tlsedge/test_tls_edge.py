@@ -32,7 +32,7 @@ import trustme
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-import tlsedge._server
+import tlsedge._control.edge
 from proxyproto import Policy, ProxyHeader, SSLClient, encode, encode_v2
 from proxyproto.trio import read_proxy_header
 from tests.peers import free_port
@@ -50,9 +50,9 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.test_admission import connect_from
-from tlsedge._config import Config, ConfigError
-from tlsedge._tls import watch_certificates
-from tlsedge._tls_stream import TLSStream
+from tlsedge._core.config import Config, ConfigError
+from tlsedge._tls.contexts import watch_certificates
+from tlsedge._tls.stream import TLSStream
 
 TLS12 = ssl.TLSVersion.TLSv1_2
 TLS13 = ssl.TLSVersion.TLSv1_3
@@ -752,7 +752,7 @@ async def test_file_watcher_reloads_changed_files_and_refuses_broken_ones(
 ) -> None:
     # The edge starts watch_certificates with its default interval (5 s).
     monkeypatch.setattr(
-        tlsedge._server,
+        tlsedge._control.edge,
         "watch_certificates",
         partial(watch_certificates, interval=0.05),
     )

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 import trustme
 
-from tlsedge._tls_stream import TLSStream
+from tlsedge._tls.stream import TLSStream
 
 CA = trustme.CA()
 SERVER_CERT = CA.issue_cert("tlsedge.test")

@@ -1,6 +1,6 @@
 """``mode = "udp"`` listeners, with real UDP peers.
 
-The flow table alone (`tlsedge._udp_flows`), then an edge in front of Python
+The flow table alone (`tlsedge._core.udp_flows`), then an edge in front of Python
 UDP echo servers: flows per client address, balancing, idle expiry, the flow
 cap under a flood from thousands of source ports, allow/deny, drain, a DNS
 resolver queried with dnspython, socat as a client, and PROXY v2 with DGRAM
@@ -46,12 +46,17 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.test_admin import admin_address, http_get, total
-from tlsedge._cli import main
-from tlsedge._config import ConfigError
-from tlsedge._reactor import current_reactor
-from tlsedge._server import Edge
-from tlsedge._udp_flows import DropLog, FlowTable, send_drop_reason, unwrap_datagram
-from tlsedge._udp_mode import UdpListener, _Flow
+from tlsedge._control.cli import main
+from tlsedge._control.edge import Edge
+from tlsedge._core.config import ConfigError
+from tlsedge._core.udp_flows import (
+    DropLog,
+    FlowTable,
+    send_drop_reason,
+    unwrap_datagram,
+)
+from tlsedge._pipeline.udp import UdpListener, _Flow
+from tlsedge._reactor.loop import current_reactor
 
 REPLY_WITHIN = 5.0
 

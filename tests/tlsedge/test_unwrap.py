@@ -14,15 +14,15 @@ import trio
 import trio.testing
 
 from proxyproto import Policy, ProxyHeader, TrustPolicy, encode_v1, encode_v2
-from tlsedge._config import ProxyProtocolConfig
-from tlsedge._reactor import current_reactor
-from tlsedge._relay import set_abortive_close
-from tlsedge._termination import Refused, Termination
-from tlsedge._unwrap import (
+from tlsedge._core.config import ProxyProtocolConfig
+from tlsedge._core.termination import Refused, Termination
+from tlsedge._pipeline.unwrap import (
     ReactorHeaderRead,
     Unwrapped,
     UnwrapResult,
 )
+from tlsedge._reactor.loop import current_reactor
+from tlsedge._reactor.relay import set_abortive_close
 
 PEER = ("127.0.0.1", 50000)
 LOCAL = ("127.0.0.1", 443)

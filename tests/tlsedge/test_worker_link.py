@@ -8,8 +8,7 @@ import pytest
 import trio
 import trio.lowlevel
 
-from tlsedge._reload import ReloadRecord, ReloadResult
-from tlsedge._worker_link import (
+from tlsedge._control.worker_link import (
     MAX_MESSAGE,
     Link,
     LinkError,
@@ -25,6 +24,7 @@ from tlsedge._worker_link import (
     decode,
     encode,
 )
+from tlsedge._core.reload import ReloadRecord, ReloadResult
 
 RECORD = ReloadRecord(loaded=1.0).after(ReloadResult.REFUSED, 2.0, "why\nnot")
 TEXT = '[edge]\nworkers = 2\n\n[[listeners]]\nname = "é \\" x"\n'

@@ -23,7 +23,7 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.test_admin import http_get, scrape, total
-from tlsedge._cli import main
+from tlsedge._control.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

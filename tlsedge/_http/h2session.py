@@ -8,7 +8,7 @@ stream states and flow-control arithmetic) and adds what a proxy edge needs
 on top, as `tlsedge._http.session.ClientSession` does for HTTP/1.1: each
 stream's header block becomes a checked `H2Request` (or a stream error), and
 every defence HTTP/2 edges learned the hard way is enforced on the bytes
-before h2 sees them. The driver (`tlsedge._http.h2driver`) feeds it bytes
+before h2 sees them. The driver (`tlsedge._pipeline.http.h2`) feeds it bytes
 (`receive_data`), reads its events, calls its ``send_*`` methods and writes
 `data_to_send`; nothing here does I/O or reads a clock (the driver passes
 ``now``).
@@ -96,7 +96,7 @@ import h2.exceptions
 import h2.settings
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
-from tlsedge._config import Http2Config
+from tlsedge._core.config import Http2Config
 from tlsedge._http.head import (
     HOST_RE,
     field_error,

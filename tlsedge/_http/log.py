@@ -7,15 +7,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from tlsedge._accesslog import (
+from tlsedge._core.accesslog import (
     access_log_enabled,
     format_time,
     write_access_line,
 )
-from tlsedge._termination import Termination
+from tlsedge._core.termination import Termination
 
 if TYPE_CHECKING:  # the relay's module is I/O; this one is pure
-    from tlsedge._relay import RelayStats
+    from tlsedge._core.termination import RelayStats
 
 _json_string: Final = json.encoder.encode_basestring_ascii
 

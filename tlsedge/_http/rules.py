@@ -22,9 +22,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from tlsedge._config import ForwardedConfig, ListenerConfig
-from tlsedge._downstream import Downstream
-from tlsedge._forwarded import (
+from tlsedge._core.config import ForwardedConfig, ListenerConfig
+from tlsedge._core.downstream import Downstream
+from tlsedge._core.forwarded import (
     FORWARDING_HEADERS,
     ForwardingContext,
     choose_request_id,
@@ -251,7 +251,7 @@ def end_to_end_fields(head: ResponseHead, *, keep_upgrade: bool) -> bytes:
 def _dropped_lines_re(underscores: bool, request_id: bytes | None) -> re.Pattern[bytes]:
     """The field lines `RequestRewriter.splice` cuts from an untrusted
     client's request: what `strip_hop_by_hop`, the underscore rule and
-    `tlsedge._forwarded.rewrite_forwarding_headers` drop from its fields.
+    `tlsedge._core.forwarded.rewrite_forwarding_headers` drop from its fields.
 
     Hop-by-hop names as written; the forwarding fields and the request id's
     (*request_id*, lower case) in either spelling (``_`` for ``-``); with

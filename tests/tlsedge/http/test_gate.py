@@ -13,8 +13,8 @@ import pytest
 from hypothesis import assume, example, given, settings, strategies as st
 
 from tests.tlsedge.http.test_h2session import Pair
-from tlsedge._config import ForwardedConfig
-from tlsedge._forwarded import FORWARDING_HEADERS, ForwardingContext
+from tlsedge._core.config import ForwardedConfig
+from tlsedge._core.forwarded import FORWARDING_HEADERS, ForwardingContext
 from tlsedge._http.body import BodyKind, ChunkedDecoder, encode_chunk
 from tlsedge._http.events import NEED_DATA, Body, EndOfBody, Request
 from tlsedge._http.exchange import UpstreamExchange

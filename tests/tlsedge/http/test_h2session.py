@@ -10,7 +10,7 @@ import h2.settings
 import pytest
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 
-from tlsedge._config import Http2Config
+from tlsedge._core.config import Http2Config
 from tlsedge._http.h2session import (
     ConnectionEnded,
     H2Session,

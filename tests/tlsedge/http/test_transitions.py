@@ -1,8 +1,8 @@
 """The engine's state tables: complete, and progress only moves forward.
 
-`tlsedge._http.attempt` (an attempt's request and response progress),
-`tlsedge._http.connection` (a connection's states, per version) and
-`tlsedge._http.h2driver` (a stream's phases) write their legal moves as
+`tlsedge._pipeline.http.attempt` (an attempt's request and response progress),
+`tlsedge._pipeline.http.connection` (a connection's states, per version) and
+`tlsedge._pipeline.http.h2` (a stream's phases) write their legal moves as
 tables; the code asserts each move against them. These tests check the
 tables themselves: every state has a row, every move leads to a state of
 the same table, the end is reachable from everywhere, and what is declared
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from tlsedge._http.attempt import (
+from tlsedge._pipeline.http.attempt import (
     DELIVERED,
     NOT_SENT,
     REQUEST_TRANSITIONS,
@@ -27,7 +27,7 @@ from tlsedge._http.attempt import (
     RequestProgress,
     ResponseProgress,
 )
-from tlsedge._http.connection import (
+from tlsedge._pipeline.http.connection import (
     DONE,
     HEAD,
     HTTP1_TRANSITIONS,
@@ -35,7 +35,7 @@ from tlsedge._http.connection import (
     OPEN,
     ConnectionState,
 )
-from tlsedge._http.h2driver import STREAM_TRANSITIONS, StreamPhase
+from tlsedge._pipeline.http.h2 import STREAM_TRANSITIONS, StreamPhase
 
 Table = Mapping[enum.Enum, frozenset[enum.Enum]]
 

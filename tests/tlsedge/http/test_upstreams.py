@@ -11,9 +11,13 @@ import trio
 import trio.testing
 
 from tests.tlsedge.helpers import make_config
-from tlsedge._http.pool import KeepAlivePool
-from tlsedge._http.upstreams import NewConnection, Upstream, UpstreamConnections
-from tlsedge._upstream import BackendPool
+from tlsedge._backends.keepalive import KeepAlivePool
+from tlsedge._backends.upstream import BackendPool
+from tlsedge._pipeline.http.upstreams import (
+    NewConnection,
+    Upstream,
+    UpstreamConnections,
+)
 
 
 @dataclass

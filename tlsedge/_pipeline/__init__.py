@@ -1,0 +1,3 @@
+"""One connection, stage by stage: unwrap the PROXY header, TLS handshake, then
+tcp, udp or http (docs/architecture.md).
+"""

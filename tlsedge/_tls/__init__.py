@@ -1,0 +1,3 @@
+"""TLS: contexts and certificates, the ClientHello check, the TLS stream and
+the socket I/O under its async API.
+"""
