@@ -67,6 +67,7 @@ import trio
 from proxyproto import TrustPolicy
 from tlsedge._accesslog import ConnectionLog, format_address
 from tlsedge._admission import AccessRules
+from tlsedge._close import closed
 from tlsedge._config import ListenerConfig
 from tlsedge._health import ServerHealth
 from tlsedge._metrics import EdgeMetrics
@@ -590,10 +591,6 @@ class UdpListener:
         if flow.ended:
             return
         flow.ended = True
-        log = flow.log
-        if log.termination == Termination.UNKNOWN:
-            log.termination = termination
-            log.detail = detail
         if termination == Termination.SERVER_ERROR and flow.health is not None:
             flow.health.connect_failed(detail or "server error")
         self.flows.discard(flow.key, flow)
@@ -605,10 +602,15 @@ class UdpListener:
             flow.lease()
         self._release(flow.token)
         self._on_flows(-1)
+        log = flow.log
         log.requests = flow.datagrams_from_client
-        log.duration = self._reactor.now() - flow.started
-        self._metrics.record(log)
-        log.emit()
+        closed(
+            log,
+            self._metrics,
+            self._reactor.now() - flow.started,
+            termination=termination,
+            detail=detail,
+        )
         if self.closing and not len(self.flows):
             self._close_sockets()
 
