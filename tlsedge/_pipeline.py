@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The edge's accept loop hands each accepted socket to `Pipeline.accepted`
 (stage *accept*: count it, start its access-log record, its exit stack), and
-the connection then goes through the stages of DESIGN.md section 2, one
+the connection then goes through its stages (docs/architecture.md), one
 module each, data flowing forward only::
 
     accept -> unwrap -> admit -> handshake -> serve (tcp | http) -> close
