@@ -331,6 +331,7 @@ class Pipeline:
     """Runs the stages of every connection the edge accepts.
 
     Attributes:
+        active: The connections accepted and not ended yet.
         in_flight: What runs on the reactor with no task (not relays).
         nursery: Where connections' tasks and the HTTP connections' jobs
             run (the edge's connections nursery, set while it runs).
@@ -344,7 +345,6 @@ class Pipeline:
         edge_limiter: trio.CapacityLimiter,
         drain: Drain,
         keepalive: Callable[[str], KeepAlivePool],
-        count: Callable[[int], None],
     ) -> None:
         """
         Args:
@@ -353,16 +353,15 @@ class Pipeline:
             edge_limiter: The edge's ``max_connections`` slots.
             drain: Set when the edge drains (HTTP connections close).
             keepalive: The idle upstream HTTP connections of a backend.
-            count: Told +1 when a connection opens, -1 when it ends.
         """
         self.in_flight = InFlight()
+        self.active = 0
         self.nursery: trio.Nursery | None = None
         self._metrics = metrics
         self._relays = relays
         self._edge_limiter = edge_limiter
         self._drain = drain
         self._keepalive = keepalive
-        self._count = count
         #: The stages after accept, in the order they run.
         self._stages: tuple[Stage, ...] = (
             self._unwrap,
@@ -412,7 +411,7 @@ class Pipeline:
         if not INHERITED_TCP_OPTIONS:
             set_stream_options(raw)
         conn = Connection(state, pool, raw, peer, local, log, Cleanup())
-        self._count(1)
+        self.active += 1
         self._metrics.connection_opened(log.listener)
         conn.exits.callback(
             functools.partial(self._closed, log, trio.current_time(), limiter, token)
@@ -494,7 +493,7 @@ class Pipeline:
     ) -> None:
         """The connection's end, whichever way it went: its slots back, then
         `closed`."""
-        self._count(-1)
+        self.active -= 1
         limiter.release_on_behalf_of(token)
         self._edge_limiter.release_on_behalf_of(token)
         closed(log, self._metrics, trio.current_time() - started)

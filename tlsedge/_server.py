@@ -365,7 +365,7 @@ class Edge:
         self.config = config
         self.draining = False
         self.ready = False
-        self.active_connections = 0
+        self._udp_flows = 0
         self._started = time.time()
         self._reuse_port = config.edge.workers > 1 if reuse_port is None else reuse_port
         self._listeners: dict[str, _Listener] = {}
@@ -385,7 +385,6 @@ class Edge:
             edge_limiter=self._edge_limiter,
             drain=self._drain_event,
             keepalive=self._keepalive_pool,
-            count=self._count_connections,
         )
         self._background_scope = trio.CancelScope()
         self._services: trio.Nursery | None = None
@@ -401,6 +400,11 @@ class Edge:
         record is kept by whoever reloads the edge (`tlsedge._run`,
         `tlsedge._worker`)."""
         return self._metrics
+
+    @property
+    def active_connections(self) -> int:
+        """Client connections open now (udp flows included)."""
+        return self._pipeline.active + self._udp_flows
 
     @property
     def listen_addresses(self) -> dict[str, list[tuple[str, int]]]:
@@ -642,7 +646,7 @@ class Edge:
                 listener.limiter,
                 self._edge_limiter,
                 self._metrics,
-                self._count_connections,
+                self._count_flows,
             )
             self._configure_udp(listener)
             # Among the connections: drain waits for its flows.
@@ -657,9 +661,8 @@ class Edge:
             pool = self._pools[state.config.backend]
             listener.udp.configure(state.config, state.trust, state.access, pool)
 
-    def _count_connections(self, delta: int) -> None:
-        """Connections and udp flows opened (+1) or ended (-1)."""
-        self.active_connections += delta
+    def _count_flows(self, delta: int) -> None:
+        self._udp_flows += delta
 
     @staticmethod
     def _close_listener(listener: _Listener) -> None:
