@@ -23,6 +23,8 @@ from proxyproto import (
 )
 from tlsedge._control.edge import Edge
 from tlsedge._core.config import Config, config_from_mapping
+from tlsedge._pipeline.handshake import ReactorHandshake
+from tlsedge._pipeline.unwrap import ReactorHeaderRead
 
 __all__ = [
     "Backend",
@@ -229,6 +231,18 @@ async def running_edge(config: Config) -> AsyncIterator[Edge]:
             yield edge
         finally:
             edge.stop()
+
+
+def in_flight(edge: Edge, stage: str) -> int:
+    """How many of *edge*'s connections run *stage* on the reactor with no
+    task: ``"header"`` (PROXY header reads), ``"handshake"`` (TLS
+    handshakes) or ``"http"`` (HTTP connections, h2c preface reads)."""
+    kinds = {"header": ReactorHeaderRead, "handshake": ReactorHandshake}
+    running = list(edge._pipeline.in_flight)
+    if stage in kinds:
+        return sum(isinstance(r, kinds[stage]) for r in running)
+    assert stage == "http"
+    return sum(not isinstance(r, tuple(kinds.values())) for r in running)
 
 
 def address_of(edge: Edge, listener: str) -> tuple[str, int]:

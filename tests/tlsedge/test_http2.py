@@ -32,6 +32,7 @@ from tests.peers import free_port, nginx, require
 from tests.tlsedge.helpers import (
     access_records,
     address_of,
+    in_flight,
     make_config,
     running_edge,
     wait_until,
@@ -1586,11 +1587,11 @@ async def test_idle_h2_connections_hold_no_task(tmp_path: Path) -> None:
             await client.send()
             await client.until(lambda c, sid=sid: _answered(c, sid))
             assert client.status(sid) == 200
-        assert len(setup.edge._http) == 10
+        assert in_flight(setup.edge, "http") == 10
         assert _connection_tasks(setup.edge) == 0
         for client in clients:
             await client.aclose()
-        await wait_until(lambda: not setup.edge._http)
+        await wait_until(lambda: not in_flight(setup.edge, "http"))
 
 
 async def test_drain_deadline_ends_h2_streams_in_flight_and_connecting(
@@ -1625,11 +1626,13 @@ async def test_drain_deadline_ends_h2_streams_in_flight_and_connecting(
         with trio.fail_after(5):
             await hanging_now.wait()
         assert _connection_tasks(edge) == 1  # the connect
-        assert len(edge._http) == 2
+        assert in_flight(edge, "http") == 2
         edge.drain()
         for client in (busy, connecting):
             await client.until(lambda c: False)  # until the edge closes it
-        await wait_until(lambda: not edge._http and _connection_tasks(edge) == 0)
+        await wait_until(
+            lambda: not in_flight(edge, "http") and _connection_tasks(edge) == 0
+        )
         for client in (busy, connecting):
             await client.aclose()
         await wait_until(lambda: len(access_records(caplog)) == 4)

@@ -26,6 +26,7 @@ from tests.tlsedge.helpers import (
     Backend,
     access_records,
     address_of,
+    in_flight,
     make_config,
     read_proxy,
     running_edge,
@@ -718,11 +719,11 @@ async def test_idle_keepalive_http_connections_hold_no_task() -> None:
         clients = [await Client.open(address) for _ in range(20)]
         for client in clients:
             assert (await client.request()).status == 200
-        assert len(edge._http) == 20
+        assert in_flight(edge, "http") == 20
         assert _connection_tasks(edge) == 0
         for client in clients:
             await client.aclose()
-        await wait_until(lambda: not edge._http)
+        await wait_until(lambda: not in_flight(edge, "http"))
 
 
 async def test_drain_deadline_ends_silent_busy_and_connecting_connections(
@@ -753,12 +754,14 @@ async def test_drain_deadline_ends_silent_busy_and_connecting_connections(
         with trio.fail_after(5):
             await hanging_now.wait()
         assert _connection_tasks(edge) == 1  # the connect
-        assert len(edge._http) == 3
+        assert in_flight(edge, "http") == 3
         edge.drain()
         with trio.fail_after(5):
             for client in (silent, busy, connecting):
                 assert await _read_until_closed(client.stream) == b""
-        await wait_until(lambda: not edge._http and _connection_tasks(edge) == 0)
+        await wait_until(
+            lambda: not in_flight(edge, "http") and _connection_tasks(edge) == 0
+        )
         for client in (silent, busy, connecting):
             await client.aclose()
         records = await wait_access_records(caplog, 5)

@@ -30,6 +30,7 @@ from tests.tlsedge.helpers import (
     close_clients,
     connect,
     exchange,
+    in_flight,
     make_config,
     proxy_echo_handler,
     read_all,
@@ -56,6 +57,7 @@ from tlsedge._control.edge import Edge
 from tlsedge._core.config import Config
 from tlsedge._core.proxy_wrap import proxy_header_for
 from tlsedge._pipeline.handshake import ReactorHandshake
+from tlsedge._pipeline.stages import Pipeline
 from tlsedge._pipeline.unwrap import ReactorHeaderRead
 from tlsedge._reactor.relay import set_abortive_close
 from tlsedge._tls.stream import TLSStream
@@ -758,13 +760,13 @@ async def test_idle_timeout_closes_an_idle_connection(
 def tasks_started(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """The connections `Edge` started a task for (from now on)."""
     started: list[object] = []
-    handle = Edge._handle_connection
+    handle = Pipeline._wait_in_task
 
-    async def counted(self: Edge, conn: Any, begun: Any) -> None:
+    async def counted(self: Pipeline, conn: Any, begun: Any) -> None:
         started.append(conn)
         await handle(self, conn, begun)
 
-    monkeypatch.setattr(Edge, "_handle_connection", counted)
+    monkeypatch.setattr(Pipeline, "_wait_in_task", counted)
     return started
 
 
@@ -852,7 +854,7 @@ async def test_a_tls_connection_without_proxy_header_gets_no_task(
         await round_trip(client)
         assert not tasks_started
         assert len(edge._relays) == 1
-        assert len(edge._handshakes) == 0
+        assert in_flight(edge, "handshake") == 0
         await client.send_eof()
         assert await read_until_closed(client) == b""
         (record,) = await wait_access_records(caplog)
@@ -892,7 +894,7 @@ async def test_a_tls_handshake_on_the_reactor_is_drained(
     async with trio.open_nursery() as edge_nursery:
         edge: Edge = await edge_nursery.start(Edge(config).run)
         client = await connect(address_of(edge, "in"))
-        await wait_until(lambda: len(edge._handshakes) == 1)
+        await wait_until(lambda: in_flight(edge, "handshake") == 1)
         edge.drain()
         with trio.fail_after(5):
             assert await read_until_closed(client) == b""
@@ -924,7 +926,7 @@ async def test_a_proxy_connection_needing_no_wait_gets_no_task(
         await wait_until(lambda: backend.accepted == 1)
         assert not tasks_started
         assert len(edge._relays) == 1
-        assert len(edge._header_reads) == 0
+        assert in_flight(edge, "header") == 0
         await client.send_eof()
         answer = json.loads(await read_all(client))
         (record,) = await wait_access_records(caplog)
@@ -972,7 +974,7 @@ async def test_a_tls_connection_after_a_proxy_header_gets_no_task(
         assert transport.first_send[len(header)] == 0x16  # a TLS handshake record
         await round_trip(client)
         assert not tasks_started
-        assert len(edge._header_reads) == len(edge._handshakes) == 0
+        assert in_flight(edge, "header") == in_flight(edge, "handshake") == 0
         await client.send_eof()
         assert await read_until_closed(client) == b""
         (record,) = await wait_access_records(caplog)
@@ -991,13 +993,13 @@ def tasks_begun(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """Where the reactor stopped (``begun``) for each connection `Edge`
     started a task for: None if the task runs every stage."""
     started: list[object] = []
-    handle = Edge._handle_connection
+    handle = Pipeline._wait_in_task
 
-    async def counted(self: Edge, conn: Any, begun: Any) -> None:
+    async def counted(self: Pipeline, conn: Any, begun: Any) -> None:
         started.append(begun)
         await handle(self, conn, begun)
 
-    monkeypatch.setattr(Edge, "_handle_connection", counted)
+    monkeypatch.setattr(Pipeline, "_wait_in_task", counted)
     return started
 
 
@@ -1032,7 +1034,7 @@ async def test_an_https_connection_runs_with_no_task_after_the_handshake(
     app = await H11Backend().start(nursery)
     async with running_edge(https_config(pki, app)) as edge:
         tcp = await connect(address_of(edge, "in"))
-        await wait_until(lambda: len(edge._handshakes) == 1)
+        await wait_until(lambda: in_flight(edge, "handshake") == 1)
         assert not tasks_begun
         stream = TLSStream(
             tcp, client_context(pki), server_side=False, server_hostname="a.test"
@@ -1041,12 +1043,12 @@ async def test_an_https_connection_runs_with_no_task_after_the_handshake(
             await stream.do_handshake()
         client = Client(stream)  # type: ignore[arg-type]
         response = await client.request("GET", "/page")
-        assert len(edge._handshakes) == 0
-        assert len(edge._http) == 1
+        assert in_flight(edge, "handshake") == 0
+        assert in_flight(edge, "http") == 1
         assert not tasks_begun
         await client.aclose()
         _, record = await wait_access_records(caplog, 2)  # request, connection
-        assert len(edge._http) == 0
+        assert in_flight(edge, "http") == 0
     assert response.status == 200
     assert response.json()["target"] == "/page"
     assert record["sni"] == "a.test"
@@ -1084,8 +1086,8 @@ async def test_https_after_a_proxy_header_runs_with_no_task(
         client = Client(stream)  # type: ignore[arg-type]
         response = await client.request("GET", "/")
         assert not tasks_begun
-        assert len(edge._http) == 1
-        assert len(edge._header_reads) == len(edge._handshakes) == 0
+        assert in_flight(edge, "http") == 1
+        assert in_flight(edge, "header") == in_flight(edge, "handshake") == 0
         await client.aclose()
         _, record = await wait_access_records(caplog, 2)  # request, connection
     assert response.status == 200
@@ -1125,7 +1127,9 @@ async def test_a_local_header_to_an_http_listener_is_a_health_check(
     async with running_edge(config) as edge:
         client = await connect(address_of(edge, "in"))
         await client.send_all(encode_v2(ProxyHeader.local()))
-        await wait_until(lambda: bool(edge._handshakes) or bool(edge._http))
+        await wait_until(
+            lambda: bool(in_flight(edge, "handshake")) or bool(in_flight(edge, "http"))
+        )
         await client.aclose()
         (record,) = await wait_access_records(caplog)
     assert record["termination"] == "health_check", record
@@ -1269,7 +1273,7 @@ async def test_a_local_header_before_tls_on_the_reactor_is_a_health_check(
     async with running_edge(config) as edge:
         client = await connect(address_of(edge, "in"))
         await client.send_all(encode_v2(ProxyHeader.local()))
-        await wait_until(lambda: len(edge._handshakes) == 1)
+        await wait_until(lambda: in_flight(edge, "handshake") == 1)
         if reset:
             set_abortive_close(client)
         await client.aclose()
@@ -1293,7 +1297,7 @@ async def test_a_proxy_header_read_on_the_reactor_is_drained(
     async with trio.open_nursery() as edge_nursery:
         edge: Edge = await edge_nursery.start(Edge(config).run)
         client = await connect(address_of(edge, "in"))
-        await wait_until(lambda: len(edge._header_reads) == 1)
+        await wait_until(lambda: in_flight(edge, "header") == 1)
         edge.drain()
         with trio.fail_after(5):
             assert await read_until_closed(client) == b""

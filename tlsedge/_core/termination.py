@@ -6,7 +6,7 @@ mode), the access log and the metrics use these members. They are strings
 metric label as its value, and compares equal to it.
 
 A stage that refuses a connection raises `Refused` with the member that says
-why; the connection's owner logs it and closes.
+why; `tlsedge._pipeline.close` records it, and decides every connection's ending.
 """
 
 from __future__ import annotations

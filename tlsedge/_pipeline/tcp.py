@@ -42,15 +42,13 @@ from tlsedge._core.downstream import Downstream
 from tlsedge._core.metrics import Meter
 from tlsedge._core.proxy_wrap import proxy_header_for
 from tlsedge._core.termination import Refused, RelayStats, Termination
+from tlsedge._pipeline.close import settle_health_check
 from tlsedge._reactor.relay import DetachedRelays, set_abortive_close
 
 __all__ = ["Metering", "serve_tcp", "serve_tcp_now"]
 
 #: Counts a connection's bytes while it runs: `EdgeMetrics.metering`.
 Metering: TypeAlias = Callable[[ConnectionLog, Meter], None]
-
-# How a relay ends when the client side finishes first; see ``health_check``.
-_CLIENT_ENDED = frozenset({Termination.CLIENT_CLOSED, Termination.CLIENT_ERROR})
 
 
 def _connect_now(
@@ -325,11 +323,4 @@ def _record(log: ConnectionLog, stats: RelayStats, *, health_check: bool) -> Non
     log.bytes_from_server = stats.bytes_from_server
     if stats.termination is not None:
         log.termination = stats.termination
-    if (
-        health_check
-        and stats.bytes_from_client == 0
-        and stats.termination in _CLIENT_ENDED
-    ):
-        # Checks close at once, often with an RST (HAProxy's do):
-        # not a client error to count or alert on.
-        log.termination = Termination.HEALTH_CHECK
+    settle_health_check(log, health_check=health_check)

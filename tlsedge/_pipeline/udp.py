@@ -80,6 +80,7 @@ from tlsedge._core.udp_flows import (
     send_drop_reason,
     unwrap_datagram,
 )
+from tlsedge._pipeline.close import closed
 from tlsedge._reactor.loop import READABLE, Cancellable, current_reactor
 
 __all__ = ["UdpListener"]
@@ -591,10 +592,6 @@ class UdpListener:
         if flow.ended:
             return
         flow.ended = True
-        log = flow.log
-        if log.termination == Termination.UNKNOWN:
-            log.termination = termination
-            log.detail = detail
         if termination == Termination.SERVER_ERROR and flow.health is not None:
             flow.health.connect_failed(detail or "server error")
         self.flows.discard(flow.key, flow)
@@ -606,10 +603,15 @@ class UdpListener:
             flow.lease()
         self._release(flow.token)
         self._on_flows(-1)
+        log = flow.log
         log.requests = flow.datagrams_from_client
-        log.duration = self._reactor.now() - flow.started
-        self._metrics.record(log)
-        log.emit()
+        closed(
+            log,
+            self._metrics,
+            self._reactor.now() - flow.started,
+            termination=termination,
+            detail=detail,
+        )
         if self.closing and not len(self.flows):
             self._close_sockets()
 
