@@ -821,12 +821,17 @@ class _HttpConnection(ReactorConnection):
         # buffer: what counts is whether the client's request was read in
         # full, not whether all of it went upstream yet.
         session = self.session
+        close = self.drain_event.is_set() or not session.request_read
+        if head.forward is not None:
+            return session.send_response_head(
+                head.forward, head.status, response.body, close=close
+            )
         return session.send_response(
             head.status,
             reason_phrase(head.status, head.reason),
             end_to_end_fields(head, keep_upgrade=False),
             response.body,
-            close=self.drain_event.is_set() or not session.request_read,
+            close=close,
         )
 
     # -- held upstream connections, the end of an exchange ---------------------

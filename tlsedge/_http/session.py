@@ -319,6 +319,20 @@ class ClientSession:
             body: How the upstream framed the body.
             close: End the connection after this response.
         """
+        return self.send_response_head(
+            b"HTTP/1.1 %d %b\r\n%b" % (status, reason, field_lines),
+            status,
+            body,
+            close=close,
+        )
+
+    def send_response_head(
+        self, head: bytes, status: int, body: BodyKind, *, close: bool = False
+    ) -> bytes:
+        """`send_response` of a head already written: *head* is an HTTP/1.1
+        status line and its field lines, no blank line (a
+        `tlsedge._http.head.ResponseHead`'s ``forward``, spliced from the
+        upstream's head), and *status* its status."""
         request = self.request
         assert request is not None
         self.expects_continue = False
@@ -329,20 +343,20 @@ class ClientSession:
         elif body is BodyKind.UNTIL_CLOSE or body is BodyKind.CHUNKED:
             if version_11:
                 if body is BodyKind.UNTIL_CLOSE:
-                    field_lines += b"Transfer-Encoding: chunked\r\n"
+                    head += b"Transfer-Encoding: chunked\r\n"
                 body = BodyKind.CHUNKED
             else:
-                field_lines = _TRANSFER_ENCODING_LINE_RE.sub(b"", field_lines)
+                head = _TRANSFER_ENCODING_LINE_RE.sub(b"", head)
                 body = BodyKind.UNTIL_CLOSE
                 close = True
         if close or not version_11 or b"close" in request.connection:
             close = True
-            field_lines += b"Connection: close\r\n"
+            head += b"Connection: close\r\n"
         self.close_after_response = close
         self._response_body = body
         if body is BodyKind.NONE:
             self.response_complete = True
-        return b"HTTP/1.1 %d %b\r\n%b\r\n" % (status, reason, field_lines)
+        return head + b"\r\n"
 
     def send_data(self, data: bytes) -> bytes:
         """Response body bytes, framed (never empty: that would end a chunked body)."""
