@@ -767,7 +767,7 @@ class UpstreamAttempt(abc.ABC):
         upstream = self.upstream
         failure = self.failure
         request = self.request
-        retry = should_retry(
+        retry = failure is not None and should_retry(
             failure,
             upstream,
             response_started=self.response is not WAITING,

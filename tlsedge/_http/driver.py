@@ -664,7 +664,10 @@ class _HttpConnection(ReactorConnection):
         self.head_deadline = deadline = self.now() + self.http.keepalive_timeout
         if deadline < self.armed:
             self.arm(deadline)
-        if self.state is HEAD:
+        session = self.session
+        if session.buffered or session.eof:
+            # A pipelined request or the client's end: else the session
+            # has nothing to say until the client's next bytes.
             self._advance_head()
 
     def _request_begins(self) -> None:
