@@ -283,6 +283,15 @@ class _Exchange(UpstreamAttempt):
                     stall = ex.read_progress + connection.idle_timeout
                     if stall < connection.armed:
                         connection.arm(stall)
+                    # The common case: the whole sized body came with the
+                    # head (no events for it).
+                    body = conn.rest_of_body()
+                    if body is not None:
+                        pending.append(session.send_data(body))
+                        pending.append(session.send_end([]))
+                        assert QUEUED in RESPONSE_TRANSITIONS[ex.response]
+                        ex.response = QUEUED
+                        break
                 else:
                     assert isinstance(event, Informational), event
                     head = event.head

@@ -26,10 +26,12 @@ The response head is read up to the first CRLFCRLF (at most
 (after 101 the exchange stops parsing and `trailing_data` holds the new
 protocol's first bytes); the final head as `Response` with its body's
 framing (RFC 9112 section 6.3): none for HEAD, 204 and 304, chunked, a
-Content-Length, or until the server closes. Chunked bodies go through a strict
-`ChunkedDecoder`. EOF before the response is complete is an `UpstreamError`
-whose ``empty`` says whether the server sent nothing at all (a stale kept-alive
-connection: the driver may send the request again).
+Content-Length, or until the server closes. A Content-Length body already
+buffered whole may be taken at once (`rest_of_body`) instead of as events.
+Chunked bodies go through a strict `ChunkedDecoder`. EOF before the response
+is complete is an `UpstreamError` whose ``empty`` says whether the server sent
+nothing at all (a stale kept-alive connection: the driver may send the
+request again).
 """
 
 from __future__ import annotations
@@ -308,6 +310,24 @@ class UpstreamExchange:
             self._state = "done"
             return EndOfBody(self._trailers)
         return self._body_event() if self._eof else NEED_DATA
+
+    def rest_of_body(self) -> bytes | None:
+        """Right after a `Response` with a Content-Length body: the whole
+        body at once when it is all buffered (the response is then complete:
+        no `Body` or `EndOfBody` follows), else None (the events bring it)."""
+        remaining = self._remaining
+        buffer = self._buffer
+        if (
+            self._state != "body"
+            or self._body is not BodyKind.LENGTH
+            or len(buffer) < remaining
+        ):
+            return None
+        data = bytes(buffer[:remaining])
+        del buffer[:remaining]
+        self._remaining = 0
+        self._state = "done"
+        return data
 
     @property
     def response_complete(self) -> bool:
