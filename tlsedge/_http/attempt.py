@@ -66,7 +66,7 @@ import trio
 from tlsedge._accesslog import format_address
 from tlsedge._balancer import Server
 from tlsedge._config import HttpConfig
-from tlsedge._http.body import BodyKind
+from tlsedge._http.body import NO_BODY
 from tlsedge._http.exchange import UpstreamError, UpstreamExchange
 from tlsedge._http.gate import UpstreamRequest
 from tlsedge._http.head import RequestRejectedError
@@ -772,7 +772,7 @@ class UpstreamAttempt(abc.ABC):
             upstream,
             response_started=self.response is not WAITING,
             method=request.method,
-            has_body=request.body is not BodyKind.NONE,
+            has_body=request.body is not NO_BODY,
             retried=self.retried,
         )
         if upstream is not None:

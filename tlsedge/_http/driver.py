@@ -129,7 +129,7 @@ from tlsedge._http.attempt import (
     Due,
     UpstreamAttempt,
 )
-from tlsedge._http.body import BodyKind
+from tlsedge._http.body import CHUNKED_BODY
 from tlsedge._http.connection import (
     DONE,
     EXCHANGE,
@@ -203,6 +203,9 @@ Header = tuple[bytes, bytes]
 #: that closing with unread data (which sends an RST) cannot destroy the answer.
 LINGER_TIMEOUT: Final = 2.0
 LINGER_MAX_BYTES: Final = 1 << 20
+
+# (As `tlsedge._http.body`'s constants: a global, not a lookup on the enum.)
+_BODY_PHASE: Final = Phase.BODY
 
 #: The request's head went out and its body still goes upstream.
 _BODY_GOES: Final = frozenset({BODY, WRITTEN})
@@ -475,7 +478,7 @@ class _HttpConnection(ReactorConnection):
             want_client = WRITABLE if client.out else READABLE
         elif state is EXCHANGE:
             assert ex is not None
-            if self.session.phase is Phase.BODY:
+            if self.session.phase is _BODY_PHASE:
                 read = (
                     raw is not None
                     and ex.request_progress in _BODY_GOES
@@ -549,7 +552,7 @@ class _HttpConnection(ReactorConnection):
         if client.out:
             due = (self.client_progress + idle, self._client_stalled)
         due = ex.upstream_due(due, client_holds=bool(client.out))
-        if self.session.phase is Phase.BODY and ex.request_progress in _BODY_GOES:
+        if self.session.phase is _BODY_PHASE and ex.request_progress in _BODY_GOES:
             body_due = ex.body_due()
             if body_due < due[0]:
                 due = (body_due, ex.body_timed_out)
@@ -602,7 +605,7 @@ class _HttpConnection(ReactorConnection):
         self.session.receive_data(data)
         if state is HEAD:
             self._advance_head()
-        elif state is EXCHANGE and self.session.phase is Phase.BODY:
+        elif state is EXCHANGE and self.session.phase is _BODY_PHASE:
             ex = self.ex
             assert ex is not None
             ex.body_progress = self.now()
@@ -828,7 +831,7 @@ class _HttpConnection(ReactorConnection):
         ex.log.status = head.status
         assert STARTED in RESPONSE_TRANSITIONS[ex.response]
         ex.response = STARTED
-        ex.trailers_ok = response.body is BodyKind.CHUNKED
+        ex.trailers_ok = response.body is CHUNKED_BODY
         # The backend may answer before the request's last bytes left our
         # buffer: what counts is whether the client's request was read in
         # full, not whether all of it went upstream yet.

@@ -39,8 +39,11 @@ from __future__ import annotations
 from typing import Final
 
 from tlsedge._http.body import (
+    CHUNKED_BODY,
+    LENGTH_BODY,
+    NO_BODY,
     NO_BODY_STATUSES,
-    BodyKind,
+    UNTIL_CLOSE_BODY,
     ChunkedDecoder,
     encode_chunk,
 )
@@ -123,7 +126,7 @@ class UpstreamExchange:
         self._buffer = bytearray()
         self._eof = False
         self._state = "head"  # "head", "body", "end", "done", "switched"
-        self._body = BodyKind.NONE
+        self._body = NO_BODY
         self._remaining = 0
         self._chunked: ChunkedDecoder | None = None
         self._trailers: list[Header] = []
@@ -145,7 +148,7 @@ class UpstreamExchange:
             RequestRejectedError: 400, the server's address cannot be a Host.
         """
         head = self.request.head_for(server)
-        if self.request.body is BodyKind.NONE:
+        if self.request.body is NO_BODY:
             self.request_complete = True
         return head
 
@@ -155,7 +158,7 @@ class UpstreamExchange:
         Raises:
             RequestRejectedError: 400, more bytes than the Content-Length.
         """
-        if self.request.body is BodyKind.CHUNKED:
+        if self.request.body is CHUNKED_BODY:
             return encode_chunk(data)
         self._request_left -= len(data)
         if self._request_left < 0:
@@ -171,7 +174,7 @@ class UpstreamExchange:
             RequestRejectedError: 400, the body ended short of its
                 Content-Length, or a trailer the gate refuses.
         """
-        if self.request.body is BodyKind.CHUNKED:
+        if self.request.body is CHUNKED_BODY:
             data = UpstreamRequest.last_chunk(trailers)
         elif self._request_left:
             raise RequestRejectedError(
@@ -252,22 +255,22 @@ class UpstreamExchange:
             return Informational(head)
         self._keep_alive = head.version == b"1.1" and b"close" not in head.connection
         if self.method == b"HEAD" or status in NO_BODY_STATUSES:
-            body = BodyKind.NONE
+            body = NO_BODY
         elif head.chunked:
-            body = BodyKind.CHUNKED
+            body = CHUNKED_BODY
             self._chunked = ChunkedDecoder(
                 max_trailer_bytes=MAX_RESPONSE_HEAD_BYTES,
                 max_trailers=MAX_RESPONSE_HEADERS,
                 rejected=_rejected,
             )
         elif head.content_length is not None:
-            body = BodyKind.LENGTH
+            body = LENGTH_BODY
             self._remaining = head.content_length
         else:
-            body = BodyKind.UNTIL_CLOSE
+            body = UNTIL_CLOSE_BODY
             self._keep_alive = False
         self._body = body
-        if body is BodyKind.NONE or (body is BodyKind.LENGTH and not self._remaining):
+        if body is NO_BODY or (body is LENGTH_BODY and not self._remaining):
             self._state = "end"
         else:
             self._state = "body"
@@ -279,11 +282,11 @@ class UpstreamExchange:
         if not buffer:
             if not self._eof:
                 return NEED_DATA
-            if body is BodyKind.UNTIL_CLOSE:
+            if body is UNTIL_CLOSE_BODY:
                 self._state = "done"
                 return EndOfBody([])
             raise UpstreamError("upstream closed the connection mid-response")
-        if body is BodyKind.LENGTH:
+        if body is LENGTH_BODY:
             take = min(self._remaining, len(buffer))
             data = bytes(buffer[:take])
             del buffer[:take]
@@ -291,7 +294,7 @@ class UpstreamExchange:
             if not self._remaining:
                 self._state = "end"
             return Body(data)
-        if body is BodyKind.UNTIL_CLOSE:
+        if body is UNTIL_CLOSE_BODY:
             data = bytes(buffer)
             buffer.clear()
             return Body(data)
@@ -319,7 +322,7 @@ class UpstreamExchange:
         buffer = self._buffer
         if (
             self._state != "body"
-            or self._body is not BodyKind.LENGTH
+            or self._body is not LENGTH_BODY
             or len(buffer) < remaining
         ):
             return None
