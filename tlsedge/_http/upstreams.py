@@ -23,7 +23,7 @@ requests.
 from __future__ import annotations
 
 from collections.abc import Reversible
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import trio
@@ -58,10 +58,12 @@ class Upstream:
     lease: ServerLease
     reused: bool
     prefix: bytes = b""  # the PROXY header, sent with the first request head
+    #: The server it is connected to, every lease's (a field: each request
+    #: asks, a property would be a call).
+    server: Server = field(init=False)
 
-    @property
-    def server(self) -> Server:
-        return self.lease.server
+    def __post_init__(self) -> None:
+        self.server = self.lease.server
 
 
 class UpstreamConnections:
