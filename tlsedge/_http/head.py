@@ -35,8 +35,7 @@ name the first rule it breaks.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 __all__ = [
     "FIELD_VALUE",
@@ -199,9 +198,9 @@ class ResponseRejectedError(HeadRejectedError):
         super().__init__(502, reason)
 
 
-@dataclass(frozen=True, slots=True)
-class RequestHead:
-    """A parsed, validated request head.
+class RequestHead(NamedTuple):
+    """A parsed, validated request head (immutable: a named tuple, which is
+    made in C, where a frozen dataclass sets each field with a call).
 
     ``field_lines`` are the field lines exactly as received (each ending with
     CRLF, no blank line after them): what the gate splices the upstream head
@@ -231,9 +230,9 @@ class RequestHead:
         return split_field_lines(self.field_lines)
 
 
-@dataclass(frozen=True, slots=True)
-class ResponseHead:
-    """A parsed, validated response head (framing as declared, see `RequestHead`).
+class ResponseHead(NamedTuple):
+    """A parsed, validated response head (framing as declared, and immutable,
+    as `RequestHead`).
 
     ``field_lines`` are the field lines exactly as received (each ending with
     CRLF, no blank line after them): what is forwarded, minus the hop-by-hop

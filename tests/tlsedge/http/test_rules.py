@@ -3,8 +3,6 @@ split fields they must agree with."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from hypothesis import example, given, strategies as st
 
 from tests.tlsedge.http.test_head import mutated, response_heads
@@ -176,8 +174,8 @@ def test_spliced_response_head_is_the_parsed_one(
         assert spliced == written
         return
     assert written.forward is None
-    assert dataclasses.replace(written, field_lines=spliced.field_lines) == (
-        dataclasses.replace(spliced, forward=None)
+    assert written._replace(field_lines=spliced.field_lines) == (
+        spliced._replace(forward=None)
     )
     if spliced.forward is None:
         return
