@@ -77,6 +77,10 @@ _TRANSFER_ENCODING_LINE_RE: Final = re.compile(
 )
 
 
+# The bytes a token (a method) is made of: what a request's first byte must be.
+_TOKEN_BYTES: Final = frozenset(c for c in range(256) if TOKEN_RE.fullmatch(bytes([c])))
+
+
 class ClientClosedMidRequestError(Exception):
     """The client closed its side in the middle of a request body."""
 
@@ -213,7 +217,7 @@ class ClientSession:
             return NEED_DATA
         self.phase = _HEAD
         first = buffer[0]
-        if first != 13 and not TOKEN_RE.match(buffer, 0, 1):
+        if first != 13 and first not in _TOKEN_BYTES:
             # Not even a method (TLS on a plain port, garbage): say so now.
             raise RequestRejectedError(400, "not an HTTP request")
         end = find_head_end(buffer, self._scanned)

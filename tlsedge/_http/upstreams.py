@@ -22,6 +22,7 @@ requests.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Reversible
 from dataclasses import dataclass, field
 from typing import Final
@@ -61,9 +62,16 @@ class Upstream:
     #: The server it is connected to, every lease's (a field: each request
     #: asks, a property would be a call).
     server: Server = field(init=False)
+    #: The TLS client context it was made with (None: plain TCP), for
+    #: `UpstreamConnections.take` to compare with the backend's current one.
+    tls_context: ssl.SSLContext | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.server = self.lease.server
+        stream = self.stream
+        self.tls_context = (
+            stream.ssl_object.context if isinstance(stream, TLSStream) else None
+        )
 
 
 class UpstreamConnections:
@@ -154,8 +162,9 @@ class UpstreamConnections:
                 raise NoServerError(f"backend {self.backend.name}: no healthy server")
             return NewConnection(None)
         if not fresh:
+            context = self.backend.tls_context
             for candidate in reversed(held):
-                if candidate.server is server and self._current(candidate.stream):
+                if candidate.server is server and candidate.tls_context is context:
                     candidate.lease = self.backend.lease(server)
                     candidate.reused = True
                     self._in_use.add(candidate)
