@@ -176,8 +176,6 @@ from tlsedge._http.upstreams import (
 )
 from tlsedge._raw_stream import RawStream
 from tlsedge._reactor import (
-    ERROR,
-    HANGUP,
     READABLE,
     WRITABLE,
 )
@@ -245,11 +243,11 @@ class _Exchange(UpstreamAttempt):
     def _body_bytes(self) -> int:
         return self.host.session.body_bytes
 
-    def ready(self, events: int) -> None:
+    def flush(self) -> None:
         if self.response is SWITCHED:
-            self.host._upgraded_upstream_ready(self, events)
+            self.host._flush_upgraded(self)
         else:
-            UpstreamAttempt.ready(self, events)
+            UpstreamAttempt.flush(self)
 
     def _failed(self, failure: Failure) -> None:
         self.host._after_failure(self, failure)
@@ -449,20 +447,18 @@ class _HttpConnection(ReactorConnection):
 
     # -- the reactor's calls -------------------------------------------------
 
-    def _upgraded_upstream_ready(self, ex: _Exchange, events: int) -> None:
+    def _flush_upgraded(self, ex: _Exchange) -> None:
+        """After a 101: the client's bytes past its head go upstream."""
         raw = ex.raw
         assert raw is not None
-        if raw.out and events & (WRITABLE | ERROR | HANGUP):
-            try:
-                if raw.flush():
-                    ex.upstream_progress = self.now()
-            except IO_ERRORS as exc:
-                self._upgrade_failed(f"upstream write failed: {exc}")
-                return
-            if not raw.out:
-                self._relay_if_flushed()
-        else:
-            ex.ready(events)
+        try:
+            if raw.flush():
+                ex.upstream_progress = self.now()
+        except IO_ERRORS as exc:
+            self._upgrade_failed(f"upstream write failed: {exc}")
+            return
+        if not raw.out:
+            self._relay_if_flushed()
 
     def _update_interest(self) -> None:
         """Watch each socket for what its state waits for."""
