@@ -25,9 +25,13 @@ from tlsedge._http.head import (
 )
 
 __all__ = [
+    "CHUNKED_BODY",
+    "LENGTH_BODY",
     "MAX_CHUNK_LINE",
     "MAX_CHUNK_SIZE_DIGITS",
+    "NO_BODY",
     "NO_BODY_STATUSES",
+    "UNTIL_CLOSE_BODY",
     "BodyKind",
     "ChunkedDecoder",
     "encode_chunk",
@@ -62,6 +66,15 @@ class BodyKind(enum.Enum):
     LENGTH = "length"  # Content-Length bytes
     CHUNKED = "chunked"
     UNTIL_CLOSE = "until_close"  # responses without framing: ends at EOF
+
+
+# The members as module constants (as `tlsedge._pipeline.http.attempt`'s progress): a
+# member looked up on its enum class costs about ten times a global's lookup
+# (Python 3.11), and every message asks several times.
+NO_BODY: Final = BodyKind.NONE
+LENGTH_BODY: Final = BodyKind.LENGTH
+CHUNKED_BODY: Final = BodyKind.CHUNKED
+UNTIL_CLOSE_BODY: Final = BodyKind.UNTIL_CLOSE
 
 
 def encode_chunk(data: bytes) -> bytes:

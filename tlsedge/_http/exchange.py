@@ -26,10 +26,12 @@ The response head is read up to the first CRLFCRLF (at most
 (after 101 the exchange stops parsing and `trailing_data` holds the new
 protocol's first bytes); the final head as `Response` with its body's
 framing (RFC 9112 section 6.3): none for HEAD, 204 and 304, chunked, a
-Content-Length, or until the server closes. Chunked bodies go through a strict
-`ChunkedDecoder`. EOF before the response is complete is an `UpstreamError`
-whose ``empty`` says whether the server sent nothing at all (a stale kept-alive
-connection: the driver may send the request again).
+Content-Length, or until the server closes. A Content-Length body already
+buffered whole may be taken at once (`rest_of_body`) instead of as events.
+Chunked bodies go through a strict `ChunkedDecoder`. EOF before the response
+is complete is an `UpstreamError` whose ``empty`` says whether the server sent
+nothing at all (a stale kept-alive connection: the driver may send the
+request again).
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ from __future__ import annotations
 from typing import Final
 
 from tlsedge._http.body import (
+    CHUNKED_BODY,
+    LENGTH_BODY,
+    NO_BODY,
     NO_BODY_STATUSES,
-    BodyKind,
+    UNTIL_CLOSE_BODY,
     ChunkedDecoder,
     encode_chunk,
 )
@@ -121,7 +126,7 @@ class UpstreamExchange:
         self._buffer = bytearray()
         self._eof = False
         self._state = "head"  # "head", "body", "end", "done", "switched"
-        self._body = BodyKind.NONE
+        self._body = NO_BODY
         self._remaining = 0
         self._chunked: ChunkedDecoder | None = None
         self._trailers: list[Header] = []
@@ -143,7 +148,7 @@ class UpstreamExchange:
             RequestRejectedError: 400, the server's address cannot be a Host.
         """
         head = self.request.head_for(server)
-        if self.request.body is BodyKind.NONE:
+        if self.request.body is NO_BODY:
             self.request_complete = True
         return head
 
@@ -153,7 +158,7 @@ class UpstreamExchange:
         Raises:
             RequestRejectedError: 400, more bytes than the Content-Length.
         """
-        if self.request.body is BodyKind.CHUNKED:
+        if self.request.body is CHUNKED_BODY:
             return encode_chunk(data)
         self._request_left -= len(data)
         if self._request_left < 0:
@@ -169,7 +174,7 @@ class UpstreamExchange:
             RequestRejectedError: 400, the body ended short of its
                 Content-Length, or a trailer the gate refuses.
         """
-        if self.request.body is BodyKind.CHUNKED:
+        if self.request.body is CHUNKED_BODY:
             data = UpstreamRequest.last_chunk(trailers)
         elif self._request_left:
             raise RequestRejectedError(
@@ -250,22 +255,22 @@ class UpstreamExchange:
             return Informational(head)
         self._keep_alive = head.version == b"1.1" and b"close" not in head.connection
         if self.method == b"HEAD" or status in NO_BODY_STATUSES:
-            body = BodyKind.NONE
+            body = NO_BODY
         elif head.chunked:
-            body = BodyKind.CHUNKED
+            body = CHUNKED_BODY
             self._chunked = ChunkedDecoder(
                 max_trailer_bytes=MAX_RESPONSE_HEAD_BYTES,
                 max_trailers=MAX_RESPONSE_HEADERS,
                 rejected=_rejected,
             )
         elif head.content_length is not None:
-            body = BodyKind.LENGTH
+            body = LENGTH_BODY
             self._remaining = head.content_length
         else:
-            body = BodyKind.UNTIL_CLOSE
+            body = UNTIL_CLOSE_BODY
             self._keep_alive = False
         self._body = body
-        if body is BodyKind.NONE or (body is BodyKind.LENGTH and not self._remaining):
+        if body is NO_BODY or (body is LENGTH_BODY and not self._remaining):
             self._state = "end"
         else:
             self._state = "body"
@@ -277,11 +282,11 @@ class UpstreamExchange:
         if not buffer:
             if not self._eof:
                 return NEED_DATA
-            if body is BodyKind.UNTIL_CLOSE:
+            if body is UNTIL_CLOSE_BODY:
                 self._state = "done"
                 return EndOfBody([])
             raise UpstreamError("upstream closed the connection mid-response")
-        if body is BodyKind.LENGTH:
+        if body is LENGTH_BODY:
             take = min(self._remaining, len(buffer))
             data = bytes(buffer[:take])
             del buffer[:take]
@@ -289,7 +294,7 @@ class UpstreamExchange:
             if not self._remaining:
                 self._state = "end"
             return Body(data)
-        if body is BodyKind.UNTIL_CLOSE:
+        if body is UNTIL_CLOSE_BODY:
             data = bytes(buffer)
             buffer.clear()
             return Body(data)
@@ -308,6 +313,24 @@ class UpstreamExchange:
             self._state = "done"
             return EndOfBody(self._trailers)
         return self._body_event() if self._eof else NEED_DATA
+
+    def rest_of_body(self) -> bytes | None:
+        """Right after a `Response` with a Content-Length body: the whole
+        body at once when it is all buffered (the response is then complete:
+        no `Body` or `EndOfBody` follows), else None (the events bring it)."""
+        remaining = self._remaining
+        buffer = self._buffer
+        if (
+            self._state != "body"
+            or self._body is not LENGTH_BODY
+            or len(buffer) < remaining
+        ):
+            return None
+        data = bytes(buffer[:remaining])
+        del buffer[:remaining]
+        self._remaining = 0
+        self._state = "done"
+        return data
 
     @property
     def response_complete(self) -> bool:

@@ -52,7 +52,13 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
-from tlsedge._http.body import BodyKind, encode_fields
+from tlsedge._http.body import (
+    CHUNKED_BODY,
+    LENGTH_BODY,
+    NO_BODY,
+    BodyKind,
+    encode_fields,
+)
 from tlsedge._http.head import (
     FIELD_VALUE,
     HOST_RE,
@@ -191,14 +197,14 @@ def _framing(data: bytes, body: BodyKind) -> tuple[int | None, bytes | None]:
             if coding is not None:
                 raise RequestRejectedError(400, "more than one Transfer-Encoding")
             coding = value
-    if body is BodyKind.CHUNKED:
+    if body is CHUNKED_BODY:
         if length is not None or coding is None or coding.lower() != b"chunked":
             raise RequestRejectedError(
                 400, "a chunked body needs Transfer-Encoding: chunked alone"
             )
     elif coding is not None:
         raise RequestRejectedError(400, "Transfer-Encoding without a chunked body")
-    elif body is BodyKind.LENGTH:
+    elif body is LENGTH_BODY:
         if not length:
             raise RequestRejectedError(400, "a sized body without its Content-Length")
     elif length:
@@ -262,11 +268,11 @@ def from_http1(
             413, f"request body larger than {max_body_size} bytes"
         )
     if head.chunked:
-        body = BodyKind.CHUNKED
+        body = CHUNKED_BODY
     elif length:
-        body = BodyKind.LENGTH
+        body = LENGTH_BODY
     else:
-        body = BodyKind.NONE
+        body = NO_BODY
     asks_upgrade = head.upgrade and b"upgrade" in head.connection
     if authority is None and not asks_upgrade and not _names_a_field(head):
         spliced = rewriter.splice(head.field_lines, host=head.host)
@@ -343,11 +349,11 @@ def from_http2(
         )
     fields = request.headers
     if length:
-        body = BodyKind.LENGTH
+        body = LENGTH_BODY
     elif request.end_stream or length == 0:
-        body = BodyKind.NONE
+        body = NO_BODY
     else:
-        body = BodyKind.CHUNKED
+        body = CHUNKED_BODY
         fields = [*fields, (b"transfer-encoding", b"chunked")]
     headers, request_id = rewriter.head_fields(
         fields, connection=frozenset(), upgrade=False, authority=None, host=request.host

@@ -35,11 +35,13 @@ name the first rule it breaks.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 __all__ = [
     "FIELD_VALUE",
+    "HOP_BY_HOP",
+    "HOP_LINE_RE",
+    "NOT_NAMED_AWAY",
     "HeadRejectedError",
     "RequestHead",
     "RequestRejectedError",
@@ -94,11 +96,47 @@ _REQUEST_FIELDS_RE: Final = re.compile(
     rb":[ \t]*([^\r]*)",
     re.IGNORECASE,
 )
-# The fields a response's framing depends on, with their values (OWS before the
-# value skipped, after it kept), searched in a head the regex validated: every
-# field line follows a LF, and its name is directly followed by ":".
-_RESPONSE_FRAMING_RE: Final = re.compile(
-    rb"\n(content-length|transfer-encoding|connection):[ \t]*([^\r]*)", re.IGNORECASE
+#: Hop-by-hop fields (RFC 9110 section 7.6.1, and HTTP2-Settings, which RFC
+#: 7540 section 3.2.1 made connection-specific), never forwarded either way.
+HOP_BY_HOP: Final = frozenset(
+    {
+        b"connection",
+        b"http2-settings",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"upgrade",
+    }
+)
+#: ``Connection`` tokens that name no field the proxy would not drop anyway:
+#: hop-by-hop fields, and framing and routing, which a ``Connection`` header
+#: may not make us drop.
+NOT_NAMED_AWAY: Final = HOP_BY_HOP | {b"host", b"content-length", b"transfer-encoding"}
+#: A hop-by-hop field line, in field lines a head parser validated.
+HOP_LINE_RE: Final = re.compile(
+    rb"^(?:" + b"|".join(sorted(HOP_BY_HOP)) + rb"):[^\r]*\r\n",
+    re.IGNORECASE | re.MULTILINE,
+)
+# The fields a response's framing depends on and the hop-by-hop ones, with
+# their values (OWS before the value skipped, after it kept), searched in a
+# head the regex validated: every field line follows a LF, and its name is
+# directly followed by ":".
+_RESPONSE_FIELDS_RE: Final = re.compile(
+    rb"\n(content-length|transfer-encoding|"
+    + b"|".join(sorted(HOP_BY_HOP))
+    + rb"):[ \t]*([^\r]*)",
+    re.IGNORECASE,
+)
+# The common response head, which goes to an HTTP/1.1 client as received
+# (hop-by-hop lines cut): HTTP/1.1, a status from 100 to 599 with a reason
+# phrase, and field lines as `tlsedge._http.body.encode_field_lines` writes
+# them (``name: value``, one SP after the colon, a value neither empty nor
+# with OWS around it). Every head it takes `_RESPONSE_HEAD_RE` takes too.
+_COMMON_RESPONSE_HEAD_RE: Final = re.compile(
+    rb"HTTP/1\.1 ([1-5][0-9][0-9]) [\t\x20-\x7e\x80-\xff]+\r\n((?:"
+    + TOKEN
+    + rb": [\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?\r\n)*)"
+    rb"\r\n"
 )
 
 
@@ -160,9 +198,9 @@ class ResponseRejectedError(HeadRejectedError):
         super().__init__(502, reason)
 
 
-@dataclass(frozen=True, slots=True)
-class RequestHead:
-    """A parsed, validated request head.
+class RequestHead(NamedTuple):
+    """A parsed, validated request head (immutable: a named tuple, which is
+    made in C, where a frozen dataclass sets each field with a call).
 
     ``field_lines`` are the field lines exactly as received (each ending with
     CRLF, no blank line after them): what the gate splices the upstream head
@@ -192,13 +230,17 @@ class RequestHead:
         return split_field_lines(self.field_lines)
 
 
-@dataclass(frozen=True, slots=True)
-class ResponseHead:
-    """A parsed, validated response head (framing as declared, see `RequestHead`).
+class ResponseHead(NamedTuple):
+    """A parsed, validated response head (framing as declared, and immutable,
+    as `RequestHead`).
 
     ``field_lines`` are the field lines exactly as received (each ending with
     CRLF, no blank line after them): what is forwarded, minus the hop-by-hop
     ones (`tlsedge._http.rules.end_to_end_fields`); `headers` splits them.
+    ``forward``, for the common head (`_COMMON_RESPONSE_HEAD_RE`, its
+    ``Connection`` naming no other field), is the status line and those
+    end-to-end field lines as received, no blank line: what an HTTP/1.1
+    client gets, spliced; None when they must be written again.
     """
 
     version: bytes
@@ -208,6 +250,7 @@ class ResponseHead:
     content_length: int | None
     chunked: bool
     connection: frozenset[bytes]
+    forward: bytes | None = None
 
     @property
     def headers(self) -> list[Header]:
@@ -367,12 +410,18 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
     Raises:
         ResponseRejectedError: the response cannot be relayed safely (502).
     """
-    match = _RESPONSE_HEAD_RE.fullmatch(head)
-    if match is None:
-        raise _response_head_error(head, max_headers)
-    version, status_text, reason, block = match.groups()
-    if version not in _VERSIONS:
-        raise ResponseRejectedError(f"response version HTTP/{version.decode()}")
+    common = _COMMON_RESPONSE_HEAD_RE.fullmatch(head)
+    if common is not None:
+        version = b"1.1"
+        status_text, block = common.groups()
+        reason = head[13 : common.start(2) - 2]  # (after "HTTP/1.1 200 ")
+    else:
+        match = _RESPONSE_HEAD_RE.fullmatch(head)
+        if match is None:
+            raise _response_head_error(head, max_headers)
+        version, status_text, reason, block = match.groups()
+        if version not in _VERSIONS:
+            raise ResponseRejectedError(f"response version HTTP/{version.decode()}")
     status = int(status_text)
     if status < 100 or status > 599:
         raise ResponseRejectedError(f"response status {status} (expected 100-599)")
@@ -381,7 +430,8 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
     lengths: list[bytes] = []
     codings: list[bytes] = []
     tokens: set[bytes] = set()
-    for name, raw in _RESPONSE_FRAMING_RE.findall(head):
+    hop_by_hop = False
+    for name, raw in _RESPONSE_FIELDS_RE.findall(head):
         lname = name.lower()
         value = raw.rstrip(b" \t")
         if lname == b"content-length":
@@ -389,7 +439,9 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
         elif lname == b"transfer-encoding":
             codings.append(value)
         else:
-            _add_tokens(tokens, value)
+            hop_by_hop = True
+            if lname == b"connection":
+                _add_tokens(tokens, value)
     tokens.discard(b"")
     content_length = None
     if lengths:
@@ -407,6 +459,12 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
             raise ResponseRejectedError(
                 "response Transfer-Encoding other than a single 'chunked'"
             )
+    forward = None
+    if common is not None and tokens <= NOT_NAMED_AWAY:
+        if hop_by_hop:
+            forward = head[: common.start(2)] + HOP_LINE_RE.sub(b"", block)
+        else:
+            forward = head[:-2]
     return ResponseHead(
         version,
         status,
@@ -415,6 +473,7 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
         content_length,
         bool(codings),
         frozenset(tokens),
+        forward,
     )
 
 

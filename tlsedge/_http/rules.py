@@ -37,7 +37,10 @@ from tlsedge._core.forwarded import (
 )
 from tlsedge._http.body import encode_field_lines
 from tlsedge._http.head import (
+    HOP_BY_HOP,
+    HOP_LINE_RE,
     HOST_RE,
+    NOT_NAMED_AWAY,
     TOKEN,
     RequestRejectedError,
     ResponseHead,
@@ -69,35 +72,15 @@ MAX_LOGGED_TEXT: Final = 512
 IDEMPOTENT_METHODS: Final = frozenset(
     {b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"}
 )
-#: Hop-by-hop fields (RFC 9110 section 7.6.1, and HTTP2-Settings, which RFC
-#: 7540 section 3.2.1 made connection-specific), never forwarded either way.
-HOP_BY_HOP: Final = frozenset(
-    {
-        b"connection",
-        b"http2-settings",
-        b"keep-alive",
-        b"proxy-connection",
-        b"te",
-        b"upgrade",
-    }
-)
 #: Fields a ``Connection`` header may not make us drop: framing and routing.
 _PROTECTED: Final = frozenset({b"host", b"content-length", b"transfer-encoding"})
-#: ``Connection`` tokens that name no field the proxy would not drop anyway.
-NOT_NAMED_AWAY: Final = HOP_BY_HOP | _PROTECTED
 #: Fields dropped from trailers: framing, routing, hop-by-hop.
-_NOT_IN_TRAILERS: Final = HOP_BY_HOP | _PROTECTED | {b"trailer", b"expect"}
+_NOT_IN_TRAILERS: Final = NOT_NAMED_AWAY | {b"trailer", b"expect"}
 # The first bytes of every hop-by-hop name, either case: other names are kept
 # without lowercasing them.
 _HOP_FIRST_BYTES: Final = frozenset(b"cChHkKpPtTuU")
 
-# A hop-by-hop field line, in field lines a head parser validated (with and
-# without Upgrade).
-_HOP_LINE_RE: Final = re.compile(
-    rb"^(?:connection|http2-settings|keep-alive|proxy-connection|te|upgrade)"
-    rb":[^\r]*\r\n",
-    re.IGNORECASE | re.MULTILINE,
-)
+# A hop-by-hop field line but Upgrade, in field lines a head parser validated.
 _HOP_LINE_BUT_UPGRADE_RE: Final = re.compile(
     rb"^(?:connection|http2-settings|keep-alive|proxy-connection|te):[^\r]*\r\n",
     re.IGNORECASE | re.MULTILINE,
@@ -244,7 +227,7 @@ def end_to_end_fields(head: ResponseHead, *, keep_upgrade: bool) -> bytes:
         )
     if keep_upgrade:
         return _HOP_LINE_BUT_UPGRADE_RE.sub(b"", lines) + b"Connection: upgrade\r\n"
-    return _HOP_LINE_RE.sub(b"", lines)
+    return HOP_LINE_RE.sub(b"", lines)
 
 
 @functools.lru_cache(maxsize=16)

@@ -38,7 +38,11 @@ import re
 from typing import Final
 
 from tlsedge._http.body import (
+    CHUNKED_BODY,
+    LENGTH_BODY,
+    NO_BODY,
     NO_BODY_STATUSES,
+    UNTIL_CLOSE_BODY,
     BodyKind,
     ChunkedDecoder,
     encode_chunk,
@@ -73,6 +77,10 @@ _TRANSFER_ENCODING_LINE_RE: Final = re.compile(
 )
 
 
+# The bytes a token (a method) is made of: what a request's first byte must be.
+_TOKEN_BYTES: Final = frozenset(c for c in range(256) if TOKEN_RE.fullmatch(bytes([c])))
+
+
 class ClientClosedMidRequestError(Exception):
     """The client closed its side in the middle of a request body."""
 
@@ -85,6 +93,14 @@ class Phase(enum.Enum):
     BODY = "body"  # the head is read, the body is arriving
     DONE = "done"  # the whole request is read
     SWITCHED = "switched"  # 101 sent: no longer HTTP
+
+
+# The members as module constants (as `tlsedge._http.body`'s `BodyKind`).
+_IDLE: Final = Phase.IDLE
+_HEAD: Final = Phase.HEAD
+_BODY: Final = Phase.BODY
+_DONE: Final = Phase.DONE
+_SWITCHED: Final = Phase.SWITCHED
 
 
 class ClientSession:
@@ -132,12 +148,12 @@ class ClientSession:
         self._buffer = bytearray(initial_data)
         self._eof = False
         self._scanned = 0
-        self.phase = Phase.IDLE
+        self.phase = _IDLE
         self._start_cycle()
 
     def _start_cycle(self) -> None:
         self.request: RequestHead | None = None
-        self._body_kind = BodyKind.NONE
+        self._body_kind = NO_BODY
         self._remaining = 0
         self._chunked: ChunkedDecoder | None = None
         self._trailers: list[Header] | None = None
@@ -145,7 +161,7 @@ class ClientSession:
         self.expects_continue = False
         self.response_started = False
         self.response_complete = False
-        self._response_body = BodyKind.NONE
+        self._response_body = NO_BODY
         self.close_after_response = False
         self._scanned = 0
 
@@ -181,11 +197,11 @@ class ClientSession:
             ClientClosedMidRequestError: EOF inside a request body.
         """
         phase = self.phase
-        if phase is Phase.BODY:
+        if phase is _BODY:
             return self._body_event()
-        if phase is Phase.IDLE or phase is Phase.HEAD:
+        if phase is _IDLE or phase is _HEAD:
             return self._head_event()
-        if phase is Phase.DONE and self._trailers is not None:
+        if phase is _DONE and self._trailers is not None:
             trailers, self._trailers = self._trailers, None
             return EndOfBody(trailers)
         return NEED_DATA
@@ -197,11 +213,11 @@ class ClientSession:
             self._scanned = 0
         if not buffer:
             if self._eof:
-                return ConnectionClosed(in_head=self.phase is Phase.HEAD)
+                return ConnectionClosed(in_head=self.phase is _HEAD)
             return NEED_DATA
-        self.phase = Phase.HEAD
+        self.phase = _HEAD
         first = buffer[0]
-        if first != 13 and not TOKEN_RE.match(buffer, 0, 1):
+        if first != 13 and first not in _TOKEN_BYTES:
             # Not even a method (TLS on a plain port, garbage): say so now.
             raise RequestRejectedError(400, "not an HTTP request")
         end = find_head_end(buffer, self._scanned)
@@ -227,18 +243,18 @@ class ClientSession:
         del buffer[:end]
         self.request = head
         if head.chunked:
-            self._body_kind = BodyKind.CHUNKED
+            self._body_kind = CHUNKED_BODY
             self._chunked = ChunkedDecoder(
                 max_trailer_bytes=self.max_header_bytes,
                 max_trailers=self.max_headers,
             )
-            self.phase = Phase.BODY
+            self.phase = _BODY
         elif head.content_length:
-            self._body_kind = BodyKind.LENGTH
+            self._body_kind = LENGTH_BODY
             self._remaining = head.content_length
-            self.phase = Phase.BODY
+            self.phase = _BODY
         else:
-            self.phase = Phase.DONE
+            self.phase = _DONE
             self._trailers = []
         if head.version == b"1.1" and head.expect is not None:
             self.expects_continue = head.expect.lower() == b"100-continue"
@@ -252,20 +268,20 @@ class ClientSession:
                     "client closed in the middle of the request body"
                 )
             return NEED_DATA
-        if self._body_kind is BodyKind.LENGTH:
+        if self._body_kind is LENGTH_BODY:
             take = min(self._remaining, len(buffer))
             data = bytes(buffer[:take])
             del buffer[:take]
             self._remaining -= take
             if not self._remaining:
-                self.phase = Phase.DONE
+                self.phase = _DONE
                 self._trailers = []
         else:
             decoder = self._chunked
             assert decoder is not None
             data = decoder.take(buffer)
             if decoder.done:
-                self.phase = Phase.DONE
+                self.phase = _DONE
                 self._trailers = decoder.trailers
             if not data:
                 if decoder.done:
@@ -282,7 +298,7 @@ class ClientSession:
     @property
     def request_read(self) -> bool:
         """True once the current request was read in full (body included)."""
-        return self.phase is Phase.DONE
+        return self.phase is _DONE
 
     # -- writing ----------------------------------------------------------
 
@@ -295,7 +311,7 @@ class ClientSession:
         """A 1xx head for the client (101 switches the connection to bytes)."""
         self.expects_continue = False
         if status == 101:
-            self.phase = Phase.SWITCHED
+            self.phase = _SWITCHED
             self.response_started = True
         return self._head_bytes(status, reason, headers)
 
@@ -319,43 +335,57 @@ class ClientSession:
             body: How the upstream framed the body.
             close: End the connection after this response.
         """
+        return self.send_response_head(
+            b"HTTP/1.1 %d %b\r\n%b" % (status, reason, field_lines),
+            status,
+            body,
+            close=close,
+        )
+
+    def send_response_head(
+        self, head: bytes, status: int, body: BodyKind, *, close: bool = False
+    ) -> bytes:
+        """`send_response` of a head already written: *head* is an HTTP/1.1
+        status line and its field lines, no blank line (a
+        `tlsedge._http.head.ResponseHead`'s ``forward``, spliced from the
+        upstream's head), and *status* its status."""
         request = self.request
         assert request is not None
         self.expects_continue = False
         self.response_started = True
         version_11 = request.version == b"1.1"
         if request.method == b"HEAD" or status in NO_BODY_STATUSES:
-            body = BodyKind.NONE
-        elif body is BodyKind.UNTIL_CLOSE or body is BodyKind.CHUNKED:
+            body = NO_BODY
+        elif body is UNTIL_CLOSE_BODY or body is CHUNKED_BODY:
             if version_11:
-                if body is BodyKind.UNTIL_CLOSE:
-                    field_lines += b"Transfer-Encoding: chunked\r\n"
-                body = BodyKind.CHUNKED
+                if body is UNTIL_CLOSE_BODY:
+                    head += b"Transfer-Encoding: chunked\r\n"
+                body = CHUNKED_BODY
             else:
-                field_lines = _TRANSFER_ENCODING_LINE_RE.sub(b"", field_lines)
-                body = BodyKind.UNTIL_CLOSE
+                head = _TRANSFER_ENCODING_LINE_RE.sub(b"", head)
+                body = UNTIL_CLOSE_BODY
                 close = True
         if close or not version_11 or b"close" in request.connection:
             close = True
-            field_lines += b"Connection: close\r\n"
+            head += b"Connection: close\r\n"
         self.close_after_response = close
         self._response_body = body
-        if body is BodyKind.NONE:
+        if body is NO_BODY:
             self.response_complete = True
-        return b"HTTP/1.1 %d %b\r\n%b\r\n" % (status, reason, field_lines)
+        return head + b"\r\n"
 
     def send_data(self, data: bytes) -> bytes:
         """Response body bytes, framed (never empty: that would end a chunked body)."""
-        if self._response_body is BodyKind.CHUNKED:
+        if self._response_body is CHUNKED_BODY:
             return encode_chunk(data)
-        if self._response_body is BodyKind.NONE:
+        if self._response_body is NO_BODY:
             return b""
         return data
 
     def send_end(self, trailers: list[Header]) -> bytes:
         """The end of the response body (trailers only where chunked allows)."""
         self.response_complete = True
-        if self._response_body is BodyKind.CHUNKED:
+        if self._response_body is CHUNKED_BODY:
             return encode_last_chunk(trailers)
         return b""
 
@@ -370,7 +400,7 @@ class ClientSession:
     def keep_alive(self) -> bool:
         """Whether the connection may carry a next request now."""
         return (
-            self.phase is Phase.DONE
+            self.phase is _DONE
             and self.response_complete
             and not self.close_after_response
         )
@@ -378,7 +408,7 @@ class ClientSession:
     def start_next_cycle(self) -> None:
         """Begin the next request (requires `keep_alive`)."""
         assert self.keep_alive
-        self.phase = Phase.IDLE
+        self.phase = _IDLE
         self._start_cycle()
 
     @property

@@ -363,3 +363,56 @@ def test_more_informational_responses_than_the_cap_are_an_upstream_error() -> No
     assert len(events) == MAX_INFORMATIONAL
     with pytest.raises(UpstreamError, match="more than 32 informational"):
         answered(hint * (MAX_INFORMATIONAL + 1))
+
+
+@given(
+    st.binary(min_size=1, max_size=40),
+    st.integers(0, 40),
+    st.sampled_from([b"", b"HTTP/1.1 200 OK\r\n"]),
+)
+def test_rest_of_body_is_the_body_events_at_once(
+    body: bytes, given_bytes: int, stray: bytes
+) -> None:
+    """Right after the head, a sized body all buffered is taken at once and
+    leaves the exchange where its events would; one not all there is left
+    to the events."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+    whole = given_bytes >= len(body)
+    data = head + (body + stray if whole else body[:given_bytes])
+    by_events, events = answered(data)
+    exchange = sent()
+    exchange.receive_data(data)
+    assert isinstance(exchange.next_event(), Response)
+    rest = exchange.rest_of_body()
+    if not whole:
+        assert rest is None
+        # The bytes there stay for the events.
+        exchange.receive_data(body[given_bytes:])
+        assert [exchange.next_event(), exchange.next_event()] == [
+            Body(body),
+            EndOfBody([]),
+        ]
+        return
+    assert rest == b"".join(e.data for e in events if isinstance(e, Body)) == body
+    assert events[-1] == EndOfBody([])
+    assert exchange.next_event() is NEED_DATA
+    assert (exchange.response_complete, exchange.reusable) == (
+        by_events.response_complete,
+        by_events.reusable,
+    )
+    assert exchange.trailing_data == by_events.trailing_data == stray
+
+
+def test_rest_of_body_only_for_a_sized_body_after_its_head() -> None:
+    chunked = sent()
+    chunked.receive_data(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    )
+    assert chunked.rest_of_body() is None  # no head yet
+    assert isinstance(chunked.next_event(), Response)
+    assert chunked.rest_of_body() is None
+    empty = sent()
+    empty.receive_data(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert isinstance(empty.next_event(), Response)
+    assert empty.rest_of_body() is None
+    assert empty.next_event() == EndOfBody([])

@@ -3,11 +3,17 @@ split fields they must agree with."""
 
 from __future__ import annotations
 
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
-from tlsedge._http.body import encode_field_lines
-from tlsedge._http.head import parse_response_head
-from tlsedge._http.rules import end_to_end_fields, strip_hop_by_hop
+from tests.tlsedge.http.test_head import mutated, response_heads
+from tlsedge._http.body import BodyKind, encode_field_lines
+from tlsedge._http.head import (
+    ResponseHead,
+    ResponseRejectedError,
+    parse_response_head,
+)
+from tlsedge._http.rules import end_to_end_fields, reason_phrase, strip_hop_by_hop
+from tlsedge._http.session import ClientSession
 
 # Hop-by-hop names, names a Connection field may name, framing, others; any case.
 _NAMES = st.sampled_from(
@@ -91,4 +97,93 @@ def test_end_to_end_fields_cut_only_hop_by_hop_lines() -> None:
     )
     assert end_to_end_fields(spaced, keep_upgrade=False) == (
         b"Server: nginx\r\nX-Empty: \r\n"
+    )
+
+
+# -- the spliced response head --------------------------------------------------
+
+# A field line that keeps a head off the spliced path (OWS as we do not write
+# it) and changes nothing else: once split and written again, ``X-Pad: v``.
+_PAD = b"X-Pad:  v \r\n"
+
+
+def _parsed(head: bytes) -> ResponseHead | str:
+    try:
+        return parse_response_head(head, max_headers=100)
+    except ResponseRejectedError as exc:
+        return exc.reason
+
+
+def _client_bytes(
+    head: ResponseHead, request: bytes, *, spliced: bool, close: bool
+) -> bytes:
+    """What the driver writes to a client that sent *request* (`_response_head`)."""
+    session = ClientSession(max_header_bytes=8192, max_headers=50)
+    session.receive_data(request)
+    session.next_event()
+    body = (
+        BodyKind.CHUNKED
+        if head.chunked
+        else BodyKind.UNTIL_CLOSE
+        if head.content_length is None
+        else BodyKind.LENGTH
+    )
+    if spliced:
+        assert head.forward is not None
+        return session.send_response_head(head.forward, head.status, body, close=close)
+    return session.send_response(
+        head.status,
+        reason_phrase(head.status, head.reason),
+        end_to_end_fields(head, keep_upgrade=False),
+        body,
+        close=close,
+    )
+
+
+@st.composite
+def spliceable_heads(draw: st.DrawFn) -> bytes:
+    status = draw(st.sampled_from([b"200 OK", b"404 Not Found", b"204 X", b"101 S"]))
+    return b"HTTP/1.1 " + status + b"\r\n" + draw(response_field_lines()) + b"\r\n"
+
+
+@given(
+    st.one_of(spliceable_heads(), response_heads(), mutated(response_heads())),
+    st.sampled_from(
+        [
+            b"GET / HTTP/1.1\r\nHost: h\r\n\r\n",
+            b"HEAD / HTTP/1.1\r\nHost: h\r\n\r\n",
+            b"GET / HTTP/1.0\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        ]
+    ),
+    st.booleans(),
+)
+@example(
+    b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nContent-Length: 6\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: h\r\n\r\n",
+    False,
+)
+def test_spliced_response_head_is_the_parsed_one(
+    head: bytes, request: bytes, close: bool
+) -> None:
+    """A head that takes the spliced path (``forward``) gets the verdict,
+    the framing and, to the client, the bytes the written path gives it: the
+    same head with a line that keeps it off the spliced path is its oracle."""
+    spliced, written = _parsed(head), _parsed(head[:-2] + _PAD + b"\r\n")
+    if isinstance(spliced, str) or isinstance(written, str):
+        assert spliced == written
+        return
+    assert written.forward is None
+    assert written._replace(field_lines=spliced.field_lines) == (
+        spliced._replace(forward=None)
+    )
+    if spliced.forward is None:
+        return
+    assert spliced.forward + b"X-Pad: v\r\n" == b"HTTP/1.1 %d %b\r\n%b" % (
+        written.status,
+        reason_phrase(written.status, written.reason),
+        end_to_end_fields(written, keep_upgrade=False),
+    )
+    assert _client_bytes(spliced, request, spliced=True, close=close) == (
+        _client_bytes(spliced, request, spliced=False, close=close)
     )

@@ -68,7 +68,7 @@ from tlsedge._core.accesslog import format_address
 from tlsedge._core.balancer import Server
 from tlsedge._core.config import HttpConfig
 from tlsedge._core.termination import Termination
-from tlsedge._http.body import BodyKind
+from tlsedge._http.body import NO_BODY
 from tlsedge._http.exchange import UpstreamError, UpstreamExchange
 from tlsedge._http.gate import UpstreamRequest
 from tlsedge._http.head import RequestRejectedError
@@ -771,12 +771,12 @@ class UpstreamAttempt(abc.ABC):
         upstream = self.upstream
         failure = self.failure
         request = self.request
-        retry = should_retry(
+        retry = failure is not None and should_retry(
             failure,
             upstream,
             response_started=self.response is not WAITING,
             method=request.method,
-            has_body=request.body is not BodyKind.NONE,
+            has_body=request.body is not NO_BODY,
             retried=self.retried,
         )
         if upstream is not None:

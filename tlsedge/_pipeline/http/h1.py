@@ -119,7 +119,7 @@ from tlsedge._backends.upstream import BackendPool
 from tlsedge._core.config import ListenerConfig
 from tlsedge._core.downstream import Downstream
 from tlsedge._core.termination import RelayStats, Termination
-from tlsedge._http.body import BodyKind
+from tlsedge._http.body import CHUNKED_BODY
 from tlsedge._http.events import (
     NEED_DATA,
     Body,
@@ -177,8 +177,6 @@ from tlsedge._pipeline.http.upstreams import (
 )
 from tlsedge._reactor.drain import Drain
 from tlsedge._reactor.loop import (
-    ERROR,
-    HANGUP,
     READABLE,
     WRITABLE,
 )
@@ -203,6 +201,9 @@ Header = tuple[bytes, bytes]
 #: that closing with unread data (which sends an RST) cannot destroy the answer.
 LINGER_TIMEOUT: Final = 2.0
 LINGER_MAX_BYTES: Final = 1 << 20
+
+# (As `tlsedge._http.body`'s constants: a global, not a lookup on the enum.)
+_BODY_PHASE: Final = Phase.BODY
 
 #: The request's head went out and its body still goes upstream.
 _BODY_GOES: Final = frozenset({BODY, WRITTEN})
@@ -242,11 +243,11 @@ class _Exchange(UpstreamAttempt):
     def _body_bytes(self) -> int:
         return self.host.session.body_bytes
 
-    def ready(self, events: int) -> None:
+    def flush(self) -> None:
         if self.response is SWITCHED:
-            self.host._upgraded_upstream_ready(self, events)
+            self.host._flush_upgraded(self)
         else:
-            UpstreamAttempt.ready(self, events)
+            UpstreamAttempt.flush(self)
 
     def _failed(self, failure: Failure) -> None:
         self.host._after_failure(self, failure)
@@ -283,6 +284,15 @@ class _Exchange(UpstreamAttempt):
                     stall = ex.read_progress + connection.idle_timeout
                     if stall < connection.armed:
                         connection.arm(stall)
+                    # The common case: the whole sized body came with the
+                    # head (no events for it).
+                    body = conn.rest_of_body()
+                    if body is not None:
+                        pending.append(session.send_data(body))
+                        pending.append(session.send_end([]))
+                        assert QUEUED in RESPONSE_TRANSITIONS[ex.response]
+                        ex.response = QUEUED
+                        break
                 else:
                     assert isinstance(event, Informational), event
                     head = event.head
@@ -437,20 +447,18 @@ class _HttpConnection(ReactorConnection):
 
     # -- the reactor's calls -------------------------------------------------
 
-    def _upgraded_upstream_ready(self, ex: _Exchange, events: int) -> None:
+    def _flush_upgraded(self, ex: _Exchange) -> None:
+        """After a 101: the client's bytes past its head go upstream."""
         raw = ex.raw
         assert raw is not None
-        if raw.out and events & (WRITABLE | ERROR | HANGUP):
-            try:
-                if raw.flush():
-                    ex.upstream_progress = self.now()
-            except IO_ERRORS as exc:
-                self._upgrade_failed(f"upstream write failed: {exc}")
-                return
-            if not raw.out:
-                self._relay_if_flushed()
-        else:
-            ex.ready(events)
+        try:
+            if raw.flush():
+                ex.upstream_progress = self.now()
+        except IO_ERRORS as exc:
+            self._upgrade_failed(f"upstream write failed: {exc}")
+            return
+        if not raw.out:
+            self._relay_if_flushed()
 
     def _update_interest(self) -> None:
         """Watch each socket for what its state waits for."""
@@ -466,7 +474,7 @@ class _HttpConnection(ReactorConnection):
             want_client = WRITABLE if client.out else READABLE
         elif state is EXCHANGE:
             assert ex is not None
-            if self.session.phase is Phase.BODY:
+            if self.session.phase is _BODY_PHASE:
                 read = (
                     raw is not None
                     and ex.request_progress in _BODY_GOES
@@ -540,7 +548,7 @@ class _HttpConnection(ReactorConnection):
         if client.out:
             due = (self.client_progress + idle, self._client_stalled)
         due = ex.upstream_due(due, client_holds=bool(client.out))
-        if self.session.phase is Phase.BODY and ex.request_progress in _BODY_GOES:
+        if self.session.phase is _BODY_PHASE and ex.request_progress in _BODY_GOES:
             body_due = ex.body_due()
             if body_due < due[0]:
                 due = (body_due, ex.body_timed_out)
@@ -593,7 +601,7 @@ class _HttpConnection(ReactorConnection):
         self.session.receive_data(data)
         if state is HEAD:
             self._advance_head()
-        elif state is EXCHANGE and self.session.phase is Phase.BODY:
+        elif state is EXCHANGE and self.session.phase is _BODY_PHASE:
             ex = self.ex
             assert ex is not None
             ex.body_progress = self.now()
@@ -664,7 +672,10 @@ class _HttpConnection(ReactorConnection):
         self.head_deadline = deadline = self.now() + self.http.keepalive_timeout
         if deadline < self.armed:
             self.arm(deadline)
-        if self.state is HEAD:
+        session = self.session
+        if session.buffered or session.eof:
+            # A pipelined request or the client's end: else the session
+            # has nothing to say until the client's next bytes.
             self._advance_head()
 
     def _request_begins(self) -> None:
@@ -816,17 +827,22 @@ class _HttpConnection(ReactorConnection):
         ex.log.status = head.status
         assert STARTED in RESPONSE_TRANSITIONS[ex.response]
         ex.response = STARTED
-        ex.trailers_ok = response.body is BodyKind.CHUNKED
+        ex.trailers_ok = response.body is CHUNKED_BODY
         # The backend may answer before the request's last bytes left our
         # buffer: what counts is whether the client's request was read in
         # full, not whether all of it went upstream yet.
         session = self.session
+        close = self.drain_event.is_set() or not session.request_read
+        if head.forward is not None:
+            return session.send_response_head(
+                head.forward, head.status, response.body, close=close
+            )
         return session.send_response(
             head.status,
             reason_phrase(head.status, head.reason),
             end_to_end_fields(head, keep_upgrade=False),
             response.body,
-            close=self.drain_event.is_set() or not session.request_read,
+            close=close,
         )
 
     # -- held upstream connections, the end of an exchange ---------------------

@@ -22,8 +22,9 @@ requests.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Reversible
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import trio
@@ -58,10 +59,19 @@ class Upstream:
     lease: ServerLease
     reused: bool
     prefix: bytes = b""  # the PROXY header, sent with the first request head
+    #: The server it is connected to, every lease's (a field: each request
+    #: asks, a property would be a call).
+    server: Server = field(init=False)
+    #: The TLS client context it was made with (None: plain TCP), for
+    #: `UpstreamConnections.take` to compare with the backend's current one.
+    tls_context: ssl.SSLContext | None = field(init=False)
 
-    @property
-    def server(self) -> Server:
-        return self.lease.server
+    def __post_init__(self) -> None:
+        self.server = self.lease.server
+        stream = self.stream
+        self.tls_context = (
+            stream.ssl_object.context if isinstance(stream, TLSStream) else None
+        )
 
 
 class UpstreamConnections:
@@ -152,8 +162,9 @@ class UpstreamConnections:
                 raise NoServerError(f"backend {self.backend.name}: no healthy server")
             return NewConnection(None)
         if not fresh:
+            context = self.backend.tls_context
             for candidate in reversed(held):
-                if candidate.server is server and self._current(candidate.stream):
+                if candidate.server is server and candidate.tls_context is context:
                     candidate.lease = self.backend.lease(server)
                     candidate.reused = True
                     self._in_use.add(candidate)
