@@ -1257,6 +1257,55 @@ async def test_upgrade_relays_both_ways_and_half_closes() -> None:
         assert proxy.results[0].termination.startswith("upgraded:")
 
 
+async def test_upgrade_survives_an_upstream_reset_while_the_client_lags() -> None:
+    """After a 101 the relay starts once the client has taken what came with
+    it; an upstream event meanwhile (here the backend's reset, with nothing of
+    the client's left to send it) must not derail the connection: it ends as
+    an upgraded one, logged, not as an internal error."""
+    burst = b"s" * (8 * 1024 * 1024)
+
+    async def upgrade_then_reset(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        await stream.send_all(
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+            b"Upgrade: test\r\n\r\n" + burst
+        )
+        await trio.sleep(0.2)
+        set_abortive_close(stream.socket)
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        backend = await Backend(upgrade_then_reset).start(nursery)
+        async with running_proxy([backend.address]) as proxy:
+            sock = trio.socket.socket()
+            # A small window: what came with the 101 waits in the proxy.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await sock.connect(proxy.address)
+            stream = trio.SocketStream(sock)
+            await stream.send_all(
+                b"GET / HTTP/1.1\r\nHost: h\r\nConnection: Upgrade\r\n"
+                b"Upgrade: test\r\n\r\n"
+            )
+            await trio.sleep(0.5)  # the client lags; the backend resets
+            received = 0
+            with trio.fail_after(10):
+                with contextlib.suppress(trio.BrokenResourceError):
+                    while chunk := await stream.receive_some(1 << 20):
+                        received += len(chunk)
+                await stream.aclose()
+                while not proxy.results:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert received > 0
+    result = proxy.results[0]
+    assert result.termination.startswith("upgraded:"), (
+        result.termination,
+        result.detail,
+    )
+
+
 async def test_h2c_upgrade_is_never_asked_of_the_backend() -> None:
     # After a 101 the edge would relay bytes: HTTP/2 requests inside would
     # pass without X-Forwarded-For, request ids or access-log lines. The h2c
