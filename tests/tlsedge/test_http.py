@@ -1273,7 +1273,7 @@ async def test_upgrade_survives_an_upstream_reset_while_the_client_lags() -> Non
             b"Upgrade: test\r\n\r\n" + burst
         )
         await trio.sleep(0.2)
-        set_abortive_close(stream.socket)
+        set_abortive_close(stream)
         await stream.aclose()
 
     async with trio.open_nursery() as nursery:
