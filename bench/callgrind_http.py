@@ -1,6 +1,6 @@
-"""Instructions per keep-alive HTTP/1.1 request through the proxy (callgrind).
+"""Instructions per keep-alive request through the proxy (callgrind).
 
-Run: ``python bench/callgrind_http.py [--requests 100,300]``
+Run: ``python bench/callgrind_http.py [--requests 100,300] [--http2 [--streams 10]]``
 
 Wall-clock figures on a shared machine move with the load; instruction counts
 do not. This runs the proxy (`tlsedge._http.driver.serve_http` on the
@@ -12,7 +12,12 @@ proxy process's instructions for the smaller count are taken from those for
 the larger, so start-up and imports cancel out, and the difference divided
 by the extra requests is the proxy's cost of one request: the driver, the
 session, the exchange, the gate, the access-log record (logged to a null
-handler), the reactor and the system-call wrappers. Needs ``valgrind``.
+handler), the reactor and the system-call wrappers. With ``--http2`` the
+client speaks HTTP/2 with prior knowledge (``h2``) on one connection, to
+`tlsedge._http.h2driver.h2_connection`: one stream at a time, or with
+``--streams N`` N streams sent together and their responses awaited before
+the next N (the request counts should be multiples of N). Needs
+``valgrind``.
 """
 
 from __future__ import annotations
@@ -29,12 +34,12 @@ from pathlib import Path
 
 BACKEND = textwrap.dedent(
     """
-    import socket, sys
+    import socket, sys, threading
     listener = socket.create_server(("127.0.0.1", 0))
     print(listener.getsockname()[1], flush=True)
     answer = b"HTTP/1.1 200 OK\\r\\nContent-Length: 6\\r\\n\\r\\nhello\\n"
-    while True:
-        conn, _ = listener.accept()
+
+    def serve(conn):
         buffered = b""
         while True:
             data = conn.recv(65536)
@@ -45,6 +50,10 @@ BACKEND = textwrap.dedent(
                 _, buffered = buffered.split(b"\\r\\n\\r\\n", 1)
                 conn.sendall(answer)
         conn.close()
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
     """
 )
 
@@ -69,6 +78,43 @@ CLIENT = textwrap.dedent(
     """
 )
 
+CLIENT_H2 = textwrap.dedent(
+    """
+    import socket, sys
+    import h2.config, h2.connection, h2.events
+    port, count, streams = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    sock = socket.create_connection(("127.0.0.1", port))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    sock.sendall(conn.data_to_send())
+    headers = [
+        (":method", "GET"), (":scheme", "http"), (":authority", "example.com"),
+        (":path", "/"), ("user-agent", "bench"),
+    ]
+    for _ in range(count // streams):
+        for _ in range(streams):
+            stream_id = conn.get_next_available_stream_id()
+            conn.send_headers(stream_id, headers, end_stream=True)
+        sock.sendall(conn.data_to_send())
+        left = streams
+        while left:
+            data = sock.recv(65536)
+            if not data:
+                sys.exit("proxy closed")
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    conn.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+                if isinstance(event, h2.events.StreamEnded):
+                    left -= 1
+            sock.sendall(conn.data_to_send())
+    conn.close_connection()
+    sock.sendall(conn.data_to_send())
+    sock.close()
+    """
+)
+
 PROXY = textwrap.dedent(
     """
     import logging, sys
@@ -77,13 +123,16 @@ PROXY = textwrap.dedent(
     from tlsedge._config import config_from_mapping
     from tlsedge._downstream import Downstream
     from tlsedge._drain import Drain
-    from tlsedge._http.driver import serve_http
+    from functools import partial
+    from tlsedge._http.driver import run_to_end, serve_http
+    from tlsedge._http.h2driver import h2_connection
     from tlsedge._http.pool import KeepAlivePool
     from tlsedge._upstream import BackendPool
 
+    import gc
     logging.getLogger("tlsedge").addHandler(logging.NullHandler())
     logging.getLogger("tlsedge").propagate = False
-    backend_port, ready_file = int(sys.argv[1]), sys.argv[2]
+    backend_port, ready_file, version = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     config = config_from_mapping(
         {
             "listeners": [
@@ -100,6 +149,7 @@ PROXY = textwrap.dedent(
     )
 
     async def main():
+        gc.freeze()  # (start-up's objects: not walked by every collection)
         pool = await BackendPool.create(config.backends[0])
         keepalive = KeepAlivePool()
         listener = trio.socket.socket()
@@ -109,15 +159,18 @@ PROXY = textwrap.dedent(
         sock, peer = await listener.accept()
         stream = trio.SocketStream(sock)
         local = sock.getsockname()
-        await serve_http(
-            stream,
-            Downstream(
-                id="bench", listener="web", peer=peer, client=peer,
-                destination=(local[0], local[1]),
-            ),
+        downstream = Downstream(
+            id="bench", listener="web", peer=peer, client=peer,
+            destination=(local[0], local[1]),
+        )
+        arguments = dict(
             listener=config.listeners[0], backend=pool, keepalive=keepalive,
             proxy_header=None, drain=Drain(),
         )
+        if version == "2":
+            await run_to_end(partial(h2_connection, stream, downstream, **arguments))
+        else:
+            await serve_http(stream, downstream, **arguments)
         await stream.aclose()
         keepalive.close()
 
@@ -126,10 +179,13 @@ PROXY = textwrap.dedent(
 )
 
 
-def instructions(requests: int, backend_port: int, workdir: Path) -> int:
+def instructions(
+    requests: int, backend_port: int, workdir: Path, *, http2: bool, streams: int
+) -> int:
     """The proxy process's instructions for *requests* keep-alive requests."""
     ready = workdir / f"ready-{requests}"
     out = workdir / f"callgrind-{requests}.out"
+    ready.unlink(missing_ok=True)  # (a kept directory's, from an earlier run)
     proxy = subprocess.Popen(
         [
             "valgrind",
@@ -140,6 +196,7 @@ def instructions(requests: int, backend_port: int, workdir: Path) -> int:
             PROXY,
             str(backend_port),
             str(ready),
+            "2" if http2 else "1",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -152,7 +209,15 @@ def instructions(requests: int, backend_port: int, workdir: Path) -> int:
             subprocess.run(["sleep", "0.2"], check=True)
         port = int(ready.read_text())
         subprocess.run(
-            [sys.executable, "-c", CLIENT, str(port), str(requests)], check=True
+            [
+                sys.executable,
+                "-c",
+                CLIENT_H2 if http2 else CLIENT,
+                str(port),
+                str(requests),
+                str(streams),
+            ],
+            check=True,
         )
         _, err = proxy.communicate(timeout=600)
     finally:
@@ -168,6 +233,18 @@ def instructions(requests: int, backend_port: int, workdir: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="100,300", help="two request counts")
+    parser.add_argument("--http2", action="store_true", help="HTTP/2 (h2c) clients")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="with --http2: streams in flight at once (h2load's -m)",
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="keep the callgrind outputs in this directory (for callgrind_annotate)",
+    )
     args = parser.parse_args()
     low, high = (int(n) for n in args.requests.split(","))
     if shutil.which("valgrind") is None:
@@ -179,7 +256,14 @@ def main() -> None:
         assert backend.stdout is not None
         backend_port = int(backend.stdout.readline())
         with tempfile.TemporaryDirectory() as tmp:
-            counts = {n: instructions(n, backend_port, Path(tmp)) for n in (low, high)}
+            workdir = Path(tmp) if args.keep is None else args.keep
+            workdir.mkdir(parents=True, exist_ok=True)
+            counts = {
+                n: instructions(
+                    n, backend_port, workdir, http2=args.http2, streams=args.streams
+                )
+                for n in (low, high)
+            }
     finally:
         backend.kill()
         backend.wait()
