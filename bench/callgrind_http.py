@@ -1,6 +1,7 @@
 """Instructions per keep-alive request through the proxy (callgrind).
 
-Run: ``python bench/callgrind_http.py [--requests 100,300] [--http2 [--streams 10]]``
+Run: ``python bench/callgrind_http.py [--requests 100,300]
+[--http2 [--streams 10] [--sans-io h2|session]] [--keep DIR]``
 
 Wall-clock figures on a shared machine move with the load; instruction counts
 do not. This runs the proxy (`tlsedge._http.driver.serve_http` on the
@@ -16,8 +17,11 @@ handler), the reactor and the system-call wrappers. With ``--http2`` the
 client speaks HTTP/2 with prior knowledge (``h2``) on one connection, to
 `tlsedge._http.h2driver.h2_connection`: one stream at a time, or with
 ``--streams N`` N streams sent together and their responses awaited before
-the next N (the request counts should be multiples of N). Needs
-``valgrind``.
+the next N (the request counts should be multiples of N). ``--http2
+--sans-io h2`` (or ``session``) counts the same exchanges without sockets
+or a backend, through the ``h2`` library alone (as `H2Session` configures
+it) or through `tlsedge._http.h2session.H2Session`: what framing and HPACK
+cost, and what the session adds. Needs ``valgrind``.
 """
 
 from __future__ import annotations
@@ -112,6 +116,70 @@ CLIENT_H2 = textwrap.dedent(
     conn.close_connection()
     sock.sendall(conn.data_to_send())
     sock.close()
+    """
+)
+
+# The client side of --sans-io: each batch's bytes (a pickled list), made
+# outside valgrind. Answers are small enough to need no WINDOW_UPDATE.
+CLIENT_H2_BYTES = textwrap.dedent(
+    """
+    import pickle, sys
+    import h2.config, h2.connection
+    out, count, streams = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    batches = [conn.data_to_send()]
+    headers = [
+        (":method", "GET"), (":scheme", "http"), (":authority", "example.com"),
+        (":path", "/"), ("user-agent", "bench"),
+    ]
+    for _ in range(count // streams):
+        for _ in range(streams):
+            stream_id = conn.get_next_available_stream_id()
+            conn.send_headers(stream_id, headers, end_stream=True)
+        batches.append(conn.data_to_send())
+    with open(out, "wb") as file:
+        pickle.dump(batches, file)
+    """
+)
+
+# --sans-io: the server side of the same exchanges in memory, through `h2`
+# alone (configured as `H2Session` configures it) or through `H2Session`;
+# each request answered with a head and a 6-byte body, the bytes to send
+# taken once per batch.
+SANS_IO = textwrap.dedent(
+    """
+    import pickle, sys
+    import h2.config, h2.connection, h2.events
+    from tlsedge._config import Http2Config
+    from tlsedge._http.h2session import H2Session, StreamOpened
+    layer, batches_file = sys.argv[1], sys.argv[2]
+    with open(batches_file, "rb") as file:
+        batches = pickle.load(file)
+    head = [(b"content-length", b"6")]
+    if layer == "h2":
+        conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(
+                client_side=False, header_encoding=None,
+                validate_inbound_headers=False, normalize_inbound_headers=False,
+                validate_outbound_headers=False, normalize_outbound_headers=False,
+            )
+        )
+        conn.initiate_connection()
+        for batch in batches:
+            for event in conn.receive_data(batch):
+                if isinstance(event, h2.events.RequestReceived):
+                    conn.send_headers(event.stream_id, [(b":status", b"200"), *head])
+                    conn.send_data(event.stream_id, b"hello\\n", end_stream=True)
+            conn.data_to_send()
+    else:
+        session = H2Session(Http2Config(), max_headers=100)
+        for batch in batches:
+            for event in session.receive_data(batch, 0.0):
+                if isinstance(event, StreamOpened):
+                    session.send_headers(event.stream_id, 200, head, end_stream=False)
+                    session.send_data(event.stream_id, b"hello\\n", end_stream=True)
+            session.data_to_send()
     """
 )
 
@@ -224,6 +292,45 @@ def instructions(
         if proxy.poll() is None:
             proxy.kill()
             proxy.wait()
+    return _collected(err)
+
+
+def sans_io_instructions(
+    requests: int, workdir: Path, *, layer: str, streams: int
+) -> int:
+    """The instructions of *requests* HTTP/2 exchanges in memory (--sans-io)."""
+    batches = workdir / f"client-{requests}.pickle"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLIENT_H2_BYTES,
+            str(batches),
+            str(requests),
+            str(streams),
+        ],
+        check=True,
+    )
+    run = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={workdir / f'callgrind-{requests}.out'}",
+            sys.executable,
+            "-c",
+            SANS_IO,
+            layer,
+            str(batches),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        check=True,
+    )
+    return _collected(run.stderr)
+
+
+def _collected(err: str) -> int:
     match = re.search(r"Collected : (\d+)", err)
     if match is None:
         raise SystemExit(f"no instruction count in valgrind's output:\n{err}")
@@ -241,6 +348,11 @@ def main() -> None:
         help="with --http2: streams in flight at once (h2load's -m)",
     )
     parser.add_argument(
+        "--sans-io",
+        choices=["h2", "session"],
+        help="HTTP/2 without sockets: the h2 library alone, or H2Session over it",
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
         help="keep the callgrind outputs in this directory (for callgrind_annotate)",
@@ -249,6 +361,18 @@ def main() -> None:
     low, high = (int(n) for n in args.requests.split(","))
     if shutil.which("valgrind") is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
+    if args.sans_io is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = Path(tmp) if args.keep is None else args.keep
+            workdir.mkdir(parents=True, exist_ok=True)
+            counts = {
+                n: sans_io_instructions(
+                    n, workdir, layer=args.sans_io, streams=args.streams
+                )
+                for n in (low, high)
+            }
+        _report(counts, low, high)
+        return
     backend = subprocess.Popen(
         [sys.executable, "-c", BACKEND], stdout=subprocess.PIPE, text=True
     )
@@ -267,6 +391,10 @@ def main() -> None:
     finally:
         backend.kill()
         backend.wait()
+    _report(counts, low, high)
+
+
+def _report(counts: dict[int, int], low: int, high: int) -> None:
     per_request = (counts[high] - counts[low]) / (high - low)
     path = os.environ.get("PYTHONPATH", "")
     print(f"python -V: {sys.version.split()[0]}; PYTHONPATH={path}")
