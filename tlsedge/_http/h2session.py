@@ -518,6 +518,22 @@ class H2Session:
     def _translate(self, event: h2.events.Event, out: list[Event], now: float) -> None:
         if isinstance(event, h2.events.RequestReceived):
             self._request(event, out, now)
+        elif isinstance(event, h2.events.StreamEnded):
+            if event is self._ended_with_headers:
+                return  # (`H2Request.end_stream` says it)
+            sid = event.stream_id
+            assert sid is not None
+            trailers = self._trailers.pop(sid, [])
+            if sid in self.active:
+                owed = self._owed.pop(sid, 0)
+                if owed:
+                    self._malformed_stream(
+                        sid,
+                        f"the stream ended {owed} bytes short of its content-length",
+                        out,
+                    )
+                else:
+                    out.append(RequestEnd(sid, trailers))
         elif isinstance(event, h2.events.DataReceived):
             sid = event.stream_id
             assert sid is not None
@@ -541,22 +557,6 @@ class H2Session:
                     self._trailers[sid] = trailers
                 else:
                     self._malformed_stream(sid, error, out)
-        elif isinstance(event, h2.events.StreamEnded):
-            if event is self._ended_with_headers:
-                return  # (`H2Request.end_stream` says it)
-            sid = event.stream_id
-            assert sid is not None
-            trailers = self._trailers.pop(sid, [])
-            if sid in self.active:
-                owed = self._owed.pop(sid, 0)
-                if owed:
-                    self._malformed_stream(
-                        sid,
-                        f"the stream ended {owed} bytes short of its content-length",
-                        out,
-                    )
-                else:
-                    out.append(RequestEnd(sid, trailers))
         elif isinstance(event, h2.events.StreamReset):
             sid = event.stream_id
             assert sid is not None
@@ -669,7 +669,7 @@ class H2Session:
         """A response head (1xx or final) on an open stream."""
         if not self.open(stream_id):
             return
-        fields = [(b":status", str(status).encode()), *headers]
+        fields = [(b":status", b"%d" % status), *headers]
         try:
             self.conn.send_headers(stream_id, fields, end_stream=end_stream)
         except h2.exceptions.StreamClosedError:
