@@ -32,7 +32,8 @@ SETTINGS_ENABLE_CONNECT_PROTOCOL). ``:authority`` and ``Host`` are
 reconciled as section 8.3.1 says: ``:authority`` wins, a ``Host`` that names
 another authority makes the request malformed, and the upstream gets one
 ``host`` field first. Cookie crumbs come joined into one last field with
-``"; "`` (section 8.2.3: h2's inbound normalisation). More fields than
+``"; "`` (section 8.2.3; h2's own inbound normalisation, which did only this, is
+off). More fields than
 ``max_headers`` get 431, CONNECT (``:method`` and ``:authority`` only) 501,
 as in HTTP/1.1. Trailers are held
 to the same field rules (and may hold no pseudo-header); a malformed trailer
@@ -84,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import struct
 from collections import deque
 from dataclasses import dataclass
 from typing import Final, cast
@@ -133,6 +135,8 @@ _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0, 1, 2, 3, 4
 _PING, _WINDOW_UPDATE, _CONTINUATION = 6, 8, 9
 _END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
 _FRAME_HEADER: Final = 9
+# A frame header's length (24 bits: 16 + 8), type and flags.
+_FRAME_HEADER_START: Final = struct.Struct(">HBBB")
 
 _PSEUDO: Final = frozenset({b":method", b":scheme", b":path", b":authority"})
 _CONNECTION_SPECIFIC: Final = frozenset(
@@ -295,28 +299,35 @@ class _FrameScanner:
     def scan(self, data: bytes, data_frames_sent: int) -> None:
         """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
         self.resets = self.control = 0
-        view = memoryview(data)
         offset = 0
         if self._skip:
             offset = min(self._skip, len(data))
             self._skip -= offset
         end = len(data)
+        remaining = self._remaining
         while offset < end:
-            if self._remaining:
-                take = min(self._remaining, end - offset)
-                self._remaining -= take
+            if remaining:
+                take = min(remaining, end - offset)
+                remaining -= take
                 offset += take
                 continue
+            if not self._header and end - offset >= _FRAME_HEADER:
+                # A whole frame header in this read (the common case).
+                high, low, kind, flags = _FRAME_HEADER_START.unpack_from(data, offset)
+                offset += _FRAME_HEADER
+                remaining = high << 8 | low
+                self._frame(kind, flags, remaining, data_frames_sent)
+                continue
             need = _FRAME_HEADER - len(self._header)
-            self._header += view[offset : offset + need]
+            self._header += data[offset : offset + need]
             offset += min(need, end - offset)
             if len(self._header) < _FRAME_HEADER:
-                return
+                break
             header = self._header
-            length = int.from_bytes(header[:3], "big")
-            self._frame(header[3], header[4], length, data_frames_sent)
+            remaining = int.from_bytes(header[:3], "big")
+            self._frame(header[3], header[4], remaining, data_frames_sent)
             self._header = bytearray()
-            self._remaining = length
+        self._remaining = remaining
 
     def _frame(self, kind: int, flags: int, length: int, data_frames_sent: int) -> None:
         limits = self._limits
