@@ -1,6 +1,7 @@
-"""Instructions per keep-alive HTTP/1.1 request through the proxy (callgrind).
+"""Instructions per keep-alive request through the proxy (callgrind).
 
-Run: ``python bench/callgrind_http.py [--requests 100,300]``
+Run: ``python bench/callgrind_http.py [--requests 100,300]
+[--http2 [--streams 10] [--sans-io h2|session]] [--keep DIR]``
 
 Wall-clock figures on a shared machine move with the load; instruction counts
 do not. This runs the proxy (`tlsedge._pipeline.http.h1.serve_http` on the
@@ -12,7 +13,15 @@ proxy process's instructions for the smaller count are taken from those for
 the larger, so start-up and imports cancel out, and the difference divided
 by the extra requests is the proxy's cost of one request: the driver, the
 session, the exchange, the gate, the access-log record (logged to a null
-handler), the reactor and the system-call wrappers. Needs ``valgrind``.
+handler), the reactor and the system-call wrappers. With ``--http2`` the
+client speaks HTTP/2 with prior knowledge (``h2``) on one connection, to
+`tlsedge._pipeline.http.h2.h2_connection`: one stream at a time, or with
+``--streams N`` N streams sent together and their responses awaited before
+the next N (the request counts should be multiples of N). ``--http2
+--sans-io h2`` (or ``session``) counts the same exchanges without sockets
+or a backend, through the ``h2`` library alone (as `H2Session` configures
+it) or through `tlsedge._http.h2session.H2Session`: what framing and HPACK
+cost, and what the session adds. Needs ``valgrind``.
 """
 
 from __future__ import annotations
@@ -29,12 +38,12 @@ from pathlib import Path
 
 BACKEND = textwrap.dedent(
     """
-    import socket, sys
+    import socket, sys, threading
     listener = socket.create_server(("127.0.0.1", 0))
     print(listener.getsockname()[1], flush=True)
     answer = b"HTTP/1.1 200 OK\\r\\nContent-Length: 6\\r\\n\\r\\nhello\\n"
-    while True:
-        conn, _ = listener.accept()
+
+    def serve(conn):
         buffered = b""
         while True:
             data = conn.recv(65536)
@@ -45,6 +54,10 @@ BACKEND = textwrap.dedent(
                 _, buffered = buffered.split(b"\\r\\n\\r\\n", 1)
                 conn.sendall(answer)
         conn.close()
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
     """
 )
 
@@ -69,6 +82,107 @@ CLIENT = textwrap.dedent(
     """
 )
 
+CLIENT_H2 = textwrap.dedent(
+    """
+    import socket, sys
+    import h2.config, h2.connection, h2.events
+    port, count, streams = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    sock = socket.create_connection(("127.0.0.1", port))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    sock.sendall(conn.data_to_send())
+    headers = [
+        (":method", "GET"), (":scheme", "http"), (":authority", "example.com"),
+        (":path", "/"), ("user-agent", "bench"),
+    ]
+    for _ in range(count // streams):
+        for _ in range(streams):
+            stream_id = conn.get_next_available_stream_id()
+            conn.send_headers(stream_id, headers, end_stream=True)
+        sock.sendall(conn.data_to_send())
+        left = streams
+        while left:
+            data = sock.recv(65536)
+            if not data:
+                sys.exit("proxy closed")
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    conn.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+                if isinstance(event, h2.events.StreamEnded):
+                    left -= 1
+            sock.sendall(conn.data_to_send())
+    conn.close_connection()
+    sock.sendall(conn.data_to_send())
+    sock.close()
+    """
+)
+
+# The client side of --sans-io: each batch's bytes (a pickled list), made
+# outside valgrind. Answers are small enough to need no WINDOW_UPDATE.
+CLIENT_H2_BYTES = textwrap.dedent(
+    """
+    import pickle, sys
+    import h2.config, h2.connection
+    out, count, streams = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    batches = [conn.data_to_send()]
+    headers = [
+        (":method", "GET"), (":scheme", "http"), (":authority", "example.com"),
+        (":path", "/"), ("user-agent", "bench"),
+    ]
+    for _ in range(count // streams):
+        for _ in range(streams):
+            stream_id = conn.get_next_available_stream_id()
+            conn.send_headers(stream_id, headers, end_stream=True)
+        batches.append(conn.data_to_send())
+    with open(out, "wb") as file:
+        pickle.dump(batches, file)
+    """
+)
+
+# --sans-io: the server side of the same exchanges in memory, through `h2`
+# alone (configured as `H2Session` configures it) or through `H2Session`;
+# each request answered with a head and a 6-byte body, the bytes to send
+# taken once per batch.
+SANS_IO = textwrap.dedent(
+    """
+    import pickle, sys
+    import h2.config, h2.connection, h2.events
+    from tlsedge._core.config import Http2Config
+    from tlsedge._http.h2session import H2Session, StreamOpened
+    layer, batches_file = sys.argv[1], sys.argv[2]
+    with open(batches_file, "rb") as file:
+        batches = pickle.load(file)
+    head = [(b"content-length", b"6")]
+    if layer == "h2":
+        conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(
+                client_side=False, header_encoding=None,
+                validate_inbound_headers=False, normalize_inbound_headers=False,
+                validate_outbound_headers=False, normalize_outbound_headers=False,
+            )
+        )
+        conn.initiate_connection()
+        for batch in batches:
+            for event in conn.receive_data(batch):
+                if isinstance(event, h2.events.RequestReceived):
+                    conn.send_headers(event.stream_id, [(b":status", b"200"), *head])
+                    conn.send_data(event.stream_id, b"hello\\n", end_stream=True)
+            conn.data_to_send()
+    else:
+        session = H2Session(Http2Config(), max_headers=100)
+        for batch in batches:
+            for event in session.receive_data(batch, 0.0):
+                if isinstance(event, StreamOpened):
+                    session.send_headers(event.stream_id, 200, head, end_stream=False)
+                    session.send_data(event.stream_id, b"hello\\n", end_stream=True)
+            session.data_to_send()
+    """
+)
+
 PROXY = textwrap.dedent(
     """
     import logging, sys
@@ -77,13 +191,16 @@ PROXY = textwrap.dedent(
     from tlsedge._core.config import config_from_mapping
     from tlsedge._core.downstream import Downstream
     from tlsedge._reactor.drain import Drain
-    from tlsedge._pipeline.http.h1 import serve_http
+    from functools import partial
+    from tlsedge._pipeline.http.h1 import run_to_end, serve_http
+    from tlsedge._pipeline.http.h2 import h2_connection
     from tlsedge._backends.keepalive import KeepAlivePool
     from tlsedge._backends.upstream import BackendPool
 
+    import gc
     logging.getLogger("tlsedge").addHandler(logging.NullHandler())
     logging.getLogger("tlsedge").propagate = False
-    backend_port, ready_file = int(sys.argv[1]), sys.argv[2]
+    backend_port, ready_file, version = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     config = config_from_mapping(
         {
             "listeners": [
@@ -100,6 +217,7 @@ PROXY = textwrap.dedent(
     )
 
     async def main():
+        gc.freeze()  # (start-up's objects: not walked by every collection)
         pool = await BackendPool.create(config.backends[0])
         keepalive = KeepAlivePool()
         listener = trio.socket.socket()
@@ -109,15 +227,18 @@ PROXY = textwrap.dedent(
         sock, peer = await listener.accept()
         stream = trio.SocketStream(sock)
         local = sock.getsockname()
-        await serve_http(
-            stream,
-            Downstream(
-                id="bench", listener="web", peer=peer, client=peer,
-                destination=(local[0], local[1]),
-            ),
+        downstream = Downstream(
+            id="bench", listener="web", peer=peer, client=peer,
+            destination=(local[0], local[1]),
+        )
+        arguments = dict(
             listener=config.listeners[0], backend=pool, keepalive=keepalive,
             proxy_header=None, drain=Drain(),
         )
+        if version == "2":
+            await run_to_end(partial(h2_connection, stream, downstream, **arguments))
+        else:
+            await serve_http(stream, downstream, **arguments)
         await stream.aclose()
         keepalive.close()
 
@@ -126,10 +247,13 @@ PROXY = textwrap.dedent(
 )
 
 
-def instructions(requests: int, backend_port: int, workdir: Path) -> int:
+def instructions(
+    requests: int, backend_port: int, workdir: Path, *, http2: bool, streams: int
+) -> int:
     """The proxy process's instructions for *requests* keep-alive requests."""
     ready = workdir / f"ready-{requests}"
     out = workdir / f"callgrind-{requests}.out"
+    ready.unlink(missing_ok=True)  # (a kept directory's, from an earlier run)
     proxy = subprocess.Popen(
         [
             "valgrind",
@@ -140,6 +264,7 @@ def instructions(requests: int, backend_port: int, workdir: Path) -> int:
             PROXY,
             str(backend_port),
             str(ready),
+            "2" if http2 else "1",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -152,13 +277,60 @@ def instructions(requests: int, backend_port: int, workdir: Path) -> int:
             subprocess.run(["sleep", "0.2"], check=True)
         port = int(ready.read_text())
         subprocess.run(
-            [sys.executable, "-c", CLIENT, str(port), str(requests)], check=True
+            [
+                sys.executable,
+                "-c",
+                CLIENT_H2 if http2 else CLIENT,
+                str(port),
+                str(requests),
+                str(streams),
+            ],
+            check=True,
         )
         _, err = proxy.communicate(timeout=600)
     finally:
         if proxy.poll() is None:
             proxy.kill()
             proxy.wait()
+    return _collected(err)
+
+
+def sans_io_instructions(
+    requests: int, workdir: Path, *, layer: str, streams: int
+) -> int:
+    """The instructions of *requests* HTTP/2 exchanges in memory (--sans-io)."""
+    batches = workdir / f"client-{requests}.pickle"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLIENT_H2_BYTES,
+            str(batches),
+            str(requests),
+            str(streams),
+        ],
+        check=True,
+    )
+    run = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={workdir / f'callgrind-{requests}.out'}",
+            sys.executable,
+            "-c",
+            SANS_IO,
+            layer,
+            str(batches),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        check=True,
+    )
+    return _collected(run.stderr)
+
+
+def _collected(err: str) -> int:
     match = re.search(r"Collected : (\d+)", err)
     if match is None:
         raise SystemExit(f"no instruction count in valgrind's output:\n{err}")
@@ -168,10 +340,39 @@ def instructions(requests: int, backend_port: int, workdir: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="100,300", help="two request counts")
+    parser.add_argument("--http2", action="store_true", help="HTTP/2 (h2c) clients")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="with --http2: streams in flight at once (h2load's -m)",
+    )
+    parser.add_argument(
+        "--sans-io",
+        choices=["h2", "session"],
+        help="HTTP/2 without sockets: the h2 library alone, or H2Session over it",
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="keep the callgrind outputs in this directory (for callgrind_annotate)",
+    )
     args = parser.parse_args()
     low, high = (int(n) for n in args.requests.split(","))
     if shutil.which("valgrind") is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
+    if args.sans_io is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = Path(tmp) if args.keep is None else args.keep
+            workdir.mkdir(parents=True, exist_ok=True)
+            counts = {
+                n: sans_io_instructions(
+                    n, workdir, layer=args.sans_io, streams=args.streams
+                )
+                for n in (low, high)
+            }
+        _report(counts, low, high)
+        return
     backend = subprocess.Popen(
         [sys.executable, "-c", BACKEND], stdout=subprocess.PIPE, text=True
     )
@@ -179,10 +380,21 @@ def main() -> None:
         assert backend.stdout is not None
         backend_port = int(backend.stdout.readline())
         with tempfile.TemporaryDirectory() as tmp:
-            counts = {n: instructions(n, backend_port, Path(tmp)) for n in (low, high)}
+            workdir = Path(tmp) if args.keep is None else args.keep
+            workdir.mkdir(parents=True, exist_ok=True)
+            counts = {
+                n: instructions(
+                    n, backend_port, workdir, http2=args.http2, streams=args.streams
+                )
+                for n in (low, high)
+            }
     finally:
         backend.kill()
         backend.wait()
+    _report(counts, low, high)
+
+
+def _report(counts: dict[int, int], low: int, high: int) -> None:
     per_request = (counts[high] - counts[low]) / (high - low)
     path = os.environ.get("PYTHONPATH", "")
     print(f"python -V: {sys.version.split()[0]}; PYTHONPATH={path}")

@@ -32,7 +32,8 @@ SETTINGS_ENABLE_CONNECT_PROTOCOL). ``:authority`` and ``Host`` are
 reconciled as section 8.3.1 says: ``:authority`` wins, a ``Host`` that names
 another authority makes the request malformed, and the upstream gets one
 ``host`` field first. Cookie crumbs come joined into one last field with
-``"; "`` (section 8.2.3: h2's inbound normalisation). More fields than
+``"; "`` (section 8.2.3; h2's own inbound normalisation, which did only this, is
+off). More fields than
 ``max_headers`` get 431, CONNECT (``:method`` and ``:authority`` only) 501,
 as in HTTP/1.1. Trailers are held
 to the same field rules (and may hold no pseudo-header); a malformed trailer
@@ -84,9 +85,10 @@ from __future__ import annotations
 
 import contextlib
 import re
+import struct
 from collections import deque
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 import h2.config
 import h2.connection
@@ -94,10 +96,12 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack.struct
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from tlsedge._core.config import Http2Config
 from tlsedge._http.head import (
+    FIELD_VALUE,
     HOST_RE,
     field_error,
     method_error,
@@ -131,6 +135,8 @@ _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0, 1, 2, 3, 4
 _PING, _WINDOW_UPDATE, _CONTINUATION = 6, 8, 9
 _END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
 _FRAME_HEADER: Final = 9
+# A frame header's length (24 bits: 16 + 8), type and flags.
+_FRAME_HEADER_START: Final = struct.Struct(">HBBB")
 
 _PSEUDO: Final = frozenset({b":method", b":scheme", b":path", b":authority"})
 _CONNECTION_SPECIFIC: Final = frozenset(
@@ -143,7 +149,15 @@ _CONNECTION_SPECIFIC: Final = frozenset(
     }
 )
 # A lowercase token (RFC 9110 section 5.6.2; HTTP/2 field names are lowercase).
-_NAME_RE: Final = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")
+_NAME: Final = rb"[!#$%&'*+.^_`|~0-9a-z-]+"
+_NAME_RE: Final = re.compile(_NAME)
+# A request's fields, each name and value joined with NUL, joined with LF: a
+# lowercase token and a field-value (`tlsedge._http.head.FIELD_VALUE`), neither
+# of which holds NUL or LF, so one NUL per field and one LF fewer than fields
+# (counted) leave no byte in doubt.
+_FIELD_LINE: Final = _NAME + rb"\x00" + FIELD_VALUE
+_FIELD_LINES_RE: Final = re.compile(_FIELD_LINE + rb"(?:\n" + _FIELD_LINE + rb")*")
+_TE_ERROR: Final = "te other than 'trailers' (RFC 9113 8.2.2)"
 _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
 # RFC 3986 section 3.1.
 _SCHEME_RE: Final = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*")
@@ -202,7 +216,8 @@ class RequestData:
 
 @dataclass(frozen=True, slots=True)
 class RequestEnd:
-    """The request body ended (with its trailers, if any)."""
+    """The request body ended (with its trailers, if any); not sent for a
+    request without a body (`H2Request.end_stream`)."""
 
     stream_id: int
     trailers: list[Header]
@@ -284,28 +299,35 @@ class _FrameScanner:
     def scan(self, data: bytes, data_frames_sent: int) -> None:
         """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
         self.resets = self.control = 0
-        view = memoryview(data)
         offset = 0
         if self._skip:
             offset = min(self._skip, len(data))
             self._skip -= offset
         end = len(data)
+        remaining = self._remaining
         while offset < end:
-            if self._remaining:
-                take = min(self._remaining, end - offset)
-                self._remaining -= take
+            if remaining:
+                take = min(remaining, end - offset)
+                remaining -= take
                 offset += take
                 continue
+            if not self._header and end - offset >= _FRAME_HEADER:
+                # A whole frame header in this read (the common case).
+                high, low, kind, flags = _FRAME_HEADER_START.unpack_from(data, offset)
+                offset += _FRAME_HEADER
+                remaining = high << 8 | low
+                self._frame(kind, flags, remaining, data_frames_sent)
+                continue
             need = _FRAME_HEADER - len(self._header)
-            self._header += view[offset : offset + need]
+            self._header += data[offset : offset + need]
             offset += min(need, end - offset)
             if len(self._header) < _FRAME_HEADER:
-                return
+                break
             header = self._header
-            length = int.from_bytes(header[:3], "big")
-            self._frame(header[3], header[4], length, data_frames_sent)
+            remaining = int.from_bytes(header[:3], "big")
+            self._frame(header[3], header[4], remaining, data_frames_sent)
             self._header = bytearray()
-            self._remaining = length
+        self._remaining = remaining
 
     def _frame(self, kind: int, flags: int, length: int, data_frames_sent: int) -> None:
         limits = self._limits
@@ -381,7 +403,7 @@ class H2Session:
             client_side=False,
             header_encoding=None,
             validate_inbound_headers=False,
-            normalize_inbound_headers=True,
+            normalize_inbound_headers=False,
             validate_outbound_headers=False,
             normalize_outbound_headers=False,
         )
@@ -419,6 +441,8 @@ class H2Session:
         #: Active streams with a content-length: the DATA bytes still owed.
         self._owed: dict[int, int] = {}
         self._trailers: dict[int, list[Header]] = {}
+        #: The StreamEnded of the last request whose HEADERS ended its stream.
+        self._ended_with_headers: h2.events.StreamEnded | None = None
         self.data_frames_sent = 0
         self.goaway_sent: int | None = None  # the last stream id it named
         self.ended = False
@@ -437,15 +461,18 @@ class H2Session:
         scanner = self._scanner
         try:
             scanner.scan(data, self.data_frames_sent)
-            self._count_resets(scanner.resets, now)
-            self._count(
-                self._control,
-                scanner.control,
-                now,
-                most=self.limits.max_control_frames,
-                what="PING and SETTINGS frames",
-                attack="control frame flood",
-            )
+            # (Only counts that grew can pass a limit.)
+            if scanner.resets:
+                self._count_resets(scanner.resets, now)
+            if scanner.control:
+                self._count(
+                    self._control,
+                    scanner.control,
+                    now,
+                    most=self.limits.max_control_frames,
+                    what="PING and SETTINGS frames",
+                    attack="control frame flood",
+                )
         except _Calm as exc:
             return [self._calm(str(exc))]
         try:
@@ -502,6 +529,22 @@ class H2Session:
     def _translate(self, event: h2.events.Event, out: list[Event], now: float) -> None:
         if isinstance(event, h2.events.RequestReceived):
             self._request(event, out, now)
+        elif isinstance(event, h2.events.StreamEnded):
+            if event is self._ended_with_headers:
+                return  # (`H2Request.end_stream` says it)
+            sid = event.stream_id
+            assert sid is not None
+            trailers = self._trailers.pop(sid, [])
+            if sid in self.active:
+                owed = self._owed.pop(sid, 0)
+                if owed:
+                    self._malformed_stream(
+                        sid,
+                        f"the stream ended {owed} bytes short of its content-length",
+                        out,
+                    )
+                else:
+                    out.append(RequestEnd(sid, trailers))
         elif isinstance(event, h2.events.DataReceived):
             sid = event.stream_id
             assert sid is not None
@@ -517,7 +560,7 @@ class H2Session:
             sid = event.stream_id
             assert sid is not None
             if sid in self.active:
-                trailers = [(bytes(n), bytes(v)) for n, v in event.headers or []]
+                trailers = _cookies_joined(_decoded(event.headers))
                 error = next(
                     (e for n, v in trailers if (e := _trailer_error(n, v))), None
                 )
@@ -525,20 +568,6 @@ class H2Session:
                     self._trailers[sid] = trailers
                 else:
                     self._malformed_stream(sid, error, out)
-        elif isinstance(event, h2.events.StreamEnded):
-            sid = event.stream_id
-            assert sid is not None
-            trailers = self._trailers.pop(sid, [])
-            if sid in self.active:
-                owed = self._owed.pop(sid, 0)
-                if owed:
-                    self._malformed_stream(
-                        sid,
-                        f"the stream ended {owed} bytes short of its content-length",
-                        out,
-                    )
-                else:
-                    out.append(RequestEnd(sid, trailers))
         elif isinstance(event, h2.events.StreamReset):
             sid = event.stream_id
             assert sid is not None
@@ -572,7 +601,8 @@ class H2Session:
     ) -> None:
         sid = event.stream_id
         assert sid is not None
-        fields = [(bytes(n), bytes(v)) for n, v in event.headers or []]
+        self._ended_with_headers = event.stream_ended
+        fields = _decoded(event.headers)
         end_stream = event.stream_ended is not None
         if self.goaway_sent is not None or len(self.active) >= (
             self.limits.max_concurrent_streams
@@ -650,7 +680,7 @@ class H2Session:
         """A response head (1xx or final) on an open stream."""
         if not self.open(stream_id):
             return
-        fields = [(b":status", str(status).encode()), *headers]
+        fields = [(b":status", b"%d" % status), *headers]
         try:
             self.conn.send_headers(stream_id, fields, end_stream=end_stream)
         except h2.exceptions.StreamClosedError:
@@ -734,33 +764,45 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         MalformedRequestError: what is wrong with it.
     """
     pseudo: dict[bytes, bytes] = {}
+    size = 0
+    for name, value in fields:
+        if name[:1] != b":":
+            break
+        size += len(name) + len(value)
+        if name == b":protocol":
+            raise _malformed(
+                pseudo, ":protocol (extended CONNECT, RFC 8441) is not enabled"
+            )
+        if name not in _PSEUDO:
+            raise _malformed(pseudo, f"unknown pseudo-header {show_bytes(name)}")
+        if name in pseudo:
+            raise _malformed(pseudo, f"pseudo-header {show_bytes(name)} twice")
+        pseudo[name] = value
+    regular = fields[len(pseudo) :]
+    # The fields' grammar, all at once (see `_FIELD_LINES_RE`); a field that
+    # breaks it is then looked for, to name it.
+    lines = b"\n".join(map(b"\x00".join, regular))
+    if regular and (
+        _FIELD_LINES_RE.fullmatch(lines) is None
+        or lines.count(b"\n") != len(regular) - 1
+    ):
+        raise _malformed(pseudo, _fields_error(regular))
     headers: list[Header] = []
     hosts: list[bytes] = []
     lengths: list[bytes] = []
-    size = 0
+    crumbs: list[bytes] = []
     agent: bytes | None = None
     expects_continue = False
-    for name, value in fields:
-        size += len(name) + len(value)
-        if name[:1] == b":":
-            if headers:
-                raise _malformed(
-                    pseudo, f"pseudo-header {show_bytes(name)} after a field"
-                )
-            if name == b":protocol":
-                raise _malformed(
-                    pseudo, ":protocol (extended CONNECT, RFC 8441) is not enabled"
-                )
-            if name not in _PSEUDO:
-                raise _malformed(pseudo, f"unknown pseudo-header {show_bytes(name)}")
-            if name in pseudo:
-                raise _malformed(pseudo, f"pseudo-header {show_bytes(name)} twice")
-            pseudo[name] = value
+    for name, value in regular:
+        if name in _CONNECTION_SPECIFIC:
+            raise _malformed(pseudo, _connection_specific(name))
+        if name == b"cookie":
+            crumbs.append(value)  # joined below, as one last field
             continue
-        error = _field_error(name, value)
-        if error is not None:
-            raise _malformed(pseudo, error)
+        size += len(name) + len(value)
         if name == b"te":
+            if value.lower() != b"trailers":
+                raise _malformed(pseudo, _TE_ERROR)
             continue  # hop-by-hop (only 'trailers' here): not forwarded
         if name == b"host":
             hosts.append(value)
@@ -772,6 +814,14 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         elif name == b"expect":
             expects_continue = value.lower() == b"100-continue"
         headers.append((name, value))
+    if crumbs:
+        # RFC 9113 section 8.2.3: cookie crumbs joined into one field.
+        cookie = b"; ".join(crumbs)
+        error = field_error(b"cookie", cookie)
+        if error is not None:
+            raise _malformed(pseudo, error)
+        size += len(b"cookie") + len(cookie)
+        headers.append((b"cookie", cookie))
     method = pseudo.get(b":method")
     path = pseudo.get(b":path")
     scheme = pseudo.get(b":scheme")
@@ -858,10 +908,26 @@ def _field_error(name: bytes, value: bytes) -> str | None:
     if error is not None:
         return error
     if name in _CONNECTION_SPECIFIC:
-        return f"connection-specific field {show_bytes(name)} (RFC 9113 8.2.2)"
+        return _connection_specific(name)
     if name == b"te" and value.lower() != b"trailers":
-        return "te other than 'trailers' (RFC 9113 8.2.2)"
+        return _TE_ERROR
     return None
+
+
+def _fields_error(regular: list[Header]) -> str:
+    """What makes the first malformed one of a request's fields (after its
+    pseudo-headers) malformed."""
+    for name, value in regular:
+        if name[:1] == b":":
+            return f"pseudo-header {show_bytes(name)} after a field"
+        error = _field_error(name, value)
+        if error is not None:
+            return error
+    return "a field that spans lines"
+
+
+def _connection_specific(name: bytes) -> str:
+    return f"connection-specific field {show_bytes(name)} (RFC 9113 8.2.2)"
 
 
 def _trailer_error(name: bytes, value: bytes) -> str | None:
@@ -870,6 +936,24 @@ def _trailer_error(name: bytes, value: bytes) -> str | None:
         return f"pseudo-header {show_bytes(name)} in trailers (RFC 9113 8.1)"
     error = _field_error(name, value)
     return None if error is None else f"trailer {error}"
+
+
+def _decoded(headers: list[hpack.struct.Header] | None) -> list[Header]:
+    """A header block as h2 decoded it: (name, value) tuples of bytes (with
+    ``header_encoding=None``)."""
+    return cast("list[Header]", headers or [])
+
+
+def _cookies_joined(fields: list[Header]) -> list[Header]:
+    """*fields* with their cookie crumbs joined into one last field (RFC 9113
+    section 8.2.3)."""
+    crumbs = [value for name, value in fields if name == b"cookie"]
+    if not crumbs:
+        return fields
+    return [
+        *((name, value) for name, value in fields if name != b"cookie"),
+        (b"cookie", b"; ".join(crumbs)),
+    ]
 
 
 def _error_name(code: int | None) -> str:

@@ -451,3 +451,46 @@ def test_what_the_http11_side_refuses_is_malformed(
     with pytest.raises(MalformedRequestError) as info:
         check_request(fields, end_stream=True)
     assert reason in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ([*BASE, (b"x:y", b"1")], "field name 'x:y' is not a lowercase token"),
+        ([*BASE, (b"x", b"1\x00y\nz\x002")], "NUL, CR, LF"),
+        ([*BASE, (b"x\ny", b"1")], "is not a lowercase token"),
+        ([*BASE, (b"", b"1")], "field name '' is not a lowercase token"),
+        ([*BASE[:3], (b"host", b"example.com"), BASE[3]], "':path' after a field"),
+        ([*BASE[:3], (b"te", b"trailers"), BASE[3]], "':path' after a field"),
+        ([*BASE, (b"cookie", b"a=1"), (b"cookie", b"")], "surrounding whitespace"),
+    ],
+)
+def test_the_fields_checked_at_once_name_the_one_that_breaks_a_rule(
+    fields: list[Header], reason: str
+) -> None:
+    with pytest.raises(MalformedRequestError) as info:
+        check_request(fields, end_stream=True)
+    assert reason in str(info.value)
+
+
+def test_cookie_crumbs_are_joined_into_one_last_field_in_headers_and_trailers() -> None:
+    request = check_request(
+        [*BASE, (b"cookie", b"a=1"), (b"x", b"2"), (b"cookie", b"c=3")],
+        end_stream=True,
+    )
+    assert request.headers[1:] == [(b"x", b"2"), (b"cookie", b"a=1; c=3")]
+    assert request.size == sum(len(n) + len(v) for n, v in BASE) + len(
+        b"x2cookiea=1; c=3"
+    )
+    pair = Pair()
+    pair.flush()
+    sid = _served(pair, [*BASE, (b"content-length", b"3")])
+    pair.client.send_data(sid, b"abc")
+    pair.client.send_headers(
+        sid,
+        [(b"cookie", b"a=1"), (b"x-sum", b"1"), (b"cookie", b"b=2")],
+        end_stream=True,
+    )
+    assert pair.flush()[-1] == RequestEnd(
+        sid, [(b"x-sum", b"1"), (b"cookie", b"a=1; b=2")]
+    )

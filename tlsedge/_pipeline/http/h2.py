@@ -337,7 +337,7 @@ class _Stream:
         self.cancelled = False  # reset by the client, or the connection ended
         #: Response body bytes the client's windows did not take yet, and
         #: whether the last of them ends the response.
-        self.out: memoryview | None = None
+        self.out: bytes | memoryview | None = None
         self.out_end = False
         self.blocked_since = math.inf  # since when `out` waits for the client
         #: The response event `_H2Connection._peek` looked at.
@@ -753,13 +753,13 @@ class _H2Connection(ReactorConnection):
 
     def _dispatch(self, events: list[Event]) -> None:
         for event in events:
-            if isinstance(event, RequestData | RequestEnd):
+            if isinstance(event, StreamOpened):
+                self._open(event)
+            elif isinstance(event, RequestData | RequestEnd):
                 self._request_body(event)
             elif isinstance(event, WindowOpened):
                 if self.blocked:
                     self._resume()
-            elif isinstance(event, StreamOpened):
-                self._open(event)
             elif isinstance(event, StreamCancelled):
                 stream = self.streams.get(event.stream_id)
                 if stream is not None:
@@ -968,7 +968,7 @@ class _H2Connection(ReactorConnection):
                     )
                     if last:
                         stream.lookahead = None
-                    stream.out = memoryview(event.data)
+                    stream.out = event.data
                     stream.out_end = last
                 elif isinstance(event, EndOfBody):
                     trailers = _h2_fields(event.trailers) if attempt.trailers_ok else []
@@ -1019,19 +1019,19 @@ class _H2Connection(ReactorConnection):
         """Send what the stream holds of the response body, as far as the
         windows allow; False if some waits (or the stream is gone: then it
         failed)."""
-        view = stream.out
-        assert view is not None
+        out = stream.out
+        assert out is not None
         session = self.session
         sid = stream.id
         sent = False
-        while view:
+        while out:
             size = session.sendable(sid)
             if size <= 0 or self._congested():
                 if not session.open(sid):
                     stream.out = None
                     self._stream_gone(stream)
                     return False
-                stream.out = view
+                stream.out = out
                 if sent or stream not in self.blocked:
                     # The stall counts from the last progress, not the
                     # last window update (it may be another stream's).
@@ -1041,9 +1041,13 @@ class _H2Connection(ReactorConnection):
                 if stream.attempt is not None:
                     self.dirty[stream.attempt] = None
                 return False
-            chunk, view = view[:size], view[size:]
-            last = stream.out_end and not view
-            session.send_data(sid, bytes(chunk), end_stream=last)
+            if len(out) <= size:
+                chunk, out = bytes(out), b""  # (no copy of a whole bytes)
+            else:
+                view = memoryview(out)
+                chunk, out = bytes(view[:size]), view[size:]
+            last = stream.out_end and not out
+            session.send_data(sid, chunk, end_stream=last)
             stream.log.bytes_out += len(chunk)
             self.unflushed += len(chunk)
             sent = True
@@ -1114,7 +1118,7 @@ class _H2Connection(ReactorConnection):
             self.session.send_end(stream.id, [])
             self._answered(stream)
             return
-        stream.out = memoryview(body)
+        stream.out = body
         stream.out_end = True
         self._pump_answer(stream)
 
@@ -1161,14 +1165,13 @@ def _h2_fields(
 ) -> list[Header]:
     """Response fields for HTTP/2: no hop-by-hop or connection-specific
     field, names in lowercase."""
-    fields = []
-    for name, value in strip_hop_by_hop(
-        headers, keep_upgrade=False, connection=connection
-    ):
-        lower = name.lower()
-        if lower not in _NOT_IN_H2:
-            fields.append((lower, value))
-    return fields
+    return [
+        (lower, value)
+        for name, value in strip_hop_by_hop(
+            headers, keep_upgrade=False, connection=connection
+        )
+        if (lower := name.lower()) not in _NOT_IN_H2
+    ]
 
 
 def h2_connection(
