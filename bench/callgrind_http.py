@@ -1,6 +1,7 @@
 """Instructions per keep-alive HTTP/1.1 request through the proxy (callgrind).
 
-Run: ``python bench/callgrind_http.py [--requests 100,300]``
+Run: ``python bench/callgrind_http.py [--requests 100,300]
+[--access-log off|writer|logger]``
 
 Wall-clock figures on a shared machine move with the load; instruction counts
 do not. This runs the proxy (`tlsedge._http.driver.serve_http` on the
@@ -71,7 +72,7 @@ CLIENT = textwrap.dedent(
 
 PROXY = textwrap.dedent(
     """
-    import logging, sys
+    import logging, os, sys
     from pathlib import Path
     import trio
     from tlsedge._config import config_from_mapping
@@ -83,7 +84,12 @@ PROXY = textwrap.dedent(
 
     logging.getLogger("tlsedge").addHandler(logging.NullHandler())
     logging.getLogger("tlsedge").propagate = False
-    backend_port, ready_file = int(sys.argv[1]), sys.argv[2]
+    backend_port, ready_file, access_log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if access_log == "logger":
+        logging.getLogger("tlsedge.access").setLevel(logging.INFO)
+    elif access_log != "off":
+        from tlsedge._logging import setup_logging
+        setup_logging("warning", access_log=access_log, stream=open(os.devnull, "w"))
     config = config_from_mapping(
         {
             "listeners": [
@@ -126,7 +132,9 @@ PROXY = textwrap.dedent(
 )
 
 
-def instructions(requests: int, backend_port: int, workdir: Path) -> int:
+def instructions(
+    requests: int, backend_port: int, workdir: Path, access_log: str
+) -> int:
     """The proxy process's instructions for *requests* keep-alive requests."""
     ready = workdir / f"ready-{requests}"
     out = workdir / f"callgrind-{requests}.out"
@@ -140,6 +148,7 @@ def instructions(requests: int, backend_port: int, workdir: Path) -> int:
             PROXY,
             str(backend_port),
             str(ready),
+            str(workdir / "access.log") if access_log == "writer" else access_log,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -168,6 +177,14 @@ def instructions(requests: int, backend_port: int, workdir: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="100,300", help="two request counts")
+    parser.add_argument(
+        "--access-log",
+        choices=("off", "writer", "logger"),
+        default="off",
+        help="off: no line built (the default); writer: an AccessLogWriter to a"
+        " file, as the tlsedge command sets it up; logger: logging records to a"
+        " null handler",
+    )
     args = parser.parse_args()
     low, high = (int(n) for n in args.requests.split(","))
     if shutil.which("valgrind") is None:
@@ -179,13 +196,19 @@ def main() -> None:
         assert backend.stdout is not None
         backend_port = int(backend.stdout.readline())
         with tempfile.TemporaryDirectory() as tmp:
-            counts = {n: instructions(n, backend_port, Path(tmp)) for n in (low, high)}
+            counts = {
+                n: instructions(n, backend_port, Path(tmp), args.access_log)
+                for n in (low, high)
+            }
     finally:
         backend.kill()
         backend.wait()
     per_request = (counts[high] - counts[low]) / (high - low)
     path = os.environ.get("PYTHONPATH", "")
-    print(f"python -V: {sys.version.split()[0]}; PYTHONPATH={path}")
+    print(
+        f"python -V: {sys.version.split()[0]}; PYTHONPATH={path};"
+        f" access log: {args.access_log}"
+    )
     for n, count in counts.items():
         print(f"{n:6d} requests: {count:>14,d} instructions")
     print(f"per keep-alive request: {per_request:,.0f} instructions")
