@@ -132,6 +132,12 @@ PROXY = textwrap.dedent(
 )
 
 
+COMPILE = (
+    "import compileall, os, tlsedge;"
+    " compileall.compile_dir(os.path.dirname(tlsedge.__file__), quiet=1)"
+)
+
+
 def instructions(
     requests: int, backend_port: int, workdir: Path, access_log: str
 ) -> int:
@@ -189,6 +195,8 @@ def main() -> None:
     low, high = (int(n) for n in args.requests.split(","))
     if shutil.which("valgrind") is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
+    # Stale bytecode would be compiled in the first (smaller) run only.
+    subprocess.run([sys.executable, "-c", COMPILE], check=True)
     backend = subprocess.Popen(
         [sys.executable, "-c", BACKEND], stdout=subprocess.PIPE, text=True
     )
