@@ -1,7 +1,8 @@
 """Instructions per keep-alive request through the proxy (callgrind).
 
 Run: ``python bench/callgrind_http.py [--requests 100,300]
-[--http2 [--streams 10] [--sans-io h2|session]] [--keep DIR]``
+[--http2 [--streams 10] [--sans-io h2|session]] [--access-log off|writer|logger]
+[--keep DIR]``
 
 Wall-clock figures on a shared machine move with the load; instruction counts
 do not. This runs the proxy (`tlsedge._pipeline.http.h1.serve_http` on the
@@ -185,7 +186,7 @@ SANS_IO = textwrap.dedent(
 
 PROXY = textwrap.dedent(
     """
-    import logging, sys
+    import logging, os, sys
     from pathlib import Path
     import trio
     from tlsedge._core.config import config_from_mapping
@@ -201,6 +202,12 @@ PROXY = textwrap.dedent(
     logging.getLogger("tlsedge").addHandler(logging.NullHandler())
     logging.getLogger("tlsedge").propagate = False
     backend_port, ready_file, version = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    access_log = sys.argv[4]
+    if access_log == "logger":
+        logging.getLogger("tlsedge.access").setLevel(logging.INFO)
+    elif access_log != "off":
+        from tlsedge._control.logs import setup_logging
+        setup_logging("warning", access_log=access_log, stream=open(os.devnull, "w"))
     config = config_from_mapping(
         {
             "listeners": [
@@ -247,8 +254,20 @@ PROXY = textwrap.dedent(
 )
 
 
+COMPILE = (
+    "import compileall, os, tlsedge;"
+    " compileall.compile_dir(os.path.dirname(tlsedge.__file__), quiet=1)"
+)
+
+
 def instructions(
-    requests: int, backend_port: int, workdir: Path, *, http2: bool, streams: int
+    requests: int,
+    backend_port: int,
+    workdir: Path,
+    *,
+    http2: bool,
+    streams: int,
+    access_log: str,
 ) -> int:
     """The proxy process's instructions for *requests* keep-alive requests."""
     ready = workdir / f"ready-{requests}"
@@ -265,6 +284,7 @@ def instructions(
             str(backend_port),
             str(ready),
             "2" if http2 else "1",
+            str(workdir / "access.log") if access_log == "writer" else access_log,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -357,10 +377,20 @@ def main() -> None:
         type=Path,
         help="keep the callgrind outputs in this directory (for callgrind_annotate)",
     )
+    parser.add_argument(
+        "--access-log",
+        choices=("off", "writer", "logger"),
+        default="off",
+        help="off: no line built (the default); writer: an AccessLogWriter to a"
+        " file, as the tlsedge command sets it up; logger: logging records to a"
+        " null handler",
+    )
     args = parser.parse_args()
     low, high = (int(n) for n in args.requests.split(","))
     if shutil.which("valgrind") is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
+    # Stale bytecode would be compiled in the first (smaller) run only.
+    subprocess.run([sys.executable, "-c", COMPILE], check=True)
     if args.sans_io is not None:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp) if args.keep is None else args.keep
@@ -371,7 +401,7 @@ def main() -> None:
                 )
                 for n in (low, high)
             }
-        _report(counts, low, high)
+        _report(counts, low, high, access_log="off")
         return
     backend = subprocess.Popen(
         [sys.executable, "-c", BACKEND], stdout=subprocess.PIPE, text=True
@@ -384,20 +414,28 @@ def main() -> None:
             workdir.mkdir(parents=True, exist_ok=True)
             counts = {
                 n: instructions(
-                    n, backend_port, workdir, http2=args.http2, streams=args.streams
+                    n,
+                    backend_port,
+                    workdir,
+                    http2=args.http2,
+                    streams=args.streams,
+                    access_log=args.access_log,
                 )
                 for n in (low, high)
             }
     finally:
         backend.kill()
         backend.wait()
-    _report(counts, low, high)
+    _report(counts, low, high, access_log=args.access_log)
 
 
-def _report(counts: dict[int, int], low: int, high: int) -> None:
+def _report(counts: dict[int, int], low: int, high: int, *, access_log: str) -> None:
     per_request = (counts[high] - counts[low]) / (high - low)
     path = os.environ.get("PYTHONPATH", "")
-    print(f"python -V: {sys.version.split()[0]}; PYTHONPATH={path}")
+    print(
+        f"python -V: {sys.version.split()[0]}; PYTHONPATH={path};"
+        f" access log: {access_log}"
+    )
     for n, count in counts.items():
         print(f"{n:6d} requests: {count:>14,d} instructions")
     print(f"per keep-alive request: {per_request:,.0f} instructions")

@@ -27,7 +27,7 @@ from tests.tlsedge.test_admission import exchange_from
 from tlsedge._core.accesslog import JsonLine, format_address, format_time
 from tlsedge._core.termination import Termination
 from tlsedge._http import log as http_log
-from tlsedge._http.log import RequestLog
+from tlsedge._http.log import RequestLines, RequestLog
 
 _VALUES = st.one_of(
     st.none(),
@@ -104,6 +104,118 @@ def test_request_line_has_every_field_in_order(
     log.emit()
     (line,) = lines
     assert line == json.dumps(expected, separators=(",", ":"))
+
+
+_TEXTS = st.one_of(st.none(), st.text())
+_DURATIONS = st.floats(min_value=0, max_value=1e9)
+
+
+@given(
+    shared=st.fixed_dictionaries(
+        {
+            "connection": st.text(),
+            "listener": st.text(),
+            "client": _TEXTS,
+            "backend": _TEXTS,
+            "tls": _TEXTS,
+            "sni": _TEXTS,
+        }
+    ),
+    start=st.floats(min_value=0, max_value=2**33),
+    texts=st.tuples(*[_TEXTS] * 5),
+    status=st.one_of(st.none(), st.integers()),
+    sizes=st.tuples(st.integers(min_value=0), st.integers(min_value=0)),
+    durations=st.tuples(st.none() | _DURATIONS, st.none() | _DURATIONS, _DURATIONS),
+    server=_TEXTS,
+    request_id=_TEXTS,
+    termination=st.sampled_from(list(Termination)) | st.text(),
+    detail=_TEXTS,
+)
+def test_request_lines_are_json_dumps(
+    *,
+    shared: dict[str, str | None],
+    start: float,
+    texts: tuple[str | None, ...],
+    status: int | None,
+    sizes: tuple[int, int],
+    durations: tuple[float | None, float | None, float],
+    server: str | None,
+    request_id: str | None,
+    termination: str,
+    detail: str | None,
+) -> None:
+    # The shared fields encoded once per connection, the rest per request:
+    # the same text as json.dumps, every string escaped.
+    lines = RequestLines(**shared)  # type: ignore[arg-type]
+    method, target, version, host, agent = texts
+    log = lines.new(start, method, target, version, host=host, user_agent=agent)
+    log.status = status
+    log.bytes_in, log.bytes_out = sizes
+    log.connect, log.first_byte, log.total = durations
+    log.server = server
+    log.request_id = request_id
+    log.termination = termination
+    log.detail = detail
+    expected = {
+        "type": "http",
+        "connection": shared["connection"],
+        "listener": shared["listener"],
+        "client": shared["client"],
+        "start": format_time(start),
+        "method": method,
+        "target": target,
+        "version": version,
+        "host": host,
+        "user_agent": agent,
+        "status": status,
+        "bytes_in": sizes[0],
+        "bytes_out": sizes[1],
+        "connect": None if durations[0] is None else round(durations[0], 6),
+        "first_byte": None if durations[1] is None else round(durations[1], 6),
+        "total": round(durations[2], 6),
+        "backend": shared["backend"],
+        "server": server,
+        "tls": shared["tls"],
+        "sni": shared["sni"],
+        "request_id": request_id,
+        "termination": termination,
+        "detail": detail,
+    }
+    line = lines.line(log)
+    assert line == json.dumps(expected, separators=(",", ":"))
+    assert line.isascii()
+    assert line.isprintable()
+    assert line == log.to_json()
+
+
+@pytest.mark.parametrize(
+    "seconds",
+    [
+        0.0,
+        0.5e-6,
+        1.25e-05,  # repr: exponent
+        0.0000995,
+        0.0001,
+        0.0078125,  # a tie in binary: to even
+        0.1234565,
+        0.5,
+        1.0,
+        12.0000004,
+        86400.999999501,
+        999999999.9999995,
+        1e9,
+        1e16,
+    ],
+)
+def test_request_line_durations_are_rounded_to_the_microsecond(
+    seconds: float,
+) -> None:
+    log = RequestLines(
+        connection="c", listener="l", client=None, backend=None, tls=None, sni=None
+    ).new(0.0)
+    log.connect = log.first_byte = log.total = seconds
+    text = repr(round(seconds, 6))
+    assert f'"connect":{text},"first_byte":{text},"total":{text},' in log.to_json()
 
 
 # -- addresses ----------------------------------------------------------------------

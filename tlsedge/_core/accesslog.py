@@ -2,7 +2,7 @@
 
 Every connection ends with exactly one line saying who it was, where it went,
 how many bytes went each way, when it started, how long it took and why it
-ended (HTTP mode adds a line per request: ``tlsedge._http.RequestLog``, with
+ended (HTTP mode adds a line per request: ``tlsedge._http.log``, with
 the same names and formats for the fields both have; docs/operations.md
 describes every field). JSON encoding
 escapes anything a peer could smuggle into a field (addresses come from
@@ -66,6 +66,7 @@ __all__ = [
     "format_address",
     "format_time",
     "install_access_log_writer",
+    "second_text",
     "write_access_line",
 ]
 
@@ -117,12 +118,13 @@ def format_time(timestamp: float) -> str:
     """
     millis = math.floor(timestamp * 1000)
     seconds, millis = divmod(millis, 1000)
-    return f"{_second_text(seconds)}.{millis:03d}Z"
+    return f"{second_text(seconds)}.{millis:03d}Z"
 
 
 @functools.lru_cache(maxsize=4)
-def _second_text(seconds: int) -> str:
-    """``2026-11-23T19:50:01``: the lines of one second share it (cached)."""
+def second_text(seconds: int) -> str:
+    """``2026-11-23T19:50:01``: the whole seconds of `format_time` (the lines
+    of one second share it: cached)."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 

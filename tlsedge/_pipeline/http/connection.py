@@ -63,7 +63,7 @@ from tlsedge._core.accesslog import format_address
 from tlsedge._core.config import HttpConfig, ListenerConfig
 from tlsedge._core.downstream import Downstream
 from tlsedge._core.termination import Termination
-from tlsedge._http.log import HttpConnectionResult, RequestLog
+from tlsedge._http.log import HttpConnectionResult, RequestLines, RequestLog
 from tlsedge._http.rules import RequestRewriter
 from tlsedge._pipeline.http.attempt import UpstreamAttempt, upstream_socket
 from tlsedge._pipeline.http.upstream_step import response_timeout
@@ -240,6 +240,7 @@ class ReactorConnection(abc.ABC):
         "on_done",
         "on_request",
         "reactor",
+        "request_lines",
         "response_timeout_failure",
         "result",
         "rewriter",
@@ -289,6 +290,14 @@ class ReactorConnection(abc.ABC):
         ssl_info = downstream.tls
         self.tls_text = f"{ssl_info.version} {ssl_info.cipher}" if ssl_info else None
         self.sni = ssl_info.server_name if ssl_info else None
+        self.request_lines = RequestLines(
+            connection=self.connection_id,
+            listener=listener.name,
+            client=self.client_text,
+            backend=backend.name,
+            tls=self.tls_text,
+            sni=self.sni,
+        )
         self.rewriter = RequestRewriter.for_connection(listener, downstream)
         self.upstreams = UpstreamConnections(
             backend, keepalive, downstream.client_ip, proxy_header

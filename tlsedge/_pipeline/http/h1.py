@@ -717,22 +717,14 @@ class _HttpConnection(ReactorConnection):
 
     def _reject_head(self, exc: RequestRejectedError) -> None:
         """Answer a request we could not even parse, then close."""
-        log = RequestLog(
-            connection=self.connection_id,
-            listener=self.listener.name,
-            client=self.client_text,
-            start=self.request_start_time,
-            tls=self.tls_text,
-            sni=self.sni,
-            status=exc.status,
-            backend=self.backend.name,
-            termination=(
-                Termination.REQUEST_HEADER_TIMEOUT
-                if exc.status == 408
-                else Termination.BAD_REQUEST
-            ),
-            detail=exc.reason,
+        log = self.request_lines.new(self.request_start_time)
+        log.status = exc.status
+        log.termination = (
+            Termination.REQUEST_HEADER_TIMEOUT
+            if exc.status == 408
+            else Termination.BAD_REQUEST
         )
+        log.detail = exc.reason
         match = REQUEST_LINE_RE.match(self.session.trailing_data)
         if match is not None:
             log.method = match.group(1).decode("ascii")
@@ -753,20 +745,14 @@ class _HttpConnection(ReactorConnection):
 
     def _new_log(self, head: RequestHead) -> RequestLog:
         agent = head.user_agent
-        return RequestLog(
-            connection=self.connection_id,
-            listener=self.listener.name,
-            client=self.client_text,
-            start=self.request_start_time,
-            method=head.method.decode("ascii"),
-            target=log_text(head.target),
-            version=head.version.decode("ascii"),
+        return self.request_lines.new(
+            self.request_start_time,
+            head.method.decode("ascii"),
+            log_text(head.target),
+            head.version.decode("ascii"),
             # Checked (HOST_RE: ASCII only) by the head parser.
             host=head.host.decode("ascii") if head.host is not None else None,
             user_agent=log_text(agent) if agent is not None else None,
-            backend=self.backend.name,
-            tls=self.tls_text,
-            sni=self.sni,
         )
 
     def _handle_request(self, request: Request) -> None:
@@ -884,7 +870,7 @@ class _HttpConnection(ReactorConnection):
         self.log = None
         self.ex = None
         log.total = self.now() - self.request_started
-        log.emit()
+        self.request_lines.emit(log)
         if self.on_request is not None:
             self.on_request(log)
 

@@ -822,21 +822,15 @@ class _H2Connection(ReactorConnection):
         )
 
     def _new_log(self, method: bytes | None, target: bytes | None) -> RequestLog:
-        return RequestLog(
-            connection=self.connection_id,
-            listener=self.listener.name,
-            client=self.client_text,
-            start=time.time(),
-            method=method.decode("latin-1") if method is not None else None,
-            target=log_text(target) if target is not None else None,
-            version="2.0",
-            backend=self.backend.name,
-            tls=self.tls_text,
-            sni=self.sni,
+        return self.request_lines.new(
+            time.time(),
+            method.decode("latin-1") if method is not None else None,
+            log_text(target) if target is not None else None,
+            "2.0",
         )
 
     def _emit(self, log: RequestLog) -> None:
-        log.emit()
+        self.request_lines.emit(log)
         if self.on_request is not None:
             self.on_request(log)
 
