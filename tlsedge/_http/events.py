@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from tlsedge._http.body import BodyKind
 from tlsedge._http.head import RequestHead, ResponseHead
@@ -41,9 +41,10 @@ class NeedData(enum.Enum):
 NEED_DATA: Final = NeedData.NEED_DATA
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    """A request head from the client, checked; ``size`` is its length in bytes."""
+class Request(NamedTuple):
+    """A request head from the client, checked; ``size`` is its length in bytes
+    (a named tuple, as the heads: one per request, and a frozen dataclass sets
+    each field with a call)."""
 
     head: RequestHead
     size: int
@@ -56,9 +57,9 @@ class Informational:
     head: ResponseHead
 
 
-@dataclass(frozen=True, slots=True)
-class Response:
-    """The final response head from the upstream, and how its body is framed."""
+class Response(NamedTuple):
+    """The final response head from the upstream, and how its body is framed
+    (a named tuple, as `Request`)."""
 
     head: ResponseHead
     body: BodyKind

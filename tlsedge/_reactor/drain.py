@@ -21,18 +21,22 @@ __all__ = ["Drain"]
 class Drain:
     """A one-shot drain signal (see the module docstring)."""
 
-    __slots__ = ("_callbacks", "_event")
+    __slots__ = ("_callbacks", "_event", "_set")
 
     def __init__(self) -> None:
         self._event = trio.Event()
+        # The event's flag, kept here too: HTTP reads it twice per request,
+        # and this is one Python call where the event's is two.
+        self._set = False
         self._callbacks: set[Callable[[], None]] = set()
 
     def is_set(self) -> bool:
         """True once the edge drains."""
-        return self._event.is_set()
+        return self._set
 
     def set(self) -> None:
         """Drain: wake `wait`, end every registered wait."""
+        self._set = True
         self._event.set()
         callbacks, self._callbacks = self._callbacks, set()
         for callback in callbacks:
@@ -45,7 +49,7 @@ class Drain:
     def call_on_set(self, callback: Callable[[], None]) -> None:
         """Call *callback* once when the edge drains (at once if it did),
         unless `forget` comes first. It must not block."""
-        if self._event.is_set():
+        if self._set:
             callback()
         else:
             self._callbacks.add(callback)
