@@ -11,6 +11,7 @@ campaigns print them and check them in their full runs, never a test.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,11 @@ CAMPAIGNS = ROOT / "campaigns"
 pytestmark = pytest.mark.peers
 
 
+def _python_path() -> list[str]:
+    given = os.environ.get("PYTHONPATH")
+    return [str(ROOT), *([given] if given else [])]
+
+
 def run_campaign(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
     result_file = tmp_path / f"{name}.json"
     completed = subprocess.run(
@@ -38,6 +44,9 @@ def run_campaign(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
             *args,
         ],
         cwd=ROOT,
+        # This checkout's tlsedge, not whichever one is installed: a script's
+        # own folder, not the working directory, starts its sys.path.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(_python_path())},
         capture_output=True,
         text=True,
         timeout=300,
