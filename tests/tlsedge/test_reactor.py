@@ -311,8 +311,15 @@ async def test_a_slow_reader_stops_the_relay_reading_its_source() -> None:
                     buffer_size=buffer_size,
                 )
 
+            data = payload(64 * MIB, 3)
+            sent = trio.Event()
+
+            async def send_payload() -> None:
+                await w.client_peer.send_all(data)
+                sent.set()
+
             nursery.start_soon(run_relay)
-            nursery.start_soon(w.client_peer.send_all, payload(64 * MIB, 3))
+            nursery.start_soon(send_payload)
             # Wait until the relay is stuck: its count stops moving.
             last = -1
             while w.stats.bytes_from_client != last:
@@ -323,12 +330,15 @@ async def test_a_slow_reader_stops_the_relay_reading_its_source() -> None:
             assert 0 < w.stats.bytes_from_client < 8 * MIB
             received = 0
             digest = hashlib.sha256()
-            expected = hashlib.sha256(payload(64 * MIB, 3)).hexdigest()
+            expected = hashlib.sha256(data).hexdigest()
             while received < 64 * MIB:
                 chunk = await w.server_peer.receive_some(1 << 20)
                 received += len(chunk)
                 digest.update(chunk)
             assert digest.hexdigest() == expected
+            # The server may have every byte before send_all has returned
+            # (its task is scheduled after the reactor's turn).
+            await sent.wait()
             await w.client_peer.send_eof()
             assert await w.server_peer.receive_some() == b""
             await w.server_peer.send_eof()
