@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import logging
 import socket
 import ssl
@@ -150,44 +149,6 @@ async def test_a_forgotten_descriptor_left_open_is_dropped_by_the_selector() -> 
     finally:
         ours.close()
         theirs.close()
-
-
-class _NeverReading:
-    """Counts its calls and never reads: its socket stays readable."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def ready(self, fd: int, events: int) -> None:
-        self.calls += 1
-
-    def failed(self, exc: Exception) -> None:
-        raise AssertionError(exc)
-
-
-async def test_a_descriptor_ready_at_every_poll_does_not_starve_trio_tasks() -> None:
-    """The reactor polls again before it goes back to trio, but gives trio a
-    turn at least every `_MAX_EVENTS` events: a trio task makes progress
-    while a descriptor is ready at every poll."""
-    reactor = current_reactor()
-    ours, theirs = socket.socketpair()
-    handler = _NeverReading()
-    seen: list[int] = []
-    try:
-        reactor.register(ours.fileno(), READABLE, handler)
-        theirs.send(b"x")  # readable from now on (level-triggered)
-        with trio.fail_after(HANG_GUARD):
-            while handler.calls <= 3 * _reactor._MAX_EVENTS:
-                await trio.lowlevel.checkpoint()
-                seen.append(handler.calls)
-        reactor.unregister(ours.fileno())
-    finally:
-        ours.close()
-        theirs.close()
-    # trio runs every runnable task once per run-loop turn, in an order it
-    # shuffles: between two of this task's steps the reactor took one or two.
-    gaps = [later - earlier for earlier, later in itertools.pairwise(seen)]
-    assert max(gaps) <= 2 * _reactor._MAX_EVENTS
 
 
 class _Deferring:

@@ -16,13 +16,6 @@ reactor pays that cost once per *batch* of ready connections instead:
   `trio.lowlevel.wait_readable`, then asks the selector for every ready
   descriptor without blocking and calls each one's handler. Handlers never
   await: they make non-blocking ``recv``/``send`` calls and change interest.
-  It then asks the selector again, without blocking, and goes back to trio
-  only once nothing is ready: a wake-up through trio (its run-loop turn, the
-  ``epoll_ctl`` that re-arms the wait) costs far more than an empty poll, and
-  an answer that arrived while the handlers ran (a proxied request's
-  response) is taken in the same wake-up. So that trio's tasks (the control
-  plane) still run promptly, a wake-up handles at most `_MAX_EVENTS` events;
-  past that the task yields to trio with a checkpoint before polling on.
   Work that several handler calls of one batch add to (an HTTP/2 connection's
   write of the frames its streams queued) can be put off to the batch's end
   (`Reactor.defer`), and is then done once.
@@ -85,8 +78,8 @@ HANGUP = 16
 #: The timer heap is first rebuilt without its called-off entries at this size.
 _COMPACT_AT_LEAST = 1024
 
-#: Most events handled per wake-up of the reactor task (more are taken over
-#: several trio run-loop turns, with a checkpoint between them).
+#: Most events taken from the selector per wake-up (a larger batch is taken
+#: over several loop turns, with a trio checkpoint between them).
 _MAX_EVENTS = 512
 
 
@@ -130,7 +123,7 @@ class _Poller(Protocol):
     def modify(self, fd: int, events: int) -> None: ...
     def unregister(self, fd: int) -> None: ...
     def forget(self, fd: int) -> None: ...
-    def poll(self, max_events: int) -> list[tuple[int, int]]: ...
+    def poll(self) -> list[tuple[int, int]]: ...
     def fileno(self) -> int: ...
     def close(self) -> None: ...
 
@@ -153,8 +146,8 @@ class _Epoll:
     def forget(self, fd: int) -> None:
         """Nothing to do: closing the descriptor removes it from the epoll."""
 
-    def poll(self, max_events: int) -> list[tuple[int, int]]:
-        return self._epoll.poll(0, max_events)
+    def poll(self) -> list[tuple[int, int]]:
+        return self._epoll.poll(0, _MAX_EVENTS)
 
     def fileno(self) -> int:
         return self._epoll.fileno()
@@ -187,8 +180,7 @@ class _PortableSelector:
     def forget(self, fd: int) -> None:
         self._selector.unregister(fd)  # its own map would keep the fd
 
-    def poll(self, max_events: int) -> list[tuple[int, int]]:
-        """Every ready descriptor (`selectors` takes no limit)."""
+    def poll(self) -> list[tuple[int, int]]:
         return [
             (
                 key.fd,
@@ -320,14 +312,10 @@ class Reactor:
         handlers = self._handlers
         selector_fd = poller.fileno()
         wait_readable = trio.lowlevel.wait_readable
-        await wait_readable(selector_fd)
         while True:
-            budget = _MAX_EVENTS
-            while budget > 0:
-                events = poller.poll(budget)
-                if not events:
-                    break
-                budget -= len(events)
+            await wait_readable(selector_fd)
+            while True:
+                events = poller.poll()
                 for fd, mask in events:
                     handler = handlers.get(fd)
                     if handler is None:
@@ -344,12 +332,11 @@ class Reactor:
                         handler.failed(exc)
                 if self._deferred:
                     self._run_deferred()
-            # Not kept while waiting: it may have ended (a relay, its
-            # streams and buffers).
-            handler = None
-            if budget > 0:
-                await wait_readable(selector_fd)
-            else:
+                # Not kept while waiting: it may have ended (a relay, its
+                # streams and buffers).
+                handler = None
+                if len(events) < _MAX_EVENTS:
+                    break
                 await trio.lowlevel.checkpoint()
 
     def _run_deferred(self) -> None:
