@@ -1,6 +1,6 @@
 """Instructions per keep-alive request through the proxy (callgrind).
 
-Run: ``python bench/callgrind_http.py [--requests 100,300]
+Run: ``python bench/callgrind_http.py [--requests 100,300] [--tls]
 [--http2 [--streams 10] [--sans-io h2|session]] [--access-log off|writer|logger]
 [--keep DIR]``
 
@@ -22,7 +22,11 @@ the next N (the request counts should be multiples of N). ``--http2
 --sans-io h2`` (or ``session``) counts the same exchanges without sockets
 or a backend, through the ``h2`` library alone (as `H2Session` configures
 it) or through `tlsedge._http.h2session.H2Session`: what framing and HPACK
-cost, and what the session adds. Needs ``valgrind``.
+cost, and what the session adds. ``--tls`` puts TLS 1.3 between the
+HTTP/1.1 client and the proxy (a `TLSStream` over the accepted socket,
+Python's default server context, a ``trustme`` certificate; the handshake
+is start-up and cancels out): what the client side's records cost per
+request. Needs ``valgrind``.
 """
 
 from __future__ import annotations
@@ -65,12 +69,16 @@ BACKEND = textwrap.dedent(
 CLIENT = textwrap.dedent(
     """
     import socket, sys
-    port, count = int(sys.argv[1]), int(sys.argv[2])
+    port, count, ca = int(sys.argv[1]), int(sys.argv[2]), sys.argv[4]
     request = (
         b"GET / HTTP/1.1\\r\\nHost: example.com\\r\\n"
         b"User-Agent: bench\\r\\n\\r\\n"
     )
     sock = socket.create_connection(("127.0.0.1", port))
+    if ca:
+        import ssl
+        context = ssl.create_default_context(cafile=ca)
+        sock = context.wrap_socket(sock, server_hostname="localhost")
     for _ in range(count):
         sock.sendall(request)
         got = b""
@@ -202,7 +210,7 @@ PROXY = textwrap.dedent(
     logging.getLogger("tlsedge").addHandler(logging.NullHandler())
     logging.getLogger("tlsedge").propagate = False
     backend_port, ready_file, version = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    access_log = sys.argv[4]
+    access_log, certs = sys.argv[4], sys.argv[5]
     if access_log == "logger":
         logging.getLogger("tlsedge.access").setLevel(logging.INFO)
     elif access_log != "off":
@@ -233,10 +241,24 @@ PROXY = textwrap.dedent(
         Path(ready_file).write_text(str(listener.getsockname()[1]))
         sock, peer = await listener.accept()
         stream = trio.SocketStream(sock)
+        if certs:
+            import ssl
+            from tlsedge._tls.stream import TLSStream
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(certs)
+            stream = TLSStream(stream, context, server_side=True)
+            await stream.do_handshake()
+            from tlsedge._core.downstream import SSLFacts
+            facts = SSLFacts(
+                version=stream.ssl_object.version(),
+                cipher=stream.ssl_object.cipher()[0], alpn=None,
+                server_name="localhost", client_cert_der=None, client_cn=None,
+                verified=False, sig_alg="ECDSA-SHA256", key_alg="EC256",
+            )
         local = sock.getsockname()
         downstream = Downstream(
             id="bench", listener="web", peer=peer, client=peer,
-            destination=(local[0], local[1]),
+            destination=(local[0], local[1]), tls=facts if certs else None,
         )
         arguments = dict(
             listener=config.listeners[0], backend=pool, keepalive=keepalive,
@@ -268,8 +290,11 @@ def instructions(
     http2: bool,
     streams: int,
     access_log: str,
+    certs: tuple[Path, Path] | None,
 ) -> int:
-    """The proxy process's instructions for *requests* keep-alive requests."""
+    """The proxy process's instructions for *requests* keep-alive requests
+    (over TLS with *certs*: the proxy's certificate chain and key file, and
+    the CA file the client trusts)."""
     ready = workdir / f"ready-{requests}"
     out = workdir / f"callgrind-{requests}.out"
     ready.unlink(missing_ok=True)  # (a kept directory's, from an earlier run)
@@ -285,6 +310,7 @@ def instructions(
             str(ready),
             "2" if http2 else "1",
             str(workdir / "access.log") if access_log == "writer" else access_log,
+            str(certs[0]) if certs else "",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -304,6 +330,7 @@ def instructions(
                 str(port),
                 str(requests),
                 str(streams),
+                str(certs[1]) if certs else "",
             ],
             check=True,
         )
@@ -385,7 +412,15 @@ def main() -> None:
         " file, as the tlsedge command sets it up; logger: logging records to a"
         " null handler",
     )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="HTTP/1.1 over TLS (TLS 1.3, Python's default server context, a"
+        " trustme certificate): what the client side's TLS adds",
+    )
     args = parser.parse_args()
+    if args.tls and (args.http2 or args.sans_io):
+        parser.error("--tls is for HTTP/1.1 clients")
     low, high = (int(n) for n in args.requests.split(","))
     if shutil.which("valgrind") is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
@@ -412,6 +447,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp) if args.keep is None else args.keep
             workdir.mkdir(parents=True, exist_ok=True)
+            certs = _certificates(workdir) if args.tls else None
             counts = {
                 n: instructions(
                     n,
@@ -420,6 +456,7 @@ def main() -> None:
                     http2=args.http2,
                     streams=args.streams,
                     access_log=args.access_log,
+                    certs=certs,
                 )
                 for n in (low, high)
             }
@@ -427,6 +464,19 @@ def main() -> None:
         backend.kill()
         backend.wait()
     _report(counts, low, high, access_log=args.access_log)
+
+
+def _certificates(workdir: Path) -> tuple[Path, Path]:
+    """A server certificate for "localhost" (chain and key in one file) and
+    the CA file that trusts it."""
+    import trustme
+
+    ca = trustme.CA()
+    server = ca.issue_cert("localhost")
+    chain, ca_file = workdir / "server.pem", workdir / "ca.pem"
+    server.private_key_and_cert_chain_pem.write_to_path(str(chain))
+    ca.cert_pem.write_to_path(str(ca_file))
+    return chain, ca_file
 
 
 def _report(counts: dict[int, int], low: int, high: int, *, access_log: str) -> None:
