@@ -18,6 +18,11 @@ and HTTPS to a second nginx that speaks TLS):
 * ``trio-floor`` (only ``http-keep-alive``): `trio_floor.py`, a minimal trio
   task-per-connection proxy with tlsedge's parser and socket I/O and none of
   its features: the floor of tlsedge's design on this machine;
+* ``epoll-floor`` (``https-keep-alive`` and ``http-keep-alive``):
+  `epoll_floor.py`, issue 24's prototype: one epoll loop in plain CPython,
+  one regular expression per head, the ``X-Forwarded-For`` line spliced in,
+  ``SSLObject`` over ``MemoryBIO``; no features at all: what a CPython
+  process can reach per request;
 * ``haproxy``: ``nbthread 1``, ``mode http``, ``option forwardfor``,
   ``bind ... ssl crt <pem>``, default ``http-reuse safe`` keep-alive to
   nginx, no logging.
@@ -70,7 +75,11 @@ from tls import make_certificates
 PROXY_CPU = "1"
 LOAD_CPU = "0"
 SCENARIOS = ("https-keep-alive", "http-keep-alive", "https-to-tls-backend")
-ALL_PROXIES = ("tlsedge", "tlsedge-nolog", "haproxy", "trio-floor")
+ALL_PROXIES = ("tlsedge", "tlsedge-nolog", "haproxy", "trio-floor", "epoll-floor")
+FLOOR_SCENARIOS = {
+    "trio-floor": ("http-keep-alive",),
+    "epoll-floor": ("https-keep-alive", "http-keep-alive"),
+}
 #: Issue 13's goal: HTTPS with X-Forwarded-For, on the reactor (issue 12's was
 #: 0.45x for HTTPS and HTTP).
 GOALS = {"https-keep-alive": 0.8}
@@ -85,8 +94,8 @@ class Proxy:
         self.http_port = free_port()
         self.tls_backend_port = free_port()
         self.pid = 0
-        #: The scenarios it serves (the floor serves plain HTTP only).
-        self.scenarios = ("http-keep-alive",) if name == "trio-floor" else SCENARIOS
+        #: The scenarios it serves (the floors serve only some).
+        self.scenarios = FLOOR_SCENARIOS.get(name, SCENARIOS)
 
     def url(self, scenario: str) -> str:
         if scenario == "https-to-tls-backend":
@@ -170,6 +179,16 @@ def start_proxy(
     elif proxy.name == "trio-floor":
         floor = Path(__file__).with_name("trio_floor.py")
         argv = [sys.executable, str(floor), str(proxy.http_port), str(nginx_port)]
+    elif proxy.name == "epoll-floor":
+        floor = Path(__file__).with_name("epoll_floor.py")
+        argv = [
+            sys.executable,
+            str(floor),
+            str(proxy.http_port),
+            str(proxy.https_port),
+            str(nginx_port),
+            str(combined),
+        ]
     elif proxy.name == "haproxy":
         cfg = wd / "haproxy.cfg"
         cfg.write_text(
