@@ -1,6 +1,6 @@
 """Instructions per keep-alive request through the proxy (callgrind).
 
-Run: ``python bench/callgrind_http.py [--requests 100,300] [--tls]
+Run: ``python bench/callgrind_http.py [--requests 100,300] [--tls] [--floor]
 [--http2 [--streams 10] [--sans-io h2|session]] [--access-log off|writer|logger]
 [--keep DIR]``
 
@@ -26,7 +26,9 @@ cost, and what the session adds. ``--tls`` puts TLS 1.3 between the
 HTTP/1.1 client and the proxy (a `TLSStream` over the accepted socket,
 Python's default server context, a ``trustme`` certificate; the handshake
 is start-up and cancels out): what the client side's records cost per
-request. Needs ``valgrind``.
+request. ``--floor [--tls]`` counts `epoll_floor.py` (issue 24's
+one-epoll-loop prototype, no features) on the same exchanges instead: the
+floor of a CPython process. Needs ``valgrind``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import argparse
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -418,9 +422,15 @@ def main() -> None:
         help="HTTP/1.1 over TLS (TLS 1.3, Python's default server context, a"
         " trustme certificate): what the client side's TLS adds",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="count bench/epoll_floor.py (issue 24's one-loop prototype) instead"
+        " of tlsedge; with --tls over TLS",
+    )
     args = parser.parse_args()
-    if args.tls and (args.http2 or args.sans_io):
-        parser.error("--tls is for HTTP/1.1 clients")
+    if (args.tls or args.floor) and (args.http2 or args.sans_io):
+        parser.error("--tls and --floor are for HTTP/1.1 clients")
     low, high = (int(n) for n in args.requests.split(","))
     if shutil.which("valgrind") is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
@@ -447,7 +457,16 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp) if args.keep is None else args.keep
             workdir.mkdir(parents=True, exist_ok=True)
-            certs = _certificates(workdir) if args.tls else None
+            certs = _certificates(workdir) if args.tls or args.floor else None
+            if args.floor:
+                assert certs is not None
+                floor_certs = (certs[0], certs[1] if args.tls else Path(""))
+                counts = {
+                    n: floor_instructions(n, backend_port, workdir, floor_certs)
+                    for n in (low, high)
+                }
+                _report(counts, low, high, access_log="none (the floor)")
+                return
             counts = {
                 n: instructions(
                     n,
@@ -464,6 +483,72 @@ def main() -> None:
         backend.kill()
         backend.wait()
     _report(counts, low, high, access_log=args.access_log)
+
+
+def floor_instructions(
+    requests: int, backend_port: int, workdir: Path, certs: tuple[Path, Path]
+) -> int:
+    """`epoll_floor.py`'s instructions for *requests* keep-alive requests
+    (HTTPS when *certs* has a CA file the client is to use, else plain)."""
+    out = workdir / f"callgrind-floor-{requests}.out"
+    chain, ca = certs
+    http_port, https_port = _free_port(), _free_port()
+    floor = subprocess.Popen(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            str(Path(__file__).with_name("epoll_floor.py")),
+            str(http_port),
+            str(https_port),
+            str(backend_port),
+            str(chain),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    try:
+        port = https_port if ca.name else http_port
+        while not _listening(port):
+            if floor.poll() is not None:
+                raise SystemExit(f"the floor did not start: {floor.stderr}")
+            subprocess.run(["sleep", "0.2"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                CLIENT,
+                str(port),
+                str(requests),
+                "1",
+                str(ca) if ca.name else "",
+            ],
+            check=True,
+        )
+        floor.send_signal(signal.SIGINT)  # KeyboardInterrupt: callgrind writes out
+        _, err = floor.communicate(timeout=600)
+    finally:
+        if floor.poll() is None:
+            floor.kill()
+            floor.wait()
+    return _collected(err)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _listening(port: int) -> bool:
+    """True once *port* listens (read from /proc/net/tcp: a test connection
+    would be a client of the floor)."""
+    wanted = f":{port:04X} "
+    with open("/proc/net/tcp") as table:
+        return any(wanted in line and " 0A " in line for line in table)
 
 
 def _certificates(workdir: Path) -> tuple[Path, Path]:
