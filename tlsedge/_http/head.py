@@ -8,7 +8,8 @@ few values the proxy reads on every request (Host, the Connection tokens,
 whether Upgrade is asked).
 
 Strictness (the request-smuggling defences; the reason strings are part of the
-contract, `tests/tlsedge/test_http.py` and `http/test_head.py` check them):
+contract, `tests/tlsedge/pipeline/http/test_h1.py` and `http/test_head.py` check
+them):
 
 * CRLF only: a bare CR or bare LF anywhere is refused (h11 takes a bare LF as a
   line end); no control character but HTAB; no obs-fold (h11 unfolds it);

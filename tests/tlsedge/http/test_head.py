@@ -19,7 +19,7 @@ import h11
 import pytest
 from hypothesis import example, given, strategies as st
 
-from tests.tlsedge.test_http import SMUGGLING_VECTORS
+from tests.tlsedge.pipeline.http.test_h1 import SMUGGLING_VECTORS
 from tlsedge._http.head import (
     RequestHead,
     RequestRejectedError,

@@ -12,6 +12,7 @@ import trio
 
 from proxyproto import ProxyHeader, encode
 from tests.peers import free_port
+from tests.tlsedge.control.test_admin import http_get
 from tests.tlsedge.helpers import (
     Backend,
     address_of,
@@ -24,7 +25,6 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
-from tests.tlsedge.test_admin import http_get
 from tlsedge._control.edge import Edge
 from tlsedge._core.config import Config, ConfigError
 

@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from tests.peers import require
+from tests.tlsedge.control.test_admin import admin_address
 from tests.tlsedge.helpers import (
     Backend,
     address_of,
@@ -24,7 +25,6 @@ from tests.tlsedge.helpers import (
     tag_handler,
     wait_until,
 )
-from tests.tlsedge.test_admin import admin_address
 
 pytestmark = pytest.mark.peers
 

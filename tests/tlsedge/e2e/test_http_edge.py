@@ -22,6 +22,8 @@ import trustme
 
 from proxyproto import InetAddress, ProxyHeader
 from tests.peers import free_port, nginx, require
+from tests.tlsedge.control.test_admin import admin_address, http_get, total
+from tests.tlsedge.control.test_status_page import cells, row_of
 from tests.tlsedge.helpers import (
     Backend,
     access_records,
@@ -33,9 +35,7 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
-from tests.tlsedge.test_admin import admin_address, http_get, total
-from tests.tlsedge.test_http import Client, EchoBackend as H11Backend, _next
-from tests.tlsedge.test_status_page import cells, row_of
+from tests.tlsedge.pipeline.http.test_h1 import Client, EchoBackend as H11Backend, _next
 from tlsedge._control.edge import Edge
 from tlsedge._pipeline.http.upstreams import (
     NewConnection,
@@ -237,7 +237,7 @@ async def h11_edge(
     extra_backends: tuple[dict[str, Any], ...] = (),
 ) -> AsyncIterator[tuple[Edge, H11Backend, tuple[str, int]]]:
     """An Edge (listener ``web``, mode http, backend ``app``) in front of
-    test_http's h11 backend (JSON echo, ``/slow/<s>``, ``/upgrade``)."""
+    test_h1's h11 backend (JSON echo, ``/slow/<s>``, ``/upgrade``)."""
     async with trio.open_nursery() as nursery:
         app = await H11Backend().start(nursery)
         config = make_config(

@@ -14,15 +14,7 @@ import pytest
 import trio
 
 from tests.peers import free_port, haproxy, require
-from tests.tlsedge.helpers import (
-    Backend,
-    address_of,
-    close_clients,
-    running_edge,
-    wait_access_records,
-    wait_until,
-)
-from tests.tlsedge.test_tls_edge import (
+from tests.tlsedge.e2e.test_tls_edge import (
     Pki,
     Seen,
     client_context,
@@ -33,6 +25,14 @@ from tests.tlsedge.test_tls_edge import (
     peer_der,
     round_trip,
     tls_connect,
+)
+from tests.tlsedge.helpers import (
+    Backend,
+    address_of,
+    close_clients,
+    running_edge,
+    wait_access_records,
+    wait_until,
 )
 
 pytestmark = pytest.mark.peers

@@ -19,6 +19,20 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.tlsedge.control.test_admin import (
+    admin_address,
+    http_get,
+    metric_values,
+    total,
+)
+from tests.tlsedge.control.test_status_page import (
+    STARTED,
+    backend,
+    listener,
+    server,
+    snapshot,
+)
+from tests.tlsedge.e2e.test_http_edge import h11_edge
 from tests.tlsedge.helpers import (
     Backend,
     address_of,
@@ -29,15 +43,6 @@ from tests.tlsedge.helpers import (
     read_all,
     running_edge,
     wait_until,
-)
-from tests.tlsedge.test_admin import admin_address, http_get, metric_values, total
-from tests.tlsedge.test_http_edge import h11_edge
-from tests.tlsedge.test_status_page import (
-    STARTED,
-    backend,
-    listener,
-    server,
-    snapshot,
 )
 from tlsedge._core.accesslog import ConnectionLog
 from tlsedge._core.metrics import (

@@ -58,7 +58,7 @@ from tlsedge._core.accesslog import (
     write_access_line,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # What a peer might send where an error message quotes it: a colour escape
 # and a line break followed by a forged record.

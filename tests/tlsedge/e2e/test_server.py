@@ -24,6 +24,18 @@ import tlsedge._pipeline.tcp
 from proxyproto import ProxyHeader, encode, encode_v2, parse
 from tests.peers import free_port
 from tests.test_faults import blackhole
+from tests.tlsedge.control.test_admin import total
+from tests.tlsedge.e2e.test_tls_edge import (
+    Pki,
+    PrefixFirstSend,
+    Seen,
+    client_context,
+    describe_ssl,
+    echo_backend,
+    edge_config,
+    round_trip,
+    tls_connect,
+)
 from tests.tlsedge.helpers import (
     Backend,
     address_of,
@@ -40,19 +52,7 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
-from tests.tlsedge.test_admin import total
-from tests.tlsedge.test_http import Client, EchoBackend as H11Backend
-from tests.tlsedge.test_tls_edge import (
-    Pki,
-    PrefixFirstSend,
-    Seen,
-    client_context,
-    describe_ssl,
-    echo_backend,
-    edge_config,
-    round_trip,
-    tls_connect,
-)
+from tests.tlsedge.pipeline.http.test_h1 import Client, EchoBackend as H11Backend
 from tlsedge._control.edge import Edge
 from tlsedge._core.config import Config
 from tlsedge._core.proxy_wrap import proxy_header_for

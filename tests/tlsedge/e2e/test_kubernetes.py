@@ -15,7 +15,7 @@ import yaml
 
 from tlsedge._core.config import Config, load_config
 
-FOLDER = Path(__file__).resolve().parents[2] / "examples" / "kubernetes"
+FOLDER = Path(__file__).resolve().parents[3] / "examples" / "kubernetes"
 # The oldest version the manifests target (the preStop sleep action is on by
 # default from 1.30) and the newest schema the validator bundles.
 KUBERNETES_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())

@@ -36,6 +36,7 @@ import tlsedge._control.edge
 from proxyproto import Policy, ProxyHeader, SSLClient, encode, encode_v2
 from proxyproto.trio import read_proxy_header
 from tests.peers import free_port
+from tests.tlsedge.core.test_admission import connect_from
 from tests.tlsedge.helpers import (
     Backend,
     address_of,
@@ -49,7 +50,6 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
-from tests.tlsedge.test_admission import connect_from
 from tlsedge._core.config import Config, ConfigError
 from tlsedge._tls.contexts import watch_certificates
 from tlsedge._tls.stream import TLSStream
@@ -57,7 +57,7 @@ from tlsedge._tls.stream import TLSStream
 TLS12 = ssl.TLSVersion.TLSv1_2
 TLS13 = ssl.TLSVersion.TLSv1_3
 VERSIONS = [pytest.param(TLS12, id="tls12"), pytest.param(TLS13, id="tls13")]
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,7 @@ from tlsedge._control.edge import Edge
 from tlsedge._core.config import ConfigError
 from tlsedge._core.metrics import EdgeMetrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,8 @@ import trio
 from hypothesis import given, strategies as st
 
 from proxyproto import ProxyHeader, encode_v2
+from tests.tlsedge.control.test_admin import admin_address, http_get
+from tests.tlsedge.core.test_admission import exchange_from
 from tests.tlsedge.helpers import (
     Backend,
     access_records,
@@ -22,8 +24,6 @@ from tests.tlsedge.helpers import (
     running_edge,
     wait_access_records,
 )
-from tests.tlsedge.test_admin import admin_address, http_get
-from tests.tlsedge.test_admission import exchange_from
 from tlsedge._core.accesslog import JsonLine, format_address, format_time
 from tlsedge._core.termination import Termination
 from tlsedge._http import log as http_log

@@ -20,13 +20,13 @@ import pytest
 import trio
 
 from tests.peers import free_port, require
+from tests.tlsedge.control.test_admin import scrape, total
 from tests.tlsedge.helpers import Backend, exchange, read_all, wait_until
-from tests.tlsedge.test_admin import scrape, total
 from tlsedge._control.cli import main
 from tlsedge._control.run import GC_YOUNG_THRESHOLD, tune_gc
 from tlsedge._version import __version__
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def config_text(port: int, server: str, *, drain_timeout: float = 30.0) -> str:
@@ -133,7 +133,7 @@ def test_a_file_that_is_not_toml_is_named_once(
 def test_check_meets_what_run_would_meet(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The cases: test_preflight.py; here, how the CLI reports them.
+    # The cases: backends/test_preflight.py; here, how the CLI reports them.
     path = tmp_path / "edge.toml"
     path.write_text(
         GOOD

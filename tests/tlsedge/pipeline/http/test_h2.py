@@ -29,6 +29,7 @@ from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
 from hypothesis import assume, example, given, settings
 
 from tests.peers import free_port, nginx, require
+from tests.tlsedge.control.test_admin import admin_address, http_get, total
 from tests.tlsedge.helpers import (
     access_records,
     address_of,
@@ -38,7 +39,6 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tests.tlsedge.http.test_gate import H2Case, h2_cases
-from tests.tlsedge.test_admin import admin_address, http_get, total
 from tlsedge._control.cli import main
 from tlsedge._control.edge import Edge
 from tlsedge._pipeline.http.upstreams import (

@@ -32,7 +32,7 @@ from tlsedge._core.config import (
     config_from_mapping,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
 KUBERNETES_TLS = "/etc/tlsedge/tls/"  # the Secret's mount in deployment.yaml
 

@@ -1,6 +1,6 @@
 """The reactor, and relays it drives over real sockets (plain and TLS).
 
-`tests/tlsedge/test_relay.py` and `test_relay_stateful.py` hold the relay's
+`tests/tlsedge/reactor/test_relay.py` and `test_relay_stateful.py` hold the relay's
 half-close, timeout and error rules; this file holds what is the reactor's
 own: its timers, its isolation of a failing handler, the portable selector,
 backpressure, an RST on a side that is not being read, and TLS streams whose
@@ -21,7 +21,7 @@ import trio
 import trio.testing
 import trustme
 
-from tests.tlsedge.test_relay import (
+from tests.tlsedge.reactor.test_relay import (
     HANG_GUARD,
     MIB,
     payload,

@@ -37,6 +37,7 @@ from proxyproto import (
     parse,
 )
 from tests.peers import require
+from tests.tlsedge.control.test_admin import admin_address, http_get, total
 from tests.tlsedge.helpers import (
     access_records,
     address_of,
@@ -45,7 +46,6 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
-from tests.tlsedge.test_admin import admin_address, http_get, total
 from tlsedge._control.cli import main
 from tlsedge._control.edge import Edge
 from tlsedge._core.config import ConfigError

@@ -35,7 +35,7 @@ from tlsedge._core.config import (
     load_config,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 BASE = Path("/etc/tlsedge")
 
 
@@ -1501,7 +1501,7 @@ def test_sctp_is_refused_with_the_reason_and_the_doc(mode: str) -> None:
     assert "PROXY v2 has no SCTP transport" in message
     assert "EPROTONOSUPPORT" in message
     assert message.endswith("docs/sctp.md says what an SCTP listener would take")
-    doc = Path(__file__).resolve().parents[2] / "docs/sctp.md"
+    doc = Path(__file__).resolve().parents[3] / "docs/sctp.md"
     assert doc.is_file()
 
 

@@ -21,6 +21,7 @@ from hypothesis import given, strategies as st
 
 from proxyproto import InetAddress, ProxyHeader, encode_v1, encode_v2
 from tests.peers import free_port, haproxy, require
+from tests.tlsedge.control.test_admin import admin_address, http_get, total
 from tests.tlsedge.helpers import (
     Backend,
     access_records,
@@ -32,7 +33,6 @@ from tests.tlsedge.helpers import (
     wait_access_records,
     wait_until,
 )
-from tests.tlsedge.test_admin import admin_address, http_get, total
 from tlsedge._control.cli import main
 from tlsedge._core.admission import AccessRules, Network
 from tlsedge._core.config import load_config

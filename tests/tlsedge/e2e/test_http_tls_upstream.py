@@ -24,13 +24,13 @@ import trio
 
 from tests.peers import free_port, nginx, require, wait_for_port
 from tests.tlsedge.helpers import Backend, address_of, make_config, running_edge
-from tests.tlsedge.test_http import Client, running_proxy
+from tests.tlsedge.pipeline.http.test_h1 import Client, running_proxy
 from tlsedge._backends.keepalive import KeepAlivePool
 from tlsedge._control.cli import main
 from tlsedge._core.balancer import Server
 from tlsedge._tls.stream import TLSStream
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import pytest
 import trio
 import trio.testing
 
+from tests.tlsedge.control.test_admin import total
 from tests.tlsedge.helpers import access_records
-from tests.tlsedge.test_admin import total
 from tlsedge._core.accesslog import ConnectionLog
 from tlsedge._core.metrics import EdgeMetrics
 from tlsedge._core.termination import Refused, Termination

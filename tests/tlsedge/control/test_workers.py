@@ -15,6 +15,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.peers import free_port
+from tests.tlsedge.control.test_admin import http_get, scrape, total
 from tests.tlsedge.helpers import (
     Backend,
     exchange,
@@ -22,10 +23,9 @@ from tests.tlsedge.helpers import (
     tag_handler,
     wait_until,
 )
-from tests.tlsedge.test_admin import http_get, scrape, total
 from tlsedge._control.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def config_text(

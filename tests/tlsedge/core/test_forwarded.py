@@ -10,7 +10,7 @@ from ipaddress import ip_network
 import pytest
 from hypothesis import example, given, strategies as st
 
-from tests.tlsedge.test_http import echo_and_proxy, get, seen_headers
+from tests.tlsedge.pipeline.http.test_h1 import echo_and_proxy, get, seen_headers
 from tlsedge._core.config import ForwardedConfig
 from tlsedge._core.forwarded import (
     FORWARDING_HEADERS,
