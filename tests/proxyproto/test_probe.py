@@ -367,7 +367,7 @@ def test_cli_probe_json() -> None:
         proc = subprocess.run(
             [
                 sys.executable, "-m", "proxyproto", "probe", f"127.0.0.1:{port}",
-                "--seed", "5", "--examples", "1", "--wait", "0.3", "--no-timing",
+                "--seed", "5", "--examples", "1", "--wait", "2", "--no-timing",
                 "--json",
             ],
             capture_output=True,
