@@ -195,6 +195,7 @@ PROXY = textwrap.dedent(
     from functools import partial
     from tlsedge._pipeline.http.h1 import run_to_end, serve_http
     from tlsedge._pipeline.http.h2 import h2_connection
+    from tlsedge._pipeline.http.site import HttpSite
     from tlsedge._backends.keepalive import KeepAlivePool
     from tlsedge._backends.upstream import BackendPool
 
@@ -238,14 +239,16 @@ PROXY = textwrap.dedent(
             id="bench", listener="web", peer=peer, client=peer,
             destination=(local[0], local[1]),
         )
-        arguments = dict(
+        site = HttpSite(
             listener=config.listeners[0], backend=pool, keepalive=keepalive,
-            proxy_header=None, drain=Drain(),
+            drain=Drain(),
         )
         if version == "2":
-            await run_to_end(partial(h2_connection, stream, downstream, **arguments))
+            await run_to_end(
+                partial(h2_connection, stream, downstream, site, proxy_header=None)
+            )
         else:
-            await serve_http(stream, downstream, **arguments)
+            await serve_http(stream, downstream, site, proxy_header=None)
         await stream.aclose()
         keepalive.close()
 
