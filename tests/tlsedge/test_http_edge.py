@@ -178,6 +178,19 @@ async def test_keepalive_reuses_one_upstream_connection() -> None:
     assert backend.connections == 1
 
 
+async def test_an_idle_pooled_upstream_connection_expires() -> None:
+    # The keep-alive pool (made with the listener's site, before the edge's
+    # services run) is swept from the start: nothing else closes an upstream
+    # connection that no request takes again.
+    async with trio.open_nursery() as nursery:
+        edge, _, port = await _start(nursery, {})
+        pool = edge._keepalive_pool("app")
+        await curl(f"http://127.0.0.1:{port}/")
+        await wait_until(lambda: pool.idle_count() == 1)
+        await wait_until(lambda: pool.idle_count() == 0)
+        edge.drain()
+
+
 async def test_tls_and_proxy_header_give_https_and_the_real_client(
     tmp_path: Path,
 ) -> None:
