@@ -2,7 +2,8 @@
 
 Run: ``python bench/callgrind_http.py [--requests 100,300] [--tls] [--floor]
 [--http2 [--streams 10] [--sans-io h2|session]] [--access-log off|writer|logger]
-[--keep DIR]``
+[--keep DIR]``, or ``python bench/callgrind_http.py --setup [--requests
+100,1100]``
 
 Wall-clock figures on a shared machine move with the load; instruction counts
 do not. This runs the proxy (`tlsedge._pipeline.http.h1.serve_http` on the
@@ -28,7 +29,11 @@ Python's default server context, a ``trustme`` certificate; the handshake
 is start-up and cancels out): what the client side's records cost per
 request. ``--floor [--tls]`` counts `epoll_floor.py` (issue 24's
 one-epoll-loop prototype, no features) on the same exchanges instead: the
-floor of a CPython process. Needs ``valgrind``.
+floor of a CPython process. ``--setup`` counts what a new HTTP/1.1 client
+connection costs before its first byte is read: the two counts are
+connections built with `tlsedge._pipeline.http.h1.http_connection` from
+one listener's `HttpSite` (not started), and the difference divided by the
+extra connections is the set-up of one. Needs ``valgrind``.
 """
 
 from __future__ import annotations
@@ -207,6 +212,7 @@ PROXY = textwrap.dedent(
     from functools import partial
     from tlsedge._pipeline.http.h1 import run_to_end, serve_http
     from tlsedge._pipeline.http.h2 import h2_connection
+    from tlsedge._pipeline.http.site import HttpSite
     from tlsedge._backends.keepalive import KeepAlivePool
     from tlsedge._backends.upstream import BackendPool
 
@@ -264,16 +270,72 @@ PROXY = textwrap.dedent(
             id="bench", listener="web", peer=peer, client=peer,
             destination=(local[0], local[1]), tls=facts if certs else None,
         )
-        arguments = dict(
+        site = HttpSite(
             listener=config.listeners[0], backend=pool, keepalive=keepalive,
-            proxy_header=None, drain=Drain(),
+            drain=Drain(),
         )
         if version == "2":
-            await run_to_end(partial(h2_connection, stream, downstream, **arguments))
+            await run_to_end(
+                partial(h2_connection, stream, downstream, site, proxy_header=None)
+            )
         else:
-            await serve_http(stream, downstream, **arguments)
+            await serve_http(stream, downstream, site, proxy_header=None)
         await stream.aclose()
         keepalive.close()
+
+    trio.run(main)
+    """
+)
+
+# --setup: build *count* HTTP/1.1 connections of one listener's site over
+# one socket pair (not started: no request, no I/O).
+SETUP = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import trio
+    from tlsedge._backends.keepalive import KeepAlivePool
+    from tlsedge._backends.upstream import BackendPool
+    from tlsedge._core.config import config_from_mapping
+    from tlsedge._core.downstream import Downstream
+    from tlsedge._pipeline.http.h1 import http_connection
+    from tlsedge._pipeline.http.site import HttpSite
+    from tlsedge._reactor.drain import Drain
+
+    count = int(sys.argv[1])
+    config = config_from_mapping(
+        {
+            "listeners": [
+                {
+                    "name": "web", "bind": "127.0.0.1:0", "mode": "http",
+                    "backend": "app", "forwarded": {"x_forwarded_for": True},
+                }
+            ],
+            "backends": [{"name": "app", "servers": ["127.0.0.1:9"]}],
+        },
+        base_dir=Path.cwd(),
+    )
+
+    def ignore(*_):
+        pass
+
+    async def main():
+        site = HttpSite(
+            listener=config.listeners[0],
+            backend=await BackendPool.create(config.backends[0]),
+            keepalive=KeepAlivePool(), drain=Drain(), on_request=ignore,
+        )
+        _, sock = trio.socket.socketpair()
+        stream = trio.SocketStream(sock)
+        downstream = Downstream(
+            id="bench", listener="web", peer=("192.0.2.1", 1),
+            client=("192.0.2.1", 1), destination=("192.0.2.2", 80),
+        )
+        for _ in range(count):
+            http_connection(
+                stream, downstream, site, proxy_header=None, spawn=ignore,
+                on_done=ignore,
+            )
 
     trio.run(main)
     """
@@ -362,16 +424,27 @@ def sans_io_instructions(
         ],
         check=True,
     )
+    return _callgrind(
+        workdir / f"callgrind-{requests}.out", SANS_IO, layer, str(batches)
+    )
+
+
+def setup_instructions(connections: int, workdir: Path) -> int:
+    """The instructions of building *connections* connections (--setup)."""
+    return _callgrind(workdir / f"callgrind-{connections}.out", SETUP, str(connections))
+
+
+def _callgrind(out: Path, script: str, *args: str) -> int:
+    """The instructions of running *script* with *args* under callgrind."""
     run = subprocess.run(
         [
             "valgrind",
             "--tool=callgrind",
-            f"--callgrind-out-file={workdir / f'callgrind-{requests}.out'}",
+            f"--callgrind-out-file={out}",
             sys.executable,
             "-c",
-            SANS_IO,
-            layer,
-            str(batches),
+            script,
+            *args,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -402,6 +475,12 @@ def main() -> None:
         "--sans-io",
         choices=["h2", "session"],
         help="HTTP/2 without sockets: the h2 library alone, or H2Session over it",
+    )
+    parser.add_argument(
+        "--setup",
+        action="store_true",
+        help="instructions to set up one HTTP/1.1 connection (the counts are"
+        " connections built, not requests)",
     )
     parser.add_argument(
         "--keep",
@@ -436,6 +515,16 @@ def main() -> None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
     # Stale bytecode would be compiled in the first (smaller) run only.
     subprocess.run([sys.executable, "-c", COMPILE], check=True)
+    if args.setup:
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = Path(tmp) if args.keep is None else args.keep
+            workdir.mkdir(parents=True, exist_ok=True)
+            counts = {n: setup_instructions(n, workdir) for n in (low, high)}
+        for n, count in counts.items():
+            print(f"{n:6d} connections: {count:>14,d} instructions")
+        per_connection = (counts[high] - counts[low]) / (high - low)
+        print(f"per connection set-up: {per_connection:,.0f} instructions")
+        return
     if args.sans_io is not None:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp) if args.keep is None else args.keep

@@ -54,6 +54,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import trio
@@ -210,27 +211,6 @@ def _fixed_local_address(sock: trio.socket.SocketType) -> tuple[str, int] | None
     return bound
 
 
-def _listener_state(config: ListenerConfig, path: str) -> ListenerState:
-    """Build what a listener needs per connection (loads its certificates).
-
-    Args:
-        config: The listener.
-        path: Its dotted path in the configuration, ``listeners[0]``.
-
-    Raises:
-        ConfigError: a certificate or key cannot be used.
-    """
-    tls = None
-    if config.tls is not None:
-        tls = load_listener_tls(config.tls, f"{path}.tls")
-    access = None
-    if config.allow or config.deny:
-        access = AccessRules(config.allow, config.deny)
-    return ListenerState(
-        config=config, trust=_trust_policy(config), tls=tls, access=access
-    )
-
-
 def _trust_policy(config: ListenerConfig) -> TrustPolicy | None:
     pp = config.proxy_protocol
     if pp is None:
@@ -301,7 +281,7 @@ class PreparedReload:
                 )
             self.pools[backend.name] = pool
         self.states = {
-            lconf.name: _listener_state(lconf, f"listeners[{index}]")
+            lconf.name: edge._listener_state(lconf, f"listeners[{index}]", self.pools)
             for index, lconf in enumerate(config.listeners)
         }
         for index, lconf in enumerate(config.listeners):
@@ -555,7 +535,7 @@ class Edge:
                 backend, observer=self._metrics, path=f"backends[{index}]"
             )
         states = [
-            _listener_state(lconf, f"listeners[{index}]")
+            self._listener_state(lconf, f"listeners[{index}]", self._pools)
             for index, lconf in enumerate(self.config.listeners)
         ]
         try:
@@ -581,6 +561,10 @@ class Edge:
             async with trio.open_nursery() as services:
                 self._services = services
                 services.start_soon(self._metrics.flush_periodically)
+                # The sweeps of the keep-alive pools the listeners' sites
+                # made (before there were services to run them).
+                for keepalive in self._keepalive.values():
+                    services.start_soon(keepalive.run)
                 self._restart_background_tasks()
                 if self.admin is not None:
                     await services.start(self._run_admin, self.admin, self._admin_scope)
@@ -623,6 +607,37 @@ class Edge:
         LOGGER.info("all connections closed; stopped")
 
     # -- listeners --------------------------------------------------------
+
+    def _listener_state(
+        self, config: ListenerConfig, path: str, pools: Mapping[str, BackendPool]
+    ) -> ListenerState:
+        """Build what a listener needs per connection (loads its certificates;
+        an HTTP listener's site, with the backend of *pools* it names).
+
+        Args:
+            config: The listener.
+            path: Its dotted path in the configuration, ``listeners[0]``.
+            pools: The backends by name.
+
+        Raises:
+            ConfigError: a certificate or key cannot be used.
+        """
+        tls = None
+        if config.tls is not None:
+            tls = load_listener_tls(config.tls, f"{path}.tls")
+        access = None
+        if config.allow or config.deny:
+            access = AccessRules(config.allow, config.deny)
+        site = None
+        if config.mode == "http":
+            site = self._pipeline.http_site(config, pools[config.backend])
+        return ListenerState(
+            config=config,
+            trust=_trust_policy(config),
+            tls=tls,
+            access=access,
+            site=site,
+        )
 
     @staticmethod
     def _make_listener(
@@ -803,7 +818,8 @@ class Edge:
                 )
 
     def _keepalive_pool(self, backend: str) -> KeepAlivePool:
-        """The idle upstream HTTP connections of *backend* (made on first use)."""
+        """The idle upstream HTTP connections of *backend* (made for the first
+        HTTP listener's site that sends its requests there)."""
         keepalive = self._keepalive.get(backend)
         if keepalive is None:
             keepalive = self._keepalive[backend] = KeepAlivePool()

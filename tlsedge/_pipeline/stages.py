@@ -79,6 +79,7 @@ from tlsedge._pipeline.close import closed, failed, settle_health_check
 from tlsedge._pipeline.handshake import ReactorHandshake
 from tlsedge._pipeline.http.h1 import http_connection
 from tlsedge._pipeline.http.h2 import h2_connection, sniff_preface
+from tlsedge._pipeline.http.site import HttpSite
 from tlsedge._pipeline.tcp import serve_tcp, serve_tcp_now
 from tlsedge._pipeline.unwrap import ReactorHeaderRead, Unwrapped
 from tlsedge._reactor.drain import Drain
@@ -133,6 +134,9 @@ class ListenerState:
     trust: TrustPolicy | None
     tls: ServerTLS | None
     access: AccessRules | None  # None: no allow or deny networks
+    #: What its HTTP connections are served with (`Pipeline.http_site`;
+    #: None: not an HTTP listener).
+    site: HttpSite | None = None
 
 
 @dataclass(slots=True)
@@ -686,8 +690,9 @@ class Pipeline:
         (`_http_ended`). The metrics read its byte counts while it runs
         (`HttpConnectionResult.traffic`)."""
         assert self.nursery is not None
-        pool = conn.pool
-        backend = pool.config
+        site = conn.state.site
+        assert site is not None  # an HTTP listener
+        backend = site.backend.config
         build = h2_connection if h2 else http_connection
         log = conn.log
         result = HttpConnectionResult()
@@ -700,17 +705,13 @@ class Pipeline:
         connection = build(
             client,
             downstream,
-            listener=conn.state.config,
-            backend=pool,
-            keepalive=self._keepalive(pool.name),
+            site,
             proxy_header=proxy_header_for(
                 downstream, backend.send_proxy, backend.proxy_tlvs
             ),
-            drain=self._drain,
             spawn=self.nursery.start_soon,
             on_done=ended,
             result=result,
-            on_request=self._record_http_request,
             initial_data=leftover,
         )
         owned = conn.exits.pop_all()
@@ -720,6 +721,18 @@ class Pipeline:
         except BaseException:
             conn.exits.callback(owned.close)  # nothing started: the owner cleans up
             raise
+
+    def http_site(self, listener: ListenerConfig, backend: BackendPool) -> HttpSite:
+        """What every HTTP connection of *listener* is served with, its
+        requests going to *backend* (made once per listener, and again
+        when a reload changes it: `ListenerState.site`)."""
+        return HttpSite(
+            listener=listener,
+            backend=backend,
+            keepalive=self._keepalive(backend.name),
+            drain=self._drain,
+            on_request=self._record_http_request,
+        )
 
     def _record_http_request(self, log: RequestLog) -> None:
         """Metrics for one HTTP request (a request never answered has no status)."""

@@ -37,6 +37,7 @@ from tests.tlsedge.helpers import (
 )
 from tests.tlsedge.pipeline.http.test_h1 import Client, EchoBackend as H11Backend, _next
 from tlsedge._control.edge import Edge
+from tlsedge._core.config import Config
 from tlsedge._pipeline.http.upstreams import (
     NewConnection,
     Upstream,
@@ -176,6 +177,58 @@ async def test_keepalive_reuses_one_upstream_connection() -> None:
         f"GET /{p} HTTP/1.1" for p in "abcd"
     ]
     assert backend.connections == 1
+
+
+async def test_an_idle_pooled_upstream_connection_expires() -> None:
+    # The keep-alive pool (made with the listener's site, before the edge's
+    # services run) is swept from the start: nothing else closes an upstream
+    # connection that no request takes again.
+    async with trio.open_nursery() as nursery:
+        edge, _, port = await _start(nursery, {})
+        pool = edge._keepalive_pool("app")
+        await curl(f"http://127.0.0.1:{port}/")
+        await wait_until(lambda: pool.idle_count() == 1)
+        await wait_until(lambda: pool.idle_count() == 0)
+        edge.drain()
+
+
+async def test_reload_sends_new_http_connections_to_the_new_backend() -> None:
+    # A reload remakes the listener's site: a new connection goes to the
+    # backend it names now; one opened before keeps the site it started with.
+    async with trio.open_nursery() as nursery:
+        first, second = EchoBackend(), EchoBackend()
+        ports = []
+        for backend in (first, second):
+            servers = await nursery.start(
+                partial(trio.serve_tcp, backend.handle, 0, host="127.0.0.1")
+            )
+            ports.append(servers[0].socket.getsockname()[1])
+
+        def config(backend: str) -> Config:
+            return make_config(
+                [{"name": "web", "backend": backend, "mode": "http"}],
+                [
+                    {"name": "one", "servers": [f"127.0.0.1:{ports[0]}"]},
+                    {"name": "two", "servers": [f"127.0.0.1:{ports[1]}"]},
+                ],
+            )
+
+        async def run_edge(*, task_status: trio.TaskStatus[Edge]) -> None:
+            await Edge(config("one")).run(task_status=task_status)
+            nursery.cancel_scope.cancel()  # the edge stopped: stop the backends
+
+        edge: Edge = await nursery.start(run_edge)
+        address = edge.listen_addresses["web"][0]
+        before = await Client.open(address)
+        assert (await before.request()).status == 200
+        await edge.reload(config("two"))
+        after = await Client.open(address)
+        assert (await after.request()).status == 200
+        assert (await before.request()).status == 200
+        assert (first.connections, second.connections) == (1, 1)
+        await before.aclose()
+        await after.aclose()
+        edge.drain()
 
 
 async def test_tls_and_proxy_header_give_https_and_the_real_client(

@@ -75,6 +75,7 @@ from tlsedge._http.head import RequestRejectedError
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.rules import RequestRewriter
 from tlsedge._http.session import ClientClosedMidRequestError
+from tlsedge._pipeline.http.site import HttpSite
 from tlsedge._pipeline.http.upstream_step import (
     IO_ERRORS,
     UPSTREAM_READ_STALLED,
@@ -220,9 +221,8 @@ class AttemptHost(Protocol):
     rewriter: RequestRewriter
     upstreams: UpstreamConnections
     result: HttpConnectionResult
-    listener_name: str
-    #: 504's failure, made once per connection.
-    response_timeout_failure: Failure
+    #: What every connection of the listener is served with.
+    site: HttpSite
 
     @property
     def idle_upstreams(self) -> Reversible[Upstream]:
@@ -732,7 +732,7 @@ class UpstreamAttempt(abc.ABC):
             self.fail(UPSTREAM_WRITE_STALLED)
 
     def response_timed_out(self) -> None:
-        self.fail(self.host.response_timeout_failure)
+        self.fail(self.host.site.response_timeout_failure)
 
     def response_stalled(self) -> None:
         self.fail(UPSTREAM_READ_STALLED)
@@ -796,7 +796,7 @@ class UpstreamAttempt(abc.ABC):
         if retry:
             assert failure is not None
             assert upstream is not None
-            log_retry(host.listener_name, self.log, failure)
+            log_retry(host.site.listener_name, self.log, failure)
             if not upstream.reused:
                 self.retried = True
                 self.exclude = upstream.server

@@ -57,23 +57,21 @@ from typing import ClassVar, Final, Protocol
 
 import trio
 
-from tlsedge._backends.keepalive import KeepAlivePool, close_now
-from tlsedge._backends.upstream import BackendPool, ConnectFailedError
+from tlsedge._backends.keepalive import close_now
+from tlsedge._backends.upstream import ConnectFailedError
 from tlsedge._core.accesslog import format_address
-from tlsedge._core.config import HttpConfig, ListenerConfig
 from tlsedge._core.downstream import Downstream
 from tlsedge._core.termination import Termination
-from tlsedge._http.log import HttpConnectionResult, RequestLines, RequestLog
+from tlsedge._http.log import HttpConnectionResult, RequestLines
 from tlsedge._http.rules import RequestRewriter
 from tlsedge._pipeline.http.attempt import UpstreamAttempt, upstream_socket
-from tlsedge._pipeline.http.upstream_step import response_timeout
+from tlsedge._pipeline.http.site import HttpSite
 from tlsedge._pipeline.http.upstreams import (
     PARK_AFTER,
     NewConnection,
     Upstream,
     UpstreamConnections,
 )
-from tlsedge._reactor.drain import Drain
 from tlsedge._reactor.loop import (
     ERROR,
     HANGUP,
@@ -220,30 +218,25 @@ class ReactorConnection(abc.ABC):
 
     __slots__ = (
         "armed",
-        "backend",
         "by_fd",
         "client",
         "client_progress",
         "client_text",
         "connection_id",
         "dirty",
-        "drain_event",
         "held",
         "held_fds",
         "http",
         "idle_timeout",
         "idle_upstreams",
-        "listener",
-        "listener_name",
         "max_held",
         "now",
         "on_done",
-        "on_request",
         "reactor",
         "request_lines",
-        "response_timeout_failure",
         "result",
         "rewriter",
+        "site",
         "sni",
         "spawn",
         "started",
@@ -264,27 +257,20 @@ class ReactorConnection(abc.ABC):
         self,
         client: RawStream,
         downstream: Downstream,
+        site: HttpSite,
         *,
-        listener: ListenerConfig,
-        backend: BackendPool,
-        keepalive: KeepAlivePool,
         proxy_header: bytes | None,
-        drain: Drain,
         result: HttpConnectionResult,
-        on_request: Callable[[RequestLog], None] | None,
         spawn: Spawn,
         on_done: Callable[[HttpConnectionResult], None],
         max_held: int,
     ) -> None:
         self.client = client
-        self.listener = listener
-        self.listener_name = listener.name
-        self.http: HttpConfig = listener.http
-        self.idle_timeout = listener.idle_timeout
-        self.backend = backend
-        self.drain_event = drain
+        self.site = site
+        # Read on every request: kept here, one load away.
+        self.http = site.http
+        self.idle_timeout = site.idle_timeout
         self.result = result
-        self.on_request = on_request
         self.connection_id = downstream.id
         self.client_text = format_address(downstream.client)
         ssl_info = downstream.tls
@@ -292,15 +278,15 @@ class ReactorConnection(abc.ABC):
         self.sni = ssl_info.server_name if ssl_info else None
         self.request_lines = RequestLines(
             connection=self.connection_id,
-            listener=listener.name,
+            listener=site.listener_name,
             client=self.client_text,
-            backend=backend.name,
+            backend=site.backend_name,
             tls=self.tls_text,
             sni=self.sni,
         )
-        self.rewriter = RequestRewriter.for_connection(listener, downstream)
+        self.rewriter = RequestRewriter.for_connection(site.listener, downstream)
         self.upstreams = UpstreamConnections(
-            backend, keepalive, downstream.client_ip, proxy_header
+            site.backend, site.keepalive, downstream.client_ip, proxy_header
         )
         self.spawn = spawn
         self.on_done = on_done
@@ -324,7 +310,6 @@ class ReactorConnection(abc.ABC):
         # Cancelled at the end: the reactor's heap keeps what it is given
         # until the deadline, and this connection must not live that long.
         self.timer = Cancellable(self._timer)
-        self.response_timeout_failure = response_timeout(self.http.response_timeout)
 
     # -- the client side's part ------------------------------------------------
 
@@ -443,7 +428,7 @@ class ReactorConnection(abc.ABC):
     def _crashed(self, exc: Exception) -> None:
         LOGGER.error(
             "listener %s: %s connection failed",
-            self.listener_name,
+            self.site.listener_name,
             self.KIND,
             exc_info=exc,
         )
@@ -480,7 +465,7 @@ class ReactorConnection(abc.ABC):
                 self.arm(deadline)
         except Exception as exc:  # a bug: end this connection alone
             LOGGER.exception(
-                "listener %s: %s connection failed", self.listener_name, self.KIND
+                "listener %s: %s connection failed", self.site.listener_name, self.KIND
             )
             self.failed(exc)
 
@@ -644,7 +629,7 @@ class ReactorConnection(abc.ABC):
                 self.state = DONE
                 try:
                     self.timer.cancel()
-                    self.drain_event.forget(self._drained)
+                    self.site.drain.forget(self._drained)
                     client = self.client
                     if client.interest is not None:
                         self.reactor.unregister(client.fd)

@@ -114,9 +114,7 @@ from typing import Final
 
 import trio
 
-from tlsedge._backends.keepalive import KeepAlivePool, close_now
-from tlsedge._backends.upstream import BackendPool
-from tlsedge._core.config import ListenerConfig
+from tlsedge._backends.keepalive import close_now
 from tlsedge._core.downstream import Downstream
 from tlsedge._core.termination import RelayStats, Termination
 from tlsedge._http.body import CHUNKED_BODY
@@ -171,11 +169,11 @@ from tlsedge._pipeline.http.connection import (
     run_to_end,
     socket_backed,
 )
+from tlsedge._pipeline.http.site import HttpSite
 from tlsedge._pipeline.http.upstream_step import IO_ERRORS, Failure
 from tlsedge._pipeline.http.upstreams import (
     PARK_AFTER,
 )
-from tlsedge._reactor.drain import Drain
 from tlsedge._reactor.loop import (
     READABLE,
     WRITABLE,
@@ -328,13 +326,13 @@ class _Exchange(UpstreamAttempt):
         connection = self.host
         session = connection.session
         connection._request_done()
-        if session.keep_alive and not connection.drain_event.is_set():
+        if session.keep_alive and not connection.site.drain.is_set():
             session.start_next_cycle()
             connection._await_request()
             return
         connection._end(
             Termination.DRAINED
-            if connection.drain_event.is_set()
+            if connection.site.drain.is_set()
             else Termination.CLOSED
         )
         if session.request_read:
@@ -369,14 +367,10 @@ class _HttpConnection(ReactorConnection):
         client_stream: trio.abc.Stream,
         client: RawStream,
         downstream: Downstream,
+        site: HttpSite,
         *,
-        listener: ListenerConfig,
-        backend: BackendPool,
-        keepalive: KeepAlivePool,
         proxy_header: bytes | None,
-        drain: Drain,
         result: HttpConnectionResult,
-        on_request: Callable[[RequestLog], None] | None,
         initial_data: bytes,
         spawn: Spawn,
         on_done: Callable[[HttpConnectionResult], None],
@@ -384,13 +378,9 @@ class _HttpConnection(ReactorConnection):
         super().__init__(
             client,
             downstream,
-            listener=listener,
-            backend=backend,
-            keepalive=keepalive,
+            site,
             proxy_header=proxy_header,
-            drain=drain,
             result=result,
-            on_request=on_request,
             spawn=spawn,
             on_done=on_done,
             max_held=1,
@@ -431,7 +421,7 @@ class _HttpConnection(ReactorConnection):
         self.arm(self.head_deadline)
         # For the connection's life (`_drained` acts only between requests):
         # no registration per request.
-        self.drain_event.call_on_set(self._drained)
+        self.site.drain.call_on_set(self._drained)
         if self.client.tls is not None:
             # Records its engine read past the handshake.
             self._read_client(read_socket=False)
@@ -731,7 +721,7 @@ class _HttpConnection(ReactorConnection):
             log.target = log_text(match.group(2))
         LOGGER.info(
             "listener %s: client %s: %d: %s",
-            self.listener.name,
+            self.site.listener_name,
             log.client,
             exc.status,
             exc.reason,
@@ -818,7 +808,7 @@ class _HttpConnection(ReactorConnection):
         # buffer: what counts is whether the client's request was read in
         # full, not whether all of it went upstream yet.
         session = self.session
-        close = self.drain_event.is_set() or not session.request_read
+        close = self.site.drain.is_set() or not session.request_read
         if head.forward is not None:
             return session.send_response_head(
                 head.forward, head.status, response.body, close=close
@@ -852,7 +842,7 @@ class _HttpConnection(ReactorConnection):
             if failure.termination == Termination.SERVER_ABORTED:
                 LOGGER.warning(
                     "listener %s: client %s: %s %s: response cut, connection reset: %s",
-                    self.listener.name,
+                    self.site.listener_name,
                     log.client,
                     log.method,
                     log.target,
@@ -871,14 +861,15 @@ class _HttpConnection(ReactorConnection):
         self.ex = None
         log.total = self.now() - self.request_started
         self.request_lines.emit(log)
-        if self.on_request is not None:
-            self.on_request(log)
+        on_request = self.site.on_request
+        if on_request is not None:
+            on_request(log)
 
     def _refuse(self, status: int, reason: str, termination: str) -> None:
         """Answer with an error response, log it, close the connection."""
         log = self.log
         assert log is not None
-        log.error_response(self.listener.name, status, reason, termination)
+        log.error_response(self.site.listener_name, status, reason, termination)
         self._end(termination, reason)
         self._answer_and_linger(status, reason)
 
@@ -990,8 +981,8 @@ class _HttpConnection(ReactorConnection):
                 upstream.stream,
                 stats=stats,
                 idle_timeout=self.idle_timeout,
-                client_fin_timeout=self.listener.client_fin_timeout,
-                server_fin_timeout=self.backend.config.server_fin_timeout,
+                client_fin_timeout=self.site.listener.client_fin_timeout,
+                server_fin_timeout=self.site.backend.config.server_fin_timeout,
             )
         finally:
             self.result.upgraded = None
@@ -1009,22 +1000,18 @@ class _HttpConnection(ReactorConnection):
 def http_connection(
     client: trio.abc.Stream,
     downstream: Downstream,
+    site: HttpSite,
     *,
-    listener: ListenerConfig,
-    backend: BackendPool,
-    keepalive: KeepAlivePool,
     proxy_header: bytes | None,
-    drain: Drain,
     spawn: Spawn,
     on_done: Callable[[HttpConnectionResult], None],
     result: HttpConnectionResult | None = None,
-    on_request: Callable[[RequestLog], None] | None = None,
     initial_data: bytes = b"",
 ) -> _HttpConnection:
     """An HTTP/1.1 connection that no task waits for: ``start()`` it, and
     the reactor serves it; *on_done* is called with its result once it
     ended (maybe within ``start()``), every upstream connection it opened
-    closed or back in *keepalive*. ``drain()`` ends it at once.
+    closed or back in the site's ``keepalive``. ``drain()`` ends it at once.
 
     The arguments are `serve_http`'s, and: *spawn* starts what must await
     (opening an upstream connection, the relay after an ``Upgrade``) in a
@@ -1038,13 +1025,9 @@ def http_connection(
         client,
         socket_backed(client),
         downstream,
-        listener=listener,
-        backend=backend,
-        keepalive=keepalive,
+        site,
         proxy_header=proxy_header,
-        drain=drain,
         result=HttpConnectionResult() if result is None else result,
-        on_request=on_request,
         initial_data=initial_data,
         spawn=spawn,
         on_done=on_done,
@@ -1054,25 +1037,22 @@ def http_connection(
 async def serve_http(
     client: trio.abc.Stream,
     downstream: Downstream,
+    site: HttpSite,
     *,
-    listener: ListenerConfig,
-    backend: BackendPool,
-    keepalive: KeepAlivePool,
     proxy_header: bytes | None,
-    drain: Drain,
     result: HttpConnectionResult | None = None,
-    on_request: Callable[[RequestLog], None] | None = None,
     initial_data: bytes = b"",
 ) -> HttpConnectionResult:
-    """Proxy HTTP/1.1 requests from *client* to *backend* until the connection ends.
+    """Proxy HTTP/1.1 requests from *client* to the site's backend until the
+    connection ends.
 
     See the module docstring for the behaviour; this task waits for the end
     of an `http_connection` (the edge starts one with no task of its own).
     Does not close *client* (the caller does, in its ``finally``); when the
     connection must end with a reset (an upstream died mid-response) the
     client socket is already set to close with an RST. Every upstream
-    connection this call opened is closed or back in *keepalive* when it
-    returns, also when cancelled.
+    connection this call opened is closed or back in the site's
+    ``keepalive`` when it returns, also when cancelled.
 
     Args:
         client: The client connection after PROXY unwrap and TLS: a
@@ -1080,16 +1060,13 @@ async def serve_http(
         downstream: What the earlier stages learnt of it: the real client, the
             destination, its id (repeated in every request line), its TLS
             facts (``X-Forwarded-Proto``, the request lines' ``tls`` and ``sni``).
-        listener: Its listener's settings (``http``, ``forwarded``, timeouts).
-        backend: Where requests go.
-        keepalive: Idle upstream connections of *backend*, shared.
+        site: What every connection of its listener is served with: the
+            listener's settings, the backend, its idle upstream connections,
+            the drain signal, the request hook.
         proxy_header: With ``send_proxy``: the PROXY header for this client;
             upstream connections are then dedicated to this client connection.
-        drain: The edge's drain signal.
         result: Updated in place (and returned); pass one in to see the counts
             of a connection that gets cancelled.
-        on_request: Called with each request's `RequestLog` once it is complete
-            (right after its access-log line), e.g. for metrics.
         initial_data: Client bytes an earlier stage read past its own data
             (what followed a PROXY header): the start of the first request.
 
@@ -1106,13 +1083,9 @@ async def serve_http(
             http_connection,
             client,
             downstream,
-            listener=listener,
-            backend=backend,
-            keepalive=keepalive,
+            site,
             proxy_header=proxy_header,
-            drain=drain,
             result=result,
-            on_request=on_request,
             initial_data=initial_data,
         )
     )

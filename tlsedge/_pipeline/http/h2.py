@@ -90,9 +90,6 @@ from typing import Final
 
 import trio
 
-from tlsedge._backends.keepalive import KeepAlivePool
-from tlsedge._backends.upstream import BackendPool
-from tlsedge._core.config import ListenerConfig
 from tlsedge._core.downstream import Downstream
 from tlsedge._core.termination import Termination
 from tlsedge._http.body import BodyKind
@@ -146,6 +143,7 @@ from tlsedge._pipeline.http.connection import (
     Spawn,
     socket_backed,
 )
+from tlsedge._pipeline.http.site import HttpSite
 from tlsedge._pipeline.http.upstream_step import (
     IO_ERRORS,
     Failure,
@@ -153,7 +151,6 @@ from tlsedge._pipeline.http.upstream_step import (
 from tlsedge._pipeline.http.upstreams import (
     PARK_AFTER,
 )
-from tlsedge._reactor.drain import Drain
 from tlsedge._reactor.loop import (
     READABLE,
     WRITABLE,
@@ -417,14 +414,10 @@ class _H2Connection(ReactorConnection):
         self,
         client: RawStream,
         downstream: Downstream,
+        site: HttpSite,
         *,
-        listener: ListenerConfig,
-        backend: BackendPool,
-        keepalive: KeepAlivePool,
         proxy_header: bytes | None,
-        drain: Drain,
         result: HttpConnectionResult,
-        on_request: Callable[[RequestLog], None] | None,
         initial_data: bytes,
         spawn: Spawn,
         on_done: Callable[[HttpConnectionResult], None],
@@ -432,18 +425,14 @@ class _H2Connection(ReactorConnection):
         super().__init__(
             client,
             downstream,
-            listener=listener,
-            backend=backend,
-            keepalive=keepalive,
+            site,
             proxy_header=proxy_header,
-            drain=drain,
             result=result,
-            on_request=on_request,
             spawn=spawn,
             on_done=on_done,
-            max_held=listener.http2.max_concurrent_streams,
+            max_held=site.listener.http2.max_concurrent_streams,
         )
-        self.session = H2Session(listener.http2, max_headers=self.http.max_headers)
+        self.session = H2Session(site.listener.http2, max_headers=self.http.max_headers)
         self.state = OPEN
         self.streams: dict[int, _Stream] = {}
         #: Streams whose response data waits for a window or the client.
@@ -466,7 +455,7 @@ class _H2Connection(ReactorConnection):
     def _start(self) -> None:
         initial_data, self.initial_data = self.initial_data, b""
         self.arm(self.started + self.http.request_header_timeout)
-        self.drain_event.call_on_set(self._drained)
+        self.site.drain.call_on_set(self._drained)
         if initial_data and self.state is OPEN:
             self._received(initial_data)
         if self.client.tls is not None and self.state is OPEN:
@@ -486,7 +475,7 @@ class _H2Connection(ReactorConnection):
 
     def _cancel_streams(self) -> None:
         """End every stream: nothing more can be read for them."""
-        drained = self.drain_event.is_set()
+        drained = self.site.drain.is_set()
         for stream in list(self.streams.values()):
             log = stream.log
             stream.cancelled = True
@@ -816,7 +805,7 @@ class _H2Connection(ReactorConnection):
         self._end(Termination.CLIENT_ERROR, event.reason)
         LOGGER.info(
             "listener %s: client %s: HTTP/2 connection closed: %s",
-            self.listener.name,
+            self.site.listener_name,
             self.client_text,
             event.reason,
         )
@@ -831,8 +820,9 @@ class _H2Connection(ReactorConnection):
 
     def _emit(self, log: RequestLog) -> None:
         self.request_lines.emit(log)
-        if self.on_request is not None:
-            self.on_request(log)
+        on_request = self.site.on_request
+        if on_request is not None:
+            on_request(log)
 
     def _malformed(self, event: StreamMalformed) -> None:
         """A malformed request: a new stream's (logged here), or the trailers
@@ -840,7 +830,7 @@ class _H2Connection(ReactorConnection):
         holding half a request, closed)."""
         LOGGER.info(
             "listener %s: client %s: HTTP/2 stream %d reset: %s",
-            self.listener.name,
+            self.site.listener_name,
             self.client_text,
             event.stream_id,
             event.reason,
@@ -1096,7 +1086,7 @@ class _H2Connection(ReactorConnection):
         self, stream: _Stream, status: int, reason: str, termination: str
     ) -> None:
         """A small plain-text error response (as HTTP/1.1's, without close)."""
-        stream.log.error_response(self.listener.name, status, reason, termination)
+        stream.log.error_response(self.site.listener_name, status, reason, termination)
         stream.to(_ANSWERING)
         body = error_body(status, reason)
         self.session.send_headers(
@@ -1171,16 +1161,12 @@ def _h2_fields(
 def h2_connection(
     client: trio.abc.Stream,
     downstream: Downstream,
+    site: HttpSite,
     *,
-    listener: ListenerConfig,
-    backend: BackendPool,
-    keepalive: KeepAlivePool,
     proxy_header: bytes | None,
-    drain: Drain,
     spawn: Spawn,
     on_done: Callable[[HttpConnectionResult], None],
     result: HttpConnectionResult | None = None,
-    on_request: Callable[[RequestLog], None] | None = None,
     initial_data: bytes = b"",
 ) -> _H2Connection:
     """An HTTP/2 connection that no task waits for, as
@@ -1193,13 +1179,9 @@ def h2_connection(
     return _H2Connection(
         socket_backed(client),
         downstream,
-        listener=listener,
-        backend=backend,
-        keepalive=keepalive,
+        site,
         proxy_header=proxy_header,
-        drain=drain,
         result=HttpConnectionResult() if result is None else result,
-        on_request=on_request,
         initial_data=initial_data,
         spawn=spawn,
         on_done=on_done,

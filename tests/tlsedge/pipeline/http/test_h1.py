@@ -37,6 +37,7 @@ from tlsedge._http.head import RequestRejectedError, parse_request_head
 from tlsedge._http.log import HttpConnectionResult
 from tlsedge._http.rules import origin_form, strip_hop_by_hop
 from tlsedge._pipeline.http.h1 import _HttpConnection, serve_http
+from tlsedge._pipeline.http.site import HttpSite
 from tlsedge._reactor.drain import Drain
 from tlsedge._reactor.relay import set_abortive_close
 
@@ -564,11 +565,13 @@ async def running_proxy(
                     client=(peer[0], peer[1]),
                     destination=(local[0], local[1]),
                 ),
-                listener=config.listeners[0],
-                backend=pool,
-                keepalive=keepalive,
+                HttpSite(
+                    listener=config.listeners[0],
+                    backend=pool,
+                    keepalive=keepalive,
+                    drain=drain,
+                ),
                 proxy_header=proxy_header,
-                drain=drain,
             )
             results.append(result)
         finally:
@@ -1459,11 +1462,13 @@ async def _paired_proxy(
                     client=("192.0.2.1", 1234),
                     destination=("192.0.2.2", 80),
                 ),
-                listener=config.listeners[0],
-                backend=pool,
-                keepalive=KeepAlivePool(),
+                HttpSite(
+                    listener=config.listeners[0],
+                    backend=pool,
+                    keepalive=KeepAlivePool(),
+                    drain=drain if drain is not None else Drain(),
+                ),
                 proxy_header=None,
-                drain=drain if drain is not None else Drain(),
             )
         finally:
             await server.aclose()
