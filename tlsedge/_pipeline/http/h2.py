@@ -120,7 +120,12 @@ from tlsedge._http.h2session import (
     StreamOpened,
     WindowOpened,
 )
-from tlsedge._http.head import RequestRejectedError
+from tlsedge._http.head import (
+    HOP_BY_HOP,
+    NOT_NAMED_AWAY,
+    RequestRejectedError,
+    ResponseHead,
+)
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.rules import (
     error_body,
@@ -175,6 +180,9 @@ HIGH_WATER: Final = 65536
 #: Response fields that HTTP/2 forbids (RFC 9113 section 8.2.2), beyond the
 #: hop-by-hop ones `strip_hop_by_hop` drops.
 _NOT_IN_H2: Final = frozenset({b"transfer-encoding", b"keep-alive", b"upgrade"})
+#: The response fields a head's fields lose in HTTP/2 whatever its
+#: ``Connection`` says: the hop-by-hop ones and those.
+_DROPPED_IN_H2: Final = HOP_BY_HOP | _NOT_IN_H2
 
 # -- h2c with prior knowledge: the preface, read on the reactor ----------------
 
@@ -983,7 +991,7 @@ class _H2Connection(ReactorConnection):
                     if head.status == 100 and not stream.request.expects_continue:
                         continue
                     session.send_headers(
-                        sid, head.status, _h2_fields(head.headers), end_stream=False
+                        sid, head.status, _response_fields(head), end_stream=False
                     )
         except UpstreamError as exc:
             attempt.upstream_failed(exc)
@@ -996,7 +1004,7 @@ class _H2Connection(ReactorConnection):
         log = stream.log
         log.first_byte = self.now() - stream.started
         log.status = head.status
-        fields = _h2_fields(head.headers, connection=head.connection)
+        fields = _response_fields(head)
         attempt.trailers_ok = event.body is BodyKind.CHUNKED
         following = self._peek(stream)
         assert STARTED in RESPONSE_TRANSITIONS[attempt.response]
@@ -1154,17 +1162,27 @@ class _H2Connection(ReactorConnection):
             self._shut_down()
 
 
-def _h2_fields(
-    headers: list[Header], *, connection: frozenset[bytes] | None = None
-) -> list[Header]:
-    """Response fields for HTTP/2: no hop-by-hop or connection-specific
+def _h2_fields(headers: list[Header]) -> list[Header]:
+    """Trailer fields for HTTP/2: no hop-by-hop or connection-specific
     field, names in lowercase."""
     return [
         (lower, value)
-        for name, value in strip_hop_by_hop(
-            headers, keep_upgrade=False, connection=connection
-        )
+        for name, value in strip_hop_by_hop(headers, keep_upgrade=False)
         if (lower := name.lower()) not in _NOT_IN_H2
+    ]
+
+
+def _response_fields(head: ResponseHead) -> list[Header]:
+    """A response head's fields for HTTP/2, in one pass over them: what
+    `_h2_fields` keeps, with the ``Connection`` tokens the head's parser
+    gathered (a token naming framing or ``host`` drops nothing, as in
+    `strip_hop_by_hop`)."""
+    named = head.connection - NOT_NAMED_AWAY
+    drop = _DROPPED_IN_H2 | named if named else _DROPPED_IN_H2
+    return [
+        (lower, value)
+        for name, value in head.headers
+        if (lower := name.lower()) not in drop
     ]
 
 
