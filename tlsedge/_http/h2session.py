@@ -88,7 +88,7 @@ import re
 import struct
 from collections import deque
 from dataclasses import dataclass
-from typing import Final, NamedTuple, cast
+from typing import Final, NamedTuple
 
 import h2.config
 import h2.connection
@@ -96,7 +96,6 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-import hpack.struct
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from tlsedge._core.config import Http2Config
@@ -264,7 +263,6 @@ class _FrameScanner:
     keeps the counts the flood defences need (see the module docstring)."""
 
     __slots__ = (
-        "_block",
         "_empty",
         "_header",
         "_limits",
@@ -272,6 +270,7 @@ class _FrameScanner:
         "_remaining",
         "_skip",
         "_window_updates",
+        "block",
         "control",
         "resets",
         "streams",
@@ -282,17 +281,13 @@ class _FrameScanner:
         self._skip = len(PREFACE)
         self._header = bytearray()
         self._remaining = 0  # payload bytes of the current frame still to come
-        self._block = -1  # bytes of the header block in progress; -1: none
+        self.block = -1  # bytes of the header block in progress; -1: none
         self._empty = 0
         self._window_updates = 0
         self._priority = 0
         self.control = 0  # PING and SETTINGS frames in this call to scan
         self.resets = 0  # RST_STREAM frames in this call to scan
         self.streams = 0  # HEADERS frames that may open a stream
-
-    @property
-    def in_header_block(self) -> bool:
-        return self._block >= 0
 
     def scan(self, data: bytes, data_frames_sent: int) -> None:
         """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
@@ -332,18 +327,18 @@ class _FrameScanner:
         if kind in {_HEADERS, _CONTINUATION}:
             if kind == _HEADERS:
                 self.streams += 1
-                self._block = 0
-            elif self._block < 0:
+                self.block = 0
+            elif self.block < 0:
                 return  # h2 refuses a stray CONTINUATION
-            self._block += length
-            if self._block > limits.max_header_list_size:
+            self.block += length
+            if self.block > limits.max_header_list_size:
                 raise _Calm(
                     f"header block larger than max_header_list_size "
                     f"({limits.max_header_list_size} bytes): CONTINUATION flood"
                 )
             ends = flags & _END_HEADERS
             if ends:
-                self._block = -1
+                self.block = -1
             empty = not length and not ends
         elif kind == _DATA:
             empty = not length and not flags & _END_STREAM
@@ -450,7 +445,7 @@ class H2Session:
     @property
     def in_header_block(self) -> bool:
         """A header block was started and not finished (the header timeout)."""
-        return self._scanner.in_header_block
+        return self._scanner.block >= 0
 
     def receive_data(self, data: bytes, now: float) -> list[Event]:
         """Client bytes in, events out (nothing after a `ConnectionEnded`)."""
@@ -558,7 +553,7 @@ class H2Session:
             sid = event.stream_id
             assert sid is not None
             if sid in self.active:
-                trailers = _cookies_joined(_decoded(event.headers))
+                trailers = _cookies_joined(event.headers or [])
                 error = next(
                     (e for n, v in trailers if (e := _trailer_error(n, v))), None
                 )
@@ -600,7 +595,8 @@ class H2Session:
         sid = event.stream_id
         assert sid is not None
         self._ended_with_headers = event.stream_ended
-        fields = _decoded(event.headers)
+        # (name, value) pairs of bytes, as h2 decoded them (``header_encoding=None``).
+        fields: list[Header] = event.headers or []
         end_stream = event.stream_ended is not None
         if self.goaway_sent is not None or len(self.active) >= (
             self.limits.max_concurrent_streams
@@ -665,18 +661,22 @@ class H2Session:
 
     def sendable(self, stream_id: int) -> int:
         """How many body bytes may go out on the stream now (one DATA frame)."""
-        if not self.open(stream_id):
+        if stream_id not in self.active or self.ended:  # (`open`, inlined)
             return 0
         conn = self.conn
+        # h2's windows read directly (`local_flow_control_window` is two calls
+        # to read them); an active stream is one h2 has open.
         return min(
-            conn.local_flow_control_window(stream_id), conn.max_outbound_frame_size
+            conn.outbound_flow_control_window,
+            conn.streams[stream_id].outbound_flow_control_window,
+            conn.max_outbound_frame_size,
         )
 
     def send_headers(
         self, stream_id: int, status: int, headers: list[Header], *, end_stream: bool
     ) -> None:
         """A response head (1xx or final) on an open stream."""
-        if not self.open(stream_id):
+        if stream_id not in self.active or self.ended:  # (`open`, inlined)
             return
         fields = [(b":status", b"%d" % status), *headers]
         try:
@@ -691,7 +691,7 @@ class H2Session:
     ) -> None:
         """Body bytes, at most `sendable` of them; *end_stream*: the last
         (the response ends with them, without trailers)."""
-        if self.open(stream_id):
+        if stream_id in self.active and not self.ended:  # (`open`, inlined)
             try:
                 self.conn.send_data(stream_id, data, end_stream=end_stream)
             except h2.exceptions.StreamClosedError:
@@ -934,12 +934,6 @@ def _trailer_error(name: bytes, value: bytes) -> str | None:
         return f"pseudo-header {show_bytes(name)} in trailers (RFC 9113 8.1)"
     error = _field_error(name, value)
     return None if error is None else f"trailer {error}"
-
-
-def _decoded(headers: list[hpack.struct.Header] | None) -> list[Header]:
-    """A header block as h2 decoded it: (name, value) tuples of bytes (with
-    ``header_encoding=None``)."""
-    return cast("list[Header]", headers or [])
 
 
 def _cookies_joined(fields: list[Header]) -> list[Header]:

@@ -95,7 +95,7 @@ from tlsedge._backends.upstream import BackendPool
 from tlsedge._core.config import ListenerConfig
 from tlsedge._core.downstream import Downstream
 from tlsedge._core.termination import Termination
-from tlsedge._http.body import BodyKind
+from tlsedge._http.body import CHUNKED_BODY
 from tlsedge._http.events import (
     NEED_DATA,
     Body,
@@ -104,7 +104,7 @@ from tlsedge._http.events import (
     NeedData,
     Response,
 )
-from tlsedge._http.exchange import UpstreamError
+from tlsedge._http.exchange import UpstreamError, UpstreamExchange
 from tlsedge._http.gate import from_http2
 from tlsedge._http.h2session import (
     PREFACE,
@@ -173,6 +173,8 @@ __all__ = ["h2_connection", "sniff_preface"]
 LOGGER = logging.getLogger("tlsedge.http")
 
 Header = tuple[bytes, bytes]
+#: What an upstream exchange gives a stream's response.
+_ResponseEvent = Informational | Response | Body | EndOfBody
 
 #: Streams stop sending response data while this many bytes wait for the
 #: client's socket.
@@ -349,7 +351,7 @@ class _Stream:
         self.out_end = False
         self.blocked_since = math.inf  # since when `out` waits for the client
         #: The response event `_H2Connection._peek` looked at.
-        self.lookahead: Informational | Response | Body | EndOfBody | None = None
+        self.lookahead: _ResponseEvent | None = None
 
     def to(self, phase: StreamPhase) -> None:
         assert phase in STREAM_TRANSITIONS[self.phase], (self.phase, phase)
@@ -691,7 +693,7 @@ class _H2Connection(ReactorConnection):
         session = self.session
         self.result.bytes_from_client += len(data)
         now = self.now()
-        self._dispatch(session.receive_data(data, now))
+        self._dispatch(session.receive_data(data, now), now)
         if session.ended:
             self._shut_down()
             return
@@ -759,12 +761,13 @@ class _H2Connection(ReactorConnection):
 
     # -- session events --------------------------------------------------------
 
-    def _dispatch(self, events: list[Event]) -> None:
+    def _dispatch(self, events: list[Event], now: float) -> None:
+        """The session's events for client bytes read at *now*."""
         for event in events:
             if isinstance(event, StreamOpened):
-                self._open(event)
+                self._open(event, now)
             elif isinstance(event, RequestData | RequestEnd):
-                self._request_body(event)
+                self._request_body(event, now)
             elif isinstance(event, WindowOpened):
                 if self.blocked:
                     self._resume()
@@ -778,7 +781,7 @@ class _H2Connection(ReactorConnection):
                 assert isinstance(event, ConnectionEnded), event
                 self._ended(event)
 
-    def _request_body(self, event: RequestData | RequestEnd) -> None:
+    def _request_body(self, event: RequestData | RequestEnd, now: float) -> None:
         stream = self.streams.get(event.stream_id)
         attempt = None if stream is None else stream.attempt
         if (
@@ -797,7 +800,7 @@ class _H2Connection(ReactorConnection):
         else:
             stream.body_bytes += len(event.data)
         stream.body.append(event)
-        attempt.body_progress = self.now()
+        attempt.body_progress = now
         raw = attempt.raw
         if (
             stream.phase is _EXCHANGE
@@ -867,7 +870,7 @@ class _H2Connection(ReactorConnection):
         self.result.requests += 1
         self._emit(log)
 
-    def _open(self, event: StreamOpened) -> None:
+    def _open(self, event: StreamOpened, now: float) -> None:
         request = event.request
         log = self._new_log(request.method, request.target)
         # Checked (HOST_RE: ASCII only) by the session.
@@ -875,7 +878,7 @@ class _H2Connection(ReactorConnection):
         if request.user_agent is not None:
             log.user_agent = log_text(request.user_agent)
         log.bytes_in = request.size
-        stream = _Stream(self, event.stream_id, request, log, self.now())
+        stream = _Stream(self, event.stream_id, request, log, now)
         self.streams[stream.id] = stream
         self.any_stream = True
         self.result.requests += 1
@@ -921,22 +924,11 @@ class _H2Connection(ReactorConnection):
 
     # -- the response ----------------------------------------------------------
 
-    def _next(
-        self, stream: _Stream
-    ) -> Informational | Response | Body | EndOfBody | NeedData:
-        event = stream.lookahead
-        if event is not None:
-            stream.lookahead = None
-            return event
-        attempt = stream.attempt
-        assert attempt is not None
-        assert attempt.conn is not None
-        return attempt.conn.next_event()
-
-    def _peek(
-        self, stream: _Stream
-    ) -> Informational | Response | Body | EndOfBody | NeedData:
-        event = self._next(stream)
+    @staticmethod
+    def _peek(stream: _Stream, conn: UpstreamExchange) -> _ResponseEvent | NeedData:
+        """The response's next event, left for the next read of the stream's
+        `_pump_response` (which takes it before reading *conn* again)."""
+        event = conn.next_event()
         if event is not NEED_DATA:
             assert not isinstance(event, NeedData)
             stream.lookahead = event
@@ -947,6 +939,8 @@ class _H2Connection(ReactorConnection):
         the windows allow."""
         attempt = stream.attempt
         assert attempt is not None
+        conn = attempt.conn
+        assert conn is not None
         session = self.session
         sid = stream.id
         try:
@@ -959,12 +953,16 @@ class _H2Connection(ReactorConnection):
                         return
                 if attempt.response is DELIVERED:
                     return
-                event = self._next(stream)
-                if event is NEED_DATA:
-                    return
+                event: _ResponseEvent | NeedData | None = stream.lookahead
+                if event is None:
+                    event = conn.next_event()
+                    if event is NEED_DATA:
+                        return
+                else:
+                    stream.lookahead = None
                 if isinstance(event, Body):
                     # The last piece carries END_STREAM when no trailers follow.
-                    following = self._peek(stream)
+                    following = self._peek(stream, conn)
                     last = isinstance(following, EndOfBody) and not (
                         attempt.trailers_ok and following.trailers
                     )
@@ -978,7 +976,7 @@ class _H2Connection(ReactorConnection):
                     self._response_sent(stream)
                     return
                 elif isinstance(event, Response):
-                    if self._response_head(stream, attempt, event):
+                    if self._response_head(stream, attempt, conn, event):
                         self._response_sent(stream)
                         return
                 else:
@@ -997,16 +995,21 @@ class _H2Connection(ReactorConnection):
             attempt.upstream_failed(exc)
 
     def _response_head(
-        self, stream: _Stream, attempt: _StreamAttempt, event: Response
+        self,
+        stream: _Stream,
+        attempt: _StreamAttempt,
+        conn: UpstreamExchange,
+        event: Response,
     ) -> bool:
         """Send the response head; True if it ends the response."""
         head = event.head
         log = stream.log
-        log.first_byte = self.now() - stream.started
+        # (The head's last bytes were read then, in this reactor call.)
+        log.first_byte = attempt.read_progress - stream.started
         log.status = head.status
         fields = _response_fields(head)
-        attempt.trailers_ok = event.body is BodyKind.CHUNKED
-        following = self._peek(stream)
+        attempt.trailers_ok = event.body is CHUNKED_BODY
+        following = self._peek(stream, conn)
         assert STARTED in RESPONSE_TRANSITIONS[attempt.response]
         attempt.response = STARTED
         if isinstance(following, EndOfBody) and not following.trailers:
