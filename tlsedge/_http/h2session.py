@@ -102,6 +102,7 @@ from tlsedge._core.config import Http2Config
 from tlsedge._http.head import (
     FIELD_VALUE,
     HOST_RE,
+    TOKEN,
     field_error,
     method_error,
     show_bytes,
@@ -159,7 +160,18 @@ _FIELD_LINES_RE: Final = re.compile(_FIELD_LINE + rb"(?:\n" + _FIELD_LINE + rb")
 _TE_ERROR: Final = "te other than 'trailers' (RFC 9113 8.2.2)"
 _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
 # RFC 3986 section 3.1.
-_SCHEME_RE: Final = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*")
+_SCHEME = rb"[A-Za-z][A-Za-z0-9+.-]*"
+_SCHEME_RE: Final = re.compile(_SCHEME)
+# The four pseudo-headers of a request other than CONNECT, once each (their
+# names' bytes: 7 + 7 + 5 + 10), and all of their rules below in one match
+# of ``:method``, ``:scheme``, ``:path`` and ``:authority`` joined with NUL
+# (which none may hold): a token, a scheme, an origin-form target of visible
+# ASCII, a host (`HOST_RE`: no "@") neither empty nor starting with ":". Only
+# a request that fails it is checked rule by rule, to say what is wrong.
+_PSEUDO_NAMES_SIZE: Final = 29
+_COMMON_PSEUDO_RE: Final = re.compile(
+    TOKEN + rb"\x00" + _SCHEME + rb"\x00/[\x21-\x7e]*\x00(?=[^:])" + HOST_RE.pattern
+)
 
 
 class H2Request(NamedTuple):
@@ -761,21 +773,12 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
     Raises:
         MalformedRequestError: what is wrong with it.
     """
-    pseudo: dict[bytes, bytes] = {}
-    size = 0
-    for name, value in fields:
-        if name[:1] != b":":
-            break
-        size += len(name) + len(value)
-        if name == b":protocol":
-            raise _malformed(
-                pseudo, ":protocol (extended CONNECT, RFC 8441) is not enabled"
-            )
-        if name not in _PSEUDO:
-            raise _malformed(pseudo, f"unknown pseudo-header {show_bytes(name)}")
-        if name in pseudo:
-            raise _malformed(pseudo, f"pseudo-header {show_bytes(name)} twice")
-        pseudo[name] = value
+    pseudo = dict(fields[:4])
+    common = _common_pseudo(fields, pseudo)
+    if common is None:
+        pseudo, size = _pseudo_headers(fields)
+    else:
+        size = _PSEUDO_NAMES_SIZE + sum(map(len, common))
     regular = fields[len(pseudo) :]
     # The fields' grammar, all at once (see `_FIELD_LINES_RE`); a field that
     # breaks it is then looked for, to name it.
@@ -820,41 +823,11 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
             raise _malformed(pseudo, error)
         size += len(b"cookie") + len(cookie)
         headers.append((b"cookie", cookie))
-    method = pseudo.get(b":method")
-    path = pseudo.get(b":path")
-    scheme = pseudo.get(b":scheme")
-    if method is None:
-        raise MalformedRequestError("no :method", None, path)
-    error = method_error(method)
-    if error is not None:
-        raise MalformedRequestError(error, method, path)
-    authority = pseudo.get(b":authority")
-    if method == b"CONNECT":
-        # RFC 9113 8.5: only :method and :authority. Answered 501, as in
-        # HTTP/1.1: the proxy tunnels nothing.
-        if authority is None or scheme is not None or path is not None:
-            raise MalformedRequestError(
-                "CONNECT needs :authority and no :scheme or :path", method, path
-            )
-        path = authority
-        scheme = b""
-    if scheme is None or path is None:
-        raise MalformedRequestError("no :scheme or no :path", method, path)
-    if method != b"CONNECT" and not _SCHEME_RE.fullmatch(scheme):
-        raise MalformedRequestError(
-            f"malformed :scheme {show_bytes(scheme)}", method, path
-        )
-    if method != b"CONNECT" and (
-        not path or (path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"))
-    ):
-        raise MalformedRequestError(
-            f"malformed :path {show_bytes(path)}: expected '/...' (or '*' for OPTIONS)",
-            method,
-            path,
-        )
-    error = target_error(path)
-    if error is not None:
-        raise MalformedRequestError(f"malformed :path: {error}", method, path)
+    if common is None:
+        method, scheme, path = _request_line(pseudo)
+        authority = pseudo.get(b":authority")
+    else:
+        method, scheme, path, authority = common
     if len(hosts) > 1:
         raise MalformedRequestError("more than one host field", method, path)
     host = hosts[0] if hosts else None
@@ -868,7 +841,7 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         host = authority
     if host is None:
         raise MalformedRequestError("neither :authority nor host", method, path)
-    if not HOST_RE.fullmatch(host) or host[:1] in {b"", b":"}:
+    if common is None and (not HOST_RE.fullmatch(host) or host[:1] in {b"", b":"}):
         raise MalformedRequestError("malformed :authority or host", method, path)
     content_length = None
     if lengths:
@@ -894,6 +867,96 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         user_agent=agent,
         expects_continue=expects_continue,
     )
+
+
+def _common_pseudo(
+    fields: list[Header], pseudo: dict[bytes, bytes]
+) -> tuple[bytes, bytes, bytes, bytes] | None:
+    """The method, scheme, path and authority of a request whose first four
+    fields (*pseudo*, as a dict) are its pseudo-headers, one of each, and pass
+    their rules (`_COMMON_PSEUDO_RE`); else None (`_pseudo_headers` and
+    `_request_line` check it rule by rule)."""
+    if pseudo.keys() != _PSEUDO or (len(fields) > 4 and fields[4][0][:1] == b":"):
+        return None
+    line = (
+        pseudo[b":method"],
+        pseudo[b":scheme"],
+        pseudo[b":path"],
+        pseudo[b":authority"],
+    )
+    if line[0] == b"CONNECT" or not _COMMON_PSEUDO_RE.fullmatch(b"\x00".join(line)):
+        return None
+    return line
+
+
+def _pseudo_headers(fields: list[Header]) -> tuple[dict[bytes, bytes], int]:
+    """A request's pseudo-headers, checked as names (known, once each, before
+    the fields), and their bytes (names + values).
+
+    Raises:
+        MalformedRequestError: what is wrong with them.
+    """
+    pseudo: dict[bytes, bytes] = {}
+    size = 0
+    for name, value in fields:
+        if name[:1] != b":":
+            break
+        size += len(name) + len(value)
+        if name == b":protocol":
+            raise _malformed(
+                pseudo, ":protocol (extended CONNECT, RFC 8441) is not enabled"
+            )
+        if name not in _PSEUDO:
+            raise _malformed(pseudo, f"unknown pseudo-header {show_bytes(name)}")
+        if name in pseudo:
+            raise _malformed(pseudo, f"pseudo-header {show_bytes(name)} twice")
+        pseudo[name] = value
+    return pseudo, size
+
+
+def _request_line(pseudo: dict[bytes, bytes]) -> tuple[bytes, bytes, bytes]:
+    """The method, scheme and target of a request's pseudo-headers, checked
+    rule by rule (CONNECT's target: its authority, its scheme empty).
+
+    Raises:
+        MalformedRequestError: what is wrong with them.
+    """
+    method = pseudo.get(b":method")
+    path = pseudo.get(b":path")
+    scheme = pseudo.get(b":scheme")
+    if method is None:
+        raise MalformedRequestError("no :method", None, path)
+    error = method_error(method)
+    if error is not None:
+        raise MalformedRequestError(error, method, path)
+    if method == b"CONNECT":
+        # RFC 9113 8.5: only :method and :authority. Answered 501, as in
+        # HTTP/1.1: the proxy tunnels nothing.
+        authority = pseudo.get(b":authority")
+        if authority is None or scheme is not None or path is not None:
+            raise MalformedRequestError(
+                "CONNECT needs :authority and no :scheme or :path", method, path
+            )
+        path = authority
+        scheme = b""
+    if scheme is None or path is None:
+        raise MalformedRequestError("no :scheme or no :path", method, path)
+    if method != b"CONNECT" and not _SCHEME_RE.fullmatch(scheme):
+        raise MalformedRequestError(
+            f"malformed :scheme {show_bytes(scheme)}", method, path
+        )
+    if method != b"CONNECT" and (
+        not path or (path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"))
+    ):
+        raise MalformedRequestError(
+            f"malformed :path {show_bytes(path)}: expected '/...' (or '*' for OPTIONS)",
+            method,
+            path,
+        )
+    error = target_error(path)
+    if error is not None:
+        raise MalformedRequestError(f"malformed :path: {error}", method, path)
+    return method, scheme, path
 
 
 def _field_error(name: bytes, value: bytes) -> str | None:
