@@ -44,6 +44,9 @@ forwarding lines (`tlsedge._http.rules.RequestRewriter.splice`). Every byte of
 it then passed the parser's rules already, whole lines were cut and ours are
 made from checked values, so it is not checked a second time; a test holds
 the splice to the split-and-written path (`tests/tlsedge/http/test_gate.py`).
+An HTTP/2 request is spliced the same way, from field lines made of its
+fields, which `check_request` held to the same grammar (another test there
+holds it to the written path).
 """
 
 from __future__ import annotations
