@@ -44,6 +44,9 @@ forwarding lines (`tlsedge._http.rules.RequestRewriter.splice`). Every byte of
 it then passed the parser's rules already, whole lines were cut and ours are
 made from checked values, so it is not checked a second time; a test holds
 the splice to the split-and-written path (`tests/tlsedge/http/test_gate.py`).
+An HTTP/2 request is spliced the same way, from field lines made of its
+fields, which `check_request` held to the same grammar (another test there
+holds it to the written path).
 """
 
 from __future__ import annotations
@@ -278,7 +281,15 @@ def from_http1(
         spliced = rewriter.splice(head.field_lines, host=head.host)
         if spliced is not None:
             lines, request_id = spliced
-            return _spliced(head, target, lines, body, request_id)
+            return _spliced(
+                head.method,
+                target,
+                lines,
+                body,
+                content_length=head.content_length,
+                host=head.host,
+                request_id=request_id,
+            )
     headers = head.headers
     upgrade = False
     if asks_upgrade:
@@ -309,22 +320,27 @@ def _names_a_field(head: RequestHead) -> bool:
 
 
 def _spliced(
-    head: RequestHead,
+    method: bytes,
     target: bytes,
     field_lines: bytes,
     body: BodyKind,
+    *,
+    content_length: int | None,
+    host: bytes | None,
     request_id: bytes | None,
 ) -> UpstreamRequest:
-    """The upstream request spliced from a head the parser validated
+    """The upstream request spliced from a head the parser (or
+    `tlsedge._http.h2session.check_request`) validated
     (`tlsedge._http.rules.RequestRewriter.splice`: whole lines cut out, ours
     appended): its request line and lines passed the rules already, and the
-    framing fields are the head's, which the parser checked."""
+    framing fields (*content_length*, *host*) are the head's, which were
+    checked with it."""
     request = object.__new__(UpstreamRequest)
-    request.data = b"%s %s HTTP/1.1\r\n%s\r\n" % (head.method, target, field_lines)
-    request.method = head.method
+    request.data = b"%s %s HTTP/1.1\r\n%s\r\n" % (method, target, field_lines)
+    request.method = method
     request.body = body
-    request.content_length = head.content_length
-    request.host = head.host
+    request.content_length = content_length
+    request.host = host
     request.request_id = request_id
     request.upgrade = False
     return request
@@ -355,6 +371,22 @@ def from_http2(
     else:
         body = CHUNKED_BODY
         fields = [*fields, (b"transfer-encoding", b"chunked")]
+    # The fields passed `check_request` (lowercase tokens, field-values, one
+    # checked host, no connection-specific field): spliced as HTTP/1.1 lines.
+    spliced = rewriter.splice(
+        b"\r\n".join(map(b": ".join, fields)) + b"\r\n", host=request.host
+    )
+    if spliced is not None:
+        lines, request_id = spliced
+        return _spliced(
+            request.method,
+            request.target,
+            lines,
+            body,
+            content_length=length,
+            host=request.host,
+            request_id=request_id,
+        )
     headers, request_id = rewriter.head_fields(
         fields, connection=frozenset(), upgrade=False, authority=None, host=request.host
     )

@@ -88,7 +88,7 @@ import re
 import struct
 from collections import deque
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final, NamedTuple
 
 import h2.config
 import h2.connection
@@ -96,13 +96,13 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-import hpack.struct
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from tlsedge._core.config import Http2Config
 from tlsedge._http.head import (
     FIELD_VALUE,
     HOST_RE,
+    TOKEN,
     field_error,
     method_error,
     show_bytes,
@@ -160,12 +160,24 @@ _FIELD_LINES_RE: Final = re.compile(_FIELD_LINE + rb"(?:\n" + _FIELD_LINE + rb")
 _TE_ERROR: Final = "te other than 'trailers' (RFC 9113 8.2.2)"
 _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
 # RFC 3986 section 3.1.
-_SCHEME_RE: Final = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*")
+_SCHEME = rb"[A-Za-z][A-Za-z0-9+.-]*"
+_SCHEME_RE: Final = re.compile(_SCHEME)
+# The four pseudo-headers of a request other than CONNECT, once each (their
+# names' bytes: 7 + 7 + 5 + 10), and all of their rules below in one match
+# of ``:method``, ``:scheme``, ``:path`` and ``:authority`` joined with NUL
+# (which none may hold): a token, a scheme, an origin-form target of visible
+# ASCII, a host (`HOST_RE`: no "@") neither empty nor starting with ":". Only
+# a request that fails it is checked rule by rule, to say what is wrong.
+_PSEUDO_NAMES_SIZE: Final = 29
+_COMMON_PSEUDO_RE: Final = re.compile(
+    TOKEN + rb"\x00" + _SCHEME + rb"\x00/[\x21-\x7e]*\x00(?=[^:])" + HOST_RE.pattern
+)
 
 
-@dataclass(frozen=True, slots=True)
-class H2Request:
-    """A checked request head from one stream.
+class H2Request(NamedTuple):
+    """A checked request head from one stream (a named tuple, as the events
+    made per request or body piece: a frozen dataclass sets each field with a
+    call, ~2,000 instructions a field).
 
     ``headers``: the fields for the upstream (``host`` first, no
     pseudo-headers, one ``cookie``); ``end_stream``: the request has no body;
@@ -184,8 +196,7 @@ class H2Request:
     expects_continue: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class StreamOpened:
+class StreamOpened(NamedTuple):
     """A new stream with a checked request; *error*: answer it with this
     status and reason instead of forwarding it (431)."""
 
@@ -205,8 +216,7 @@ class StreamMalformed:
     target: bytes | None
 
 
-@dataclass(frozen=True, slots=True)
-class RequestData:
+class RequestData(NamedTuple):
     """Request body bytes; `H2Session.acknowledge` *flow_length* once used."""
 
     stream_id: int
@@ -214,8 +224,7 @@ class RequestData:
     flow_length: int
 
 
-@dataclass(frozen=True, slots=True)
-class RequestEnd:
+class RequestEnd(NamedTuple):
     """The request body ended (with its trailers, if any); not sent for a
     request without a body (`H2Request.end_stream`)."""
 
@@ -266,7 +275,6 @@ class _FrameScanner:
     keeps the counts the flood defences need (see the module docstring)."""
 
     __slots__ = (
-        "_block",
         "_empty",
         "_header",
         "_limits",
@@ -274,6 +282,7 @@ class _FrameScanner:
         "_remaining",
         "_skip",
         "_window_updates",
+        "block",
         "control",
         "resets",
         "streams",
@@ -284,17 +293,13 @@ class _FrameScanner:
         self._skip = len(PREFACE)
         self._header = bytearray()
         self._remaining = 0  # payload bytes of the current frame still to come
-        self._block = -1  # bytes of the header block in progress; -1: none
+        self.block = -1  # bytes of the header block in progress; -1: none
         self._empty = 0
         self._window_updates = 0
         self._priority = 0
         self.control = 0  # PING and SETTINGS frames in this call to scan
         self.resets = 0  # RST_STREAM frames in this call to scan
         self.streams = 0  # HEADERS frames that may open a stream
-
-    @property
-    def in_header_block(self) -> bool:
-        return self._block >= 0
 
     def scan(self, data: bytes, data_frames_sent: int) -> None:
         """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
@@ -334,18 +339,18 @@ class _FrameScanner:
         if kind in {_HEADERS, _CONTINUATION}:
             if kind == _HEADERS:
                 self.streams += 1
-                self._block = 0
-            elif self._block < 0:
+                self.block = 0
+            elif self.block < 0:
                 return  # h2 refuses a stray CONTINUATION
-            self._block += length
-            if self._block > limits.max_header_list_size:
+            self.block += length
+            if self.block > limits.max_header_list_size:
                 raise _Calm(
                     f"header block larger than max_header_list_size "
                     f"({limits.max_header_list_size} bytes): CONTINUATION flood"
                 )
             ends = flags & _END_HEADERS
             if ends:
-                self._block = -1
+                self.block = -1
             empty = not length and not ends
         elif kind == _DATA:
             empty = not length and not flags & _END_STREAM
@@ -452,7 +457,7 @@ class H2Session:
     @property
     def in_header_block(self) -> bool:
         """A header block was started and not finished (the header timeout)."""
-        return self._scanner.in_header_block
+        return self._scanner.block >= 0
 
     def receive_data(self, data: bytes, now: float) -> list[Event]:
         """Client bytes in, events out (nothing after a `ConnectionEnded`)."""
@@ -560,7 +565,7 @@ class H2Session:
             sid = event.stream_id
             assert sid is not None
             if sid in self.active:
-                trailers = _cookies_joined(_decoded(event.headers))
+                trailers = _cookies_joined(event.headers or [])
                 error = next(
                     (e for n, v in trailers if (e := _trailer_error(n, v))), None
                 )
@@ -602,7 +607,8 @@ class H2Session:
         sid = event.stream_id
         assert sid is not None
         self._ended_with_headers = event.stream_ended
-        fields = _decoded(event.headers)
+        # (name, value) pairs of bytes, as h2 decoded them (``header_encoding=None``).
+        fields: list[Header] = event.headers or []
         end_stream = event.stream_ended is not None
         if self.goaway_sent is not None or len(self.active) >= (
             self.limits.max_concurrent_streams
@@ -667,18 +673,22 @@ class H2Session:
 
     def sendable(self, stream_id: int) -> int:
         """How many body bytes may go out on the stream now (one DATA frame)."""
-        if not self.open(stream_id):
+        if stream_id not in self.active or self.ended:  # (`open`, inlined)
             return 0
         conn = self.conn
+        # h2's windows read directly (`local_flow_control_window` is two calls
+        # to read them); an active stream is one h2 has open.
         return min(
-            conn.local_flow_control_window(stream_id), conn.max_outbound_frame_size
+            conn.outbound_flow_control_window,
+            conn.streams[stream_id].outbound_flow_control_window,
+            conn.max_outbound_frame_size,
         )
 
     def send_headers(
         self, stream_id: int, status: int, headers: list[Header], *, end_stream: bool
     ) -> None:
         """A response head (1xx or final) on an open stream."""
-        if not self.open(stream_id):
+        if stream_id not in self.active or self.ended:  # (`open`, inlined)
             return
         fields = [(b":status", b"%d" % status), *headers]
         try:
@@ -693,7 +703,7 @@ class H2Session:
     ) -> None:
         """Body bytes, at most `sendable` of them; *end_stream*: the last
         (the response ends with them, without trailers)."""
-        if self.open(stream_id):
+        if stream_id in self.active and not self.ended:  # (`open`, inlined)
             try:
                 self.conn.send_data(stream_id, data, end_stream=end_stream)
             except h2.exceptions.StreamClosedError:
@@ -763,21 +773,12 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
     Raises:
         MalformedRequestError: what is wrong with it.
     """
-    pseudo: dict[bytes, bytes] = {}
-    size = 0
-    for name, value in fields:
-        if name[:1] != b":":
-            break
-        size += len(name) + len(value)
-        if name == b":protocol":
-            raise _malformed(
-                pseudo, ":protocol (extended CONNECT, RFC 8441) is not enabled"
-            )
-        if name not in _PSEUDO:
-            raise _malformed(pseudo, f"unknown pseudo-header {show_bytes(name)}")
-        if name in pseudo:
-            raise _malformed(pseudo, f"pseudo-header {show_bytes(name)} twice")
-        pseudo[name] = value
+    pseudo = dict(fields[:4])
+    common = _common_pseudo(fields, pseudo)
+    if common is None:
+        pseudo, size = _pseudo_headers(fields)
+    else:
+        size = _PSEUDO_NAMES_SIZE + sum(map(len, common))
     regular = fields[len(pseudo) :]
     # The fields' grammar, all at once (see `_FIELD_LINES_RE`); a field that
     # breaks it is then looked for, to name it.
@@ -822,41 +823,11 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
             raise _malformed(pseudo, error)
         size += len(b"cookie") + len(cookie)
         headers.append((b"cookie", cookie))
-    method = pseudo.get(b":method")
-    path = pseudo.get(b":path")
-    scheme = pseudo.get(b":scheme")
-    if method is None:
-        raise MalformedRequestError("no :method", None, path)
-    error = method_error(method)
-    if error is not None:
-        raise MalformedRequestError(error, method, path)
-    authority = pseudo.get(b":authority")
-    if method == b"CONNECT":
-        # RFC 9113 8.5: only :method and :authority. Answered 501, as in
-        # HTTP/1.1: the proxy tunnels nothing.
-        if authority is None or scheme is not None or path is not None:
-            raise MalformedRequestError(
-                "CONNECT needs :authority and no :scheme or :path", method, path
-            )
-        path = authority
-        scheme = b""
-    if scheme is None or path is None:
-        raise MalformedRequestError("no :scheme or no :path", method, path)
-    if method != b"CONNECT" and not _SCHEME_RE.fullmatch(scheme):
-        raise MalformedRequestError(
-            f"malformed :scheme {show_bytes(scheme)}", method, path
-        )
-    if method != b"CONNECT" and (
-        not path or (path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"))
-    ):
-        raise MalformedRequestError(
-            f"malformed :path {show_bytes(path)}: expected '/...' (or '*' for OPTIONS)",
-            method,
-            path,
-        )
-    error = target_error(path)
-    if error is not None:
-        raise MalformedRequestError(f"malformed :path: {error}", method, path)
+    if common is None:
+        method, scheme, path = _request_line(pseudo)
+        authority = pseudo.get(b":authority")
+    else:
+        method, scheme, path, authority = common
     if len(hosts) > 1:
         raise MalformedRequestError("more than one host field", method, path)
     host = hosts[0] if hosts else None
@@ -870,7 +841,7 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         host = authority
     if host is None:
         raise MalformedRequestError("neither :authority nor host", method, path)
-    if not HOST_RE.fullmatch(host) or host[:1] in {b"", b":"}:
+    if common is None and (not HOST_RE.fullmatch(host) or host[:1] in {b"", b":"}):
         raise MalformedRequestError("malformed :authority or host", method, path)
     content_length = None
     if lengths:
@@ -896,6 +867,96 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         user_agent=agent,
         expects_continue=expects_continue,
     )
+
+
+def _common_pseudo(
+    fields: list[Header], pseudo: dict[bytes, bytes]
+) -> tuple[bytes, bytes, bytes, bytes] | None:
+    """The method, scheme, path and authority of a request whose first four
+    fields (*pseudo*, as a dict) are its pseudo-headers, one of each, and pass
+    their rules (`_COMMON_PSEUDO_RE`); else None (`_pseudo_headers` and
+    `_request_line` check it rule by rule)."""
+    if pseudo.keys() != _PSEUDO or (len(fields) > 4 and fields[4][0][:1] == b":"):
+        return None
+    line = (
+        pseudo[b":method"],
+        pseudo[b":scheme"],
+        pseudo[b":path"],
+        pseudo[b":authority"],
+    )
+    if line[0] == b"CONNECT" or not _COMMON_PSEUDO_RE.fullmatch(b"\x00".join(line)):
+        return None
+    return line
+
+
+def _pseudo_headers(fields: list[Header]) -> tuple[dict[bytes, bytes], int]:
+    """A request's pseudo-headers, checked as names (known, once each, before
+    the fields), and their bytes (names + values).
+
+    Raises:
+        MalformedRequestError: what is wrong with them.
+    """
+    pseudo: dict[bytes, bytes] = {}
+    size = 0
+    for name, value in fields:
+        if name[:1] != b":":
+            break
+        size += len(name) + len(value)
+        if name == b":protocol":
+            raise _malformed(
+                pseudo, ":protocol (extended CONNECT, RFC 8441) is not enabled"
+            )
+        if name not in _PSEUDO:
+            raise _malformed(pseudo, f"unknown pseudo-header {show_bytes(name)}")
+        if name in pseudo:
+            raise _malformed(pseudo, f"pseudo-header {show_bytes(name)} twice")
+        pseudo[name] = value
+    return pseudo, size
+
+
+def _request_line(pseudo: dict[bytes, bytes]) -> tuple[bytes, bytes, bytes]:
+    """The method, scheme and target of a request's pseudo-headers, checked
+    rule by rule (CONNECT's target: its authority, its scheme empty).
+
+    Raises:
+        MalformedRequestError: what is wrong with them.
+    """
+    method = pseudo.get(b":method")
+    path = pseudo.get(b":path")
+    scheme = pseudo.get(b":scheme")
+    if method is None:
+        raise MalformedRequestError("no :method", None, path)
+    error = method_error(method)
+    if error is not None:
+        raise MalformedRequestError(error, method, path)
+    if method == b"CONNECT":
+        # RFC 9113 8.5: only :method and :authority. Answered 501, as in
+        # HTTP/1.1: the proxy tunnels nothing.
+        authority = pseudo.get(b":authority")
+        if authority is None or scheme is not None or path is not None:
+            raise MalformedRequestError(
+                "CONNECT needs :authority and no :scheme or :path", method, path
+            )
+        path = authority
+        scheme = b""
+    if scheme is None or path is None:
+        raise MalformedRequestError("no :scheme or no :path", method, path)
+    if method != b"CONNECT" and not _SCHEME_RE.fullmatch(scheme):
+        raise MalformedRequestError(
+            f"malformed :scheme {show_bytes(scheme)}", method, path
+        )
+    if method != b"CONNECT" and (
+        not path or (path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"))
+    ):
+        raise MalformedRequestError(
+            f"malformed :path {show_bytes(path)}: expected '/...' (or '*' for OPTIONS)",
+            method,
+            path,
+        )
+    error = target_error(path)
+    if error is not None:
+        raise MalformedRequestError(f"malformed :path: {error}", method, path)
+    return method, scheme, path
 
 
 def _field_error(name: bytes, value: bytes) -> str | None:
@@ -936,12 +997,6 @@ def _trailer_error(name: bytes, value: bytes) -> str | None:
         return f"pseudo-header {show_bytes(name)} in trailers (RFC 9113 8.1)"
     error = _field_error(name, value)
     return None if error is None else f"trailer {error}"
-
-
-def _decoded(headers: list[hpack.struct.Header] | None) -> list[Header]:
-    """A header block as h2 decoded it: (name, value) tuples of bytes (with
-    ``header_encoding=None``)."""
-    return cast("list[Header]", headers or [])
 
 
 def _cookies_joined(fields: list[Header]) -> list[Header]:

@@ -19,7 +19,13 @@ from tlsedge._http.body import BodyKind, ChunkedDecoder, encode_chunk
 from tlsedge._http.events import NEED_DATA, Body, EndOfBody, Request
 from tlsedge._http.exchange import UpstreamExchange
 from tlsedge._http.gate import UpstreamRequest, from_http1, from_http2
-from tlsedge._http.h2session import RequestData, RequestEnd, StreamOpened
+from tlsedge._http.h2session import (
+    MalformedRequestError,
+    RequestData,
+    RequestEnd,
+    StreamOpened,
+    check_request,
+)
 from tlsedge._http.head import RequestRejectedError, parse_request_head
 from tlsedge._http.rules import HOP_BY_HOP, RequestRewriter
 from tlsedge._http.session import ClientSession
@@ -572,4 +578,74 @@ def test_a_spliced_head_carries_the_fields_the_written_one_does(
         head.method,
         head.target,
         head.content_length,
+    )
+
+
+@given(
+    st.lists(st.tuples(_SPLICE_NAMES.map(bytes.lower), _SPLICE_VALUES), max_size=8),
+    st.tuples(
+        st.sampled_from([[], [(b"content-length", b"0")], [(b"content-length", b"7")]]),
+        st.booleans(),
+    ),
+    st.sampled_from([(b"GET", b"/"), (b"POST", b"/a?b=c"), (b"OPTIONS", b"*")]),
+    st.builds(
+        ForwardedConfig,
+        x_forwarded_for=st.booleans(),
+        x_forwarded_proto=st.booleans(),
+        x_forwarded_port=st.booleans(),
+        forwarded=st.booleans(),
+        request_id=st.sampled_from(["", "X-Request-Id"]),
+    ),
+    st.booleans(),
+)
+def test_a_spliced_http2_head_is_the_written_one(
+    fields: list[Header],
+    framing: tuple[list[Header], bool],
+    request_line: tuple[bytes, bytes],
+    forwarded: ForwardedConfig,
+    underscores: bool,
+) -> None:
+    length, end_stream = framing
+    method, path = request_line
+    pseudo = [
+        (b":method", method),
+        (b":scheme", b"https"),
+        (b":authority", b"h.test"),
+        (b":path", path),
+    ]
+    try:
+        request = check_request([*pseudo, *fields, *length], end_stream=end_stream)
+    except MalformedRequestError:
+        return
+    rewriter = RequestRewriter(
+        forwarded=forwarded, context=REWRITER.context, underscores=underscores
+    )
+    spliced = from_http2(request, rewriter, max_body_size=0)
+    chunked = (
+        [(b"transfer-encoding", b"chunked")] if spliced.body is BodyKind.CHUNKED else []
+    )
+    written_fields, _ = rewriter.head_fields(
+        [*request.headers, *chunked],
+        connection=frozenset(),
+        upgrade=False,
+        authority=None,
+        host=request.host,
+    )
+    rid = forwarded.request_id.encode()
+    if spliced.request_id is not None:  # a fresh id each way: the spliced one
+        written_fields = [
+            (n, spliced.request_id if n == rid else v) for n, v in written_fields
+        ]
+    written = UpstreamRequest(
+        method,
+        path,
+        written_fields,
+        spliced.body,
+        request_id=spliced.request_id,
+    )
+    assert spliced.data == written.data
+    assert (spliced.content_length, spliced.host, spliced.upgrade) == (
+        written.content_length,
+        written.host,
+        written.upgrade,
     )

@@ -9,8 +9,10 @@ import h2.events
 import h2.settings
 import pytest
 from hyperframe.frame import ContinuationFrame, HeadersFrame
+from hypothesis import given, settings, strategies as st
 
 from tlsedge._core.config import Http2Config
+from tlsedge._http import h2session
 from tlsedge._http.h2session import (
     ConnectionEnded,
     H2Session,
@@ -494,3 +496,56 @@ def test_cookie_crumbs_are_joined_into_one_last_field_in_headers_and_trailers() 
     assert pair.flush()[-1] == RequestEnd(
         sid, [(b"x-sum", b"1"), (b"cookie", b"a=1; b=2")]
     )
+
+
+_PSEUDO_VALUES = {
+    b":method": [b"GET", b"OPTIONS", b"CONNECT", b"G T", b""],
+    b":scheme": [b"https", b"h2+x", b"1x", b"", b"h t"],
+    b":path": [b"/", b"/a?b=1", b"*", b"", b"a", b"/\x7f", b"/ x"],
+    b":authority": [b"example.com", b"", b":80", b"a@b", b"[::1]:443", b"h\xc3\xa9"],
+}
+
+
+@st.composite
+def header_blocks(draw: st.DrawFn) -> list[Header]:
+    """The four pseudo-headers in any order, each possibly missing, doubled or
+    malformed, then fields that make a request malformed or not."""
+    names = draw(st.permutations(list(_PSEUDO_VALUES)))
+    names = draw(st.sampled_from([names, names[:3], [*names, names[0]]]))
+    pseudo = [
+        # (The first value is good: most blocks break one rule at most.)
+        (
+            name,
+            draw(st.sampled_from(_PSEUDO_VALUES[name][:1] * 4 + _PSEUDO_VALUES[name])),
+        )
+        for name in names
+    ]
+    extra = st.sampled_from(
+        [
+            (b"host", b"example.com"),
+            (b"host", b"other"),
+            (b"user-agent", b"x"),
+            (b":protocol", b"websocket"),
+            (b":method", b"GET"),
+            (b"te", b"gzip"),
+        ]
+    )
+    return pseudo + draw(st.lists(extra, max_size=2))
+
+
+def _checked(fields: list[Header]) -> object:
+    try:
+        return check_request(fields, end_stream=True)
+    except MalformedRequestError as exc:
+        return (str(exc), exc.method, exc.target)
+
+
+@settings(max_examples=500)
+@given(header_blocks())
+def test_the_common_pseudo_header_check_is_the_rule_by_rule_one(
+    fields: list[Header],
+) -> None:
+    at_once = _checked(fields)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(h2session, "_common_pseudo", lambda fields, pseudo: None)
+        assert _checked(fields) == at_once

@@ -92,7 +92,7 @@ import trio
 
 from tlsedge._core.downstream import Downstream
 from tlsedge._core.termination import Termination
-from tlsedge._http.body import BodyKind
+from tlsedge._http.body import CHUNKED_BODY
 from tlsedge._http.events import (
     NEED_DATA,
     Body,
@@ -101,7 +101,7 @@ from tlsedge._http.events import (
     NeedData,
     Response,
 )
-from tlsedge._http.exchange import UpstreamError
+from tlsedge._http.exchange import UpstreamError, UpstreamExchange
 from tlsedge._http.gate import from_http2
 from tlsedge._http.h2session import (
     PREFACE,
@@ -117,7 +117,12 @@ from tlsedge._http.h2session import (
     StreamOpened,
     WindowOpened,
 )
-from tlsedge._http.head import RequestRejectedError
+from tlsedge._http.head import (
+    HOP_BY_HOP,
+    NOT_NAMED_AWAY,
+    RequestRejectedError,
+    ResponseHead,
+)
 from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.rules import (
     error_body,
@@ -165,6 +170,8 @@ __all__ = ["h2_connection", "sniff_preface"]
 LOGGER = logging.getLogger("tlsedge.http")
 
 Header = tuple[bytes, bytes]
+#: What an upstream exchange gives a stream's response.
+_ResponseEvent = Informational | Response | Body | EndOfBody
 
 #: Streams stop sending response data while this many bytes wait for the
 #: client's socket.
@@ -172,6 +179,9 @@ HIGH_WATER: Final = 65536
 #: Response fields that HTTP/2 forbids (RFC 9113 section 8.2.2), beyond the
 #: hop-by-hop ones `strip_hop_by_hop` drops.
 _NOT_IN_H2: Final = frozenset({b"transfer-encoding", b"keep-alive", b"upgrade"})
+#: The response fields a head's fields lose in HTTP/2 whatever its
+#: ``Connection`` says: the hop-by-hop ones and those.
+_DROPPED_IN_H2: Final = HOP_BY_HOP | _NOT_IN_H2
 
 # -- h2c with prior knowledge: the preface, read on the reactor ----------------
 
@@ -338,7 +348,7 @@ class _Stream:
         self.out_end = False
         self.blocked_since = math.inf  # since when `out` waits for the client
         #: The response event `_H2Connection._peek` looked at.
-        self.lookahead: Informational | Response | Body | EndOfBody | None = None
+        self.lookahead: _ResponseEvent | None = None
 
     def to(self, phase: StreamPhase) -> None:
         assert phase in STREAM_TRANSITIONS[self.phase], (self.phase, phase)
@@ -672,7 +682,7 @@ class _H2Connection(ReactorConnection):
         session = self.session
         self.result.bytes_from_client += len(data)
         now = self.now()
-        self._dispatch(session.receive_data(data, now))
+        self._dispatch(session.receive_data(data, now), now)
         if session.ended:
             self._shut_down()
             return
@@ -740,12 +750,13 @@ class _H2Connection(ReactorConnection):
 
     # -- session events --------------------------------------------------------
 
-    def _dispatch(self, events: list[Event]) -> None:
+    def _dispatch(self, events: list[Event], now: float) -> None:
+        """The session's events for client bytes read at *now*."""
         for event in events:
             if isinstance(event, StreamOpened):
-                self._open(event)
+                self._open(event, now)
             elif isinstance(event, RequestData | RequestEnd):
-                self._request_body(event)
+                self._request_body(event, now)
             elif isinstance(event, WindowOpened):
                 if self.blocked:
                     self._resume()
@@ -759,7 +770,7 @@ class _H2Connection(ReactorConnection):
                 assert isinstance(event, ConnectionEnded), event
                 self._ended(event)
 
-    def _request_body(self, event: RequestData | RequestEnd) -> None:
+    def _request_body(self, event: RequestData | RequestEnd, now: float) -> None:
         stream = self.streams.get(event.stream_id)
         attempt = None if stream is None else stream.attempt
         if (
@@ -778,7 +789,7 @@ class _H2Connection(ReactorConnection):
         else:
             stream.body_bytes += len(event.data)
         stream.body.append(event)
-        attempt.body_progress = self.now()
+        attempt.body_progress = now
         raw = attempt.raw
         if (
             stream.phase is _EXCHANGE
@@ -849,7 +860,7 @@ class _H2Connection(ReactorConnection):
         self.result.requests += 1
         self._emit(log)
 
-    def _open(self, event: StreamOpened) -> None:
+    def _open(self, event: StreamOpened, now: float) -> None:
         request = event.request
         log = self._new_log(request.method, request.target)
         # Checked (HOST_RE: ASCII only) by the session.
@@ -857,7 +868,7 @@ class _H2Connection(ReactorConnection):
         if request.user_agent is not None:
             log.user_agent = log_text(request.user_agent)
         log.bytes_in = request.size
-        stream = _Stream(self, event.stream_id, request, log, self.now())
+        stream = _Stream(self, event.stream_id, request, log, now)
         self.streams[stream.id] = stream
         self.any_stream = True
         self.result.requests += 1
@@ -903,22 +914,11 @@ class _H2Connection(ReactorConnection):
 
     # -- the response ----------------------------------------------------------
 
-    def _next(
-        self, stream: _Stream
-    ) -> Informational | Response | Body | EndOfBody | NeedData:
-        event = stream.lookahead
-        if event is not None:
-            stream.lookahead = None
-            return event
-        attempt = stream.attempt
-        assert attempt is not None
-        assert attempt.conn is not None
-        return attempt.conn.next_event()
-
-    def _peek(
-        self, stream: _Stream
-    ) -> Informational | Response | Body | EndOfBody | NeedData:
-        event = self._next(stream)
+    @staticmethod
+    def _peek(stream: _Stream, conn: UpstreamExchange) -> _ResponseEvent | NeedData:
+        """The response's next event, left for the next read of the stream's
+        `_pump_response` (which takes it before reading *conn* again)."""
+        event = conn.next_event()
         if event is not NEED_DATA:
             assert not isinstance(event, NeedData)
             stream.lookahead = event
@@ -929,6 +929,8 @@ class _H2Connection(ReactorConnection):
         the windows allow."""
         attempt = stream.attempt
         assert attempt is not None
+        conn = attempt.conn
+        assert conn is not None
         session = self.session
         sid = stream.id
         try:
@@ -941,12 +943,16 @@ class _H2Connection(ReactorConnection):
                         return
                 if attempt.response is DELIVERED:
                     return
-                event = self._next(stream)
-                if event is NEED_DATA:
-                    return
+                event: _ResponseEvent | NeedData | None = stream.lookahead
+                if event is None:
+                    event = conn.next_event()
+                    if event is NEED_DATA:
+                        return
+                else:
+                    stream.lookahead = None
                 if isinstance(event, Body):
                     # The last piece carries END_STREAM when no trailers follow.
-                    following = self._peek(stream)
+                    following = self._peek(stream, conn)
                     last = isinstance(following, EndOfBody) and not (
                         attempt.trailers_ok and following.trailers
                     )
@@ -960,7 +966,7 @@ class _H2Connection(ReactorConnection):
                     self._response_sent(stream)
                     return
                 elif isinstance(event, Response):
-                    if self._response_head(stream, attempt, event):
+                    if self._response_head(stream, attempt, conn, event):
                         self._response_sent(stream)
                         return
                 else:
@@ -973,22 +979,27 @@ class _H2Connection(ReactorConnection):
                     if head.status == 100 and not stream.request.expects_continue:
                         continue
                     session.send_headers(
-                        sid, head.status, _h2_fields(head.headers), end_stream=False
+                        sid, head.status, _response_fields(head), end_stream=False
                     )
         except UpstreamError as exc:
             attempt.upstream_failed(exc)
 
     def _response_head(
-        self, stream: _Stream, attempt: _StreamAttempt, event: Response
+        self,
+        stream: _Stream,
+        attempt: _StreamAttempt,
+        conn: UpstreamExchange,
+        event: Response,
     ) -> bool:
         """Send the response head; True if it ends the response."""
         head = event.head
         log = stream.log
-        log.first_byte = self.now() - stream.started
+        # (The head's last bytes were read then, in this reactor call.)
+        log.first_byte = attempt.read_progress - stream.started
         log.status = head.status
-        fields = _h2_fields(head.headers, connection=head.connection)
-        attempt.trailers_ok = event.body is BodyKind.CHUNKED
-        following = self._peek(stream)
+        fields = _response_fields(head)
+        attempt.trailers_ok = event.body is CHUNKED_BODY
+        following = self._peek(stream, conn)
         assert STARTED in RESPONSE_TRANSITIONS[attempt.response]
         attempt.response = STARTED
         if isinstance(following, EndOfBody) and not following.trailers:
@@ -1144,17 +1155,27 @@ class _H2Connection(ReactorConnection):
             self._shut_down()
 
 
-def _h2_fields(
-    headers: list[Header], *, connection: frozenset[bytes] | None = None
-) -> list[Header]:
-    """Response fields for HTTP/2: no hop-by-hop or connection-specific
+def _h2_fields(headers: list[Header]) -> list[Header]:
+    """Trailer fields for HTTP/2: no hop-by-hop or connection-specific
     field, names in lowercase."""
     return [
         (lower, value)
-        for name, value in strip_hop_by_hop(
-            headers, keep_upgrade=False, connection=connection
-        )
+        for name, value in strip_hop_by_hop(headers, keep_upgrade=False)
         if (lower := name.lower()) not in _NOT_IN_H2
+    ]
+
+
+def _response_fields(head: ResponseHead) -> list[Header]:
+    """A response head's fields for HTTP/2, in one pass over them: what
+    `_h2_fields` keeps, with the ``Connection`` tokens the head's parser
+    gathered (a token naming framing or ``host`` drops nothing, as in
+    `strip_hop_by_hop`)."""
+    named = head.connection - NOT_NAMED_AWAY
+    drop = _DROPPED_IN_H2 | named if named else _DROPPED_IN_H2
+    return [
+        (lower, value)
+        for name, value in head.headers
+        if (lower := name.lower()) not in drop
     ]
 
 

@@ -26,7 +26,7 @@ import pytest
 import trio
 import trustme
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
-from hypothesis import assume, example, given, settings
+from hypothesis import assume, example, given, settings, strategies as st
 
 from tests.peers import free_port, nginx, require
 from tests.tlsedge.control.test_admin import admin_address, http_get, total
@@ -41,6 +41,9 @@ from tests.tlsedge.helpers import (
 from tests.tlsedge.http.test_gate import H2Case, h2_cases
 from tlsedge._control.cli import main
 from tlsedge._control.edge import Edge
+from tlsedge._http.head import ResponseRejectedError, parse_response_head
+from tlsedge._http.rules import strip_hop_by_hop
+from tlsedge._pipeline.http.h2 import _response_fields
 from tlsedge._pipeline.http.upstreams import (
     NewConnection,
     Upstream,
@@ -1642,3 +1645,45 @@ async def test_drain_deadline_ends_h2_streams_in_flight_and_connecting(
     )
     assert streams == [("/never", "drained"), ("/slow/30", "drained")]
     assert [r["termination"] for r in records if "type" not in r] == ["drained"] * 2
+
+
+# -- a response head's fields as HTTP/2 sends them ------------------------------------
+
+_RESPONSE_NAMES = st.sampled_from(
+    [
+        b"Connection",
+        b"Keep-Alive",
+        b"TE",
+        b"Upgrade",
+        b"Proxy-Connection",
+        b"Transfer-Encoding",
+        b"Content-Length",
+        b"Host",
+        b"X-A",
+        b"x-b",
+        b"Set-Cookie",
+    ]
+)
+_RESPONSE_VALUES = st.sampled_from(
+    [b"close", b"x-a", b"X-A, host", b"content-length", b"chunked", b"1", b"x-b, TE"]
+)
+
+
+@given(st.lists(st.tuples(_RESPONSE_NAMES, _RESPONSE_VALUES), max_size=8))
+def test_response_fields_are_the_end_to_end_ones_in_lowercase(
+    fields: list[tuple[bytes, bytes]],
+) -> None:
+    lines = b"".join(name + b": " + value + b"\r\n" for name, value in fields)
+    try:
+        head = parse_response_head(
+            b"HTTP/1.1 200 OK\r\n" + lines + b"\r\n", max_headers=100
+        )
+    except ResponseRejectedError:
+        return
+    # What the driver sent before it went straight from the head's fields.
+    end_to_end = strip_hop_by_hop(head.headers, keep_upgrade=False)
+    assert _response_fields(head) == [
+        (name.lower(), value)
+        for name, value in end_to_end
+        if name.lower() not in {b"transfer-encoding", b"keep-alive", b"upgrade"}
+    ]
