@@ -21,7 +21,15 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from operator import attrgetter
 from typing import Final
 
-__all__ = ["ip_text", "ipv6_text", "network_text", "unmap_address", "unmap_network"]
+__all__ = [
+    "OCTETS",
+    "dotted_quad_value",
+    "ip_text",
+    "ipv6_text",
+    "network_text",
+    "unmap_address",
+    "unmap_network",
+]
 
 #: Every IPv4-mapped address: ``::ffff:0.0.0.0/96``.
 _MAPPED: Final = IPv6Network("::ffff:0:0/96")
@@ -34,6 +42,18 @@ _HEXTETS: Final = struct.Struct("!8H")
 # Runs of zero groups in ":"-wrapped text, longest first (RFC 5952 compresses
 # the first longest run of two or more).
 _ZERO_RUNS: Final = tuple(":0" * n + ":" for n in range(8, 1, -1))
+
+
+#: The valid octets of a dotted quad, exactly: decimal 0..255, no sign, no
+#: leading zero. One lookup checks and converts.
+OCTETS: Final = {str(n).encode("ascii"): n for n in range(256)}
+
+
+def dotted_quad_value(text: bytes) -> int:
+    """The value of *text*, a dotted quad already checked (a v1 TCP4 line's
+    regular expression vouches for it): ``b"10.0.0.1"`` -> ``0x0A000001``."""
+    a, b, c, d = text.split(b".")
+    return (OCTETS[a] << 24) | (OCTETS[b] << 16) | (OCTETS[c] << 8) | OCTETS[d]
 
 
 def unmap_address(
