@@ -40,7 +40,9 @@ _TCP_LINE_BYTES = b"PROXYTCP46 0123456789abcdefABCDEF.:"
 _IPV6_BYTES = b"0123456789abcdefABCDEF:."
 _MAX_PORT_DIGITS = 5
 # OCTETS as the first, second and third octet of an address: an address
-# is the sum of four lookups (no shifts; + is | on these disjoint bits).
+# is the sum of four lookups (no shifts; + is | on these disjoint bits),
+# added from the last octet up, so that only the last sum leaves CPython's
+# one-digit (30-bit) fast path.
 _OCTET_1 = {text: n << 24 for text, n in OCTETS.items()}
 _OCTET_2 = {text: n << 16 for text, n in OCTETS.items()}
 _OCTET_3 = {text: n << 8 for text, n in OCTETS.items()}
@@ -233,7 +235,7 @@ def decode_v1(
         # which say what is wrong.
         a, b, c, d, dst_text, sport, dport = match.groups()
         try:  # a KeyError: an octet over 255 or with a leading zero
-            src = _OCTET_1[a] + _OCTET_2[b] + _OCTET_3[c] + OCTETS[d]
+            src = OCTETS[d] + _OCTET_3[c] + _OCTET_2[b] + _OCTET_1[a]
         except KeyError:
             pass
         else:
