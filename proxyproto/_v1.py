@@ -28,7 +28,15 @@ from proxyproto._events import (
     new_inet,
     new_inet6_header,
 )
-from proxyproto._ip import OCTETS, dotted_quad_value, ip_text, ipv6_text
+from proxyproto._ip import (
+    OCTETS,
+    OCTETS_1,
+    OCTETS_2,
+    OCTETS_3,
+    dotted_quad_value,
+    ip_text,
+    ipv6_text,
+)
 from proxyproto._options import V1_MAX_LENGTH, Options
 
 V1_PREFIX = b"PROXY "
@@ -39,13 +47,6 @@ _TCP_PROTOCOLS = (b"TCP4", b"TCP6")
 _TCP_LINE_BYTES = b"PROXYTCP46 0123456789abcdefABCDEF.:"
 _IPV6_BYTES = b"0123456789abcdefABCDEF:."
 _MAX_PORT_DIGITS = 5
-# OCTETS as the first, second and third octet of an address: an address
-# is the sum of four lookups (no shifts; + is | on these disjoint bits),
-# added from the last octet up, so that only the last sum leaves CPython's
-# one-digit (30-bit) fast path.
-_OCTET_1 = {text: n << 24 for text, n in OCTETS.items()}
-_OCTET_2 = {text: n << 16 for text, n in OCTETS.items()}
-_OCTET_3 = {text: n << 8 for text, n in OCTETS.items()}
 
 # Headers and addresses are built without their validating constructors, from
 # fields checked here (new_header, new_inet).
@@ -235,7 +236,7 @@ def decode_v1(
         # which say what is wrong.
         a, b, c, d, dst_text, sport, dport = match.groups()
         try:  # a KeyError: an octet over 255 or with a leading zero
-            src = OCTETS[d] + _OCTET_3[c] + _OCTET_2[b] + _OCTET_1[a]
+            src = OCTETS[d] + OCTETS_3[c] + OCTETS_2[b] + OCTETS_1[a]
         except KeyError:
             pass
         else:
