@@ -62,7 +62,9 @@ _STREAM = Transport.STREAM
 # and leading zeros (OCTETS) and the source port's range are checked on the
 # groups.
 _OCTET = rb"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
-_PORT = rb"(?:6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3}|0)"
+# Up to 4 digits first, taken whole (possessive: no backtracking into them
+# when a fifth follows), then 5-digit ports up to 65535.
+_PORT = rb"(?:[1-9]\d{0,3}+|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d\d|655[0-2]\d|6553[0-5]|0)"
 _TCP4_HEADER = re.compile(
     rb"PROXY TCP4 (\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3}) "
     rb"(" + rb"\.".join([_OCTET] * 4) + rb") "
