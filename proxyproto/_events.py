@@ -23,7 +23,7 @@ from operator import attrgetter
 from typing import Literal, cast
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
-from proxyproto._ip import ip_text
+from proxyproto._ip import OCTETS, OCTETS_1, OCTETS_2, OCTETS_3, ip_text
 from proxyproto._spec import MAX_TLV_VALUE_LENGTH, SSLClient, TLVType
 from proxyproto._tlv import SSL_TEXT_FIELDS, validate_tlv, walk_ssl
 
@@ -725,38 +725,46 @@ def _new_inet6(value: int, port: int) -> InetAddress:
 # -- the destination, made on first access -------------------------------------
 # A receiver reads the source address of nearly every header, the destination
 # (its own address, as the client saw it) less often. The decoders store an
-# INET or INET6 destination as its checked (host value, port) pair; the
+# INET or INET6 destination as its checked (host value, port) pair, or, from a
+# v1 TCP4 line, as the pair's checked text (see PendingInet); the
 # `destination` property makes the InetAddress on first access and stores it
 # in place of the pair, so it is made once (two threads reading at once may
 # both make one: equal values, the last stored stays). Everything that reads
 # the field goes through the property and gets the InetAddress: ==, hash,
 # repr, pickle and copy (the dataclass's __getstate__), dataclasses.replace.
 # The storage, _destination, is read as it is by the encoders (which take a
-# pair as it is) and by the validating constructor, which refuses a pair:
-# only a decoder stores one.
+# pair as it is, encode_v1 its text too) and by the validating constructor,
+# which refuses a pair: only a decoder stores one.
 
-#: An unread INET/INET6 destination: its host value and port.
-PendingInet = tuple[int, int]
+#: An unread INET/INET6 destination: its host value and port, or (v1 TCP4)
+#: their text, which the decoder's regular expression has checked (a dotted
+#: quad of octets 0..255 without leading zeros, a port 0..65535 without one).
+PendingInet = tuple[int, int] | tuple[bytes, bytes]
 _set_destination: Callable[[ProxyHeader, Address | PendingInet | None], None] = (
     _HeaderLayout.__dict__["_destination"].__set__
 )
 
 
 def _destination(header: ProxyHeader) -> Address | None:
-    value = header._destination
-    if type(value) is not tuple:
-        return value  # type: ignore[return-value]
+    pending = header._destination
+    if type(pending) is not tuple:
+        return pending  # type: ignore[return-value]
+    value, port = pending
     # The InetAddress made in line, as the decoders make the source.
     if header.family is _INET:
         host = blank_ipv4()
-        host._ip = value[0]
+        if type(value) is bytes:  # v1 TCP4 text (see PendingInet)
+            a, b, c, d = value.split(b".")  # dotted_quad_value in line
+            value = OCTETS[d] + OCTETS_3[c] + OCTETS_2[b] + OCTETS_1[a]
+            port = int(port)
+        host._ip = value  # type: ignore[assignment]
     else:
         host = blank_ipv6()
-        host._ip = value[0]
+        host._ip = value  # type: ignore[assignment]
         host._scope_id = None
     address = InetSlots()
     address.host = host
-    address.port = value[1]
+    address.port = port  # type: ignore[assignment]
     address.__class__ = InetAddress  # type: ignore[assignment]
     _set_destination(header, address)  # type: ignore[arg-type]
     return address  # type: ignore[return-value]

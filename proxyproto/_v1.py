@@ -28,7 +28,15 @@ from proxyproto._events import (
     new_inet,
     new_inet6_header,
 )
-from proxyproto._ip import ip_text, ipv6_text
+from proxyproto._ip import (
+    OCTETS,
+    OCTETS_1,
+    OCTETS_2,
+    OCTETS_3,
+    dotted_quad_value,
+    ip_text,
+    ipv6_text,
+)
 from proxyproto._options import V1_MAX_LENGTH, Options
 
 V1_PREFIX = b"PROXY "
@@ -39,14 +47,6 @@ _TCP_PROTOCOLS = (b"TCP4", b"TCP6")
 _TCP_LINE_BYTES = b"PROXYTCP46 0123456789abcdefABCDEF.:"
 _IPV6_BYTES = b"0123456789abcdefABCDEF:."
 _MAX_PORT_DIGITS = 5
-# The valid octets of a dotted quad, exactly: decimal 0..255, no sign, no
-# leading zero. One lookup checks and converts.
-_OCTETS = {str(n).encode("ascii"): n for n in range(256)}
-# The same, as the first, second and third octet of an address: an address
-# is the sum of four lookups (no shifts; + is | on these disjoint bits).
-_OCTET_1 = {text: n << 24 for text, n in _OCTETS.items()}
-_OCTET_2 = {text: n << 16 for text, n in _OCTETS.items()}
-_OCTET_3 = {text: n << 8 for text, n in _OCTETS.items()}
 
 # Headers and addresses are built without their validating constructors, from
 # fields checked here (new_header, new_inet).
@@ -56,12 +56,19 @@ _INET6 = Family.INET6
 _STREAM = Transport.STREAM
 
 # A TCP4 line in the shape of a valid one, CRLF included: decimal digits,
-# single spaces, ports without a leading zero. The octets' range and leading
-# zeros (_OCTETS) and the ports' range are checked on the groups.
+# single spaces, ports without a leading zero. The destination and its port
+# are checked in full (octets 0..255, a port 0..65535, no leading zeros), as
+# they are kept as text until read (see PendingInet); the source octets' range
+# and leading zeros (OCTETS) and the source port's range are checked on the
+# groups.
+_OCTET = rb"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+# Up to 4 digits first, taken whole (possessive: no backtracking into them
+# when a fifth follows), then 5-digit ports up to 65535.
+_PORT = rb"(?:[1-9]\d{0,3}+|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d\d|655[0-2]\d|6553[0-5]|0)"
 _TCP4_HEADER = re.compile(
     rb"PROXY TCP4 (\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3}) "
-    rb"(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3}) "
-    rb"(0|[1-9]\d{0,4}) (0|[1-9]\d{0,4})\r\n"
+    rb"(" + rb"\.".join([_OCTET] * 4) + rb") "
+    rb"(0|[1-9]\d{0,4}) (" + _PORT + rb")\r\n"
 )
 # A TCP6 line in the shape of a valid one: _ipv6_int judges the addresses
 # (what the class admits is its precondition), and the line must still end
@@ -142,7 +149,7 @@ def _ipv4_int(field: bytes) -> int | None:
     octets = field.split(b".")
     if len(octets) != 4:
         return None
-    a, b, c, d = map(_OCTETS.get, octets)
+    a, b, c, d = map(OCTETS.get, octets)
     if a is None or b is None or c is None or d is None:
         return None
     return (a << 24) | (b << 16) | (c << 8) | d
@@ -229,18 +236,16 @@ def decode_v1(
         # The common case, shaped by one C call: only range checks and
         # conversions are left. A miss falls through to the field checks,
         # which say what is wrong.
-        a, b, c, d, e, f, g, h, sport, dport = match.groups()
+        a, b, c, d, dst_text, sport, dport = match.groups()
         try:  # a KeyError: an octet over 255 or with a leading zero
-            src = _OCTET_1[a] + _OCTET_2[b] + _OCTET_3[c] + _OCTETS[d]
-            dst = _OCTET_1[e] + _OCTET_2[f] + _OCTET_3[g] + _OCTETS[h]
+            src = OCTETS[d] + OCTETS_3[c] + OCTETS_2[b] + OCTETS_1[a]
         except KeyError:
             pass
         else:
             source_port = int(sport)
-            destination_port = int(dport)
-            if source_port <= 0xFFFF and destination_port <= 0xFFFF:
-                # new_header inline (see HeaderSlots), the destination left
-                # for first access (see ProxyHeader.destination).
+            if source_port <= 0xFFFF:
+                # new_header inline (see HeaderSlots), the destination kept
+                # as its text until read (see ProxyHeader.destination).
                 host = blank_ipv4()
                 host._ip = src
                 client = InetSlots()
@@ -253,7 +258,7 @@ def decode_v1(
                 header.family = _INET
                 header.transport = _STREAM
                 header.source = client
-                header._destination = (dst, destination_port)
+                header._destination = (dst_text, dport)
                 header.tlvs = ()
                 header.__class__ = ProxyHeader  # type: ignore[assignment]
                 return header, match.end()  # type: ignore[return-value]
@@ -326,7 +331,10 @@ def encode_v1(header: ProxyHeader) -> bytes:
     if isinstance(dst, InetAddress):
         dst_value, dst_port = host_value(dst.host), dst.port
     elif type(dst) is tuple:
-        dst_value, dst_port = dst
+        if type(dst[0]) is bytes:  # a decoded TCP4 line's text (PendingInet)
+            dst_value, dst_port = dotted_quad_value(dst[0]), int(dst[1])
+        else:
+            dst_value, dst_port = dst  # type: ignore[assignment]
     else:
         return b"PROXY UNKNOWN\r\n"
     if not isinstance(src, InetAddress):

@@ -318,8 +318,8 @@ def _address_block(header: ProxyHeader) -> bytes:
         # IPv4 for INET and IPv6 for INET6.
         if isinstance(dst, InetAddress):
             d, dst_port = host_value(dst.host), dst.port
-        elif type(dst) is tuple:
-            d, dst_port = dst
+        elif type(dst) is tuple:  # never text: that is v1's (see PendingInet)
+            d, dst_port = dst  # type: ignore[assignment]
         else:
             return b""
         s = host_value(src.host)

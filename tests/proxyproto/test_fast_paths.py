@@ -4,6 +4,11 @@
 (a call less per connection than through ``decode_v2``, which ``parse`` uses):
 both must agree on every input, valid or not.
 
+``decode_v1`` checks a whole TCP4 line with one regular expression, which
+vouches for the destination and its port in full (they are kept as text until
+read): it must accept exactly the lines the field checks accept, with the
+same addresses.
+
 ``_v1`` parses and prints addresses without going through ``ipaddress``'s
 text routines (written in Python, and slow), and ``_tlv`` checks text with
 ``bytes.translate`` instead of decode + ``isprintable``. Each must accept
@@ -16,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from ipaddress import AddressValueError, IPv4Address, IPv6Address
+from typing import Any
 
 import pytest
 from hypothesis import example, given, strategies as st
@@ -27,6 +33,7 @@ from proxyproto import (
     ProxyHeader,
     RemoteProtocolError,
     TLVType,
+    encode_v1,
     encode_v2,
     parse,
 )
@@ -345,3 +352,63 @@ def test_reader_v2_tcp4_path_agrees_with_decode_v2(
     data: bytes, max_v2_length: int
 ) -> None:
     assert _read_whole(data, max_v2_length) == _parse_whole(data, max_v2_length)
+
+
+# -- v1 TCP4: the regular expression against the field checks -------------------
+
+_OCTET_TEXTS = st.one_of(
+    st.integers(0, 255).map(str),
+    st.sampled_from(["00", "01", "010", "099", "256", "259", "300", "999", "1000"]),
+)
+_PORT_TEXTS = st.one_of(
+    st.integers(0, 65535).map(str),
+    st.sampled_from(["00", "01", "065535", "65536", "65539", "65599", "99999"]),
+)
+
+
+def _quad(octets: list[str]) -> str:
+    return ".".join(octets)
+
+
+def _reference_port(text: str) -> int | None:
+    if re.fullmatch(r"0|[1-9][0-9]{0,4}", text) and int(text) <= 0xFFFF:
+        return int(text)
+    return None
+
+
+@given(
+    st.lists(_OCTET_TEXTS, min_size=4, max_size=4),
+    st.lists(_OCTET_TEXTS, min_size=4, max_size=4),
+    _PORT_TEXTS,
+    _PORT_TEXTS,
+    st.binary(max_size=3),
+)
+@example(["1", "2", "3", "4"], ["255", "255", "255", "255"], "0", "65535", b"")
+@example(["1", "2", "3", "4"], ["256", "0", "0", "0"], "1", "2", b"")
+@example(["1", "2", "3", "4"], ["10", "0", "0", "01"], "1", "2", b"")
+@example(["1", "2", "3", "4"], ["10", "0", "0", "1"], "1", "65536", b"")
+@example(["1", "2", "3", "4"], ["10", "0", "0", "1"], "1", "00", b"x")
+def test_v1_tcp4_line_agrees_with_the_field_checks(
+    src: list[str], dst: list[str], sport: str, dport: str, after: bytes
+) -> None:
+    line = f"PROXY TCP4 {_quad(src)} {_quad(dst)} {sport} {dport}\r\n".encode()
+    fields: list[Any] = [
+        _ipv4_int(_quad(src).encode()),
+        _ipv4_int(_quad(dst).encode()),
+        _reference_port(sport),
+        _reference_port(dport),
+    ]
+    if None in fields:
+        with pytest.raises(RemoteProtocolError) as caught:
+            parse(line + after)
+        assert caught.value.reason == "bad_v1"
+        return
+    header, consumed = parse(line + after)
+    assert consumed == len(line)
+    # Encoded before the destination is read (from its text), then read.
+    assert encode_v1(header) == line
+    assert header == ProxyHeader.from_addresses(
+        (str(IPv4Address(fields[0])), fields[2]),
+        (str(IPv4Address(fields[1])), fields[3]),
+        version=1,
+    )
