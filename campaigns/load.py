@@ -260,17 +260,19 @@ async def campaign(args: argparse.Namespace, procs: Procs) -> list[Phase]:
         for kind in ("plain", "tls"):
             echo, plain, tls = free_port(), free_port(), free_port()
             procs.echo_backend(echo, nofile)
+            # Wait for the port the phase uses: on a loaded machine the TLS
+            # listener can be up a while after the plain one.
+            port, ctx = (plain, None) if kind == "plain" else (tls, context)
             if proxy == "tlsedge":
                 toml = tlsedge_config(plain, tls, echo, cert, key, n)
-                proc = procs.tlsedge("tlsedge", toml, plain, nofile)
+                proc = procs.tlsedge("tlsedge", toml, port, nofile)
             else:
                 pem = procs.workdir / "edge.pem.full"
                 cfg = haproxy_config(plain, tls, echo, pem, n)
-                proc = procs.haproxy(cfg, plain, nofile)
+                proc = procs.haproxy(cfg, port, nofile)
             phase = Phase(proxy, kind)
             phases.append(phase)
             out(f"{proxy} {kind}: opening {n} connections ...")
-            port, ctx = (plain, None) if kind == "plain" else (tls, context)
             await run_phase(phase, proc.pid, port, n, args.duration, args.active, ctx)
             if proc.poll() is not None:
                 phase.errors["proxy exited"] += 1
