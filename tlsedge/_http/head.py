@@ -90,6 +90,7 @@ _RESPONSE_HEAD_RE: Final = re.compile(
     rb"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: ([\t\x20-\x7e\x80-\xff]*))?\r\n" + _FIELDS
 )
 _VERSIONS: Final = frozenset({b"1.0", b"1.1"})
+_NO_TOKENS: Final[frozenset[bytes]] = frozenset()
 # The fields a request's parse reports, with their values (see below).
 _REQUEST_FIELDS_RE: Final = re.compile(
     rb"\n(host|user-agent|content-length|transfer-encoding|connection|upgrade|expect)"
@@ -415,10 +416,53 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
         version = b"1.1"
         status_text, block = common.groups()
         reason = head[13 : common.start(2) - 2]  # (after "HTTP/1.1 200 ")
+        fields = _RESPONSE_FIELDS_RE.findall(head)
+        if len(fields) <= 1 and block.count(b"\n") <= max_headers:
+            # The commonest head: a status from 100 to 599 (the regex's),
+            # no hop-by-hop field, at most a Content-Length, its value
+            # without OWS (the regex's): spliced whole.
+            content_length = None
+            if fields:
+                name, value = fields[0]
+                if name.lower() != b"content-length":
+                    return _response_head(head, common, fields, max_headers)
+                if not value.isdigit() or len(value) > 18:
+                    raise ResponseRejectedError(
+                        "malformed Content-Length in the response"
+                    )
+                content_length = int(value)
+            return ResponseHead(
+                version,
+                int(status_text),
+                reason,
+                block,
+                content_length,
+                False,
+                _NO_TOKENS,
+                head[:-2],
+            )
+        return _response_head(head, common, fields, max_headers)
+    match = _RESPONSE_HEAD_RE.fullmatch(head)
+    if match is None:
+        raise _response_head_error(head, max_headers)
+    return _response_head(head, match, _RESPONSE_FIELDS_RE.findall(head), max_headers)
+
+
+def _response_head(
+    head: bytes,
+    match: re.Match[bytes],
+    fields: list[tuple[bytes, bytes]],
+    max_headers: int,
+) -> ResponseHead:
+    """`parse_response_head` of a head a regex took: *match* is
+    `_COMMON_RESPONSE_HEAD_RE`'s or `_RESPONSE_HEAD_RE`'s, *fields* what
+    `_RESPONSE_FIELDS_RE` found in it."""
+    common = match if match.re is _COMMON_RESPONSE_HEAD_RE else None
+    if common is not None:
+        version = b"1.1"
+        status_text, block = common.groups()
+        reason = head[13 : common.start(2) - 2]  # (after "HTTP/1.1 200 ")
     else:
-        match = _RESPONSE_HEAD_RE.fullmatch(head)
-        if match is None:
-            raise _response_head_error(head, max_headers)
         version, status_text, reason, block = match.groups()
         if version not in _VERSIONS:
             raise ResponseRejectedError(f"response version HTTP/{version.decode()}")
@@ -431,7 +475,7 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
     codings: list[bytes] = []
     tokens: set[bytes] = set()
     hop_by_hop = False
-    for name, raw in _RESPONSE_FIELDS_RE.findall(head):
+    for name, raw in fields:
         lname = name.lower()
         value = raw.rstrip(b" \t")
         if lname == b"content-length":
