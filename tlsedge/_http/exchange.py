@@ -274,7 +274,7 @@ class UpstreamExchange:
             self._state = "end"
         else:
             self._state = "body"
-        return Response(head, body)
+        return tuple.__new__(Response, (head, body))  # (as the heads: in C)
 
     def _body_event(self) -> Body | EndOfBody | NeedData:
         buffer = self._buffer

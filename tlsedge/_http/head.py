@@ -91,6 +91,8 @@ _RESPONSE_HEAD_RE: Final = re.compile(
 )
 _VERSIONS: Final = frozenset({b"1.0", b"1.1"})
 _NO_TOKENS: Final[frozenset[bytes]] = frozenset()
+# Three-digit status codes from 100 to 599 (a lookup costs less than `int`).
+_STATUS_CODES: Final = {b"%d" % status: status for status in range(100, 600)}
 # The fields a request's parse reports, with their values (see below).
 _REQUEST_FIELDS_RE: Final = re.compile(
     rb"\n(host|user-agent|content-length|transfer-encoding|connection|upgrade|expect)"
@@ -358,18 +360,23 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
         raise RequestRejectedError(400, "HTTP/1.1 request without Host")
     if host is not None and not HOST_RE.fullmatch(host):
         raise RequestRejectedError(400, "malformed Host")
-    return RequestHead(
-        method,
-        target,
-        version,
-        block,
-        content_length,
-        bool(codings),
-        host,
-        frozenset(tokens),
-        upgrade,
-        user_agent,
-        expect,
+    # (`tuple.__new__`: a named tuple's own ``__new__`` is a Python
+    # function, a call that costs as much as the tuple.)
+    return tuple.__new__(
+        RequestHead,
+        (
+            method,
+            target,
+            version,
+            block,
+            content_length,
+            bool(codings),
+            host,
+            frozenset(tokens),
+            upgrade,
+            user_agent,
+            expect,
+        ),
     )
 
 
@@ -431,15 +438,18 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
                         "malformed Content-Length in the response"
                     )
                 content_length = int(value)
-            return ResponseHead(
-                version,
-                int(status_text),
-                reason,
-                block,
-                content_length,
-                False,
-                _NO_TOKENS,
-                head[:-2],
+            return tuple.__new__(
+                ResponseHead,
+                (
+                    version,
+                    _STATUS_CODES[status_text],
+                    reason,
+                    block,
+                    content_length,
+                    False,
+                    _NO_TOKENS,
+                    head[:-2],
+                ),
             )
         return _response_head(head, common, fields, max_headers)
     match = _RESPONSE_HEAD_RE.fullmatch(head)
@@ -509,15 +519,18 @@ def _response_head(
             forward = head[: common.start(2)] + HOP_LINE_RE.sub(b"", block)
         else:
             forward = head[:-2]
-    return ResponseHead(
-        version,
-        status,
-        reason or b"",
-        block,
-        content_length,
-        bool(codings),
-        frozenset(tokens),
-        forward,
+    return tuple.__new__(
+        ResponseHead,
+        (
+            version,
+            status,
+            reason or b"",
+            block,
+            content_length,
+            bool(codings),
+            frozenset(tokens),
+            forward,
+        ),
     )
 
 
