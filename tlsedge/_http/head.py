@@ -307,10 +307,10 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
         raise RequestRejectedError(505, "only HTTP/1.0 and HTTP/1.1 are served")
     if block.count(b"\n") > max_headers:
         raise RequestRejectedError(431, f"more than {max_headers} header fields")
-    lengths: list[bytes] = []
-    codings: list[bytes] = []
-    hosts: list[bytes] = []
-    tokens: set[bytes] = set()
+    # The first value of each framing field, and how many there were.
+    length = coding = host = None
+    lengths = codings = hosts = 0
+    tokens: set[bytes] | None = None
     upgrade = False
     user_agent: bytes | None = None
     expect: bytes | None = None
@@ -318,45 +318,49 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
         lname = name.lower()
         value = raw.rstrip(b" \t")
         if lname == b"host":
-            hosts.append(value)
+            hosts += 1
+            if host is None:
+                host = value
         elif lname == b"user-agent":
             if user_agent is None:
                 user_agent = value
         elif lname == b"content-length":
-            lengths.append(value)
+            lengths += 1
+            if length is None:
+                length = value
         elif lname == b"transfer-encoding":
-            codings.append(value)
+            codings += 1
+            if coding is None:
+                coding = value
         elif lname == b"connection":
+            if tokens is None:
+                tokens = set()
             _add_tokens(tokens, value)
         elif lname == b"upgrade":
             upgrade = True
         else:
             expect = value
-    tokens.discard(b"")
     content_length = None
-    if lengths:
-        if len(lengths) > 1:
+    if length is not None:
+        if lengths > 1:
             raise RequestRejectedError(400, "more than one Content-Length")
-        if not _CONTENT_LENGTH_RE.fullmatch(lengths[0]):
+        if not _CONTENT_LENGTH_RE.fullmatch(length):
             raise RequestRejectedError(400, "malformed Content-Length")
-        content_length = int(lengths[0])
-    if codings:
-        if lengths:
+        content_length = int(length)
+    if coding is not None:
+        if length is not None:
             raise RequestRejectedError(400, "both Content-Length and Transfer-Encoding")
         if version == b"1.0":
             raise RequestRejectedError(400, "Transfer-Encoding in an HTTP/1.0 request")
-        if len(codings) > 1:
+        if codings > 1:
             raise RequestRejectedError(400, "more than one Transfer-Encoding")
-        if codings[0].lower() != b"chunked":
-            if _CODINGS_RE.fullmatch(codings[0]):
+        if coding.lower() != b"chunked":
+            if _CODINGS_RE.fullmatch(coding):
                 raise RequestRejectedError(501, "transfer coding other than chunked")
             raise RequestRejectedError(400, "malformed Transfer-Encoding")
-    host = None
-    if hosts:
-        if len(hosts) > 1:
-            raise RequestRejectedError(400, "more than one Host")
-        host = hosts[0]
-    elif version == b"1.1":
+    if hosts > 1:
+        raise RequestRejectedError(400, "more than one Host")
+    if host is None and version == b"1.1":
         raise RequestRejectedError(400, "HTTP/1.1 request without Host")
     if host is not None and not HOST_RE.fullmatch(host):
         raise RequestRejectedError(400, "malformed Host")
@@ -370,9 +374,9 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
             version,
             block,
             content_length,
-            bool(codings),
+            coding is not None,
             host,
-            frozenset(tokens),
+            _NO_TOKENS if tokens is None else frozenset(tokens - {b""}),
             upgrade,
             user_agent,
             expect,
