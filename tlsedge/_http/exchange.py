@@ -60,7 +60,6 @@ from tlsedge._http.head import (
     HeadRejectedError,
     RequestRejectedError,
     ResponseRejectedError,
-    find_head_end,
     parse_response_head,
 )
 
@@ -215,8 +214,8 @@ class UpstreamExchange:
 
     def _head_event(self) -> Informational | Response | Body | EndOfBody | NeedData:
         buffer = self._buffer
-        end = find_head_end(buffer)
-        if end < 0:
+        end = buffer.find(b"\r\n\r\n") + 4  # (3: no CRLFCRLF yet)
+        if end < 4:
             if len(buffer) > MAX_RESPONSE_HEAD_BYTES:
                 raise UpstreamError(
                     f"response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
@@ -274,7 +273,7 @@ class UpstreamExchange:
             self._state = "end"
         else:
             self._state = "body"
-        return Response(head, body)
+        return tuple.__new__(Response, (head, body))  # (as the heads: in C)
 
     def _body_event(self) -> Body | EndOfBody | NeedData:
         buffer = self._buffer

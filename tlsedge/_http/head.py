@@ -91,6 +91,9 @@ _RESPONSE_HEAD_RE: Final = re.compile(
     rb"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: ([\t\x20-\x7e\x80-\xff]*))?\r\n" + _FIELDS
 )
 _VERSIONS: Final = frozenset({b"1.0", b"1.1"})
+_NO_TOKENS: Final[frozenset[bytes]] = frozenset()
+# Three-digit status codes from 100 to 599 (a lookup costs less than `int`).
+_STATUS_CODES: Final = {b"%d" % status: status for status in range(100, 600)}
 # The fields a request's parse reports, with their values (see below).
 _REQUEST_FIELDS_RE: Final = re.compile(
     rb"\n(host|user-agent|content-length|transfer-encoding|connection|upgrade|expect)"
@@ -305,10 +308,10 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
         raise RequestRejectedError(505, "only HTTP/1.0 and HTTP/1.1 are served")
     if block.count(b"\n") > max_headers:
         raise RequestRejectedError(431, f"more than {max_headers} header fields")
-    lengths: list[bytes] = []
-    codings: list[bytes] = []
-    hosts: list[bytes] = []
-    tokens: set[bytes] = set()
+    # The first value of each framing field, and how many there were.
+    length = coding = host = None
+    lengths = codings = hosts = 0
+    tokens: set[bytes] | None = None
     upgrade = False
     user_agent: bytes | None = None
     expect: bytes | None = None
@@ -316,60 +319,69 @@ def parse_request_head(head: bytes, *, max_headers: int) -> RequestHead:
         lname = name.lower()
         value = raw.rstrip(b" \t")
         if lname == b"host":
-            hosts.append(value)
+            hosts += 1
+            if host is None:
+                host = value
         elif lname == b"user-agent":
             if user_agent is None:
                 user_agent = value
         elif lname == b"content-length":
-            lengths.append(value)
+            lengths += 1
+            if length is None:
+                length = value
         elif lname == b"transfer-encoding":
-            codings.append(value)
+            codings += 1
+            if coding is None:
+                coding = value
         elif lname == b"connection":
+            if tokens is None:
+                tokens = set()
             _add_tokens(tokens, value)
         elif lname == b"upgrade":
             upgrade = True
         else:
             expect = value
-    tokens.discard(b"")
     content_length = None
-    if lengths:
-        if len(lengths) > 1:
+    if length is not None:
+        if lengths > 1:
             raise RequestRejectedError(400, "more than one Content-Length")
-        if not _CONTENT_LENGTH_RE.fullmatch(lengths[0]):
+        if not _CONTENT_LENGTH_RE.fullmatch(length):
             raise RequestRejectedError(400, "malformed Content-Length")
-        content_length = int(lengths[0])
-    if codings:
-        if lengths:
+        content_length = int(length)
+    if coding is not None:
+        if length is not None:
             raise RequestRejectedError(400, "both Content-Length and Transfer-Encoding")
         if version == b"1.0":
             raise RequestRejectedError(400, "Transfer-Encoding in an HTTP/1.0 request")
-        if len(codings) > 1:
+        if codings > 1:
             raise RequestRejectedError(400, "more than one Transfer-Encoding")
-        if codings[0].lower() != b"chunked":
-            if _CODINGS_RE.fullmatch(codings[0]):
+        if coding.lower() != b"chunked":
+            if _CODINGS_RE.fullmatch(coding):
                 raise RequestRejectedError(501, "transfer coding other than chunked")
             raise RequestRejectedError(400, "malformed Transfer-Encoding")
-    host = None
-    if hosts:
-        if len(hosts) > 1:
-            raise RequestRejectedError(400, "more than one Host")
-        host = hosts[0]
-    elif version == b"1.1":
+    if hosts > 1:
+        raise RequestRejectedError(400, "more than one Host")
+    if host is None and version == b"1.1":
         raise RequestRejectedError(400, "HTTP/1.1 request without Host")
     if host is not None and not HOST_RE.fullmatch(host):
         raise RequestRejectedError(400, "malformed Host")
-    return RequestHead(
-        method,
-        target,
-        version,
-        block,
-        content_length,
-        bool(codings),
-        host,
-        frozenset(tokens),
-        upgrade,
-        user_agent,
-        expect,
+    # (`tuple.__new__`: a named tuple's own ``__new__`` is a Python
+    # function, a call that costs as much as the tuple.)
+    return tuple.__new__(
+        RequestHead,
+        (
+            method,
+            target,
+            version,
+            block,
+            content_length,
+            coding is not None,
+            host,
+            _NO_TOKENS if tokens is None else frozenset(tokens - {b""}),
+            upgrade,
+            user_agent,
+            expect,
+        ),
     )
 
 
@@ -416,10 +428,56 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
         version = b"1.1"
         status_text, block = common.groups()
         reason = head[13 : common.start(2) - 2]  # (after "HTTP/1.1 200 ")
+        fields = _RESPONSE_FIELDS_RE.findall(head)
+        if len(fields) <= 1 and block.count(b"\n") <= max_headers:
+            # The commonest head: a status from 100 to 599 (the regex's),
+            # no hop-by-hop field, at most a Content-Length, its value
+            # without OWS (the regex's): spliced whole.
+            content_length = None
+            if fields:
+                name, value = fields[0]
+                if name.lower() != b"content-length":
+                    return _response_head(head, common, fields, max_headers)
+                if not value.isdigit() or len(value) > 18:
+                    raise ResponseRejectedError(
+                        "malformed Content-Length in the response"
+                    )
+                content_length = int(value)
+            return tuple.__new__(
+                ResponseHead,
+                (
+                    version,
+                    _STATUS_CODES[status_text],
+                    reason,
+                    block,
+                    content_length,
+                    False,
+                    _NO_TOKENS,
+                    head[:-2],
+                ),
+            )
+        return _response_head(head, common, fields, max_headers)
+    match = _RESPONSE_HEAD_RE.fullmatch(head)
+    if match is None:
+        raise _response_head_error(head, max_headers)
+    return _response_head(head, match, _RESPONSE_FIELDS_RE.findall(head), max_headers)
+
+
+def _response_head(
+    head: bytes,
+    match: re.Match[bytes],
+    fields: list[tuple[bytes, bytes]],
+    max_headers: int,
+) -> ResponseHead:
+    """`parse_response_head` of a head a regex took: *match* is
+    `_COMMON_RESPONSE_HEAD_RE`'s or `_RESPONSE_HEAD_RE`'s, *fields* what
+    `_RESPONSE_FIELDS_RE` found in it."""
+    common = match if match.re is _COMMON_RESPONSE_HEAD_RE else None
+    if common is not None:
+        version = b"1.1"
+        status_text, block = common.groups()
+        reason = head[13 : common.start(2) - 2]  # (after "HTTP/1.1 200 ")
     else:
-        match = _RESPONSE_HEAD_RE.fullmatch(head)
-        if match is None:
-            raise _response_head_error(head, max_headers)
         version, status_text, reason, block = match.groups()
         if version not in _VERSIONS:
             raise ResponseRejectedError(f"response version HTTP/{version.decode()}")
@@ -432,7 +490,7 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
     codings: list[bytes] = []
     tokens: set[bytes] = set()
     hop_by_hop = False
-    for name, raw in _RESPONSE_FIELDS_RE.findall(head):
+    for name, raw in fields:
         lname = name.lower()
         value = raw.rstrip(b" \t")
         if lname == b"content-length":
@@ -466,15 +524,18 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
             forward = head[: common.start(2)] + HOP_LINE_RE.sub(b"", block)
         else:
             forward = head[:-2]
-    return ResponseHead(
-        version,
-        status,
-        reason or b"",
-        block,
-        content_length,
-        bool(codings),
-        frozenset(tokens),
-        forward,
+    return tuple.__new__(
+        ResponseHead,
+        (
+            version,
+            status,
+            reason or b"",
+            block,
+            content_length,
+            bool(codings),
+            frozenset(tokens),
+            forward,
+        ),
     )
 
 

@@ -258,7 +258,7 @@ class ClientSession:
             self._trailers = []
         if head.version == b"1.1" and head.expect is not None:
             self.expects_continue = head.expect.lower() == b"100-continue"
-        return Request(head, end)
+        return tuple.__new__(Request, (head, end))  # (as the heads: in C)
 
     def _body_event(self) -> Body | EndOfBody | NeedData:
         buffer = self._buffer

@@ -126,6 +126,14 @@ class RawStream:
         now waits in `out`."""
         if self.tls is not None:
             data = self.tls.send_nowait(data)
+        elif not self.out:  # (`send_raw` written out: a call less per write)
+            try:
+                sent = self.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                self.out += data[sent:]
+            return
         self.send_raw(data)
 
     def send_raw(self, data: bytes | bytearray | memoryview) -> None:

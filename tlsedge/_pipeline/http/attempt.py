@@ -64,7 +64,6 @@ from typing import Final, Protocol
 import trio
 
 from tlsedge._backends.upstream import NoServerError
-from tlsedge._core.accesslog import format_address
 from tlsedge._core.balancer import Server
 from tlsedge._core.config import HttpConfig
 from tlsedge._core.termination import Termination
@@ -426,7 +425,7 @@ class UpstreamAttempt(abc.ABC):
         now = host.now()
         log = self.log
         log.connect = now - self.connect_started
-        log.server = server = format_address(upstream.server.address)
+        log.server = server = upstream.server.name  # (its address, written once)
         host.result.server = server
         self.upstream = upstream
         self.raw = raw = host.attach(self, upstream)

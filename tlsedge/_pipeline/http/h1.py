@@ -263,19 +263,7 @@ class _Exchange(UpstreamAttempt):
                 event = conn.next_event()
                 if event is NEED_DATA:
                     break
-                if isinstance(event, Body):
-                    pending.append(session.send_data(event.data))
-                elif isinstance(event, EndOfBody):
-                    trailers = (
-                        strip_hop_by_hop(event.trailers, keep_upgrade=False)
-                        if ex.trailers_ok and event.trailers
-                        else []
-                    )
-                    pending.append(session.send_end(trailers))
-                    assert QUEUED in RESPONSE_TRANSITIONS[ex.response]
-                    ex.response = QUEUED
-                    break
-                elif isinstance(event, Response):
+                if isinstance(event, Response):
                     # (`UpstreamAttempt.read` set ``read_progress`` just now.)
                     ex.log.first_byte = ex.read_progress - ex.started
                     pending.append(connection._response_head(ex, event))
@@ -291,6 +279,18 @@ class _Exchange(UpstreamAttempt):
                         assert QUEUED in RESPONSE_TRANSITIONS[ex.response]
                         ex.response = QUEUED
                         break
+                elif isinstance(event, Body):
+                    pending.append(session.send_data(event.data))
+                elif isinstance(event, EndOfBody):
+                    trailers = (
+                        strip_hop_by_hop(event.trailers, keep_upgrade=False)
+                        if ex.trailers_ok and event.trailers
+                        else []
+                    )
+                    pending.append(session.send_end(trailers))
+                    assert QUEUED in RESPONSE_TRANSITIONS[ex.response]
+                    ex.response = QUEUED
+                    break
                 else:
                     assert isinstance(event, Informational), event
                     head = event.head
