@@ -738,8 +738,10 @@ def _new_inet6(value: int, port: int) -> InetAddress:
 
 #: An unread INET/INET6 destination: its host value and port, or (v1 TCP4)
 #: their text, which the decoder's regular expression has checked (a dotted
-#: quad of octets 0..255 without leading zeros, a port 0..65535 without one).
-PendingInet = tuple[int, int] | tuple[bytes, bytes]
+#: quad of octets 0..255 without leading zeros, a port 0..65535 without one),
+#: or (v2 INET6, read by HeaderReader) the address's 16 bytes and the port.
+PendingInet = tuple[int, int] | tuple[bytes, bytes] | tuple[bytes, int]
+_from_bytes = int.from_bytes
 _set_destination: Callable[[ProxyHeader, Address | PendingInet | None], None] = (
     _HeaderLayout.__dict__["_destination"].__set__
 )
@@ -760,6 +762,8 @@ def _destination(header: ProxyHeader) -> Address | None:
         host._ip = value  # type: ignore[assignment]
     else:
         host = blank_ipv6()
+        if type(value) is bytes:  # v2 INET6's 16 bytes (see PendingInet)
+            value = _from_bytes(value)
         host._ip = value  # type: ignore[assignment]
         host._scope_id = None
     address = InetSlots()
