@@ -6,10 +6,10 @@ header itself (a call less per connection than through ``decode_v2``, which
 agree on every input, valid or not, and encode alike before the destination
 is read.
 
-``decode_v1`` checks a whole TCP4 line with one regular expression, which
-vouches for the destination and its port in full (they are kept as text until
-read): it must accept exactly the lines the field checks accept, with the
-same addresses.
+``decode_v1`` checks a whole TCP4 or TCP6 line with one regular expression,
+which vouches for the destination and its port in full (they are kept as text
+until read): it must accept exactly the lines the field checks accept, with
+the same addresses.
 
 ``_v1`` parses and prints addresses without going through ``ipaddress``'s
 text routines (written in Python, and slow), and ``_tlv`` checks text with
@@ -39,8 +39,13 @@ from proxyproto import (
     encode_v2,
     parse,
 )
-from proxyproto._ip import ip_text, ipv6_text
-from proxyproto._options import DEFAULT_OPTIONS
+from proxyproto._ip import (
+    ip_text,
+    ipv4_value as _ipv4_int,
+    ipv6_text,
+    ipv6_value as _ipv6_int,
+)
+from proxyproto._options import DEFAULT_OPTIONS, V1_MAX_LENGTH
 from proxyproto._tlv import (
     _ascii_text,
     _check_authority,
@@ -50,7 +55,7 @@ from proxyproto._tlv import (
     check_utf8,
     walk_ssl,
 )
-from proxyproto._v1 import _ipv4_int, _ipv6, _ipv6_int
+from proxyproto._v1 import _ipv6
 
 _IPV6_ALPHABET = "0123456789abcdefABCDEF:."
 
@@ -438,5 +443,51 @@ def test_v1_tcp4_line_agrees_with_the_field_checks(
     assert header == ProxyHeader.from_addresses(
         (str(IPv4Address(fields[0])), fields[2]),
         (str(IPv4Address(fields[1])), fields[3]),
+        version=1,
+    )
+
+
+# -- v1 TCP6: the regular expression against the field checks -------------------
+
+
+@given(ipv6_texts(), ipv6_texts(), _PORT_TEXTS, _PORT_TEXTS, st.binary(max_size=3))
+@example("2001:db8::1", "::", "1", "65535", b"")
+@example("2001:db8::1", "1:2:3:4:5:6:7::", "1", "0", b"")
+@example("2001:db8::1", "::ffff:1.2.3.4", "1", "2", b"")
+@example("2001:db8::1", "1:2:3:4:5:6::1.2.3.4", "1", "2", b"")
+@example("2001:db8::1", "1:2:3:4:5::6:1.2.3.4", "1", "2", b"")
+@example("2001:db8::1", "::1:2:3:4:5:6:1.2.3.4", "1", "2", b"")
+@example("2001:db8::1", "1:2:3:4:5:6::7:8", "1", "2", b"")
+@example("2001:db8::1", "::1:2:3:4:5:6:7:8", "1", "2", b"")
+@example("2001:db8::1", "1:2:3:4:5:6:7:8", "1", "65536", b"")
+@example("2001:db8::1", "1:2:3:4:5:6:7:8", "1", "01", b"x")
+@example("::1", "ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255", "65535", "1", b"")
+def test_v1_tcp6_line_agrees_with_the_field_checks(
+    src: str, dst: str, sport: str, dport: str, after: bytes
+) -> None:
+    line = f"PROXY TCP6 {src} {dst} {sport} {dport}\r\n".encode()
+    fields: list[Any] = [
+        _ipv6_int(src.encode()),
+        _ipv6_int(dst.encode()),
+        _reference_port(sport),
+        _reference_port(dport),
+    ]
+    if None in fields or len(line) > V1_MAX_LENGTH:
+        with pytest.raises(RemoteProtocolError):
+            parse(line + after)
+        return
+    header, consumed = parse(line + after)
+    assert consumed == len(line)
+    # Encoded before the destination is read (from its text), then read.
+    assert (
+        encode_v1(header)
+        == (
+            f"PROXY TCP6 {ipv6_text(fields[0])} {ipv6_text(fields[1])} "
+            f"{fields[2]} {fields[3]}\r\n"
+        ).encode()
+    )
+    assert header == ProxyHeader.from_addresses(
+        (str(IPv6Address(fields[0])), fields[2]),
+        (str(IPv6Address(fields[1])), fields[3]),
         version=1,
     )
