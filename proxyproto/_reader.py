@@ -330,7 +330,8 @@ class HeaderReader:
             # what is wrong when this one does not match). The family byte
             # (0x11, 0x21) picks it; the unpack also reads the signature.
             size = len(buf)
-            if size >= 28 and buf[13] == 0x11 and options.accepts_v2:
+            family_byte = buf[13] if size >= 28 else 0
+            if family_byte == 0x11 and options.accepts_v2:
                 signature, ver_cmd, length, src, dst, sport, dport = (
                     _V2_TCP4.unpack_from(buf)
                 )
@@ -364,7 +365,7 @@ class HeaderReader:
                     self._buf = b""
                     self._state = _DONE
                     return decoded  # type: ignore[return-value]
-            elif size >= 52 and buf[13] == 0x21 and options.accepts_v2:
+            elif family_byte == 0x21 and size >= 52 and options.accepts_v2:
                 # The same for v2 PROXY over TCP/IPv6 (family byte 0x21); the
                 # destination kept as its 16 bytes until read.
                 (
