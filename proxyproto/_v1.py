@@ -100,10 +100,11 @@ def _ipv6_pattern() -> bytes:
 
 # A TCP6 line in the shape of a valid one, its destination and destination
 # port checked in full (they are kept as text until read, see PendingInet):
-# ipv6_value judges the source (what the class admits is its precondition),
-# and the line must still end within V1_MAX_LENGTH.
+# ipv6_value judges the source (what the class admits is its precondition;
+# taken whole, possessive: the space after it is not in the class), and the
+# line must still end within V1_MAX_LENGTH.
 _TCP6_HEADER = re.compile(
-    rb"PROXY TCP6 ([0-9A-Fa-f:.]{2,45}) (" + _ipv6_pattern() + rb") "
+    rb"PROXY TCP6 ([0-9A-Fa-f:.]{2,45}+) (" + _ipv6_pattern() + rb") "
     rb"(0|[1-9]\d{0,4}) (" + _PORT + rb")\r\n"
 )
 
