@@ -1,6 +1,6 @@
 """Instructions per PROXY header read through ``HeaderReader`` (callgrind).
 
-Run: ``python bench/callgrind_codec.py [--kind v1-tcp4|v1-tcp6|v2-inet]
+Run: ``python bench/callgrind_codec.py [--kind v1-tcp4|v1-tcp6|v2-inet|v2-inet6]
 [--destination] [--headers 2000,12000]``
 
 Wall-clock figures on a shared machine move with the load; instruction counts
@@ -48,6 +48,14 @@ DRIVER = textwrap.dedent(
             src6 = IPv6Address(rng.getrandbits(128))
             dst6 = IPv6Address((0x2001_0DB8 << 96) | rng.getrandbits(32))
             pool.append(f"PROXY TCP6 {src6} {dst6} {sport} {dport}\\r\\n".encode())
+        elif kind == "v2-inet6":
+            pool.append(
+                b"\\r\\n\\r\\n\\x00\\r\\nQUIT\\n"
+                + struct.pack("!BBH", 0x21, 0x21, 36)
+                + rng.getrandbits(128).to_bytes(16)
+                + ((0x2001_0DB8 << 96) | rng.getrandbits(32)).to_bytes(16)
+                + struct.pack("!HH", sport, dport)
+            )
         else:
             pool.append(
                 b"\\r\\n\\r\\n\\x00\\r\\nQUIT\\n"
@@ -106,7 +114,7 @@ def instructions(kind: str, *, destination: bool, count: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=("v1-tcp4", "v1-tcp6", "v2-inet"))
+    parser.add_argument("--kind", choices=("v1-tcp4", "v1-tcp6", "v2-inet", "v2-inet6"))
     parser.add_argument(
         "--destination", action="store_true", help="read the destination too"
     )
@@ -115,7 +123,7 @@ def main() -> None:
     if shutil.which("valgrind") is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
     low, high = (int(n) for n in args.headers.split(","))
-    kinds = [args.kind] if args.kind else ["v1-tcp4", "v1-tcp6", "v2-inet"]
+    kinds = [args.kind] if args.kind else ["v1-tcp4", "v1-tcp6", "v2-inet", "v2-inet6"]
     for kind in kinds:
         counts = [
             instructions(kind, destination=args.destination, count=n)

@@ -23,7 +23,7 @@ from operator import attrgetter
 from typing import Literal, cast
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
-from proxyproto._ip import OCTETS, OCTETS_1, OCTETS_2, OCTETS_3, ip_text
+from proxyproto._ip import OCTETS, OCTETS_1, OCTETS_2, OCTETS_3, ip_text, ipv6_value
 from proxyproto._spec import MAX_TLV_VALUE_LENGTH, SSLClient, TLVType
 from proxyproto._tlv import SSL_TEXT_FIELDS, validate_tlv, walk_ssl
 
@@ -726,7 +726,7 @@ def _new_inet6(value: int, port: int) -> InetAddress:
 # A receiver reads the source address of nearly every header, the destination
 # (its own address, as the client saw it) less often. The decoders store an
 # INET or INET6 destination as its checked (host value, port) pair, or, from a
-# v1 TCP4 line, as the pair's checked text (see PendingInet); the
+# v1 line, as the pair's checked text (see PendingInet); the
 # `destination` property makes the InetAddress on first access and stores it
 # in place of the pair, so it is made once (two threads reading at once may
 # both make one: equal values, the last stored stays). Everything that reads
@@ -736,10 +736,13 @@ def _new_inet6(value: int, port: int) -> InetAddress:
 # pair as it is, encode_v1 its text too) and by the validating constructor,
 # which refuses a pair: only a decoder stores one.
 
-#: An unread INET/INET6 destination: its host value and port, or (v1 TCP4)
-#: their text, which the decoder's regular expression has checked (a dotted
-#: quad of octets 0..255 without leading zeros, a port 0..65535 without one).
-PendingInet = tuple[int, int] | tuple[bytes, bytes]
+#: An unread INET/INET6 destination: its host value and port, or (v1) their
+#: text, which the decoder's regular expression has checked (a dotted quad of
+#: octets 0..255 without leading zeros, or IPv6 text as ``IPv6Address``
+#: takes it without zone id; a port 0..65535 without a leading zero), or (v2
+#: INET6, read by HeaderReader) the address's 16 bytes and the port.
+PendingInet = tuple[int, int] | tuple[bytes, bytes] | tuple[bytes, int]
+_from_bytes = int.from_bytes
 _set_destination: Callable[[ProxyHeader, Address | PendingInet | None], None] = (
     _HeaderLayout.__dict__["_destination"].__set__
 )
@@ -760,6 +763,11 @@ def _destination(header: ProxyHeader) -> Address | None:
         host._ip = value  # type: ignore[assignment]
     else:
         host = blank_ipv6()
+        if type(port) is bytes:  # v1 TCP6 text (see PendingInet)
+            value = ipv6_value(value)  # type: ignore[arg-type, assignment]
+            port = int(port)
+        elif type(value) is bytes:  # v2 INET6's 16 bytes (see PendingInet)
+            value = _from_bytes(value)
         host._ip = value  # type: ignore[assignment]
         host._scope_id = None
     address = InetSlots()

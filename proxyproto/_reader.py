@@ -41,6 +41,7 @@ from proxyproto._events import (
     Transport,
     _Sentinel,
     blank_ipv4,
+    blank_ipv6,
 )
 from proxyproto._options import (
     DEFAULT_MAX_V2_LENGTH,
@@ -72,8 +73,12 @@ class _State(enum.Enum):
 # The signature, the ver/cmd byte, (the family byte skipped,) the length
 # field and the address block of a v2 INET header: its first 28 bytes.
 _V2_TCP4 = struct.Struct("!12sBxHIIHH")
+# The same for a v2 INET6 header: its first 52 bytes.
+_V2_TCP6 = struct.Struct("!12sBxH16s16sHH")
 _PROXY = Command.PROXY
 _INET = Family.INET
+_INET6 = Family.INET6
+_from_bytes = int.from_bytes
 _STREAM = Transport.STREAM
 
 # Module constants: a global lookup is cheaper than an enum class attribute.
@@ -320,12 +325,13 @@ class HeaderReader:
         options = self._options
         try:
             # The most common header of all, v2 PROXY over TCP/IPv4, whole in
-            # one read, is decoded here: a call less than through decode_v2,
-            # whose INET path does the same (and says what is wrong when
-            # this one does not match). The family byte (0x11) picks it; the
-            # unpack also reads the signature.
+            # one read, is decoded here (and TCP/IPv6 below): a call less
+            # than through decode_v2, whose INET path does the same (and says
+            # what is wrong when this one does not match). The family byte
+            # (0x11, 0x21) picks it; the unpack also reads the signature.
             size = len(buf)
-            if size >= 28 and buf[13] == 0x11 and options.accepts_v2:
+            family_byte = buf[13] if size >= 28 else 0
+            if family_byte == 0x11 and options.accepts_v2:
                 signature, ver_cmd, length, src, dst, sport, dport = (
                     _V2_TCP4.unpack_from(buf)
                 )
@@ -353,6 +359,47 @@ class HeaderReader:
                     decoded._destination = (dst, dport)
                     decoded.tlvs = (
                         decode_tlvs(buf, 28, total, options) if total > 28 else ()
+                    )
+                    decoded.__class__ = ProxyHeader  # type: ignore[assignment]
+                    self._trailing = buf[total:] if total < size else b""
+                    self._buf = b""
+                    self._state = _DONE
+                    return decoded  # type: ignore[return-value]
+            elif family_byte == 0x21 and size >= 52 and options.accepts_v2:
+                # The same for v2 PROXY over TCP/IPv6 (family byte 0x21); the
+                # destination kept as its 16 bytes until read.
+                (
+                    signature,
+                    ver_cmd,
+                    length,
+                    src,
+                    dst,
+                    sport,
+                    dport,
+                ) = _V2_TCP6.unpack_from(buf)
+                total = V2_FIXED_LENGTH + length
+                if (
+                    signature == V2_SIGNATURE
+                    and ver_cmd == 0x21
+                    and 36 <= length <= options.max_v2_length
+                    and total <= size
+                ):
+                    host = blank_ipv6()
+                    host._ip = _from_bytes(src)
+                    host._scope_id = None
+                    client = InetSlots()
+                    client.host = host
+                    client.port = sport
+                    client.__class__ = InetAddress  # type: ignore[assignment]
+                    decoded = HeaderSlots()
+                    decoded.version = 2
+                    decoded.command = _PROXY
+                    decoded.family = _INET6
+                    decoded.transport = _STREAM
+                    decoded.source = client
+                    decoded._destination = (dst, dport)
+                    decoded.tlvs = (
+                        decode_tlvs(buf, 52, total, options) if total > 52 else ()
                     )
                     decoded.__class__ = ProxyHeader  # type: ignore[assignment]
                     self._trailing = buf[total:] if total < size else b""

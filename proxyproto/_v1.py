@@ -23,10 +23,10 @@ from proxyproto._events import (
     ProxyHeader,
     Transport,
     blank_ipv4,
+    blank_ipv6,
     host_value,
     new_header,
     new_inet,
-    new_inet6_header,
 )
 from proxyproto._ip import (
     OCTETS,
@@ -35,7 +35,9 @@ from proxyproto._ip import (
     OCTETS_3,
     dotted_quad_value,
     ip_text,
+    ipv4_value,
     ipv6_text,
+    ipv6_value,
 )
 from proxyproto._options import V1_MAX_LENGTH, Options
 
@@ -70,12 +72,40 @@ _TCP4_HEADER = re.compile(
     rb"(" + rb"\.".join([_OCTET] * 4) + rb") "
     rb"(0|[1-9]\d{0,4}) (" + _PORT + rb")\r\n"
 )
-# A TCP6 line in the shape of a valid one: _ipv6_int judges the addresses
-# (what the class admits is its precondition), and the line must still end
-# within V1_MAX_LENGTH.
+_HEX_GROUP = rb"[0-9A-Fa-f]{1,4}"
+_DOTTED_QUAD = rb"\.".join([_OCTET] * 4)
+
+
+def _hex_groups(count: int) -> bytes:
+    return rb"(?:%s:){%d}%s" % (_HEX_GROUP, count - 1, _HEX_GROUP) if count else b""
+
+
+def _ipv6_pattern() -> bytes:
+    """What ``IPv6Address`` accepts (as ``ipv6_value`` judges it): eight hex
+    groups, or six and a dotted quad; or ``left::right`` for each count of
+    groups on the left, with at most 7 in all (6 and a quad): ``::`` stands
+    for at least one zero group."""
+    forms = [_hex_groups(8), rb"(?:%s:){6}%s" % (_HEX_GROUP, _DOTTED_QUAD)]
+    for left in range(8):
+        right = 7 - left
+        tail = b""
+        if right:
+            tail = rb"(?:%s(?::%s){0,%d})?" % (_HEX_GROUP, _HEX_GROUP, right - 1)
+        if right >= 2:
+            quad = rb"(?:%s:){0,%d}%s" % (_HEX_GROUP, right - 2, _DOTTED_QUAD)
+            tail = rb"(?:%s|%s)" % (tail, quad)
+        forms.append(_hex_groups(left) + b"::" + tail)
+    return b"(?:" + b"|".join(forms) + b")"
+
+
+# A TCP6 line in the shape of a valid one, its destination and destination
+# port checked in full (they are kept as text until read, see PendingInet):
+# ipv6_value judges the source (what the class admits is its precondition;
+# taken whole, possessive: the space after it is not in the class), and the
+# line must still end within V1_MAX_LENGTH.
 _TCP6_HEADER = re.compile(
-    rb"PROXY TCP6 ([0-9A-Fa-f:.]{2,45}) ([0-9A-Fa-f:.]{2,45}) "
-    rb"(0|[1-9]\d{0,4}) (0|[1-9]\d{0,4})\r\n"
+    rb"PROXY TCP6 ([0-9A-Fa-f:.]{2,45}+) (" + _ipv6_pattern() + rb") "
+    rb"(0|[1-9]\d{0,4}) (" + _PORT + rb")\r\n"
 )
 
 
@@ -143,20 +173,8 @@ def _port(field: bytes) -> int:
     return port
 
 
-def _ipv4_int(field: bytes) -> int | None:
-    """The value of a strict dotted quad (what ``IPv4Address`` accepts), or
-    None."""
-    octets = field.split(b".")
-    if len(octets) != 4:
-        return None
-    a, b, c, d = map(OCTETS.get, octets)
-    if a is None or b is None or c is None or d is None:
-        return None
-    return (a << 24) | (b << 16) | (c << 8) | d
-
-
 def _ipv4(field: bytes) -> IPv4Address:
-    value = _ipv4_int(field)
+    value = ipv4_value(field)
     if value is None:
         raise _reject(
             f"v1 TCP4 address must be dotted decimal without leading zeros, "
@@ -165,55 +183,11 @@ def _ipv4(field: bytes) -> IPv4Address:
     return IPv4Address(value)
 
 
-def _ipv6_int(text: bytes) -> int | None:
-    """The value of *text* if ``IPv6Address`` accepts it, else None.
-
-    The standard library parses IPv6 text in Python, slowly; this is the same
-    grammar in fewer steps: eight 1-4 digit hex groups, or fewer around one
-    ``::`` that stands for at least one zero group, the last 32 bits possibly
-    as a dotted quad. *text* must only contain hex digits, ``:`` and ``.``
-    (so no zone id, sign, space or ``0x``). Tested against ``ipaddress`` with
-    hypothesis.
-    """
-    if b"." in text:
-        head, colon, last = text.rpartition(b":")
-        if not colon or b"." in head:
-            return None
-        v4 = _ipv4_int(last)
-        if v4 is None:
-            return None
-        text = b"%s:%x:%x" % (head, v4 >> 16, v4 & 0xFFFF)
-    hi, double_colon, lo = text.partition(b"::")
-    if double_colon:
-        parts = hi.split(b":") if hi else []
-        lo_parts = lo.split(b":") if lo else []
-        zeros = 8 - len(parts) - len(lo_parts)
-        if zeros < 1:
-            return None
-        parts += [b"0"] * zeros
-        parts += lo_parts
-    else:
-        parts = text.split(b":")
-        if len(parts) != 8:
-            return None
-    if b"" in parts:
-        return None
-    # Each group right-aligned in 4 columns, then the padding made zeros: one
-    # format call (text has no spaces of its own).
-    digits = (_EIGHT_GROUPS % tuple(parts)).replace(b" ", b"0")
-    if len(digits) != 32:  # a group longer than 4 digits
-        return None
-    return int(digits, 16)
-
-
-_EIGHT_GROUPS = b"%4s" * 8
-
-
 def _ipv6(field: bytes, options: Options) -> IPv6Address:
     if options.accept_ipv4_in_tcp6 and b":" not in field:
         return IPv6Address(0xFFFF00000000 | int(_ipv4(field)))
     if field and not field.translate(None, _IPV6_BYTES):
-        value = _ipv6_int(field)
+        value = ipv6_value(field)
         if value is not None:
             return IPv6Address(value)
     raise _reject(f"v1 TCP6 address is not a valid IPv6 address: {quote(field)}")
@@ -266,15 +240,29 @@ def decode_v1(
         match = _TCP6_HEADER.match(buf)
         if match is not None and match.end() <= V1_MAX_LENGTH:
             src_text, dst_text, sport, dport = match.groups()
-            src6 = _ipv6_int(src_text)
-            dst6 = _ipv6_int(dst_text)
-            if src6 is not None and dst6 is not None:
+            src6 = ipv6_value(src_text)
+            if src6 is not None:
                 source_port = int(sport)
-                destination_port = int(dport)
-                if source_port <= 0xFFFF and destination_port <= 0xFFFF:
-                    return new_inet6_header(
-                        1, _STREAM, src6, source_port, dst6, destination_port, ()
-                    ), match.end()
+                if source_port <= 0xFFFF:
+                    # new_inet6_header in line, the destination kept as its
+                    # text until read (see ProxyHeader.destination).
+                    host = blank_ipv6()
+                    host._ip = src6
+                    host._scope_id = None
+                    client = InetSlots()
+                    client.host = host
+                    client.port = source_port
+                    client.__class__ = InetAddress  # type: ignore[assignment]
+                    header = HeaderSlots()
+                    header.version = 1
+                    header.command = _PROXY
+                    header.family = _INET6
+                    header.transport = _STREAM
+                    header.source = client
+                    header._destination = (dst_text, dport)
+                    header.tlvs = ()
+                    header.__class__ = ProxyHeader  # type: ignore[assignment]
+                    return header, match.end()  # type: ignore[return-value]
     if buf[:6] != V1_PREFIX:  # the regular expressions above check it too
         return False
     end = buf.find(b"\r\n", 0, V1_MAX_LENGTH)
@@ -331,8 +319,12 @@ def encode_v1(header: ProxyHeader) -> bytes:
     if isinstance(dst, InetAddress):
         dst_value, dst_port = host_value(dst.host), dst.port
     elif type(dst) is tuple:
-        if type(dst[0]) is bytes:  # a decoded TCP4 line's text (PendingInet)
-            dst_value, dst_port = dotted_quad_value(dst[0]), int(dst[1])
+        if type(dst[1]) is bytes:  # a decoded line's text (PendingInet)
+            text, dst_port = dst[0], int(dst[1])
+            if header.family is _INET:
+                dst_value = dotted_quad_value(text)
+            else:
+                dst_value = ipv6_value(text)  # type: ignore[assignment]
         else:
             dst_value, dst_port = dst  # type: ignore[assignment]
     else:

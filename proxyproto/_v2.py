@@ -319,7 +319,9 @@ def _address_block(header: ProxyHeader) -> bytes:
         if isinstance(dst, InetAddress):
             d, dst_port = host_value(dst.host), dst.port
         elif type(dst) is tuple:  # never text: that is v1's (see PendingInet)
-            d, dst_port = dst  # type: ignore[assignment]
+            pending, dst_port = dst  # type: ignore[assignment]
+            # A value, or (HeaderReader's INET6 path) the address's 16 bytes.
+            d = int.from_bytes(pending) if isinstance(pending, bytes) else pending
         else:
             return b""
         s = host_value(src.host)

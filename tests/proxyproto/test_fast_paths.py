@@ -1,13 +1,15 @@
 """The codec's hand-written fast paths against the reference they replace.
 
-``HeaderReader.next_event`` decodes a whole v2 PROXY TCP/IPv4 header itself
-(a call less per connection than through ``decode_v2``, which ``parse`` uses):
-both must agree on every input, valid or not.
+``HeaderReader.next_event`` decodes a whole v2 PROXY TCP/IPv4 or TCP/IPv6
+header itself (a call less per connection than through ``decode_v2``, which
+``parse`` uses; an IPv6 destination kept as its bytes until read): both must
+agree on every input, valid or not, and encode alike before the destination
+is read.
 
-``decode_v1`` checks a whole TCP4 line with one regular expression, which
-vouches for the destination and its port in full (they are kept as text until
-read): it must accept exactly the lines the field checks accept, with the
-same addresses.
+``decode_v1`` checks a whole TCP4 or TCP6 line with one regular expression,
+which vouches for the destination and its port in full (they are kept as text
+until read): it must accept exactly the lines the field checks accept, with
+the same addresses.
 
 ``_v1`` parses and prints addresses without going through ``ipaddress``'s
 text routines (written in Python, and slow), and ``_tlv`` checks text with
@@ -37,8 +39,13 @@ from proxyproto import (
     encode_v2,
     parse,
 )
-from proxyproto._ip import ip_text, ipv6_text
-from proxyproto._options import DEFAULT_OPTIONS
+from proxyproto._ip import (
+    ip_text,
+    ipv4_value as _ipv4_int,
+    ipv6_text,
+    ipv6_value as _ipv6_int,
+)
+from proxyproto._options import DEFAULT_OPTIONS, V1_MAX_LENGTH
 from proxyproto._tlv import (
     _ascii_text,
     _check_authority,
@@ -48,7 +55,7 @@ from proxyproto._tlv import (
     check_utf8,
     walk_ssl,
 )
-from proxyproto._v1 import _ipv4_int, _ipv6, _ipv6_int
+from proxyproto._v1 import _ipv6
 
 _IPV6_ALPHABET = "0123456789abcdefABCDEF:."
 
@@ -310,10 +317,13 @@ def _parse_whole(data: bytes, max_v2_length: int) -> object:
 _V2_TCP4 = encode_v2(ProxyHeader.from_addresses(("1.2.3.4", 1), ("5.6.7.8", 2)))
 
 
+_V2_TCP6 = encode_v2(ProxyHeader.from_addresses(("2001:db8::1", 1), ("::1", 2)))
+
+
 @st.composite
-def v2_tcp4_inputs(draw: st.DrawFn) -> bytes:
-    """A v2 PROXY TCP/IPv4 header with TLVs and what follows it, then maybe
-    a byte of its fixed part or TLVs changed, or cut short."""
+def v2_tcp_inputs(draw: st.DrawFn) -> bytes:
+    """A v2 PROXY TCP/IPv4 or TCP/IPv6 header with TLVs and what follows it,
+    then maybe a byte of its fixed part or TLVs changed, or cut short."""
     tlvs = draw(
         st.lists(
             st.sampled_from(
@@ -328,30 +338,53 @@ def v2_tcp4_inputs(draw: st.DrawFn) -> bytes:
             max_size=3,
         )
     )
+    if draw(st.booleans()):
+        addresses = ("192.0.2.1", "10.0.0.1")
+        fixed = 28
+    else:
+        addresses = (
+            str(IPv6Address(draw(st.integers(0, 2**128 - 1)))),
+            str(IPv6Address(draw(st.integers(0, 2**128 - 1)))),
+        )
+        fixed = 52
     header = ProxyHeader.from_addresses(
-        ("192.0.2.1", draw(st.integers(0, 65535))),
-        ("10.0.0.1", 443),
+        (addresses[0], draw(st.integers(0, 65535))),
+        (addresses[1], draw(st.integers(0, 65535))),
         tlvs=tuple(tlvs),
     )
     data = bytearray(encode_v2(header, crc32c=draw(st.booleans())))
     data += draw(st.binary(max_size=4))
     if draw(st.booleans()):
-        # Mostly in the 28 bytes the reader's own path reads.
-        at = draw(st.one_of(st.integers(0, 27), st.integers(0, len(data) - 1)))
+        # Mostly in the bytes the reader's own paths read.
+        at = draw(st.one_of(st.integers(0, fixed - 1), st.integers(0, len(data) - 1)))
         data[at] = draw(st.integers(0, 255))
     cut = draw(st.integers(0, len(data)))
     return bytes(data[:cut]) if draw(st.booleans()) else bytes(data)
 
 
-@given(v2_tcp4_inputs(), st.sampled_from([4096, 12, 11, 30]))
+@given(v2_tcp_inputs(), st.sampled_from([4096, 12, 11, 30, 36, 35, 54]))
 @example(_V2_TCP4, 4096)
 @example(_V2_TCP4[:12] + b"\x20" + _V2_TCP4[13:], 4096)  # LOCAL
 @example(_V2_TCP4[:12] + b"\x11" + _V2_TCP4[13:], 4096)  # version 1
 @example(_V2_TCP4[:11] + b"\x00" + _V2_TCP4[12:], 4096)  # signature
-def test_reader_v2_tcp4_path_agrees_with_decode_v2(
+@example(_V2_TCP6, 4096)
+@example(_V2_TCP6, 35)
+@example(_V2_TCP6[:51], 4096)
+@example(_V2_TCP6[:12] + b"\x20" + _V2_TCP6[13:], 4096)  # LOCAL
+@example(_V2_TCP6[:12] + b"\x11" + _V2_TCP6[13:], 4096)  # version 1
+@example(_V2_TCP6[:11] + b"\x00" + _V2_TCP6[12:], 4096)  # signature
+@example(_V2_TCP6[:15] + b"\x23" + _V2_TCP6[16:], 4096)  # length 35
+def test_reader_v2_tcp_paths_agree_with_decode_v2(
     data: bytes, max_v2_length: int
 ) -> None:
-    assert _read_whole(data, max_v2_length) == _parse_whole(data, max_v2_length)
+    read = _read_whole(data, max_v2_length)
+    parsed = _parse_whole(data, max_v2_length)
+    if isinstance(read, tuple) and read[0] == "header":
+        assert isinstance(parsed, tuple)
+        # Encoded before either destination is read (the reader's IPv6 one
+        # is still its bytes), then compared.
+        assert encode_v2(read[1]) == encode_v2(parsed[1])
+    assert read == parsed
 
 
 # -- v1 TCP4: the regular expression against the field checks -------------------
@@ -410,5 +443,51 @@ def test_v1_tcp4_line_agrees_with_the_field_checks(
     assert header == ProxyHeader.from_addresses(
         (str(IPv4Address(fields[0])), fields[2]),
         (str(IPv4Address(fields[1])), fields[3]),
+        version=1,
+    )
+
+
+# -- v1 TCP6: the regular expression against the field checks -------------------
+
+
+@given(ipv6_texts(), ipv6_texts(), _PORT_TEXTS, _PORT_TEXTS, st.binary(max_size=3))
+@example("2001:db8::1", "::", "1", "65535", b"")
+@example("2001:db8::1", "1:2:3:4:5:6:7::", "1", "0", b"")
+@example("2001:db8::1", "::ffff:1.2.3.4", "1", "2", b"")
+@example("2001:db8::1", "1:2:3:4:5:6::1.2.3.4", "1", "2", b"")
+@example("2001:db8::1", "1:2:3:4:5::6:1.2.3.4", "1", "2", b"")
+@example("2001:db8::1", "::1:2:3:4:5:6:1.2.3.4", "1", "2", b"")
+@example("2001:db8::1", "1:2:3:4:5:6::7:8", "1", "2", b"")
+@example("2001:db8::1", "::1:2:3:4:5:6:7:8", "1", "2", b"")
+@example("2001:db8::1", "1:2:3:4:5:6:7:8", "1", "65536", b"")
+@example("2001:db8::1", "1:2:3:4:5:6:7:8", "1", "01", b"x")
+@example("::1", "ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255", "65535", "1", b"")
+def test_v1_tcp6_line_agrees_with_the_field_checks(
+    src: str, dst: str, sport: str, dport: str, after: bytes
+) -> None:
+    line = f"PROXY TCP6 {src} {dst} {sport} {dport}\r\n".encode()
+    fields: list[Any] = [
+        _ipv6_int(src.encode()),
+        _ipv6_int(dst.encode()),
+        _reference_port(sport),
+        _reference_port(dport),
+    ]
+    if None in fields or len(line) > V1_MAX_LENGTH:
+        with pytest.raises(RemoteProtocolError):
+            parse(line + after)
+        return
+    header, consumed = parse(line + after)
+    assert consumed == len(line)
+    # Encoded before the destination is read (from its text), then read.
+    assert (
+        encode_v1(header)
+        == (
+            f"PROXY TCP6 {ipv6_text(fields[0])} {ipv6_text(fields[1])} "
+            f"{fields[2]} {fields[3]}\r\n"
+        ).encode()
+    )
+    assert header == ProxyHeader.from_addresses(
+        (str(IPv6Address(fields[0])), fields[2]),
+        (str(IPv6Address(fields[1])), fields[3]),
         version=1,
     )
