@@ -23,7 +23,7 @@ from operator import attrgetter
 from typing import Literal, cast
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
-from proxyproto._ip import OCTETS, OCTETS_1, OCTETS_2, OCTETS_3, ip_text, ipv6_value
+from proxyproto._ip import dotted_quad_value, ip_text, ipv6_value
 from proxyproto._spec import MAX_TLV_VALUE_LENGTH, SSLClient, TLVType
 from proxyproto._tlv import SSL_TEXT_FIELDS, validate_tlv, walk_ssl
 
@@ -757,8 +757,7 @@ def _destination(header: ProxyHeader) -> Address | None:
     if header.family is _INET:
         host = blank_ipv4()
         if type(value) is bytes:  # v1 TCP4 text (see PendingInet)
-            a, b, c, d = value.split(b".")  # dotted_quad_value in line
-            value = OCTETS[d] + OCTETS_3[c] + OCTETS_2[b] + OCTETS_1[a]
+            value = dotted_quad_value(value)
             port = int(port)
         host._ip = value  # type: ignore[assignment]
     else:
