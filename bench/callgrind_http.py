@@ -49,6 +49,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Final
 
 BACKEND = textwrap.dedent(
     """
@@ -365,11 +366,8 @@ def instructions(
     out = workdir / f"callgrind-{requests}.out"
     ready.unlink(missing_ok=True)  # (a kept directory's, from an earlier run)
     proxy = subprocess.Popen(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={out}",
-            sys.executable,
+        _under_callgrind(
+            out,
             "-c",
             PROXY,
             str(backend_port),
@@ -377,10 +375,10 @@ def instructions(
             "2" if http2 else "1",
             str(workdir / "access.log") if access_log == "writer" else access_log,
             str(certs[0]) if certs else "",
-        ],
+        ),
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
+        env=_ENV,
     )
     try:
         while not ready.exists() or not ready.read_text():
@@ -437,21 +435,30 @@ def setup_instructions(connections: int, workdir: Path) -> int:
 def _callgrind(out: Path, script: str, *args: str) -> int:
     """The instructions of running *script* with *args* under callgrind."""
     run = subprocess.run(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={out}",
-            sys.executable,
-            "-c",
-            script,
-            *args,
-        ],
+        _under_callgrind(out, "-c", script, *args),
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
+        env=_ENV,
         check=True,
     )
     return _collected(run.stderr)
+
+
+#: The measured processes' environment: string hashing fixed, so that runs
+#: of the same code count the same.
+_ENV: Final = {**os.environ, "PYTHONHASHSEED": "0"}
+
+
+def _under_callgrind(out: Path, *python_args: str) -> list[str]:
+    """The command that runs this Python with *python_args* under callgrind,
+    its counts written to *out*."""
+    return [
+        "valgrind",
+        "--tool=callgrind",
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        *python_args,
+    ]
 
 
 def _collected(err: str) -> int:
@@ -583,20 +590,17 @@ def floor_instructions(
     chain, ca = certs
     http_port, https_port = _free_port(), _free_port()
     floor = subprocess.Popen(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={out}",
-            sys.executable,
+        _under_callgrind(
+            out,
             str(Path(__file__).with_name("epoll_floor.py")),
             str(http_port),
             str(https_port),
             str(backend_port),
             str(chain),
-        ],
+        ),
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
+        env=_ENV,
     )
     try:
         port = https_port if ca.name else http_port
