@@ -29,7 +29,9 @@ ports. The keys no worker applies are the supervisor's: ``edge.workers``
 starts or drains workers after the commit; ``edge.log_format`` waits for a
 restart (`tlsedge._core.reload`). The edge's one `ReloadRecord` goes to every
 worker with the commit or abort (and in ``Start``), so every worker's
-``/metrics`` and ``/status`` report the same reloads.
+``/metrics`` and ``/status`` report the same reloads. A stop signal that
+comes while the workers prepare abandons the reload (every worker aborts it,
+one INFO line): their failing to answer because they exit is not a refusal.
 
 One lock orders reloads and worker starts: a worker is started, and handed
 the running configuration, either before a reload (it takes part in it) or
@@ -138,10 +140,10 @@ class _Supervisor:
         self.serial = 0  # of the last reload sent to the workers
         self.nursery: trio.Nursery | None = None  # where the workers run
 
-    def stop_requested(self, worker: _Worker) -> bool:
-        """Whether *worker* must not start (again): read through a call, as
-        mypy would narrow the attributes."""
-        return self.stopping or worker.retired
+    def stop_requested(self, worker: _Worker | None = None) -> bool:
+        """Whether the edge stops (or *worker* must not start again): read
+        through a call, as mypy would narrow the attributes across awaits."""
+        return self.stopping or (worker is not None and worker.retired)
 
     # -- one worker -------------------------------------------------------
 
@@ -305,6 +307,15 @@ class _Supervisor:
             self.serial += 1
             taking_part = [w for w in self.running if not w.retired]
             failure = await self._prepare(taking_part, text)
+            if failure is not None and self.stop_requested():
+                # A SIGTERM or SIGINT came while the workers prepared, and
+                # they failed to answer because they are exiting: nothing
+                # was refused, so the record and the ERROR line stay clean.
+                LOGGER.info("reload abandoned: stopping")
+                for worker in taking_part:
+                    if worker.link is not None:
+                        await worker.link.send(Settle(self.serial, False, self.reloads))
+                return
             if failure is not None:
                 await self._refuse(failure, taking_part)
                 return

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -24,6 +27,10 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tlsedge._control.cli import main
+from tlsedge._control.worker_link import Link, Message, Prepare, Settle
+from tlsedge._control.workers import _Supervisor, _Worker
+from tlsedge._core.config import parse_config
+from tlsedge._core.metrics import multiprocess_directory
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -462,6 +469,43 @@ async def test_a_refused_reload_changes_no_worker_and_every_worker_reports_it(
     assert all(" ERROR " in line for line in refused)
     assert "listeners[0].tls.certificates[0].cert: " in refused[0]
     assert f"listeners[1].bind: cannot bind 127.0.0.1:{taken_port}" in refused[1]
+
+
+async def test_a_stop_while_workers_prepare_abandons_the_reload_unrefused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGHUP then SIGTERM: the workers exit instead of answering the
+    reload; that is no refusal (no ERROR line, the record unchanged), and
+    the reload is aborted in every worker that was asked."""
+    caplog.set_level(logging.INFO, logger="tlsedge.workers")
+    path = tmp_path / "edge.toml"
+    text = config_text(free_port(), "127.0.0.1:9", workers=1)
+    path.write_text(text)
+    with multiprocess_directory() as metrics_dir:
+        supervisor = _Supervisor(
+            [],
+            config_path=str(path),
+            text=text,
+            config=parse_config(text, str(path)),
+            log_format="text",
+            metrics_dir=metrics_dir,
+        )
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        answers_in, answers = trio.open_memory_channel[Message](math.inf)
+        link = Link(ours)
+        supervisor.running.add(_Worker(0, link=link, answers=answers))
+        before = supervisor.reloads
+        async with Link(theirs) as worker_end, link, trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.reload)
+            assert isinstance(await worker_end.receive(), Prepare)
+            supervisor.stopping = True  # SIGTERM, forwarded
+            answers_in.close()  # the worker's link closed as it exited
+            settle = await worker_end.receive()
+    assert isinstance(settle, Settle)
+    assert not settle.commit
+    assert supervisor.reloads == before
+    assert "reload refused" not in caplog.text
+    assert "reload abandoned: stopping" in caplog.text
 
 
 def running(pid: int) -> bool:
