@@ -1491,16 +1491,36 @@ def _grpc_clue(backend: BackendConfig) -> str | None:
     return None
 
 
+#: The ``[backends.health]`` keys' values when unset.
+_HEALTH_DEFAULTS: Final = HealthConfig()
+
+
 def config_warnings(config: Config) -> list[str]:
     """What is valid but probably not meant (``tlsedge check`` and ``run``
     print them), each starting with a dotted path.
 
     A backend that looks like a gRPC service behind a ``mode = "http"``
     listener: the edge speaks HTTP/1.1 to backends, and a gRPC server speaks
-    only HTTP/2, so every call would end in a 502.
+    only HTTP/2, so every call would end in a 502. A ``kind = "tcp"`` health
+    check given a ``path`` of its own: a tcp check only connects, so
+    ``kind = "http"`` was probably meant (``host`` and ``expect`` are refused
+    there; ``path`` is accepted because the AWS defaults, and DESIGN's example,
+    spell out the default path beside ``kind = "tcp"``, which is not warned
+    about).
     """
     warnings = []
     for index, backend in enumerate(config.backends):
+        health = backend.health
+        if (
+            health is not None
+            and health.kind == "tcp"
+            and health.path != _HEALTH_DEFAULTS.path
+        ):
+            warnings.append(
+                f"backends[{index}].health.path: {health.path!r} is ignored by "
+                'kind = "tcp" checks, which only connect; set kind = "http" to '
+                "check it"
+            )
         clue = _grpc_clue(backend)
         if clue is None:
             continue

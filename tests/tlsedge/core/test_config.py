@@ -1326,6 +1326,29 @@ def test_a_grpc_backend_behind_http_mode_is_warned_about(
     assert 'mode = "tcp"' in warning
 
 
+@pytest.mark.parametrize(
+    ("health", "warned"),
+    [
+        ('kind = "tcp"\npath = "/ready"\n', True),
+        ('path = "/ready"\n', True),  # kind's default is tcp
+        ('kind = "tcp"\npath = "/healthz"\n', False),  # AWS's defaults spelled out
+        ('kind = "http"\npath = "/ready"\n', False),
+        ('kind = "tcp"\n', False),
+    ],
+)
+def test_a_path_on_a_tcp_health_check_is_warned_about(
+    health: str, warned: bool
+) -> None:
+    warnings = config_warnings(parse(L + B + "[backends.health]\n" + health))
+    if not warned:
+        assert warnings == []
+        return
+    assert warnings == [
+        "backends[0].health.path: '/ready' is ignored by kind = \"tcp\" checks, "
+        'which only connect; set kind = "http" to check it'
+    ]
+
+
 def test_keys_that_toml_cannot_produce() -> None:
     with pytest.raises(
         ConfigError, match=r"^top level: expected a table, got an array"
