@@ -412,6 +412,102 @@ def test_a_length_the_data_does_not_reach_resets_the_stream() -> None:
     assert pair.resets() == {sid: ErrorCodes.PROTOCOL_ERROR}
 
 
+def _frames_split(data: bytes, sizes: list[int]) -> list[bytes]:
+    """*data* cut into pieces of *sizes* bytes (the rest last)."""
+    pieces = []
+    for size in sizes:
+        pieces.append(data[:size])
+        data = data[size:]
+    return [*pieces, data]
+
+
+@pytest.mark.parametrize("one_read", [True, False])
+@pytest.mark.parametrize(
+    ("length", "body", "end_stream", "reason"),
+    [
+        (b"3", [b"abcd"], True, "DATA 1 bytes beyond its content-length"),
+        (b"3", [b"ab", b"cd"], False, "DATA 1 bytes beyond its content-length"),
+        (b"0", [b"a"], False, "DATA 1 bytes beyond its content-length"),
+        (b"10", [b"abc"], True, "the stream ended 7 bytes short of its content"),
+        (b"3", [b"ab", b""], True, "the stream ended 1 bytes short of its content"),
+    ],
+)
+def test_data_that_breaks_the_content_length_resets_only_its_stream(
+    one_read: bool, length: bytes, body: list[bytes], end_stream: bool, reason: str
+) -> None:
+    # RFC 9113 8.1.1: a stream error, not the connection's end (h2 would have
+    # raised InvalidBodyLengthError, a connection error), whether the DATA
+    # comes in the read of its HEADERS or later; the stream beside it goes on.
+    pair = Pair()
+    pair.flush()
+    bad = pair.request([*BASE, (b"content-length", length)], end_stream=False)
+    good = pair.request([*BASE, (b"content-length", b"2")], end_stream=False)
+    events = [] if one_read else pair.flush()
+    for piece in body[:-1]:
+        pair.client.send_data(bad, piece)
+    pair.client.send_data(bad, body[-1], end_stream=end_stream)
+    pair.client.send_data(good, b"ok", end_stream=True)
+    events += pair.flush()
+    malformed = [e for e in events if isinstance(e, StreamMalformed)]
+    assert [m.stream_id for m in malformed] == [bad]
+    assert reason in malformed[0].reason
+    assert bad not in pair.session.active
+    assert events[-2:] == [RequestData(good, b"ok", 2), RequestEnd(good, [])]
+    assert pair.resets() == {bad: ErrorCodes.PROTOCOL_ERROR}
+    assert pair.goaway() is None
+    assert not pair.session.ended
+
+
+def test_a_content_length_is_checked_across_reads_and_frame_pieces() -> None:
+    # The frames cut anywhere (a frame header in two reads, a padded frame's
+    # pad length alone in a read): the data is counted without padding, as h2
+    # counts it.
+    for cut in range(1, 40):
+        pair = Pair()
+        pair.flush()
+        sid = pair.request([*BASE, (b"content-length", b"6")], end_stream=False)
+        pair.client.send_data(sid, b"abc", pad_length=5)
+        pair.client.send_data(sid, b"def", end_stream=True, pad_length=2)
+        events = []
+        for piece in _frames_split(pair.client.data_to_send(), [cut, 1]):
+            events += pair.session.receive_data(piece, pair.now)
+        assert [e for e in events if not isinstance(e, StreamOpened)] == [
+            RequestData(sid, b"abc", 9),
+            RequestData(sid, b"def", 6),
+            RequestEnd(sid, []),
+        ], cut
+        pair = Pair()
+        pair.flush()
+        sid = pair.request([*BASE, (b"content-length", b"5")], end_stream=False)
+        pair.client.send_data(sid, b"abc", pad_length=5)
+        pair.client.send_data(sid, b"def", end_stream=True, pad_length=2)
+        events = []
+        for piece in _frames_split(pair.client.data_to_send(), [cut, 1]):
+            events += pair.session.receive_data(piece, pair.now)
+        assert isinstance(events[-1], StreamMalformed), cut
+        assert events[-1].reason == "DATA 1 bytes beyond its content-length"
+        assert not pair.session.ended
+
+
+def test_data_beyond_the_content_length_still_reopens_the_connection_window() -> None:
+    # The reset streams' DATA counts against the connection's window (64 KiB
+    # here) and is given back (as h2 batches it): twice the window's worth
+    # goes through, then a new stream's body.
+    pair = Pair(connection_window_size=65535)
+    pair.flush()
+    for _ in range(8):
+        sid = pair.request([*BASE, (b"content-length", b"1")], end_stream=False)
+        pair.client.send_data(sid, b"x" * 16000)  # (raises past the window)
+        pair.flush()
+    assert set(pair.resets().values()) == {ErrorCodes.PROTOCOL_ERROR}
+    assert len(pair.resets()) == 8
+    sid = pair.request(BASE, end_stream=False)
+    pair.client.send_data(sid, b"y" * 16000, end_stream=True)
+    events = pair.flush()
+    assert RequestData(sid, b"y" * 16000, 16000) in events
+    assert not pair.session.ended
+
+
 def test_a_length_with_no_data_to_come_is_malformed() -> None:
     with pytest.raises(MalformedRequestError) as info:
         check_request([*BASE, (b"content-length", b"5")], end_stream=True)

@@ -848,6 +848,71 @@ async def test_smuggling_vectors_over_http2_are_reset_and_reach_no_backend(
     assert b"6.6.6.6" not in received
 
 
+@pytest.mark.parametrize(
+    ("last", "end_stream", "reason"),
+    [
+        (b"y" * 5, False, "DATA 1 bytes beyond its content-length"),
+        (b"y" * 3, True, "the stream ended 1 bytes short of its content-length"),
+    ],
+)
+async def test_data_that_breaks_the_content_length_resets_only_its_stream(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    last: bytes,
+    end_stream: bool,
+    reason: str,
+) -> None:
+    # RFC 9113 8.1.1: a stream error (h2 alone makes it a connection error).
+    # Its request is half upstream already: that connection is closed, never
+    # reused; the stream beside it, and the next, are served.
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    async with h2_edge(tmp_path) as setup:
+        backend = setup.backend
+        client = await RawH2.open(setup.plain_port)
+        bad = client.request(
+            "/echo",
+            method="POST",
+            headers=[("content-length", "10")],
+            end_stream=False,
+        )
+        client.conn.send_data(bad, b"x" * 6)
+        await client.send()
+        await wait_until(lambda: b"x" * 6 in backend.received)
+        beside = client.request(
+            "/echo", method="POST", headers=[("content-length", "2")], end_stream=False
+        )
+        client.conn.send_data(beside, b"ok", end_stream=True)
+        client.conn.send_data(bad, last, end_stream=end_stream)
+        await client.send()
+        await client.until(lambda c: _answered(c, bad, beside))
+        resets = {e.stream_id: e.error_code for e in client.of(h2.events.StreamReset)}
+        assert resets == {bad: ErrorCodes.PROTOCOL_ERROR}
+        assert client.status(beside) == 200
+        assert json.loads(client.body(beside))["size"] == 2
+        await wait_until(lambda: backend.closed == 1)
+        after = client.request(
+            "/echo", method="POST", headers=[("content-length", "1")], end_stream=False
+        )
+        client.conn.send_data(after, b"z", end_stream=True)
+        await client.send()
+        await client.until(lambda c: c.ended(after))
+        assert client.status(after) == 200
+        assert client.goaway() is None
+        await client.aclose()
+    dirty = bytes(backend.raw[0])
+    assert dirty.count(b"POST /echo") == 1
+    assert dirty.endswith(b"\r\n\r\n" + b"x" * 6)
+    assert b"y" not in bytes(backend.received)
+    assert len(backend.raw) == 2
+    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok", "ok"]
+    (line,) = [r for r in lines if r["termination"] == "bad_request"]
+    assert line["detail"] == f"malformed request, stream reset: {reason}"
+    assert [r.getMessage() for r in caplog.records if r.name == "tlsedge.http"] == [
+        f"listener plain: client {line['client']}: HTTP/2 stream 1 reset: {reason}"
+    ]
+
+
 async def _over_http2(setup: Setup, case: H2Case) -> tuple[bytes, bool]:
     """*case* over h2c: what reached the backend, and whether the edge
     refused the request (reset the stream or ended the connection)."""
