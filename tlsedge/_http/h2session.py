@@ -541,6 +541,8 @@ class H2Session:
             events.append(ConnectionEnded(f"HTTP/2 protocol error: {exc}"))
             return
         for event in h2_events:
+            if event is self._ended_with_headers:
+                continue  # (`H2Request.end_stream` says it)
             self._translate(event, events, now)
             if events and isinstance(events[-1], ConnectionEnded):
                 break
@@ -635,8 +637,6 @@ class H2Session:
         if isinstance(event, h2.events.RequestReceived):
             self._request(event, out, now)
         elif isinstance(event, h2.events.StreamEnded):
-            if event is self._ended_with_headers:
-                return  # (`H2Request.end_stream` says it)
             sid = event.stream_id
             assert sid is not None
             trailers = self._trailers.pop(sid, [])
@@ -955,17 +955,18 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
                 method,
                 path,
             )
+    # (Positionally: keywords cost a named tuple twice as much to make.)
     return H2Request(
-        method=method,
-        target=path,
-        scheme=scheme,
-        host=host,
-        headers=[(b"host", host), *headers],
-        content_length=content_length,
-        end_stream=end_stream,
-        size=size,
-        user_agent=agent,
-        expects_continue=expects_continue,
+        method,
+        path,
+        scheme,
+        host,
+        [(b"host", host), *headers],
+        content_length,
+        end_stream,
+        size,
+        agent,
+        expects_continue,
     )
 
 
