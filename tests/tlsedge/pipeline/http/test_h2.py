@@ -20,6 +20,7 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import h2.utilities
 import h11
 import httpx
 import pytest
@@ -43,7 +44,7 @@ from tlsedge._control.cli import main
 from tlsedge._control.edge import Edge
 from tlsedge._http.head import ResponseRejectedError, parse_response_head
 from tlsedge._http.rules import strip_hop_by_hop
-from tlsedge._pipeline.http.h2 import _response_fields
+from tlsedge._pipeline.http.h2 import _h2_fields, _response_fields
 from tlsedge._pipeline.http.upstreams import (
     NewConnection,
     Upstream,
@@ -1752,3 +1753,52 @@ def test_response_fields_are_the_end_to_end_ones_in_lowercase(
         for name, value in end_to_end
         if name.lower() not in {b"transfer-encoding", b"keep-alive", b"upgrade"}
     ]
+
+
+_RESPONSE_HEAD_FIELDS = st.lists(
+    st.tuples(
+        st.one_of(
+            _RESPONSE_NAMES, st.from_regex(rb"\A[!#$%&'*+.^_`|~0-9A-Za-z-]{1,6}\Z")
+        ),
+        st.one_of(_RESPONSE_VALUES, st.binary(max_size=8)),
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    fields=_RESPONSE_HEAD_FIELDS,
+    status=st.sampled_from([b"100", b"103", b"200", b"204", b"304", b"502"]),
+)
+def test_response_fields_need_none_of_h2s_outbound_validation_or_normalisation(
+    fields: list[tuple[bytes, bytes]], status: bytes
+) -> None:
+    # `H2Session` turns h2's outbound validation and normalisation off: what
+    # the driver sends of a response head the HTTP/1.1 parser accepted (as
+    # fields, or as trailers) passes h2's validation, and its normalisation
+    # (lowercase names, no surrounding whitespace, no connection-specific
+    # field) would change nothing.
+    lines = b"".join(name + b": " + value + b"\r\n" for name, value in fields)
+    try:
+        head = parse_response_head(
+            b"HTTP/1.1 " + status + b" X\r\n" + lines + b"\r\n", max_headers=100
+        )
+    except ResponseRejectedError:
+        return
+    flags = h2.utilities.HeaderValidationFlags(
+        is_client=False,
+        is_trailer=False,
+        is_response_header=True,
+        is_push_promise=False,
+    )
+    for sent, sent_flags in [
+        ([(b":status", status), *_response_fields(head)], flags),
+        (
+            _h2_fields(head.headers),
+            flags._replace(is_trailer=True, is_response_header=False),
+        ),
+    ]:
+        assert list(h2.utilities.validate_outbound_headers(sent, sent_flags)) == sent
+        normalised = h2.utilities.normalize_outbound_headers(sent, sent_flags)
+        assert [(n, v) for n, v in normalised] == sent
