@@ -665,10 +665,7 @@ class H2Session:
             sid = event.stream_id
             assert sid is not None
             if sid in self.active:
-                trailers = _cookies_joined(event.headers or [])
-                error = next(
-                    (e for n, v in trailers if (e := _trailer_error(n, v))), None
-                )
+                trailers, error = _trailer_section(event.headers or [])
                 if error is None:
                     self._trailers[sid] = trailers
                 else:
@@ -1098,6 +1095,15 @@ def _trailer_error(name: bytes, value: bytes) -> str | None:
         return f"pseudo-header {show_bytes(name)} in trailers (RFC 9113 8.1)"
     error = _field_error(name, value)
     return None if error is None else f"trailer {error}"
+
+
+def _trailer_section(fields: list[Header]) -> tuple[list[Header], str | None]:
+    """A trailer section's fields, cookie crumbs joined, and what makes it
+    malformed, or None: a field as it came (a cookie crumb too), or the
+    joined cookie."""
+    trailers = _cookies_joined(fields)
+    checked = fields if trailers is fields else [*fields, trailers[-1]]
+    return trailers, next((e for n, v in checked if (e := _trailer_error(n, v))), None)
 
 
 def _cookies_joined(fields: list[Header]) -> list[Header]:
