@@ -170,15 +170,24 @@ _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
 # RFC 3986 section 3.1.
 _SCHEME = rb"[A-Za-z][A-Za-z0-9+.-]*"
 _SCHEME_RE: Final = re.compile(_SCHEME)
-# The four pseudo-headers of a request other than CONNECT, once each (their
-# names' bytes: 7 + 7 + 5 + 10), and all of their rules below in one match
-# of ``:method``, ``:scheme``, ``:path`` and ``:authority`` joined with NUL
-# (which none may hold): a token, a scheme, an origin-form target of visible
-# ASCII, a host (`HOST_RE`: no "@") neither empty nor starting with ":". Only
-# a request that fails it is checked rule by rule, to say what is wrong.
+# A request other than CONNECT whose first four fields are its four
+# pseudo-headers, once each (their names' bytes: 7 + 7 + 5 + 10), and all of
+# their rules and its fields' grammar in one match: ``:method``, ``:scheme``,
+# ``:path`` and ``:authority`` joined with NUL (which none may hold; nor LF):
+# a token, a scheme, an origin-form target of visible ASCII, a host
+# (`HOST_RE`: no "@") neither empty nor starting with ":"; then each field on
+# a line of its own, as in `_FIELD_LINES_RE`. Only a request that fails it is
+# checked rule by rule, to say what is wrong.
 _PSEUDO_NAMES_SIZE: Final = 29
-_COMMON_PSEUDO_RE: Final = re.compile(
-    TOKEN + rb"\x00" + _SCHEME + rb"\x00/[\x21-\x7e]*\x00(?=[^:])" + HOST_RE.pattern
+_COMMON_REQUEST_RE: Final = re.compile(
+    TOKEN
+    + rb"\x00"
+    + _SCHEME
+    + rb"\x00/[\x21-\x7e]*\x00(?=[^:\n])"
+    + HOST_RE.pattern
+    + rb"(?:\n"
+    + _FIELD_LINE
+    + rb")*"
 )
 
 
@@ -871,20 +880,21 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         MalformedRequestError: what is wrong with it.
     """
     pseudo = dict(fields[:4])
-    common = _common_pseudo(fields, pseudo)
+    common = _common_request(fields, pseudo)
     if common is None:
         pseudo, size = _pseudo_headers(fields)
+        regular = fields[len(pseudo) :]
+        # The fields' grammar, all at once (see `_FIELD_LINES_RE`); a field
+        # that breaks it is then looked for, to name it.
+        lines = b"\n".join(map(b"\x00".join, regular))
+        if regular and (
+            _FIELD_LINES_RE.fullmatch(lines) is None
+            or lines.count(b"\n") != len(regular) - 1
+        ):
+            raise _malformed(pseudo, _fields_error(regular))
     else:
         size = _PSEUDO_NAMES_SIZE + sum(map(len, common))
-    regular = fields[len(pseudo) :]
-    # The fields' grammar, all at once (see `_FIELD_LINES_RE`); a field that
-    # breaks it is then looked for, to name it.
-    lines = b"\n".join(map(b"\x00".join, regular))
-    if regular and (
-        _FIELD_LINES_RE.fullmatch(lines) is None
-        or lines.count(b"\n") != len(regular) - 1
-    ):
-        raise _malformed(pseudo, _fields_error(regular))
+        regular = fields[4:]
     headers: list[Header] = []
     hosts: list[bytes] = []
     lengths: list[bytes] = []
@@ -967,14 +977,14 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
     )
 
 
-def _common_pseudo(
+def _common_request(
     fields: list[Header], pseudo: dict[bytes, bytes]
 ) -> tuple[bytes, bytes, bytes, bytes] | None:
     """The method, scheme, path and authority of a request whose first four
-    fields (*pseudo*, as a dict) are its pseudo-headers, one of each, and pass
-    their rules (`_COMMON_PSEUDO_RE`); else None (`_pseudo_headers` and
-    `_request_line` check it rule by rule)."""
-    if pseudo.keys() != _PSEUDO or (len(fields) > 4 and fields[4][0][:1] == b":"):
+    fields (*pseudo*, as a dict) are its pseudo-headers, one of each, if they
+    and its other fields pass their rules (`_COMMON_REQUEST_RE`); else None
+    (`check_request` checks it rule by rule)."""
+    if pseudo.keys() != _PSEUDO:
         return None
     line = (
         pseudo[b":method"],
@@ -982,7 +992,11 @@ def _common_pseudo(
         pseudo[b":path"],
         pseudo[b":authority"],
     )
-    if line[0] == b"CONNECT" or not _COMMON_PSEUDO_RE.fullmatch(b"\x00".join(line)):
+    if line[0] == b"CONNECT":
+        return None
+    regular = fields[4:]
+    text = b"\n".join([b"\x00".join(line), *map(b"\x00".join, regular)])
+    if _COMMON_REQUEST_RE.fullmatch(text) is None or text.count(b"\n") != len(regular):
         return None
     return line
 

@@ -646,7 +646,7 @@ def test_the_common_pseudo_header_check_is_the_rule_by_rule_one(
 ) -> None:
     at_once = _checked(fields)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(h2session, "_common_pseudo", lambda fields, pseudo: None)
+        patch.setattr(h2session, "_common_request", lambda fields, pseudo: None)
         assert _checked(fields) == at_once
 
 
