@@ -41,10 +41,16 @@ section resets a stream already being served (`StreamMalformed`, so the
 driver closes its upstream connection, which holds half a request).
 
 Framing facts are checked, not trusted (section 8.1.1): a ``content-length``
-must equal the DATA the stream brings. h2 checks the DATA frames against it
-(a connection error); here a stream that ends with its HEADERS although it
-declared a length, or ends with trailers short of it, is malformed too. h2
-itself checks HPACK, the frame sizes and stream states (connection errors,
+must equal the DATA the stream brings, and a stream that breaks it is
+malformed: one that ends with its HEADERS although it declared a length,
+ends with trailers or DATA short of it, or whose DATA goes beyond it. h2
+would make the DATA cases a connection error (``InvalidBodyLengthError``),
+so no such frame reaches it: the scanner notes where each DATA frame of the
+bytes received lies, its stream and its data's length; when one would break
+its stream's count (`_owed`), the bytes before it go to h2 first, the stream
+is reset, and h2 then takes the frame as one on a stream we reset (it still
+counts against the connection's window, which h2 opens again). h2 itself
+checks HPACK, the frame sizes and stream states (connection errors,
 GOAWAY).
 
 Limits (``[listeners.http2]``, docs/http2.md). SETTINGS: our HPACK table
@@ -133,10 +139,12 @@ ErrorCodes = h2.errors.ErrorCodes
 # Frame types and flags (RFC 9113 section 6).
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0, 1, 2, 3, 4
 _PING, _WINDOW_UPDATE, _CONTINUATION = 6, 8, 9
-_END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
+_END_STREAM, _ACK, _END_HEADERS, _PADDED = 0x1, 0x1, 0x4, 0x8
 _FRAME_HEADER: Final = 9
-# A frame header's length (24 bits: 16 + 8), type and flags.
-_FRAME_HEADER_START: Final = struct.Struct(">HBBB")
+# A frame header's length (24 bits: 16 + 8), type, flags and stream (with
+# the reserved bit: `_STREAM_ID` masks it).
+_FRAME_HEADER_UNPACK: Final = struct.Struct(">HBBBL").unpack_from
+_STREAM_ID: Final = 0x7FFFFFFF
 
 _PSEUDO: Final = frozenset({b":method", b":scheme", b":path", b":authority"})
 _CONNECTION_SPECIFIC: Final = frozenset(
@@ -162,15 +170,24 @@ _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
 # RFC 3986 section 3.1.
 _SCHEME = rb"[A-Za-z][A-Za-z0-9+.-]*"
 _SCHEME_RE: Final = re.compile(_SCHEME)
-# The four pseudo-headers of a request other than CONNECT, once each (their
-# names' bytes: 7 + 7 + 5 + 10), and all of their rules below in one match
-# of ``:method``, ``:scheme``, ``:path`` and ``:authority`` joined with NUL
-# (which none may hold): a token, a scheme, an origin-form target of visible
-# ASCII, a host (`HOST_RE`: no "@") neither empty nor starting with ":". Only
-# a request that fails it is checked rule by rule, to say what is wrong.
+# A request other than CONNECT whose first four fields are its four
+# pseudo-headers, once each (their names' bytes: 7 + 7 + 5 + 10), and all of
+# their rules and its fields' grammar in one match: ``:method``, ``:scheme``,
+# ``:path`` and ``:authority`` joined with NUL (which none may hold; nor LF):
+# a token, a scheme, an origin-form target of visible ASCII, a host
+# (`HOST_RE`: no "@") neither empty nor starting with ":"; then each field on
+# a line of its own, as in `_FIELD_LINES_RE`. Only a request that fails it is
+# checked rule by rule, to say what is wrong.
 _PSEUDO_NAMES_SIZE: Final = 29
-_COMMON_PSEUDO_RE: Final = re.compile(
-    TOKEN + rb"\x00" + _SCHEME + rb"\x00/[\x21-\x7e]*\x00(?=[^:])" + HOST_RE.pattern
+_COMMON_REQUEST_RE: Final = re.compile(
+    TOKEN
+    + rb"\x00"
+    + _SCHEME
+    + rb"\x00/[\x21-\x7e]*\x00(?=[^:\n])"
+    + HOST_RE.pattern
+    + rb"(?:\n"
+    + _FIELD_LINE
+    + rb")*"
 )
 
 
@@ -272,18 +289,23 @@ class _Calm(Exception):
 
 class _FrameScanner:
     """Follows the frame headers of the bytes received (after the preface) and
-    keeps the counts the flood defences need (see the module docstring)."""
+    keeps the counts the flood defences need (see the module docstring), and
+    where each DATA frame completed in the bytes scanned lies (`data_frames`,
+    for `H2Session`'s content-length check)."""
 
     __slots__ = (
+        "_data",
         "_empty",
         "_header",
         "_limits",
+        "_pad",
         "_priority",
         "_remaining",
         "_skip",
         "_window_updates",
         "block",
         "control",
+        "data_frames",
         "resets",
         "streams",
     )
@@ -293,6 +315,10 @@ class _FrameScanner:
         self._skip = len(PREFACE)
         self._header = bytearray()
         self._remaining = 0  # payload bytes of the current frame still to come
+        #: The DATA frame in progress: its start in the bytes scanned (0 when
+        #: it began in earlier ones), stream, flags and length; None: none.
+        self._data: tuple[int, int, int, int] | None = None
+        self._pad = 0  # its pad length; -1: padded, the length byte to come
         self.block = -1  # bytes of the header block in progress; -1: none
         self._empty = 0
         self._window_updates = 0
@@ -300,10 +326,18 @@ class _FrameScanner:
         self.control = 0  # PING and SETTINGS frames in this call to scan
         self.resets = 0  # RST_STREAM frames in this call to scan
         self.streams = 0  # HEADERS frames that may open a stream
+        #: The DATA frames completed in this call to scan, in order: their
+        #: start, stream, END_STREAM and their data's length (padding not
+        #: counted).
+        self.data_frames: list[tuple[int, int, bool, int]] = []
 
     def scan(self, data: bytes, data_frames_sent: int) -> None:
         """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
         self.resets = self.control = 0
+        if self.data_frames:
+            self.data_frames = []
+        if self._data is not None:
+            self._data = (0, *self._data[1:])
         offset = 0
         if self._skip:
             offset = min(self._skip, len(data))
@@ -313,26 +347,45 @@ class _FrameScanner:
         while offset < end:
             if remaining:
                 take = min(remaining, end - offset)
+                if self._pad < 0:
+                    self._pad = data[offset]
                 remaining -= take
                 offset += take
+                if not remaining and self._data is not None:
+                    self._data_frame_ends()
                 continue
+            start = offset
             if not self._header and end - offset >= _FRAME_HEADER:
                 # A whole frame header in this read (the common case).
-                high, low, kind, flags = _FRAME_HEADER_START.unpack_from(data, offset)
+                high, low, kind, flags, stream = _FRAME_HEADER_UNPACK(data, offset)
                 offset += _FRAME_HEADER
-                remaining = high << 8 | low
-                self._frame(kind, flags, remaining, data_frames_sent)
-                continue
-            need = _FRAME_HEADER - len(self._header)
-            self._header += data[offset : offset + need]
-            offset += min(need, end - offset)
-            if len(self._header) < _FRAME_HEADER:
-                break
-            header = self._header
-            remaining = int.from_bytes(header[:3], "big")
-            self._frame(header[3], header[4], remaining, data_frames_sent)
-            self._header = bytearray()
+            else:
+                need = _FRAME_HEADER - len(self._header)
+                self._header += data[offset : offset + need]
+                offset += min(need, end - offset)
+                if len(self._header) < _FRAME_HEADER:
+                    break
+                high, low, kind, flags, stream = _FRAME_HEADER_UNPACK(self._header)
+                self._header = bytearray()
+                start = 0
+            remaining = high << 8 | low
+            self._frame(kind, flags, remaining, data_frames_sent)
+            if kind == _DATA:
+                self._data = (start, stream & _STREAM_ID, flags, remaining)
+                self._pad = -1 if flags & _PADDED else 0
+                if not remaining:
+                    self._data_frame_ends()
         self._remaining = remaining
+
+    def _data_frame_ends(self) -> None:
+        """The DATA frame in progress is whole: note it (one whose padding
+        exceeds it is left to h2, a connection error)."""
+        assert self._data is not None
+        start, stream, flags, length = self._data
+        self._data = None
+        size = length - (self._pad + 1 if flags & _PADDED else 0)
+        if size >= 0:
+            self.data_frames.append((start, stream, bool(flags & _END_STREAM), size))
 
     def _frame(self, kind: int, flags: int, length: int, data_frames_sent: int) -> None:
         limits = self._limits
@@ -443,7 +496,8 @@ class H2Session:
         self._resets: deque[float] = deque()
         self._control: deque[float] = deque()
         self.active: set[int] = set()  # streams being served
-        #: Active streams with a content-length: the DATA bytes still owed.
+        #: Active streams with a content-length and DATA to come: the DATA
+        #: bytes still owed.
         self._owed: dict[int, int] = {}
         self._trailers: dict[int, list[Header]] = {}
         #: The StreamEnded of the last request whose HEADERS ended its stream.
@@ -480,17 +534,74 @@ class H2Session:
                 )
         except _Calm as exc:
             return [self._calm(str(exc))]
+        events: list[Event] = []
+        if scanner.data_frames:
+            self._receive_checked(data, scanner, now, events)
+        else:
+            self._receive(data, now, events)
+        return events
+
+    def _receive(self, data: bytes, now: float, events: list[Event]) -> None:
+        """*data* to h2, its events translated onto *events*."""
         try:
             h2_events = self.conn.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
             self.ended = True  # h2 has queued its GOAWAY
-            return [ConnectionEnded(f"HTTP/2 protocol error: {exc}")]
-        events: list[Event] = []
+            events.append(ConnectionEnded(f"HTTP/2 protocol error: {exc}"))
+            return
         for event in h2_events:
+            if event is self._ended_with_headers:
+                continue  # (`H2Request.end_stream` says it)
             self._translate(event, events, now)
             if events and isinstance(events[-1], ConnectionEnded):
                 break
-        return events
+
+    def _receive_checked(
+        self, data: bytes, scanner: _FrameScanner, now: float, events: list[Event]
+    ) -> None:
+        """*data*, which completes DATA frames, to h2 so that none reaches it
+        past its stream's ``content-length`` or ending the stream short of it
+        (h2 would end the connection): that stream is reset first (a stream
+        error, RFC 9113 section 8.1.1), and h2 then takes the frame as one on
+        a stream we reset (its bytes count against the connection's window,
+        which h2 opens again). The bytes before such a frame, and before a
+        DATA frame of a stream not known to be served (its HEADERS may be in
+        *data*), go to h2 first, so that `_owed` is up to date when the frame
+        is judged."""
+        owed = self._owed
+        pending: dict[int, int] = {}  # DATA bytes of `owed` streams not fed yet
+        fed = 0
+        for start, sid, end_stream, size in scanner.data_frames:
+            if start > fed and sid not in self.active:
+                self._receive(data[fed:start], now, events)
+                fed = start
+                pending.clear()
+                if self.ended:
+                    return
+            left = owed.get(sid)
+            if left is None:
+                continue
+            left -= pending.get(sid, 0)
+            if (size < left and not end_stream) or size == left:
+                pending[sid] = pending.get(sid, 0) + size
+                continue
+            if start > fed:
+                self._receive(data[fed:start], now, events)
+                fed = start
+                pending.clear()
+                if self.ended:
+                    return
+                if sid not in owed:
+                    continue  # reset meanwhile
+            if size > left:
+                reason = f"DATA {size - left} bytes beyond its content-length"
+            else:
+                reason = (
+                    f"the stream ended {left - size} bytes short of its content-length"
+                )
+            self._malformed_stream(sid, reason, events)
+        if fed < len(data):
+            self._receive(data[fed:], now, events)
 
     def _count_resets(self, count: int, now: float) -> None:
         self._count(
@@ -535,8 +646,6 @@ class H2Session:
         if isinstance(event, h2.events.RequestReceived):
             self._request(event, out, now)
         elif isinstance(event, h2.events.StreamEnded):
-            if event is self._ended_with_headers:
-                return  # (`H2Request.end_stream` says it)
             sid = event.stream_id
             assert sid is not None
             trailers = self._trailers.pop(sid, [])
@@ -565,10 +674,7 @@ class H2Session:
             sid = event.stream_id
             assert sid is not None
             if sid in self.active:
-                trailers = _cookies_joined(event.headers or [])
-                error = next(
-                    (e for n, v in trailers if (e := _trailer_error(n, v))), None
-                )
+                trailers, error = _trailer_section(event.headers or [])
                 if error is None:
                     self._trailers[sid] = trailers
                 else:
@@ -626,7 +732,7 @@ class H2Session:
             out.append(StreamMalformed(sid, str(exc), exc.method, exc.target))
             return
         self.active.add(sid)
-        if request.content_length and not end_stream:
+        if request.content_length is not None and not end_stream:
             self._owed[sid] = request.content_length
         error = None
         if request.method == b"CONNECT":
@@ -774,20 +880,21 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
         MalformedRequestError: what is wrong with it.
     """
     pseudo = dict(fields[:4])
-    common = _common_pseudo(fields, pseudo)
+    common = _common_request(fields, pseudo)
     if common is None:
         pseudo, size = _pseudo_headers(fields)
+        regular = fields[len(pseudo) :]
+        # The fields' grammar, all at once (see `_FIELD_LINES_RE`); a field
+        # that breaks it is then looked for, to name it.
+        lines = b"\n".join(map(b"\x00".join, regular))
+        if regular and (
+            _FIELD_LINES_RE.fullmatch(lines) is None
+            or lines.count(b"\n") != len(regular) - 1
+        ):
+            raise _malformed(pseudo, _fields_error(regular))
     else:
         size = _PSEUDO_NAMES_SIZE + sum(map(len, common))
-    regular = fields[len(pseudo) :]
-    # The fields' grammar, all at once (see `_FIELD_LINES_RE`); a field that
-    # breaks it is then looked for, to name it.
-    lines = b"\n".join(map(b"\x00".join, regular))
-    if regular and (
-        _FIELD_LINES_RE.fullmatch(lines) is None
-        or lines.count(b"\n") != len(regular) - 1
-    ):
-        raise _malformed(pseudo, _fields_error(regular))
+        regular = fields[4:]
     headers: list[Header] = []
     hosts: list[bytes] = []
     lengths: list[bytes] = []
@@ -855,28 +962,29 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
                 method,
                 path,
             )
+    # (Positionally: keywords cost a named tuple twice as much to make.)
     return H2Request(
-        method=method,
-        target=path,
-        scheme=scheme,
-        host=host,
-        headers=[(b"host", host), *headers],
-        content_length=content_length,
-        end_stream=end_stream,
-        size=size,
-        user_agent=agent,
-        expects_continue=expects_continue,
+        method,
+        path,
+        scheme,
+        host,
+        [(b"host", host), *headers],
+        content_length,
+        end_stream,
+        size,
+        agent,
+        expects_continue,
     )
 
 
-def _common_pseudo(
+def _common_request(
     fields: list[Header], pseudo: dict[bytes, bytes]
 ) -> tuple[bytes, bytes, bytes, bytes] | None:
     """The method, scheme, path and authority of a request whose first four
-    fields (*pseudo*, as a dict) are its pseudo-headers, one of each, and pass
-    their rules (`_COMMON_PSEUDO_RE`); else None (`_pseudo_headers` and
-    `_request_line` check it rule by rule)."""
-    if pseudo.keys() != _PSEUDO or (len(fields) > 4 and fields[4][0][:1] == b":"):
+    fields (*pseudo*, as a dict) are its pseudo-headers, one of each, if they
+    and its other fields pass their rules (`_COMMON_REQUEST_RE`); else None
+    (`check_request` checks it rule by rule)."""
+    if pseudo.keys() != _PSEUDO:
         return None
     line = (
         pseudo[b":method"],
@@ -884,7 +992,11 @@ def _common_pseudo(
         pseudo[b":path"],
         pseudo[b":authority"],
     )
-    if line[0] == b"CONNECT" or not _COMMON_PSEUDO_RE.fullmatch(b"\x00".join(line)):
+    if line[0] == b"CONNECT":
+        return None
+    regular = fields[4:]
+    text = b"\n".join([b"\x00".join(line), *map(b"\x00".join, regular)])
+    if _COMMON_REQUEST_RE.fullmatch(text) is None or text.count(b"\n") != len(regular):
         return None
     return line
 
@@ -997,6 +1109,15 @@ def _trailer_error(name: bytes, value: bytes) -> str | None:
         return f"pseudo-header {show_bytes(name)} in trailers (RFC 9113 8.1)"
     error = _field_error(name, value)
     return None if error is None else f"trailer {error}"
+
+
+def _trailer_section(fields: list[Header]) -> tuple[list[Header], str | None]:
+    """A trailer section's fields, cookie crumbs joined, and what makes it
+    malformed, or None: a field as it came (a cookie crumb too), or the
+    joined cookie."""
+    trailers = _cookies_joined(fields)
+    checked = fields if trailers is fields else [*fields, trailers[-1]]
+    return trailers, next((e for n, v in checked if (e := _trailer_error(n, v))), None)
 
 
 def _cookies_joined(fields: list[Header]) -> list[Header]:

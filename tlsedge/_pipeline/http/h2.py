@@ -182,6 +182,12 @@ _NOT_IN_H2: Final = frozenset({b"transfer-encoding", b"keep-alive", b"upgrade"})
 #: The response fields a head's fields lose in HTTP/2 whatever its
 #: ``Connection`` says: the hop-by-hop ones and those.
 _DROPPED_IN_H2: Final = HOP_BY_HOP | _NOT_IN_H2
+#: How a stream fails whose response the client does not take.
+_CLIENT_STALL: Final = Failure(
+    Termination.CLIENT_ERROR,
+    "client did not read (or open its window) for idle_timeout",
+    None,
+)
 
 # -- h2c with prior knowledge: the preface, read on the reactor ----------------
 
@@ -456,11 +462,6 @@ class _H2Connection(ReactorConnection):
         self.draining = False
         self.settling = False  # a _settle is deferred to the batch's end
         self.initial_data = initial_data
-        self._client_stall = Failure(
-            Termination.CLIENT_ERROR,
-            "client did not read (or open its window) for idle_timeout",
-            None,
-        )
 
     def _start(self) -> None:
         initial_data, self.initial_data = self.initial_data, b""
@@ -648,7 +649,7 @@ class _H2Connection(ReactorConnection):
             self.session.reset(stream.id, ErrorCodes.CANCEL)
             self._close_stream(stream)
         else:
-            attempt.fail(self._client_stall)
+            attempt.fail(_CLIENT_STALL)
 
     def _drained(self) -> None:
         """The edge drains: GOAWAY, the streams in flight finish."""

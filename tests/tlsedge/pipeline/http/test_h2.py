@@ -20,6 +20,7 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import h2.utilities
 import h11
 import httpx
 import pytest
@@ -43,7 +44,7 @@ from tlsedge._control.cli import main
 from tlsedge._control.edge import Edge
 from tlsedge._http.head import ResponseRejectedError, parse_response_head
 from tlsedge._http.rules import strip_hop_by_hop
-from tlsedge._pipeline.http.h2 import _response_fields
+from tlsedge._pipeline.http.h2 import _h2_fields, _response_fields
 from tlsedge._pipeline.http.upstreams import (
     NewConnection,
     Upstream,
@@ -846,6 +847,71 @@ async def test_smuggling_vectors_over_http2_are_reset_and_reach_no_backend(
     received = bytes(setup.backend.received)
     assert b"smuggled" not in received.lower()
     assert b"6.6.6.6" not in received
+
+
+@pytest.mark.parametrize(
+    ("last", "end_stream", "reason"),
+    [
+        (b"y" * 5, False, "DATA 1 bytes beyond its content-length"),
+        (b"y" * 3, True, "the stream ended 1 bytes short of its content-length"),
+    ],
+)
+async def test_data_that_breaks_the_content_length_resets_only_its_stream(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    last: bytes,
+    end_stream: bool,
+    reason: str,
+) -> None:
+    # RFC 9113 8.1.1: a stream error (h2 alone makes it a connection error).
+    # Its request is half upstream already: that connection is closed, never
+    # reused; the stream beside it, and the next, are served.
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    async with h2_edge(tmp_path) as setup:
+        backend = setup.backend
+        client = await RawH2.open(setup.plain_port)
+        bad = client.request(
+            "/echo",
+            method="POST",
+            headers=[("content-length", "10")],
+            end_stream=False,
+        )
+        client.conn.send_data(bad, b"x" * 6)
+        await client.send()
+        await wait_until(lambda: b"x" * 6 in backend.received)
+        beside = client.request(
+            "/echo", method="POST", headers=[("content-length", "2")], end_stream=False
+        )
+        client.conn.send_data(beside, b"ok", end_stream=True)
+        client.conn.send_data(bad, last, end_stream=end_stream)
+        await client.send()
+        await client.until(lambda c: _answered(c, bad, beside))
+        resets = {e.stream_id: e.error_code for e in client.of(h2.events.StreamReset)}
+        assert resets == {bad: ErrorCodes.PROTOCOL_ERROR}
+        assert client.status(beside) == 200
+        assert json.loads(client.body(beside))["size"] == 2
+        await wait_until(lambda: backend.closed == 1)
+        after = client.request(
+            "/echo", method="POST", headers=[("content-length", "1")], end_stream=False
+        )
+        client.conn.send_data(after, b"z", end_stream=True)
+        await client.send()
+        await client.until(lambda c: c.ended(after))
+        assert client.status(after) == 200
+        assert client.goaway() is None
+        await client.aclose()
+    dirty = bytes(backend.raw[0])
+    assert dirty.count(b"POST /echo") == 1
+    assert dirty.endswith(b"\r\n\r\n" + b"x" * 6)
+    assert b"y" not in bytes(backend.received)
+    assert len(backend.raw) == 2
+    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok", "ok"]
+    (line,) = [r for r in lines if r["termination"] == "bad_request"]
+    assert line["detail"] == f"malformed request, stream reset: {reason}"
+    assert [r.getMessage() for r in caplog.records if r.name == "tlsedge.http"] == [
+        f"listener plain: client {line['client']}: HTTP/2 stream 1 reset: {reason}"
+    ]
 
 
 async def _over_http2(setup: Setup, case: H2Case) -> tuple[bytes, bool]:
@@ -1687,3 +1753,52 @@ def test_response_fields_are_the_end_to_end_ones_in_lowercase(
         for name, value in end_to_end
         if name.lower() not in {b"transfer-encoding", b"keep-alive", b"upgrade"}
     ]
+
+
+_RESPONSE_HEAD_FIELDS = st.lists(
+    st.tuples(
+        st.one_of(
+            _RESPONSE_NAMES, st.from_regex(rb"\A[!#$%&'*+.^_`|~0-9A-Za-z-]{1,6}\Z")
+        ),
+        st.one_of(_RESPONSE_VALUES, st.binary(max_size=8)),
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    fields=_RESPONSE_HEAD_FIELDS,
+    status=st.sampled_from([b"100", b"103", b"200", b"204", b"304", b"502"]),
+)
+def test_response_fields_need_none_of_h2s_outbound_validation_or_normalisation(
+    fields: list[tuple[bytes, bytes]], status: bytes
+) -> None:
+    # `H2Session` turns h2's outbound validation and normalisation off: what
+    # the driver sends of a response head the HTTP/1.1 parser accepted (as
+    # fields, or as trailers) passes h2's validation, and its normalisation
+    # (lowercase names, no surrounding whitespace, no connection-specific
+    # field) would change nothing.
+    lines = b"".join(name + b": " + value + b"\r\n" for name, value in fields)
+    try:
+        head = parse_response_head(
+            b"HTTP/1.1 " + status + b" X\r\n" + lines + b"\r\n", max_headers=100
+        )
+    except ResponseRejectedError:
+        return
+    flags = h2.utilities.HeaderValidationFlags(
+        is_client=False,
+        is_trailer=False,
+        is_response_header=True,
+        is_push_promise=False,
+    )
+    for sent, sent_flags in [
+        ([(b":status", status), *_response_fields(head)], flags),
+        (
+            _h2_fields(head.headers),
+            flags._replace(is_trailer=True, is_response_header=False),
+        ),
+    ]:
+        assert list(h2.utilities.validate_outbound_headers(sent, sent_flags)) == sent
+        normalised = h2.utilities.normalize_outbound_headers(sent, sent_flags)
+        assert [(n, v) for n, v in normalised] == sent
