@@ -29,7 +29,6 @@ from proxyproto._events import (
     host_value,
     new_header,
     new_inet6_header,
-    new_tlv,
 )
 from proxyproto._options import V2_MAX_LENGTH_FIELD, Options
 from proxyproto._tlv import TLV_CHECKS
@@ -157,8 +156,8 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                     header.transport = transport
                     header.source = client
                     header._destination = (dst, dport)
-                    header.tlvs = (
-                        decode_tlvs(buf, 28, total, options) if total > 28 else ()
+                    header._tlvs = (
+                        check_tlvs(buf, 28, total, options) if total > 28 else ()
                     )
                     header.__class__ = ProxyHeader  # type: ignore[assignment]
                     return header, total  # type: ignore[return-value]
@@ -177,7 +176,7 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                         sport,
                         (dst_hi << 64) | dst_lo,
                         dport,
-                        decode_tlvs(buf, 52, total, options) if total > 52 else (),
+                        check_tlvs(buf, 52, total, options) if total > 52 else (),
                     ), total
     kind = _KINDS.get(buf[12:14])
     if kind is None:
@@ -219,9 +218,9 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
         # honour the length (AWS NLB health checks send dummy INET addresses).
         family, transport = _UNSPEC
         tlv_start = V2_FIXED_LENGTH + block if length >= block else total
-    tlvs: tuple[TLV, ...] = ()
+    tlvs: tuple[TLV, ...] | bytes = ()
     if tlv_start < total:
-        tlvs = decode_tlvs(buf, tlv_start, total, options)
+        tlvs = check_tlvs(buf, tlv_start, total, options)
     return new_header(2, command, family, transport, source, destination, tlvs), total
 
 
@@ -245,14 +244,15 @@ def decode_v2_addresses(
     return _unix_path(wire[16:124]), _unix_path(wire[124:232])
 
 
-def decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV, ...]:
-    """Decode and check the TLVs in ``buf[pos:end]`` (the header's end).
+def check_tlvs(buf: bytes, pos: int, end: int, options: Options) -> bytes:
+    """Check the TLVs in ``buf[pos:end]`` (the header's end) and return those
+    bytes, as a decoded ProxyHeader keeps them (see ProxyHeader.tlvs).
 
     Raises:
         RemoteProtocolError: a TLV is truncated, overruns the header, or has
             a value its type does not allow; the CRC32C does not match.
     """
-    tlvs = []
+    start = pos
     crc_at = -1
     checks = TLV_CHECKS
     while pos < end:
@@ -278,12 +278,10 @@ def decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV, 
                 if crc_at >= 0:
                     raise _reject("more than one CRC32C TLV", reason="bad_tlv")
                 crc_at = pos + 3
-        # Checked above, or of an unchecked type: valid.
-        tlvs.append(new_tlv(tlv_type, value, True))
         pos = stop
     if crc_at >= 0 and options.verify_crc32c:
         _verify_crc32c(bytes(buf[:end]), crc_at)
-    return tuple(tlvs)
+    return buf[start:end]
 
 
 def _verify_crc32c(header: bytes, at: int) -> None:
