@@ -282,11 +282,33 @@ def _checked(tlv: TLV) -> TLV:
 _NO_CLIENT_FLAGS = SSLClient(0)
 
 
+class _SSLInfoLayout:
+    # SSLInfo's slots, in a base class that _SSLInfoSlots shares (see
+    # _InetLayout). The sub-TLVs are kept in _tlvs, behind the ``tlvs``
+    # property (see _ssl_sub_tlvs below), as ProxyHeader keeps its TLVs.
+    __slots__ = (
+        "_tlvs",
+        "cipher",
+        "client",
+        "client_cert",
+        "cn",
+        "group",
+        "key_alg",
+        "sig_alg",
+        "sig_scheme",
+        "tlvs",
+        "verify",
+        "version",
+    )
+    _tlvs: tuple[TLV, ...] | bytes
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SSLInfo:
+class SSLInfo(_SSLInfoLayout):
     """The SSL TLV (0x20): what the proxy knows about the client's TLS session.
 
     Text fields are validated ASCII (CN: UTF-8) before you ever see them.
+    A decoded one makes its ``tlvs`` records on first access.
     """
 
     #: ``SSLClient`` bits.
@@ -310,6 +332,8 @@ class SSLInfo:
             raise LocalProtocolError(f"SSL client flags must fit a byte: {self.client}")
         if not 0 <= self.verify <= 0xFFFFFFFF:
             raise LocalProtocolError(f"SSL verify must fit 32 bits: {self.verify}")
+        if isinstance(self._tlvs, bytes):  # only a decoder stores bytes
+            raise LocalProtocolError("SSLInfo.tlvs must be a tuple of TLV, not bytes")
         if not self.tlvs:
             object.__setattr__(self, "tlvs", self._sub_tlvs_from_fields())
 
@@ -925,8 +949,10 @@ def _validate_header(h: ProxyHeader) -> None:
 _SET_TLV_VALID = TLV.__dict__["_valid"].__set__
 
 
-class _SSLInfoSlots:
-    __slots__ = SSLInfo.__slots__
+class _SSLInfoSlots(_SSLInfoLayout):
+    """SSLInfo's slots, to fill, then ``__class__ = SSLInfo``."""
+
+    __slots__ = ()
     client: SSLClient
     verify: int
     version: str | None
@@ -937,7 +963,32 @@ class _SSLInfoSlots:
     group: str | None
     sig_scheme: str | None
     client_cert: bytes | None
-    tlvs: tuple[TLV, ...]
+
+
+_set_ssl_sub_tlvs: Callable[[SSLInfo, tuple[TLV, ...] | bytes], None] = (
+    _SSLInfoLayout.__dict__["_tlvs"].__set__
+)
+
+
+def _ssl_sub_tlvs(info: SSLInfo) -> tuple[TLV, ...]:
+    tlvs = info._tlvs
+    if type(tlvs) is bytes:
+        # Sub-TLVs are not top-level TLVs: not valid as such.
+        tlvs = tlv_records(tlvs, False)
+        _set_ssl_sub_tlvs(info, tlvs)
+    return tlvs  # type: ignore[return-value]
+
+
+type.__setattr__(
+    SSLInfo,
+    "tlvs",
+    property(
+        _ssl_sub_tlvs,
+        _set_ssl_sub_tlvs,
+        doc="Every sub-TLV in wire order, including unknown ones (of a decoded "
+        "SSL TLV: made on first access).",
+    ),
+)
 
 
 def _decode_ssl(value: bytes) -> SSLInfo:
@@ -977,8 +1028,7 @@ def _decode_checked_ssl(value: bytes) -> SSLInfo:
         client = _CLIENT_FLAGS[value[0]] = SSLClient(value[0])
     info.client = client
     info.verify = int.from_bytes(value[1:_SSL_FIXED_LENGTH])
-    # Sub-TLVs are not top-level TLVs: not valid as such.
-    info.tlvs = tlv_records(value[_SSL_FIXED_LENGTH:], False)
+    info._tlvs = value[_SSL_FIXED_LENGTH:]  # records on first access
     info.__class__ = SSLInfo  # type: ignore[assignment]
     return info  # type: ignore[return-value]
 

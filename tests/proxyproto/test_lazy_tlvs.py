@@ -304,3 +304,32 @@ def test_a_lazy_header_is_the_header_it_decodes_to() -> None:
 def test_the_constructor_refuses_tlv_bytes() -> None:
     with pytest.raises(LocalProtocolError, match="tlvs must be a tuple of TLV"):
         ProxyHeader.local(tlvs=b"\x04\x00\x00")  # type: ignore[arg-type]
+
+
+def test_a_lazy_ssl_info_is_the_info_it_decodes_to() -> None:
+    info = SSLInfo(
+        client=SSLClient.SSL | SSLClient.CERT_CONN,
+        verify=0,
+        version="TLSv1.3",
+        cn="client.example.com",
+        client_cert=b"\x30\x03\x02\x01\x01",
+    )
+    header = ProxyHeader.local(tlvs=(TLV.ssl(info),))
+    reads: list[Callable[[SSLInfo], bool]] = [
+        lambda i: i == info,
+        lambda i: hash(i) == hash(info),
+        lambda i: pickle.loads(pickle.dumps(i)) == info,
+        lambda i: copy.copy(i) == info,
+        lambda i: dataclasses.replace(i) == info,
+        lambda i: i.encode() == info.encode(),
+        lambda i: i.tlvs == info.tlvs,
+    ]
+    for read in reads:
+        decoded, _ = parse(encode_v2(header))
+        assert decoded.ssl is not None
+        assert read(decoded.ssl)
+
+
+def test_ssl_info_refuses_tlv_bytes() -> None:
+    with pytest.raises(LocalProtocolError, match="tuple of TLV"):
+        SSLInfo(tlvs=b"\x21\x00\x01x")  # type: ignore[arg-type]
