@@ -31,7 +31,8 @@ from proxyproto._events import (
     new_inet6_header,
 )
 from proxyproto._options import V2_MAX_LENGTH_FIELD, Options
-from proxyproto._tlv import TLV_CHECKS
+from proxyproto._spec import MAX_UNIQUE_ID_LENGTH
+from proxyproto._tlv import TLV_CHECKS, TLV_HEAD
 
 V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
 V2_FIXED_LENGTH = 16
@@ -50,6 +51,9 @@ _FAMILY_BYTES: dict[int, tuple[Family, Transport, int]] = {
 _FAMILY_LIST = " ".join(f"0x{b:02x}" for b in _FAMILY_BYTES)
 _BLOCK_SIZE = {(f, t): size for f, t, size in _FAMILY_BYTES.values()}
 _CRC32C = int(TLVType.CRC32C)
+_UNIQUE_ID = int(TLVType.UNIQUE_ID)
+_ALPN = int(TLVType.ALPN)
+_ALPN_LIMIT = 256  # ALPN protocol ids are 1..255 bytes (RFC 7301)
 _INET4 = struct.Struct("!IIHH")
 # (ver/cmd, family) byte pairs -> what they mean: one lookup validates both.
 _KINDS = {
@@ -255,14 +259,14 @@ def check_tlvs(buf: bytes, pos: int, end: int, options: Options) -> bytes:
     start = pos
     crc_at = -1
     checks = TLV_CHECKS
+    head = TLV_HEAD.unpack_from
     while pos < end:
         if end - pos < 3:
             raise _reject(
                 f"truncated TLV header at offset {pos}: {end - pos} bytes left, need 3",
                 reason="bad_tlv",
             )
-        tlv_type = buf[pos]
-        length = (buf[pos + 1] << 8) | buf[pos + 2]
+        tlv_type, length = head(buf, pos)
         stop = pos + 3 + length
         if stop > end:
             raise _reject(
@@ -270,14 +274,22 @@ def check_tlvs(buf: bytes, pos: int, end: int, options: Options) -> bytes:
                 f"overruns the header by {stop - end} bytes",
                 reason="bad_tlv",
             )
-        value = buf[pos + 3 : stop]
         check = checks.get(tlv_type)
         if check is not None:
-            check(value, RemoteProtocolError)
-            if tlv_type == _CRC32C:
-                if crc_at >= 0:
-                    raise _reject("more than one CRC32C TLV", reason="bad_tlv")
-                crc_at = pos + 3
+            # The checks of a length alone are made here, without a call (the
+            # check says what is wrong).
+            if tlv_type == _UNIQUE_ID:
+                if length > MAX_UNIQUE_ID_LENGTH:
+                    check(buf[pos + 3 : stop], RemoteProtocolError)
+            elif tlv_type == _ALPN:
+                if not 0 < length < _ALPN_LIMIT:
+                    check(buf[pos + 3 : stop], RemoteProtocolError)
+            else:
+                check(buf[pos + 3 : stop], RemoteProtocolError)
+                if tlv_type == _CRC32C:
+                    if crc_at >= 0:
+                        raise _reject("more than one CRC32C TLV", reason="bad_tlv")
+                    crc_at = pos + 3
         pos = stop
     if crc_at >= 0 and options.verify_crc32c:
         _verify_crc32c(bytes(buf[:end]), crc_at)
