@@ -368,7 +368,12 @@ def encode_v2(
         raise LocalProtocolError(
             f"encode_v2 needs a version-2 header, got version {header.version}"
         )
-    tlvs = header.tlvs
+    # As stored: a built header's tuple without the property's call; a
+    # decoded header's TLV bytes made into records by the property.
+    stored = header._tlvs
+    tlvs: tuple[TLV, ...] = (
+        header.tlvs if type(stored) is bytes else stored  # type: ignore[assignment]
+    )
     parts = [_address_block(header)]
     crc_at = -1
     offset = V2_FIXED_LENGTH + len(parts[0])
