@@ -282,11 +282,33 @@ def _checked(tlv: TLV) -> TLV:
 _NO_CLIENT_FLAGS = SSLClient(0)
 
 
+class _SSLInfoLayout:
+    # SSLInfo's slots, in a base class that _SSLInfoSlots shares (see
+    # _InetLayout). The sub-TLVs are kept in _tlvs, behind the ``tlvs``
+    # property (see _ssl_sub_tlvs below), as ProxyHeader keeps its TLVs.
+    __slots__ = (
+        "_tlvs",
+        "cipher",
+        "client",
+        "client_cert",
+        "cn",
+        "group",
+        "key_alg",
+        "sig_alg",
+        "sig_scheme",
+        "tlvs",
+        "verify",
+        "version",
+    )
+    _tlvs: tuple[TLV, ...] | bytes
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SSLInfo:
+class SSLInfo(_SSLInfoLayout):
     """The SSL TLV (0x20): what the proxy knows about the client's TLS session.
 
     Text fields are validated ASCII (CN: UTF-8) before you ever see them.
+    A decoded one makes its ``tlvs`` records on first access.
     """
 
     #: ``SSLClient`` bits.
@@ -310,6 +332,8 @@ class SSLInfo:
             raise LocalProtocolError(f"SSL client flags must fit a byte: {self.client}")
         if not 0 <= self.verify <= 0xFFFFFFFF:
             raise LocalProtocolError(f"SSL verify must fit 32 bits: {self.verify}")
+        if isinstance(self._tlvs, bytes):  # only a decoder stores bytes
+            raise LocalProtocolError("SSLInfo.tlvs must be a tuple of TLV, not bytes")
         if not self.tlvs:
             object.__setattr__(self, "tlvs", self._sub_tlvs_from_fields())
 
@@ -353,10 +377,12 @@ class _HeaderLayout:
     # ProxyHeader's slots, in a base class that HeaderSlots shares (see
     # _InetLayout); the dataclass adds none of its own. The destination is
     # kept in _destination, behind the ``destination`` property (see
-    # _destination below): the slot named destination is there for the
-    # dataclass to find (it would add one) and stays empty.
+    # _destination below), and the TLVs in _tlvs, behind the ``tlvs``
+    # property (see _tlvs below): the slots named destination and tlvs are
+    # there for the dataclass to find (it would add them) and stay empty.
     __slots__ = (
         "_destination",
+        "_tlvs",
         "command",
         "destination",
         "family",
@@ -366,6 +392,7 @@ class _HeaderLayout:
         "version",
     )
     _destination: Address | PendingInet | None
+    _tlvs: tuple[TLV, ...] | bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -378,9 +405,10 @@ class ProxyHeader(_HeaderLayout):
     because the spec tells receivers to ignore them.
 
     The parser builds these objects directly from the validated wire bytes,
-    without going through the validating constructor a second time, and an
-    INET/INET6 destination on first access to ``destination`` (it is checked
-    when the header is read: reading it never raises).
+    without going through the validating constructor a second time, an
+    INET/INET6 destination on first access to ``destination`` and the `TLV`
+    records on first access to ``tlvs`` (both are checked when the header is
+    read: reading them never raises).
     """
 
     version: int
@@ -463,7 +491,10 @@ class ProxyHeader(_HeaderLayout):
 
     def tlv(self, tlv_type: int) -> bytes | None:
         """The value of the first TLV of *tlv_type*, or None."""
-        for t in self.tlvs:
+        tlvs = self._tlvs
+        if isinstance(tlvs, bytes):
+            return _first_value(tlvs, tlv_type)
+        for t in tlvs:
             if t.type == tlv_type:
                 return t.value
         return None
@@ -499,8 +530,16 @@ class ProxyHeader(_HeaderLayout):
     @property
     def ssl(self) -> SSLInfo | None:
         """The SSL TLV (0x20), decoded."""
-        value = self.tlv(TLVType.SSL)
-        return None if value is None else _decode_ssl(value)
+        tlvs = self._tlvs
+        if isinstance(tlvs, bytes):
+            value = _first_value(tlvs, _SSL)
+            return None if value is None else _decode_checked_ssl(value)
+        for t in tlvs:
+            if t.type == _SSL:
+                if t._valid:
+                    return _decode_checked_ssl(t.value)
+                return _decode_ssl(t.value)
+        return None
 
     @property
     def aws_vpce_id(self) -> str | None:
@@ -620,7 +659,6 @@ class HeaderSlots(_HeaderLayout):
     family: Family
     transport: Transport
     source: Address | InetSlots | None
-    tlvs: tuple[TLV, ...]
 
 
 class InetSlots(_InetLayout):
@@ -645,9 +683,10 @@ def new_header(  # noqa: PLR0917 (positional: keywords cost more per call)
     transport: Transport,
     source: Address | None,
     destination: Address | None,
-    tlvs: tuple[TLV, ...],
+    tlvs: tuple[TLV, ...] | bytes,
 ) -> ProxyHeader:
-    """A ProxyHeader of values the caller has validated."""
+    """A ProxyHeader of values the caller has validated; *tlvs* as
+    ``ProxyHeader._tlvs`` holds them (see _tlvs)."""
     header = HeaderSlots()
     header.version = version
     header.command = command
@@ -655,7 +694,7 @@ def new_header(  # noqa: PLR0917 (positional: keywords cost more per call)
     header.transport = transport
     header.source = source
     header._destination = destination
-    header.tlvs = tlvs
+    header._tlvs = tlvs
     header.__class__ = ProxyHeader  # type: ignore[assignment]
     return header  # type: ignore[return-value]
 
@@ -695,7 +734,7 @@ def new_inet6_header(  # noqa: PLR0917 (positional: keywords cost more per call)
     source_port: int,
     destination: int,
     destination_port: int,
-    tlvs: tuple[TLV, ...],
+    tlvs: tuple[TLV, ...] | bytes,
 ) -> ProxyHeader:
     """A PROXY header of the INET6 family, from IPv6 host values without zone
     id (0 <= value < 2**128), ports and TLVs the caller has validated."""
@@ -706,7 +745,7 @@ def new_inet6_header(  # noqa: PLR0917 (positional: keywords cost more per call)
     header.transport = transport
     header.source = _new_inet6(source, source_port)
     header._destination = (destination, destination_port)
-    header.tlvs = tlvs
+    header._tlvs = tlvs
     header.__class__ = ProxyHeader  # type: ignore[assignment]
     return header  # type: ignore[return-value]
 
@@ -788,6 +827,67 @@ type.__setattr__(
 )
 
 
+# -- the TLV records, made on first access -----------------------------------
+# Most receivers read a TLV or two through the accessors (authority, ssl, the
+# cloud ids), or none, and never the records. A decoder checks every TLV (so
+# a header with a bad one is refused when read) and stores the checked TLV
+# bytes, the header's tail after the address block, in _tlvs; the accessors
+# find their value in those bytes, and the ``tlvs`` property makes the TLV
+# records on first access and stores their tuple in place of the bytes, as
+# ``destination`` does its address (everything that reads the field gets the
+# tuple; the validating constructor refuses bytes).
+_set_tlvs: Callable[[ProxyHeader, tuple[TLV, ...] | bytes], None] = (
+    _HeaderLayout.__dict__["_tlvs"].__set__
+)
+
+
+def _tlvs(header: ProxyHeader) -> tuple[TLV, ...]:
+    tlvs = header._tlvs
+    if type(tlvs) is bytes:
+        tlvs = tlv_records(tlvs, True)
+        _set_tlvs(header, tlvs)
+    return tlvs  # type: ignore[return-value]
+
+
+type.__setattr__(
+    ProxyHeader,
+    "tlvs",
+    property(
+        _tlvs,
+        _set_tlvs,
+        doc="The TLVs in wire order (of a decoded header: made on first access).",
+    ),
+)
+
+
+def _first_value(tlvs: bytes, tlv_type: int) -> bytes | None:
+    # The value of the first TLV of *tlv_type* in checked TLV bytes.
+    pos, end = 0, len(tlvs)
+    while pos < end:
+        stop = pos + 3 + ((tlvs[pos + 1] << 8) | tlvs[pos + 2])
+        if tlvs[pos] == tlv_type:
+            return tlvs[pos + 3 : stop]
+        pos = stop
+    return None
+
+
+def tlv_records(tlvs: bytes, valid: bool) -> tuple[TLV, ...]:
+    """The TLV records of well-formed TLV bytes (each record's type, length
+    and value, the lengths within the bytes); *valid*: as for new_tlv."""
+    records = []
+    pos, end = 0, len(tlvs)
+    while pos < end:
+        stop = pos + 3 + ((tlvs[pos + 1] << 8) | tlvs[pos + 2])
+        tlv = _TLVSlots()
+        tlv.type = tlvs[pos]
+        tlv.value = tlvs[pos + 3 : stop]
+        tlv._valid = valid
+        tlv.__class__ = TLV  # type: ignore[assignment]
+        records.append(tlv)
+        pos = stop
+    return tuple(records)  # type: ignore[arg-type]
+
+
 def new_tlv(tlv_type: int, value: bytes, valid: bool) -> TLV:
     """A TLV of values the caller has validated; *valid*: the value passed its
     type's check (see TLV._valid)."""
@@ -801,9 +901,10 @@ def new_tlv(tlv_type: int, value: bytes, valid: bool) -> TLV:
 
 def _validate_header(h: ProxyHeader) -> None:
     destination = h._destination  # as stored: a pair is refused
+    tlvs = h._tlvs  # as stored: bytes are refused
     if h.version not in (1, 2):
         raise LocalProtocolError(f"version must be 1 or 2, got {h.version!r}")
-    if type(h.tlvs) is not tuple or not all(isinstance(t, TLV) for t in h.tlvs):
+    if type(tlvs) is not tuple or not all(isinstance(t, TLV) for t in tlvs):
         raise LocalProtocolError("tlvs must be a tuple of TLV")
     if h.version == 1:
         if h.command is not Command.PROXY:
@@ -848,8 +949,10 @@ def _validate_header(h: ProxyHeader) -> None:
 _SET_TLV_VALID = TLV.__dict__["_valid"].__set__
 
 
-class _SSLInfoSlots:
-    __slots__ = SSLInfo.__slots__
+class _SSLInfoSlots(_SSLInfoLayout):
+    """SSLInfo's slots, to fill, then ``__class__ = SSLInfo``."""
+
+    __slots__ = ()
     client: SSLClient
     verify: int
     version: str | None
@@ -860,39 +963,87 @@ class _SSLInfoSlots:
     group: str | None
     sig_scheme: str | None
     client_cert: bytes | None
-    tlvs: tuple[TLV, ...]
+
+
+_set_ssl_sub_tlvs: Callable[[SSLInfo, tuple[TLV, ...] | bytes], None] = (
+    _SSLInfoLayout.__dict__["_tlvs"].__set__
+)
+
+
+def _ssl_sub_tlvs(info: SSLInfo) -> tuple[TLV, ...]:
+    tlvs = info._tlvs
+    if type(tlvs) is bytes:
+        # Sub-TLVs are not top-level TLVs: not valid as such.
+        tlvs = tlv_records(tlvs, False)
+        _set_ssl_sub_tlvs(info, tlvs)
+    return tlvs  # type: ignore[return-value]
+
+
+type.__setattr__(
+    SSLInfo,
+    "tlvs",
+    property(
+        _ssl_sub_tlvs,
+        _set_ssl_sub_tlvs,
+        doc="Every sub-TLV in wire order, including unknown ones (of a decoded "
+        "SSL TLV: made on first access).",
+    ),
+)
 
 
 def _decode_ssl(value: bytes) -> SSLInfo:
-    """Decode a received SSL TLV's value (`walk_ssl` checks it).
+    """Decode an SSL TLV's value that has not been checked.
 
     Raises:
         RemoteProtocolError: the value is invalid.
     """
-    # Built like the parser builds headers (no constructor: every value is
-    # checked by walk_ssl); the first sub-TLV of each type fills its field.
-    subs = walk_ssl(value, RemoteProtocolError)
+    walk_ssl(value, RemoteProtocolError)
+    return _decode_checked_ssl(value)
+
+
+def _decode_checked_ssl(value: bytes) -> SSLInfo:
+    """Decode an SSL TLV's value that passed its check (`walk_ssl`'s)."""
+    # Built like the parser builds headers (no constructor: every value was
+    # checked); the first sub-TLV of each type fills its field. A checked
+    # text is ASCII (UTF-8 for the CN): UTF-8 decodes either.
     info = _SSLInfoSlots()
     info.version = info.cn = info.cipher = info.sig_alg = None
     info.key_alg = info.group = info.sig_scheme = info.client_cert = None
-    for sub_type, sub_value, text in subs:
-        if text is not None:
-            name = SSL_TEXT_FIELDS.get(sub_type, "cn")
-            if getattr(info, name) is None:
-                setattr(info, name, text)
-        elif sub_type == _SSL_CLIENT_CERT and info.client_cert is None:
-            info.client_cert = sub_value
+    names = _SSL_FIELD_NAMES
+    pos, end = _SSL_FIXED_LENGTH, len(value)
+    while pos < end:
+        sub_type = value[pos]
+        stop = pos + 3 + ((value[pos + 1] << 8) | value[pos + 2])
+        name = names.get(sub_type)
+        if name is not None and getattr(info, name) is None:
+            sub_value = value[pos + 3 : stop]
+            setattr(
+                info,
+                name,
+                sub_value if sub_type == _SSL_CLIENT_CERT else sub_value.decode(),
+            )
+        pos = stop
     client = _CLIENT_FLAGS.get(value[0])
     if client is None:
         client = _CLIENT_FLAGS[value[0]] = SSLClient(value[0])
     info.client = client
-    info.verify = int.from_bytes(value[1:5], "big")
-    # Sub-TLVs are not top-level TLVs: not valid as such.
-    info.tlvs = tuple([new_tlv(sub[0], sub[1], False) for sub in subs])
+    info.verify = int.from_bytes(value[1:_SSL_FIXED_LENGTH])
+    info._tlvs = value[_SSL_FIXED_LENGTH:]  # records on first access
     info.__class__ = SSLInfo  # type: ignore[assignment]
     return info  # type: ignore[return-value]
 
 
+_SSL = int(TLVType.SSL)
 _SSL_CLIENT_CERT = int(TLVType.SSL_CLIENT_CERT)
+_SSL_FIXED_LENGTH = 5  # u8 client + u32 verify
+# The SSLInfo field of each sub-TLV type that has one.
+_SSL_FIELD_NAMES: dict[int, str] = {
+    int(sub_type): name
+    for sub_type, name in (
+        *SSL_TEXT_FIELDS.items(),
+        (TLVType.SSL_CN, "cn"),
+        (TLVType.SSL_CLIENT_CERT, "client_cert"),
+    )
+}
 # SSLClient(byte) goes through the Enum machinery (~1 us): 256 values at most.
 _CLIENT_FLAGS: dict[int, SSLClient] = {}

@@ -52,8 +52,8 @@ from proxyproto._v1 import V1_PREFIX, decode_v1
 from proxyproto._v2 import (
     V2_FIXED_LENGTH,
     V2_SIGNATURE,
+    check_tlvs,
     check_v2_prefix,
-    decode_tlvs,
     decode_v2,
 )
 
@@ -357,8 +357,8 @@ class HeaderReader:
                     decoded.transport = _STREAM
                     decoded.source = client
                     decoded._destination = (dst, dport)
-                    decoded.tlvs = (
-                        decode_tlvs(buf, 28, total, options) if total > 28 else ()
+                    decoded._tlvs = (
+                        check_tlvs(buf, 28, total, options) if total > 28 else ()
                     )
                     decoded.__class__ = ProxyHeader  # type: ignore[assignment]
                     self._trailing = buf[total:] if total < size else b""
@@ -398,8 +398,8 @@ class HeaderReader:
                     decoded.transport = _STREAM
                     decoded.source = client
                     decoded._destination = (dst, dport)
-                    decoded.tlvs = (
-                        decode_tlvs(buf, 52, total, options) if total > 52 else ()
+                    decoded._tlvs = (
+                        check_tlvs(buf, 52, total, options) if total > 52 else ()
                     )
                     decoded.__class__ = ProxyHeader  # type: ignore[assignment]
                     self._trailing = buf[total:] if total < size else b""

@@ -14,6 +14,7 @@ The dependency goes one way: this module works on bytes and the numbers of
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
@@ -35,7 +36,10 @@ SSL_TEXT_FIELDS: dict[int, str] = {
     TLVType.SSL_GROUP: "group",
     TLVType.SSL_SIG_SCHEME: "sig_scheme",
 }
+_SSL_TEXT_TYPES = frozenset(int(sub_type) for sub_type in SSL_TEXT_FIELDS)
 _SSL_FIXED_LENGTH = 5  # u8 client + u32 verify, packed
+#: The type and length of a TLV (or sub-TLV).
+TLV_HEAD = struct.Struct("!BH")
 _SSL_VERSION = int(TLVType.SSL_VERSION)
 _SSL_CN = int(TLVType.SSL_CN)
 _CLIENT_SSL = int(SSLClient.SSL)
@@ -141,27 +145,28 @@ def _check_ssl(value: bytes, error: ErrorType) -> None:
     end = len(value)
     pos = _SSL_FIXED_LENGTH
     has_version = False
-    text_types = SSL_TEXT_FIELDS
+    text_types = _SSL_TEXT_TYPES
     printable = _PRINTABLE_ASCII
-    while pos < end:
-        if end - pos < 3:
-            break
-        sub_type = value[pos]
-        stop = pos + 3 + ((value[pos + 1] << 8) | value[pos + 2])
-        if stop > end:
-            break
-        if sub_type in text_types:
-            sub = value[pos + 3 : stop]
-            if not sub or sub.translate(None, printable):
+    head = TLV_HEAD.unpack_from
+    try:
+        while pos < end:
+            sub_type, length = head(value, pos)  # fewer than 3 bytes: error
+            stop = pos + 3 + length
+            if stop > end:
                 break
-            if sub_type == _SSL_VERSION:
-                has_version = True
-        elif sub_type == _SSL_CN and not check_utf8(value[pos + 3 : stop]):
-            break
-        pos = stop
-    else:
-        if end >= _SSL_FIXED_LENGTH and (has_version or not value[0] & _CLIENT_SSL):
-            return
+            if sub_type in text_types:
+                if not length or value[pos + 3 : stop].translate(None, printable):
+                    break
+                if sub_type == _SSL_VERSION:
+                    has_version = True
+            elif sub_type == _SSL_CN and not check_utf8(value[pos + 3 : stop]):
+                break
+            pos = stop
+        else:
+            if end >= _SSL_FIXED_LENGTH and (has_version or not value[0] & _CLIENT_SSL):
+                return
+    except struct.error:
+        pass
     walk_ssl(value, error)
 
 

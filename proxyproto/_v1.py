@@ -233,7 +233,7 @@ def decode_v1(
                 header.transport = _STREAM
                 header.source = client
                 header._destination = (dst_text, dport)
-                header.tlvs = ()
+                header._tlvs = ()
                 header.__class__ = ProxyHeader  # type: ignore[assignment]
                 return header, match.end()  # type: ignore[return-value]
     else:
@@ -260,7 +260,7 @@ def decode_v1(
                     header.transport = _STREAM
                     header.source = client
                     header._destination = (dst_text, dport)
-                    header.tlvs = ()
+                    header._tlvs = ()
                     header.__class__ = ProxyHeader  # type: ignore[assignment]
                     return header, match.end()  # type: ignore[return-value]
     if buf[:6] != V1_PREFIX:  # the regular expressions above check it too

@@ -29,10 +29,10 @@ from proxyproto._events import (
     host_value,
     new_header,
     new_inet6_header,
-    new_tlv,
 )
 from proxyproto._options import V2_MAX_LENGTH_FIELD, Options
-from proxyproto._tlv import TLV_CHECKS
+from proxyproto._spec import MAX_UNIQUE_ID_LENGTH
+from proxyproto._tlv import TLV_CHECKS, TLV_HEAD
 
 V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
 V2_FIXED_LENGTH = 16
@@ -51,6 +51,9 @@ _FAMILY_BYTES: dict[int, tuple[Family, Transport, int]] = {
 _FAMILY_LIST = " ".join(f"0x{b:02x}" for b in _FAMILY_BYTES)
 _BLOCK_SIZE = {(f, t): size for f, t, size in _FAMILY_BYTES.values()}
 _CRC32C = int(TLVType.CRC32C)
+_UNIQUE_ID = int(TLVType.UNIQUE_ID)
+_ALPN = int(TLVType.ALPN)
+_ALPN_LIMIT = 256  # ALPN protocol ids are 1..255 bytes (RFC 7301)
 _INET4 = struct.Struct("!IIHH")
 # (ver/cmd, family) byte pairs -> what they mean: one lookup validates both.
 _KINDS = {
@@ -157,8 +160,8 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                     header.transport = transport
                     header.source = client
                     header._destination = (dst, dport)
-                    header.tlvs = (
-                        decode_tlvs(buf, 28, total, options) if total > 28 else ()
+                    header._tlvs = (
+                        check_tlvs(buf, 28, total, options) if total > 28 else ()
                     )
                     header.__class__ = ProxyHeader  # type: ignore[assignment]
                     return header, total  # type: ignore[return-value]
@@ -177,7 +180,7 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
                         sport,
                         (dst_hi << 64) | dst_lo,
                         dport,
-                        decode_tlvs(buf, 52, total, options) if total > 52 else (),
+                        check_tlvs(buf, 52, total, options) if total > 52 else (),
                     ), total
     kind = _KINDS.get(buf[12:14])
     if kind is None:
@@ -219,9 +222,9 @@ def decode_v2(buf: bytes, options: Options) -> tuple[ProxyHeader, int] | None:
         # honour the length (AWS NLB health checks send dummy INET addresses).
         family, transport = _UNSPEC
         tlv_start = V2_FIXED_LENGTH + block if length >= block else total
-    tlvs: tuple[TLV, ...] = ()
+    tlvs: tuple[TLV, ...] | bytes = ()
     if tlv_start < total:
-        tlvs = decode_tlvs(buf, tlv_start, total, options)
+        tlvs = check_tlvs(buf, tlv_start, total, options)
     return new_header(2, command, family, transport, source, destination, tlvs), total
 
 
@@ -245,24 +248,25 @@ def decode_v2_addresses(
     return _unix_path(wire[16:124]), _unix_path(wire[124:232])
 
 
-def decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV, ...]:
-    """Decode and check the TLVs in ``buf[pos:end]`` (the header's end).
+def check_tlvs(buf: bytes, pos: int, end: int, options: Options) -> bytes:
+    """Check the TLVs in ``buf[pos:end]`` (the header's end) and return those
+    bytes, as a decoded ProxyHeader keeps them (see ProxyHeader.tlvs).
 
     Raises:
         RemoteProtocolError: a TLV is truncated, overruns the header, or has
             a value its type does not allow; the CRC32C does not match.
     """
-    tlvs = []
+    start = pos
     crc_at = -1
     checks = TLV_CHECKS
+    head = TLV_HEAD.unpack_from
     while pos < end:
         if end - pos < 3:
             raise _reject(
                 f"truncated TLV header at offset {pos}: {end - pos} bytes left, need 3",
                 reason="bad_tlv",
             )
-        tlv_type = buf[pos]
-        length = (buf[pos + 1] << 8) | buf[pos + 2]
+        tlv_type, length = head(buf, pos)
         stop = pos + 3 + length
         if stop > end:
             raise _reject(
@@ -270,20 +274,26 @@ def decode_tlvs(buf: bytes, pos: int, end: int, options: Options) -> tuple[TLV, 
                 f"overruns the header by {stop - end} bytes",
                 reason="bad_tlv",
             )
-        value = buf[pos + 3 : stop]
         check = checks.get(tlv_type)
         if check is not None:
-            check(value, RemoteProtocolError)
-            if tlv_type == _CRC32C:
-                if crc_at >= 0:
-                    raise _reject("more than one CRC32C TLV", reason="bad_tlv")
-                crc_at = pos + 3
-        # Checked above, or of an unchecked type: valid.
-        tlvs.append(new_tlv(tlv_type, value, True))
+            # The checks of a length alone are made here, without a call (the
+            # check says what is wrong).
+            if tlv_type == _UNIQUE_ID:
+                if length > MAX_UNIQUE_ID_LENGTH:
+                    check(buf[pos + 3 : stop], RemoteProtocolError)
+            elif tlv_type == _ALPN:
+                if not 0 < length < _ALPN_LIMIT:
+                    check(buf[pos + 3 : stop], RemoteProtocolError)
+            else:
+                check(buf[pos + 3 : stop], RemoteProtocolError)
+                if tlv_type == _CRC32C:
+                    if crc_at >= 0:
+                        raise _reject("more than one CRC32C TLV", reason="bad_tlv")
+                    crc_at = pos + 3
         pos = stop
     if crc_at >= 0 and options.verify_crc32c:
         _verify_crc32c(bytes(buf[:end]), crc_at)
-    return tuple(tlvs)
+    return buf[start:end]
 
 
 def _verify_crc32c(header: bytes, at: int) -> None:
@@ -358,7 +368,12 @@ def encode_v2(
         raise LocalProtocolError(
             f"encode_v2 needs a version-2 header, got version {header.version}"
         )
-    tlvs = header.tlvs
+    # As stored: a built header's tuple without the property's call; a
+    # decoded header's TLV bytes made into records by the property.
+    stored = header._tlvs
+    tlvs: tuple[TLV, ...] = (
+        header.tlvs if type(stored) is bytes else stored  # type: ignore[assignment]
+    )
     parts = [_address_block(header)]
     crc_at = -1
     offset = V2_FIXED_LENGTH + len(parts[0])
