@@ -274,16 +274,9 @@ PROXY = textwrap.dedent(
             destination=(local[0], local[1]), tls=facts if certs else None,
         )
         on_request = None
-        if metrics:  # as Pipeline._record_http_request
+        if metrics:  # as Pipeline.http_site
             from tlsedge._core.metrics import EdgeMetrics
-            edge_metrics = EdgeMetrics()
-
-            def on_request(log):
-                if log.status is not None:
-                    edge_metrics.record_http_request(
-                        log.listener, log.backend or "", log.status, log.total,
-                        server=log.server,
-                    )
+            on_request = EdgeMetrics().http_requests("web", pool.name).record
         site = HttpSite(
             listener=config.listeners[0], backend=pool, keepalive=keepalive,
             drain=Drain(), on_request=on_request,
