@@ -2,7 +2,7 @@
 
 Run: ``python bench/callgrind_http.py [--requests 100,300] [--tls] [--floor]
 [--http2 [--streams 10] [--sans-io h2|session]] [--access-log off|writer|logger]
-[--keep DIR]``, or ``python bench/callgrind_http.py --setup [--requests
+[--metrics] [--keep DIR]``, or ``python bench/callgrind_http.py --setup [--requests
 100,1100]``
 
 Wall-clock figures on a shared machine move with the load; instruction counts
@@ -15,7 +15,9 @@ proxy process's instructions for the smaller count are taken from those for
 the larger, so start-up and imports cancel out, and the difference divided
 by the extra requests is the proxy's cost of one request: the driver, the
 session, the exchange, the gate, the access-log record (logged to a null
-handler), the reactor and the system-call wrappers. With ``--http2`` the
+handler), the reactor and the system-call wrappers; with ``--metrics``, the
+request's metrics too (an `EdgeMetrics` counting each request as the edge's
+HTTP sites do). With ``--http2`` the
 client speaks HTTP/2 with prior knowledge (``h2``) on one connection, to
 `tlsedge._pipeline.http.h2.h2_connection`: one stream at a time, or with
 ``--streams N`` N streams sent together and their responses awaited before
@@ -221,7 +223,7 @@ PROXY = textwrap.dedent(
     logging.getLogger("tlsedge").addHandler(logging.NullHandler())
     logging.getLogger("tlsedge").propagate = False
     backend_port, ready_file, version = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    access_log, certs = sys.argv[4], sys.argv[5]
+    access_log, certs, metrics = sys.argv[4], sys.argv[5], sys.argv[6]
     if access_log == "logger":
         logging.getLogger("tlsedge.access").setLevel(logging.INFO)
     elif access_log != "off":
@@ -271,9 +273,13 @@ PROXY = textwrap.dedent(
             id="bench", listener="web", peer=peer, client=peer,
             destination=(local[0], local[1]), tls=facts if certs else None,
         )
+        on_request = None
+        if metrics:  # as Pipeline.http_site
+            from tlsedge._core.metrics import EdgeMetrics
+            on_request = EdgeMetrics().http_requests("web", pool.name).record
         site = HttpSite(
             listener=config.listeners[0], backend=pool, keepalive=keepalive,
-            drain=Drain(),
+            drain=Drain(), on_request=on_request,
         )
         if version == "2":
             await run_to_end(
@@ -358,10 +364,12 @@ def instructions(
     streams: int,
     access_log: str,
     certs: tuple[Path, Path] | None,
+    metrics: bool,
 ) -> int:
     """The proxy process's instructions for *requests* keep-alive requests
     (over TLS with *certs*: the proxy's certificate chain and key file, and
-    the CA file the client trusts)."""
+    the CA file the client trusts; with *metrics*, each request counted in
+    an `EdgeMetrics` as the edge counts it)."""
     ready = workdir / f"ready-{requests}"
     out = workdir / f"callgrind-{requests}.out"
     ready.unlink(missing_ok=True)  # (a kept directory's, from an earlier run)
@@ -375,6 +383,7 @@ def instructions(
             "2" if http2 else "1",
             str(workdir / "access.log") if access_log == "writer" else access_log,
             str(certs[0]) if certs else "",
+            "metrics" if metrics else "",
         ),
         stderr=subprocess.PIPE,
         text=True,
@@ -503,6 +512,12 @@ def main() -> None:
         " null handler",
     )
     parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="count each request in an EdgeMetrics, as the edge's HTTP sites do"
+        " (Pipeline.http_site's on_request)",
+    )
+    parser.add_argument(
         "--tls",
         action="store_true",
         help="HTTP/1.1 over TLS (TLS 1.3, Python's default server context, a"
@@ -572,13 +587,14 @@ def main() -> None:
                     streams=args.streams,
                     access_log=args.access_log,
                     certs=certs,
+                    metrics=args.metrics,
                 )
                 for n in (low, high)
             }
     finally:
         backend.kill()
         backend.wait()
-    _report(counts, low, high, access_log=args.access_log)
+    _report(counts, low, high, access_log=args.access_log, metrics=args.metrics)
 
 
 def floor_instructions(
@@ -657,12 +673,19 @@ def _certificates(workdir: Path) -> tuple[Path, Path]:
     return chain, ca_file
 
 
-def _report(counts: dict[int, int], low: int, high: int, *, access_log: str) -> None:
+def _report(
+    counts: dict[int, int],
+    low: int,
+    high: int,
+    *,
+    access_log: str,
+    metrics: bool = False,
+) -> None:
     per_request = (counts[high] - counts[low]) / (high - low)
     path = os.environ.get("PYTHONPATH", "")
     print(
         f"python -V: {sys.version.split()[0]}; PYTHONPATH={path};"
-        f" access log: {access_log}"
+        f" access log: {access_log}; metrics: {'on' if metrics else 'off'}"
     )
     for n, count in counts.items():
         print(f"{n:6d} requests: {count:>14,d} instructions")

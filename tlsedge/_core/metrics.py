@@ -14,8 +14,9 @@ kinds of metrics:
   `LeaseObserver`, in every mode), sent a bad PROXY header
   (`EdgeMetrics.proxy_header_error`), and ended (`EdgeMetrics.record`, which
   derives everything else from the finished `ConnectionLog`: termination
-  cause, TLS outcome, bytes, duration). HTTP mode calls
-  `EdgeMetrics.record_http_request` per request. Bytes are also counted
+  cause, TLS outcome, bytes, duration). HTTP mode counts each request in
+  its listener's `HttpRequestCounts` (`EdgeMetrics.http_requests`: the
+  site's ``on_request``). Bytes are also counted
   while a connection runs (`EdgeMetrics.metering`, below). A ``mode = "udp"`` flow
   counts as a connection (opened, recorded when it ends); its listener adds
   datagram counts per batch (`EdgeMetrics.udp_datagrams`) and each dropped
@@ -129,6 +130,7 @@ __all__ = [
     "MULTIPROC_ENV",
     "REFUSED_TERMINATIONS",
     "EdgeMetrics",
+    "HttpRequestCounts",
     "LiveStateCollector",
     "Meter",
     "ReloadCollector",
@@ -599,6 +601,63 @@ def _make_counters(registry: CollectorRegistry | None) -> _Counters:
 _STATUS_CLASSES: Final = {status: f"{status // 100}xx" for status in range(100, 600)}
 
 
+class _AnsweredRequest(Protocol):
+    """What `HttpRequestCounts.record` reads of a request's access-log record
+    (`tlsedge._http.log.RequestLog`)."""
+
+    @property
+    def status(self) -> int | None: ...
+    @property
+    def total(self) -> float: ...
+    @property
+    def server(self) -> str | None: ...
+
+
+class HttpRequestCounts:
+    """The request metrics of one HTTP listener and its backend.
+
+    Per request, what `EdgeMetrics.record_http_request` documents, with what
+    the listener's requests share looked up once: the label tuple of each
+    status (its class included) is made at the status's first request, and
+    the duration histogram's pending counts are held from the first request
+    on (its child made then, as before; an `_Observations` keeps its
+    entries, so the one held is the one flushed).
+    """
+
+    __slots__ = ("_backend", "_durations", "_keys", "_listener", "_m")
+
+    def __init__(self, counters: _Counters, listener: str, backend: str) -> None:
+        self._m = counters
+        self._listener = listener
+        self._backend = backend
+        #: ``(listener, backend, code)`` by status.
+        self._keys: dict[int, tuple[str, str, str]] = {}
+        self._durations: _Pending | None = None
+
+    def record(self, log: _AnsweredRequest) -> None:
+        """Count the request of *log* (none without a status: never answered)."""
+        status = log.status
+        if status is not None:
+            self.count(status, log.total, log.server)
+
+    def count(self, status: int, seconds: float, server: str | None) -> None:
+        """Count a request answered with *status* after *seconds*, by
+        *server* (None: by no server)."""
+        m = self._m
+        key = self._keys.get(status)
+        if key is None:
+            code = _STATUS_CLASSES.get(status, "other")
+            key = self._keys[status] = (self._listener, self._backend, code)
+        m.http_requests[key] += 1
+        if server is not None:
+            m.server_http_requests[self._backend, server, key[2]] += 1
+        durations = self._durations
+        if durations is None:
+            durations = self._durations = m.http_duration[key[:2]]
+        durations.counts[bisect_left(HTTP_BUCKETS, seconds)] += 1
+        durations.sum += seconds
+
+
 class EdgeMetrics:
     """The metrics of one edge: event counters plus the live-state collector.
 
@@ -638,6 +697,7 @@ class EdgeMetrics:
         #: The connections counted as they run, by ``id()`` of their log
         #: (which the entry keeps alive).
         self._metered: dict[int, _Metered] = {}
+        self._http_requests: dict[tuple[str, str], HttpRequestCounts] = {}
 
     def flush(self) -> None:
         """Hand the counts since the last flush to prometheus-client (in
@@ -782,12 +842,16 @@ class EdgeMetrics:
             seconds: From the complete request head to the last response byte.
             server: The server the request went to, if it went to one.
         """
-        m = self._m
-        code = _STATUS_CLASSES.get(status, "other")
-        m.http_requests[listener, backend, code] += 1
-        if server is not None:
-            m.server_http_requests[backend, server, code] += 1
-        m.http_duration.observe((listener, backend), seconds)
+        self.http_requests(listener, backend).count(status, seconds, server)
+
+    def http_requests(self, listener: str, backend: str) -> HttpRequestCounts:
+        """Where the requests of *listener* to *backend* are counted (one per
+        pair: the HTTP site's ``on_request`` is its `HttpRequestCounts.record`)."""
+        counts = self._http_requests.get((listener, backend))
+        if counts is None:
+            counts = HttpRequestCounts(self._m, listener, backend)
+            self._http_requests[listener, backend] = counts
+        return counts
 
     def udp_datagrams(self, listener: str, direction: str, count: int) -> None:
         """*count* datagrams relayed on a udp *listener* (a batch at a time);

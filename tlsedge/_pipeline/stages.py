@@ -74,7 +74,7 @@ from tlsedge._core.downstream import Downstream, SSLFacts
 from tlsedge._core.metrics import EdgeMetrics
 from tlsedge._core.proxy_wrap import proxy_header_for
 from tlsedge._core.termination import Refused, Termination
-from tlsedge._http.log import HttpConnectionResult, RequestLog
+from tlsedge._http.log import HttpConnectionResult
 from tlsedge._pipeline.close import closed, failed, settle_health_check
 from tlsedge._pipeline.handshake import ReactorHandshake
 from tlsedge._pipeline.http.h1 import http_connection
@@ -731,19 +731,8 @@ class Pipeline:
             backend=backend,
             keepalive=self._keepalive(backend.name),
             drain=self._drain,
-            on_request=self._record_http_request,
+            on_request=self._metrics.http_requests(listener.name, backend.name).record,
         )
-
-    def _record_http_request(self, log: RequestLog) -> None:
-        """Metrics for one HTTP request (a request never answered has no status)."""
-        if log.status is not None:
-            self._metrics.record_http_request(
-                log.listener,
-                log.backend or "",
-                log.status,
-                log.total,
-                server=log.server,
-            )
 
 
 def _unwrapped(conn: Connection, unwrapped: Unwrapped) -> None:

@@ -188,6 +188,79 @@ def test_request_lines_are_json_dumps(
     assert line == log.to_json()
 
 
+@given(
+    start=st.floats(min_value=0, max_value=2**33),
+    texts=st.tuples(*[_TEXTS] * 5),
+)
+def test_a_new_request_log_is_the_dataclass_with_its_defaults(
+    start: float, texts: tuple[str | None, ...]
+) -> None:
+    lines = RequestLines(
+        connection="c", listener="l", client="a", backend="b", tls="t", sni="s"
+    )
+    method, target, version, host, agent = texts
+    made = lines.new(start, method, target, version, host=host, user_agent=agent)
+    assert made == RequestLog(
+        connection="c",
+        listener="l",
+        client="a",
+        start=start,
+        method=method,
+        target=target,
+        version=version,
+        host=host,
+        user_agent=agent,
+        backend="b",
+        tls="t",
+        sni="s",
+    )
+
+
+_REPEATED = st.one_of(
+    st.none(), st.sampled_from(["GET", "a", '"\u00e9', ""]), st.text()
+)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            *[_REPEATED] * 6,
+            st.sampled_from(list(Termination)) | st.text(),
+            st.sampled_from([0.0, 1.5, 1.9995, 2.0, 1e9 + 0.25])
+            | st.floats(min_value=0, max_value=2**33),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_the_requests_of_one_connection_have_their_own_lines(
+    requests: list[
+        tuple[
+            str | None,
+            str | None,
+            str | None,
+            str | None,
+            str | None,
+            str | None,
+            str,
+            float,
+        ]
+    ],
+) -> None:
+    # A connection's lines reuse the JSON of a value its last request had,
+    # and the text of its second: each line is still what a line of its own
+    # would be.
+    lines = RequestLines(
+        connection="c", listener="l", client=None, backend="b", tls=None, sni=None
+    )
+    for method, target, version, host, agent, server, termination, start in requests:
+        log = lines.new(start, method, target, version, host=host, user_agent=agent)
+        log.server = server
+        log.termination = termination
+        assert lines.line(log) == log.to_json()
+        assert json.loads(lines.line(log))["server"] == server
+
+
 @pytest.mark.parametrize(
     "seconds",
     [

@@ -56,6 +56,7 @@ from tlsedge._core.metrics import (
 )
 from tlsedge._core.reload import ReloadResult
 from tlsedge._core.snapshot import CheckRecord, Snapshot
+from tlsedge._http.log import RequestLog
 
 
 @pytest.fixture(autouse=True)
@@ -337,6 +338,59 @@ async def test_http_request_metrics_for_http_mode() -> None:
         total(EdgeMetrics().exposition()[0].decode(), "tlsedge_http_requests_total")
         == 0
     )
+
+
+async def test_a_sites_request_counts_are_record_http_request() -> None:
+    # What an HTTP site's on_request counts (HttpRequestCounts.record, the
+    # labels looked up once) is what record_http_request counts.
+    counted, reference = EdgeMetrics(), EdgeMetrics()
+    web = counted.http_requests("web", "app")
+    assert counted.http_requests("web", "app") is web
+    # No series before the first request.
+    assert 'listener="web"' not in counted.exposition()[0].decode()
+    requests = [
+        (200, 0.02, "10.0.0.1:80"),
+        (200, 0.3, "10.0.0.2:80"),
+        (404, 0.001, "10.0.0.1:80"),
+        (502, 3.0, None),
+        (99, 0.5, "10.0.0.1:80"),  # "other"
+        (200, 12.0, "10.0.0.1:80"),
+    ]
+    for status, seconds, to in requests:
+        web.record(
+            RequestLog(
+                connection="c",
+                listener="web",
+                client=None,
+                status=status,
+                total=seconds,
+                server=to,
+            )
+        )
+        reference.record_http_request("web", "app", status, seconds, server=to)
+    # Never answered: not counted.
+    web.record(RequestLog(connection="c", listener="web", client=None, total=1.0))
+    counted.http_requests("in", "app").count(200, 0.02, None)
+    reference.record_http_request("in", "app", 200, 0.02)
+
+    def families(metrics: EdgeMetrics) -> list[object]:
+        return [
+            (
+                family.name,
+                sorted(
+                    (s.name, sorted(s.labels.items()), s.value)
+                    for s in family.samples
+                    if not s.name.endswith("_created")
+                ),
+            )
+            for family in text_string_to_metric_families(
+                metrics.exposition()[0].decode()
+            )
+            if "http" in family.name
+        ]
+
+    assert families(counted) == families(reference)
+    assert total(counted.exposition()[0].decode(), "tlsedge_http_requests_total") == 7
 
 
 async def test_record_derives_everything_from_the_connection_log() -> None:
