@@ -282,10 +282,11 @@ class RequestLines:
         return log
 
     def emit(self, log: RequestLog) -> None:
-        """Write *log*'s line (if the access logger is enabled)."""
+        """Write *log*'s line (if the access logger is enabled); the writer
+        makes it later, so *log* must not change any more."""
         writer = access_log_writer()
         if writer is not None:  # what the tlsedge command installs
-            writer.write(self.line(log))
+            writer.write_later(self.line, log)
         elif access_log_enabled():
             write_access_line(self.line(log))
 

@@ -47,6 +47,7 @@ from tlsedge._control.logs import (
 from tlsedge._core import accesslog as _accesslog
 from tlsedge._core.accesslog import (
     BATCH_SIZE,
+    DEFERRED_LINES,
     FLUSH_INTERVAL,
     PIPE_BUF,
     AccessLogWriter,
@@ -414,6 +415,53 @@ def test_a_line_is_written_once_it_waited_an_interval(
     now[0] += FLUSH_INTERVAL
     write_access_line("third")  # the first has waited long enough: all go
     assert path.read_text() == "first\nsecond\nthird\n"
+
+
+def test_records_lines_are_made_together_and_keep_their_place(tmp_path: Path) -> None:
+    path = tmp_path / "access.log"
+    setup_logging("info", "text", str(path))
+    writer = access_log_writer()
+    assert writer is not None
+    made: list[int] = []
+
+    def make_line(record: int) -> str:
+        made.append(record)
+        return f"record {record}"
+
+    for record in range(DEFERRED_LINES - 1):
+        writer.write_later(make_line, record)
+    assert made == []  # kept as records
+    writer.write_later(make_line, DEFERRED_LINES - 1)
+    assert made == list(range(DEFERRED_LINES))  # their lines made in one go
+    writer.write_later(make_line, 100)
+    write_access_line("connection")  # a line comes: the record's line first
+    writer.write_later(make_line, 101)
+    assert path.read_text() == ""
+    shutdown_logging()
+    assert path.read_text().splitlines() == [
+        *(f"record {record}" for record in range(DEFERRED_LINES)),
+        "record 100",
+        "connection",
+        "record 101",
+    ]
+
+
+def test_a_records_line_is_written_once_it_waited_an_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "access.log"
+    setup_logging("info", "text", str(path))
+    writer = access_log_writer()
+    assert writer is not None
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    writer.write_later(str, 1)
+    now[0] += FLUSH_INTERVAL / 2
+    writer.write_later(str, 2)
+    assert path.read_text() == ""  # pending: nobody flushed, not due yet
+    now[0] += FLUSH_INTERVAL
+    writer.write_later(str, 3)  # the first has waited long enough: all go
+    assert path.read_text() == "1\n2\n3\n"
 
 
 async def test_the_flusher_writes_a_lone_pending_line(
