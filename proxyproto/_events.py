@@ -285,7 +285,7 @@ _NO_CLIENT_FLAGS = SSLClient(0)
 class _SSLInfoLayout:
     # SSLInfo's slots, in a base class that _SSLInfoSlots shares (see
     # _InetLayout). The sub-TLVs are kept in _tlvs, behind the ``tlvs``
-    # property (see _ssl_sub_tlvs below), as ProxyHeader keeps its TLVs.
+    # property (see _lazy_tlvs below), as ProxyHeader keeps its TLVs.
     __slots__ = (
         "_tlvs",
         "cipher",
@@ -836,26 +836,30 @@ type.__setattr__(
 # records on first access and stores their tuple in place of the bytes, as
 # ``destination`` does its address (everything that reads the field gets the
 # tuple; the validating constructor refuses bytes).
-_set_tlvs: Callable[[ProxyHeader, tuple[TLV, ...] | bytes], None] = (
-    _HeaderLayout.__dict__["_tlvs"].__set__
-)
+def _lazy_tlvs(layout: type, top_level: bool, doc: str) -> property:
+    """The ``tlvs`` property over *layout*'s ``_tlvs`` slot: checked TLV
+    bytes become their records (top-level TLVs, or SSL sub-TLVs, which are
+    not valid as top-level ones) on first access, stored in their place."""
+    store = layout.__dict__["_tlvs"]
+    read, write = store.__get__, store.__set__
 
+    def tlvs(owner: object) -> tuple[TLV, ...]:
+        value = read(owner)
+        if type(value) is bytes:
+            value = tlv_records(value, top_level)
+            write(owner, value)
+        return value  # type: ignore[no-any-return]
 
-def _tlvs(header: ProxyHeader) -> tuple[TLV, ...]:
-    tlvs = header._tlvs
-    if type(tlvs) is bytes:
-        tlvs = tlv_records(tlvs, True)
-        _set_tlvs(header, tlvs)
-    return tlvs  # type: ignore[return-value]
+    return property(tlvs, write, doc=doc)
 
 
 type.__setattr__(
     ProxyHeader,
     "tlvs",
-    property(
-        _tlvs,
-        _set_tlvs,
-        doc="The TLVs in wire order (of a decoded header: made on first access).",
+    _lazy_tlvs(
+        _HeaderLayout,
+        True,
+        "The TLVs in wire order (of a decoded header: made on first access).",
     ),
 )
 
@@ -965,27 +969,13 @@ class _SSLInfoSlots(_SSLInfoLayout):
     client_cert: bytes | None
 
 
-_set_ssl_sub_tlvs: Callable[[SSLInfo, tuple[TLV, ...] | bytes], None] = (
-    _SSLInfoLayout.__dict__["_tlvs"].__set__
-)
-
-
-def _ssl_sub_tlvs(info: SSLInfo) -> tuple[TLV, ...]:
-    tlvs = info._tlvs
-    if type(tlvs) is bytes:
-        # Sub-TLVs are not top-level TLVs: not valid as such.
-        tlvs = tlv_records(tlvs, False)
-        _set_ssl_sub_tlvs(info, tlvs)
-    return tlvs  # type: ignore[return-value]
-
-
 type.__setattr__(
     SSLInfo,
     "tlvs",
-    property(
-        _ssl_sub_tlvs,
-        _set_ssl_sub_tlvs,
-        doc="Every sub-TLV in wire order, including unknown ones (of a decoded "
+    _lazy_tlvs(
+        _SSLInfoLayout,
+        False,
+        "Every sub-TLV in wire order, including unknown ones (of a decoded "
         "SSL TLV: made on first access).",
     ),
 )

@@ -618,13 +618,10 @@ class HttpRequestCounts:
 
     Per request, what `EdgeMetrics.record_http_request` documents, with what
     the listener's requests share looked up once: the label tuple of each
-    status (its class included) is made at the status's first request, and
-    the duration histogram's pending counts are held from the first request
-    on (its child made then, as before; an `_Observations` keeps its
-    entries, so the one held is the one flushed).
+    status (its class included) is made at the status's first request.
     """
 
-    __slots__ = ("_backend", "_durations", "_keys", "_listener", "_m")
+    __slots__ = ("_backend", "_keys", "_listener", "_m", "_pair")
 
     def __init__(self, counters: _Counters, listener: str, backend: str) -> None:
         self._m = counters
@@ -632,7 +629,7 @@ class HttpRequestCounts:
         self._backend = backend
         #: ``(listener, backend, code)`` by status.
         self._keys: dict[int, tuple[str, str, str]] = {}
-        self._durations: _Pending | None = None
+        self._pair = (listener, backend)
 
     def record(self, log: _AnsweredRequest) -> None:
         """Count the request of *log* (none without a status: never answered)."""
@@ -651,11 +648,7 @@ class HttpRequestCounts:
         m.http_requests[key] += 1
         if server is not None:
             m.server_http_requests[self._backend, server, key[2]] += 1
-        durations = self._durations
-        if durations is None:
-            durations = self._durations = m.http_duration[key[:2]]
-        durations.counts[bisect_left(HTTP_BUCKETS, seconds)] += 1
-        durations.sum += seconds
+        m.http_duration.observe(self._pair, seconds)
 
 
 class EdgeMetrics:
