@@ -17,12 +17,18 @@ and HTTPS to a second nginx that speaks TLS):
 * ``tlsedge-nolog``: the same with ``access_log = "off"`` (no access log);
 * ``trio-floor`` (only ``http-keep-alive``): `trio_floor.py`, a minimal trio
   task-per-connection proxy with tlsedge's parser and socket I/O and none of
-  its features: the floor of tlsedge's design on this machine;
+  its features: the floor of a task-per-connection design (tlsedge's before
+  its reactor);
 * ``epoll-floor`` (``https-keep-alive`` and ``http-keep-alive``):
   `epoll_floor.py`, issue 24's prototype: one epoll loop in plain CPython,
   one regular expression per head, the ``X-Forwarded-For`` line spliced in,
   ``SSLObject`` over ``MemoryBIO``; no features at all: what a CPython
   process can reach per request;
+* ``reactor-floor`` (``https-keep-alive`` and ``http-keep-alive``):
+  `reactor_floor.py`, the same per-request work as handlers of tlsedge's
+  reactor inside a trio run, as tlsedge's established connections are
+  driven: the floor of tlsedge's architecture (what hosting the hot path in
+  trio costs, before any engine or feature);
 * ``haproxy``: ``nbthread 1``, ``mode http``, ``option forwardfor``,
   ``bind ... ssl crt <pem>``, default ``http-reuse safe`` keep-alive to
   nginx, no logging.
@@ -75,10 +81,18 @@ from tls import make_certificates
 PROXY_CPU = "1"
 LOAD_CPU = "0"
 SCENARIOS = ("https-keep-alive", "http-keep-alive", "https-to-tls-backend")
-ALL_PROXIES = ("tlsedge", "tlsedge-nolog", "haproxy", "trio-floor", "epoll-floor")
+ALL_PROXIES = (
+    "tlsedge",
+    "tlsedge-nolog",
+    "haproxy",
+    "trio-floor",
+    "epoll-floor",
+    "reactor-floor",
+)
 FLOOR_SCENARIOS = {
     "trio-floor": ("http-keep-alive",),
     "epoll-floor": ("https-keep-alive", "http-keep-alive"),
+    "reactor-floor": ("https-keep-alive", "http-keep-alive"),
 }
 #: Issue 24's goals for tlsedge with its access log on: HTTPS and plain HTTP
 #: keep-alive with X-Forwarded-For (issue 13's was 0.8x for HTTPS, issue 12's
@@ -180,8 +194,8 @@ def start_proxy(
     elif proxy.name == "trio-floor":
         floor = Path(__file__).with_name("trio_floor.py")
         argv = [sys.executable, str(floor), str(proxy.http_port), str(nginx_port)]
-    elif proxy.name == "epoll-floor":
-        floor = Path(__file__).with_name("epoll_floor.py")
+    elif proxy.name in ("epoll-floor", "reactor-floor"):
+        floor = Path(__file__).with_name(proxy.name.replace("-", "_") + ".py")
         argv = [
             sys.executable,
             str(floor),

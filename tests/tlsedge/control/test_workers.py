@@ -226,7 +226,7 @@ async def test_a_respawned_worker_runs_the_running_configuration(
         # ... not a SIGHUP sent to one worker: the supervisor's only ...
         path.write_text(config_text(port, new.address))
         os.kill(min(children(process.pid)), signal.SIGHUP)
-        await wait_until(lambda: "SIGHUP to a worker is ignored" in log.read_text())
+        await wait_until(lambda: "SIGHUP to a worker is ignored" in log.read_text(), 20)
         assert await answers(port) == {b"old"}
         # ... and applied everywhere once the file is right.
         process.send_signal(signal.SIGHUP)
