@@ -16,7 +16,10 @@ one worker, ``return 200 "hello\\n"``, access log off), adding
   connection) to a file;
 * ``tlsedge-nolog``: the same with ``access_log = "off"`` (no access log);
 * ``haproxy``: ``nbthread 1``, ``mode http``, ``option forwardfor``,
-  ``bind ... ssl crt <pem> alpn h2,http/1.1``, no logging.
+  ``bind ... ssl crt <pem> alpn h2,http/1.1``, no logging;
+* ``h2-floor``: `h2_floor.py`, the ``h2`` library in one epoll loop with
+  none of tlsedge's features (one pipelined upstream connection per client
+  connection): what a pure-Python HTTP/2 proxy on ``h2`` can reach.
 
 The proxies run interleaved (the order rotates each repetition); the table
 shows medians, the ratio is against HAProxy, and the CPU per request is the
@@ -54,7 +57,7 @@ from edge import (
 from tls import make_certificates
 
 PROXY_CPU = "1"
-ALL_PROXIES = ("tlsedge", "tlsedge-nolog", "haproxy")
+ALL_PROXIES = ("tlsedge", "tlsedge-nolog", "haproxy", "h2-floor")
 GOAL = 0.5  # issue 14: at least half HAProxy's requests/s
 
 _FINISHED = re.compile(r"finished in [^,]+, ([\d.]+) req/s")
@@ -97,6 +100,9 @@ def start_proxy(
             f'[[backends]]\nname = "nginx"\nservers = ["127.0.0.1:{nginx_port}"]\n'
         )
         argv = [sys.executable, "-m", "tlsedge", "run", str(toml)]
+    elif name == "h2-floor":
+        floor = Path(__file__).with_name("h2_floor.py")
+        argv = [sys.executable, str(floor), str(port), str(nginx_port), str(combined)]
     else:
         cfg = wd / "haproxy.cfg"
         cfg.write_text(
