@@ -27,21 +27,24 @@ features cost per request; the gap between it and HAProxy is CPython's.
 
 from __future__ import annotations
 
+import functools
 import re
 import select
 import socket
 import ssl
 import sys
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 READ_SIZE = 65536
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
 _VCHAR = rb"[\x21-\x7e\x80-\xff]"
-_FIELD = _TOKEN + rb":[ \t]*(?:" + _VCHAR + rb"(?:[ \t]*" + _VCHAR + rb")*)?[ \t]*\r\n"
+FIELD = _TOKEN + rb":[ \t]*(?:" + _VCHAR + rb"(?:[ \t]*" + _VCHAR + rb")*)?[ \t]*\r\n"
 REQUEST_HEAD = re.compile(
-    _TOKEN + rb" [\x21-\x7e]+ HTTP/1\.[01]\r\n(?:" + _FIELD + rb")*\r\n"
+    _TOKEN + rb" [\x21-\x7e]+ HTTP/1\.[01]\r\n(?:" + FIELD + rb")*\r\n"
 )
 RESPONSE_HEAD = re.compile(
-    rb"HTTP/1\.[01] [0-9]{3} [\t\x20-\x7e\x80-\xff]*\r\n(?:" + _FIELD + rb")*\r\n"
+    rb"HTTP/1\.[01] [0-9]{3} [\t\x20-\x7e\x80-\xff]*\r\n(?:" + FIELD + rb")*\r\n"
 )
 FRAMING = re.compile(
     rb"\r\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r]*)", re.IGNORECASE
@@ -154,27 +157,41 @@ class Client:
         self.upstream.close()
 
 
-def main(http_port: int, https_port: int, upstream_port: int, cert: str) -> None:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert)
-    listeners: dict[int, tuple[socket.socket, ssl.SSLContext | None]] = {}
+class Connection(Protocol):
+    """What `serve` drives: a client connection and its upstream connection."""
+
+    sock: socket.socket
+    upstream: socket.socket
+
+    def client_readable(self) -> None: ...
+    def upstream_readable(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def serve(
+    listeners: Sequence[tuple[socket.socket, Callable[[socket.socket], Connection]]],
+    errors: tuple[type[Exception], ...] = (OSError, EOFError, ssl.SSLError, ValueError),
+) -> None:
+    """Accept on *listeners* (each with what makes a connection of an accepted
+    socket) and drive every connection in one epoll loop; a connection that
+    raises one of *errors* is closed."""
     epoll = select.epoll()
-    for port, tls in ((http_port, None), (https_port, context)):
-        listener = socket.create_server(("127.0.0.1", port), backlog=1024)
+    makers: dict[int, tuple[socket.socket, Callable[[socket.socket], Connection]]] = {}
+    for listener, make in listeners:
         listener.setblocking(False)
-        listeners[listener.fileno()] = (listener, tls)
+        makers[listener.fileno()] = (listener, make)
         epoll.register(listener.fileno(), select.EPOLLIN)
-    handlers: dict[int, tuple[Client, bool]] = {}
+    handlers: dict[int, tuple[Connection, bool]] = {}
     while True:
         for fd, _ in epoll.poll():
-            if fd in listeners:
-                listener, tls = listeners[fd]
+            if fd in makers:
+                listener, make = makers[fd]
                 try:
                     sock, _ = listener.accept()
                 except BlockingIOError:
                     continue
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                client = Client(sock, tls, upstream_port)
+                client = make(sock)
                 handlers[sock.fileno()] = (client, True)
                 handlers[client.upstream.fileno()] = (client, False)
                 epoll.register(sock.fileno(), select.EPOLLIN)
@@ -189,11 +206,25 @@ def main(http_port: int, https_port: int, upstream_port: int, cert: str) -> None
                     client.client_readable()
                 else:
                     client.upstream_readable()
-            except (OSError, EOFError, ssl.SSLError, ValueError):
+            except errors:
                 for sock in (client.sock, client.upstream):
                     handlers.pop(sock.fileno(), None)
                     epoll.unregister(sock.fileno())
                 client.close()
+
+
+def main(http_port: int, https_port: int, upstream_port: int, cert: str) -> None:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert)
+    serve(
+        [
+            (
+                socket.create_server(("127.0.0.1", port), backlog=1024),
+                functools.partial(Client, context=tls, upstream_port=upstream_port),
+            )
+            for port, tls in ((http_port, None), (https_port, context))
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ CPython cost; the gap between it and tlsedge is tlsedge's engine and features.
 from __future__ import annotations
 
 import collections
+import functools
 import re
-import select
 import socket
 import ssl
 import sys
@@ -36,13 +36,12 @@ import sys
 import h2.config
 import h2.connection
 import h2.events
+from epoll_floor import FIELD, serve
+from h2.exceptions import H2Error
 
 READ_SIZE = 65536
-_TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
-_VCHAR = rb"[\x21-\x7e\x80-\xff]"
-_FIELD = _TOKEN + rb":[ \t]*(?:" + _VCHAR + rb"(?:[ \t]*" + _VCHAR + rb")*)?[ \t]*\r\n"
 RESPONSE_HEAD = re.compile(
-    rb"HTTP/1\.1 ([0-9]{3}) [\t\x20-\x7e\x80-\xff]*\r\n(?:" + _FIELD + rb")*\r\n"
+    rb"HTTP/1\.1 ([0-9]{3}) [\t\x20-\x7e\x80-\xff]*\r\n(?:" + FIELD + rb")*\r\n"
 )
 CONTENT_LENGTH = re.compile(rb"\r\ncontent-length[ \t]*:[ \t]*([0-9]+)", re.IGNORECASE)
 CONFIG = h2.config.H2Configuration(
@@ -166,38 +165,8 @@ def main(port: int, upstream_port: int, cert: str) -> None:
     context.load_cert_chain(cert)
     context.set_alpn_protocols(["h2"])
     listener = socket.create_server(("127.0.0.1", port), backlog=1024)
-    listener.setblocking(False)
-    epoll = select.epoll()
-    epoll.register(listener.fileno(), select.EPOLLIN)
-    handlers: dict[int, tuple[Client, bool]] = {}
-    while True:
-        for fd, _ in epoll.poll():
-            if fd == listener.fileno():
-                try:
-                    sock, _ = listener.accept()
-                except BlockingIOError:
-                    continue
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                client = Client(sock, context, upstream_port)
-                handlers[sock.fileno()] = (client, True)
-                handlers[client.upstream.fileno()] = (client, False)
-                epoll.register(sock.fileno(), select.EPOLLIN)
-                epoll.register(client.upstream.fileno(), select.EPOLLIN)
-                continue
-            entry = handlers.get(fd)
-            if entry is None:
-                continue
-            client, from_client = entry
-            try:
-                if from_client:
-                    client.client_readable()
-                else:
-                    client.upstream_readable()
-            except (OSError, EOFError, ssl.SSLError, ValueError, h2.exceptions.H2Error):
-                for sock in (client.sock, client.upstream):
-                    handlers.pop(sock.fileno(), None)
-                    epoll.unregister(sock.fileno())
-                client.close()
+    make = functools.partial(Client, context=context, upstream_port=upstream_port)
+    serve([(listener, make)], (OSError, EOFError, ssl.SSLError, ValueError, H2Error))
 
 
 if __name__ == "__main__":
