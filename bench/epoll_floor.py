@@ -121,7 +121,9 @@ class Client:
             if name.lower() == b"transfer-encoding" or value.strip() != b"0":
                 raise OSError("a request with a body: not handled by the floor")
         self.request = b""
-        head = request[:-2] + self.forwarded
+        self.send_upstream(request[:-2] + self.forwarded)
+
+    def send_upstream(self, head: bytes) -> None:
         if self.upstream.send(head) != len(head):
             raise OSError("the upstream did not take the request at once")
 

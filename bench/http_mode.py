@@ -29,6 +29,9 @@ and HTTPS to a second nginx that speaks TLS):
   reactor inside a trio run, as tlsedge's established connections are
   driven: the floor of tlsedge's architecture (what hosting the hot path in
   trio costs, before any engine or feature);
+* ``reactor-floor-log``: the same with each request's access-log line
+  (written to a file by tlsedge's writer) and its count in tlsedge's metrics:
+  the floor of an engine with those two features;
 * ``haproxy``: ``nbthread 1``, ``mode http``, ``option forwardfor``,
   ``bind ... ssl crt <pem>``, default ``http-reuse safe`` keep-alive to
   nginx, no logging.
@@ -88,11 +91,13 @@ ALL_PROXIES = (
     "trio-floor",
     "epoll-floor",
     "reactor-floor",
+    "reactor-floor-log",
 )
 FLOOR_SCENARIOS = {
     "trio-floor": ("http-keep-alive",),
     "epoll-floor": ("https-keep-alive", "http-keep-alive"),
     "reactor-floor": ("https-keep-alive", "http-keep-alive"),
+    "reactor-floor-log": ("https-keep-alive", "http-keep-alive"),
 }
 #: Issue 24's goals for tlsedge with its access log on: HTTPS and plain HTTP
 #: keep-alive with X-Forwarded-For (issue 13's was 0.8x for HTTPS, issue 12's
@@ -194,16 +199,18 @@ def start_proxy(
     elif proxy.name == "trio-floor":
         floor = Path(__file__).with_name("trio_floor.py")
         argv = [sys.executable, str(floor), str(proxy.http_port), str(nginx_port)]
-    elif proxy.name in ("epoll-floor", "reactor-floor"):
-        floor = Path(__file__).with_name(proxy.name.replace("-", "_") + ".py")
+    elif proxy.name in ("epoll-floor", "reactor-floor", "reactor-floor-log"):
+        script = "epoll_floor.py" if proxy.name == "epoll-floor" else "reactor_floor.py"
         argv = [
             sys.executable,
-            str(floor),
+            str(Path(__file__).with_name(script)),
             str(proxy.http_port),
             str(proxy.https_port),
             str(nginx_port),
             str(combined),
         ]
+        if proxy.name == "reactor-floor-log":
+            argv.append(str(wd / "reactor-floor-access.log"))
     elif proxy.name == "haproxy":
         cfg = wd / "haproxy.cfg"
         cfg.write_text(
