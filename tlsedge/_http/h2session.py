@@ -62,9 +62,13 @@ so no such frame reaches it: the scanner notes where each DATA frame of the
 bytes received lies, its stream and its data's length; when one would break
 its stream's count (`_owed`), the bytes before it go to h2 first, the stream
 is reset, and h2 then takes the frame as one on a stream we reset (it still
-counts against the connection's window, which h2 opens again). h2 itself
-checks HPACK, the frame sizes and stream states (connection errors,
-GOAWAY).
+counts against the connection's window, which h2 opens again). Trailers
+without END_STREAM (a HEADERS frame on a stream opened before that does not
+end it) make the request malformed too (section 8.1; h2: a connection
+error): the scanner notes them as well, and the stream is reset the same
+way before h2 takes them (it decodes their block: the HPACK state stays in
+step). h2 itself checks HPACK, the frame sizes and stream states (connection
+errors, GOAWAY).
 
 Limits (``[listeners.http2]``, docs/http2.md). SETTINGS: our HPACK table
 (``header_table_size``), ``max_header_list_size`` (h2's HPACK decoder stops a
@@ -184,6 +188,7 @@ _FIELD_LINES_RE: Final = re.compile(_FIELD_LINE + rb"(?:\n" + _FIELD_LINE + rb")
 _TE_ERROR: Final = "te other than 'trailers' (RFC 9113 8.2.2)"
 _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
 _CONTENT_LENGTH_ERROR: Final = "malformed content-length"
+_OPEN_TRAILERS_ERROR: Final = "trailers without END_STREAM (RFC 9113 8.1)"
 #: The fields h2 parses in a request's header block or trailers, whatever
 #: its configuration (`_hidden_from_h2`).
 _PARSED_BY_H2: Final = frozenset({b"content-length", b":status"})
@@ -313,14 +318,17 @@ class _Calm(Exception):
 class _FrameScanner:
     """Follows the frame headers of the bytes received (after the preface) and
     keeps the counts the flood defences need (see the module docstring), and
-    where each DATA frame completed in the bytes scanned lies (`data_frames`,
-    for `H2Session`'s content-length check)."""
+    where the frames `H2Session` checks before h2 takes them lie in the bytes
+    scanned (`frames`): each DATA frame completed (the content-length check),
+    and each HEADERS frame that neither opens a stream nor ends one (trailers
+    without END_STREAM)."""
 
     __slots__ = (
         "_data",
         "_empty",
         "_header",
         "_limits",
+        "_opened",
         "_pad",
         "_priority",
         "_remaining",
@@ -328,7 +336,7 @@ class _FrameScanner:
         "_window_updates",
         "block",
         "control",
-        "data_frames",
+        "frames",
         "resets",
         "streams",
     )
@@ -349,16 +357,18 @@ class _FrameScanner:
         self.control = 0  # PING and SETTINGS frames in this call to scan
         self.resets = 0  # RST_STREAM frames in this call to scan
         self.streams = 0  # HEADERS frames that may open a stream
-        #: The DATA frames completed in this call to scan, in order: their
-        #: start, stream, END_STREAM and their data's length (padding not
-        #: counted).
-        self.data_frames: list[tuple[int, int, bool, int]] = []
+        self._opened = 0  # the highest stream a HEADERS frame was on
+        #: The frames to check in this call to scan, in order: DATA frames
+        #: completed, as their start, stream, END_STREAM and their data's
+        #: length (padding not counted); HEADERS frames on a stream opened
+        #: before without END_STREAM, as their start, stream, False and -1.
+        self.frames: list[tuple[int, int, bool, int]] = []
 
     def scan(self, data: bytes, data_frames_sent: int) -> None:
         """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
         self.resets = self.control = 0
-        if self.data_frames:
-            self.data_frames = []
+        if self.frames:
+            self.frames = []
         if self._data is not None:
             self._data = (0, *self._data[1:])
         offset = 0
@@ -398,6 +408,12 @@ class _FrameScanner:
                 self._pad = -1 if flags & _PADDED else 0
                 if not remaining:
                     self._data_frame_ends()
+            elif kind == _HEADERS:
+                stream &= _STREAM_ID
+                if stream > self._opened:
+                    self._opened = stream
+                elif not flags & _END_STREAM:
+                    self.frames.append((start, stream, False, -1))
         self._remaining = remaining
 
     def _data_frame_ends(self) -> None:
@@ -408,7 +424,7 @@ class _FrameScanner:
         self._data = None
         size = length - (self._pad + 1 if flags & _PADDED else 0)
         if size >= 0:
-            self.data_frames.append((start, stream, bool(flags & _END_STREAM), size))
+            self.frames.append((start, stream, bool(flags & _END_STREAM), size))
 
     def _frame(self, kind: int, flags: int, length: int, data_frames_sent: int) -> None:
         limits = self._limits
@@ -607,7 +623,7 @@ class H2Session:
         except _Calm as exc:
             return [self._calm(str(exc))]
         events: list[Event] = []
-        if scanner.data_frames:
+        if scanner.frames:
             self._receive_checked(data, scanner, now, events)
         else:
             self._receive(data, now, events)
@@ -631,19 +647,31 @@ class H2Session:
     def _receive_checked(
         self, data: bytes, scanner: _FrameScanner, now: float, events: list[Event]
     ) -> None:
-        """*data*, which completes DATA frames, to h2 so that none reaches it
-        past its stream's ``content-length`` or ending the stream short of it
-        (h2 would end the connection): that stream is reset first (a stream
-        error, RFC 9113 section 8.1.1), and h2 then takes the frame as one on
-        a stream we reset (its bytes count against the connection's window,
-        which h2 opens again). The bytes before such a frame, and before a
-        DATA frame of a stream not known to be served (its HEADERS may be in
-        *data*), go to h2 first, so that `_owed` is up to date when the frame
-        is judged."""
+        """*data*, which holds frames to check (`_FrameScanner.frames`), to h2
+        so that it ends no connection over a malformed request (RFC 9113
+        section 8.1.1 asks a stream error): DATA past its stream's
+        ``content-length`` or ending the stream short of it, and trailers
+        without END_STREAM (section 8.1). Such a frame's stream is reset
+        first, and h2 then takes the frame as one on a stream we reset (the
+        bytes of DATA count against the connection's window, which h2 opens
+        again). The bytes before such a frame, and before a frame of a stream
+        not known to be served (its HEADERS may be in *data*), go to h2
+        first, so that `active` and `_owed` are up to date when the frame is
+        judged."""
         owed = self._owed
         pending: dict[int, int] = {}  # DATA bytes of `owed` streams not fed yet
         fed = 0
-        for start, sid, end_stream, size in scanner.data_frames:
+        for start, sid, end_stream, size in scanner.frames:
+            if size < 0:  # HEADERS on a stream opened before, not ending it
+                if start > fed:
+                    self._receive(data[fed:start], now, events)
+                    fed = start
+                    pending.clear()
+                    if self.ended:
+                        return
+                if sid in self.active:
+                    self._malformed_stream(sid, _OPEN_TRAILERS_ERROR, events)
+                continue
             if start > fed and sid not in self.active:
                 self._receive(data[fed:start], now, events)
                 fed = start

@@ -607,6 +607,36 @@ def test_a_1xx_status_in_a_request_or_trailers_resets_only_its_stream(
     assert not pair.session.ended
 
 
+@pytest.mark.parametrize("cut", [0, 5, 9, 12])
+def test_trailers_without_end_stream_reset_only_their_stream(cut: int) -> None:
+    # RFC 9113 8.1: a malformed request (h2 alone ends the connection). The
+    # frames may come in the read of the DATA before them, or cut anywhere.
+    pair = Pair()
+    pair.flush()
+    sid = _served(pair, [*BASE, (b"content-length", b"3")])
+    pair.client.send_data(sid, b"abc")
+    data = pair.client.data_to_send()
+    data += _headers_frame(pair.client.encoder, [(b"x", b"1")], end_stream=False)
+    after = _headers_frame(pair.client.encoder, BASE, end_stream=True, sid=3)
+    events: list[object] = []
+    if cut:
+        data, rest = data[: len(data) - cut], data[len(data) - cut :]
+        events += pair.session.receive_data(data, pair.now)
+        data = rest
+    events += pair.session.receive_data(data + after, pair.now)
+    pair.client_events += pair.client.receive_data(pair.session.data_to_send())
+    assert events[:2] == [
+        RequestData(sid, b"abc", 3),
+        StreamMalformed(sid, "trailers without END_STREAM (RFC 9113 8.1)", None, None),
+    ]
+    assert [e.stream_id for e in events[2:] if isinstance(e, StreamOpened)] == [3]
+    assert pair.resets() == {sid: ErrorCodes.PROTOCOL_ERROR}
+    assert pair.goaway() is None
+    # The client's DATA after them is taken as on any stream reset.
+    assert pair.session.receive_data(DataFrame(sid, b"more").serialize(), 1.0) == []
+    assert not pair.session.ended
+
+
 def test_a_content_length_h2_parses_in_trailers_is_a_trailer() -> None:
     # h2 takes a number there (it counts no DATA after trailers), and so do we.
     pair = Pair()
@@ -889,14 +919,16 @@ def test_no_request_header_block_ends_the_connection(
 
 
 @settings(max_examples=1000, deadline=None)
-@given(trailers=_FIELD_LISTS)
-def test_no_trailer_section_ends_the_connection(trailers: list[Header]) -> None:
+@given(trailers=_FIELD_LISTS, end_stream=st.booleans())
+def test_no_trailer_section_ends_the_connection(
+    trailers: list[Header], end_stream: bool
+) -> None:
     pair = Pair()
     pair.flush()
     sid = _served(pair, BASE)
     pair.client.send_data(sid, b"abc")
     pair.flush()
-    block = _headers_frame(pair.client.encoder, trailers, end_stream=True)
+    block = _headers_frame(pair.client.encoder, trailers, end_stream=end_stream)
     events = pair.session.receive_data(block, 0.0)
     assert not any(isinstance(e, ConnectionEnded) for e in events), events
     assert not pair.session.ended

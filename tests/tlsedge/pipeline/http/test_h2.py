@@ -1016,6 +1016,39 @@ async def test_a_1xx_status_in_a_request_resets_only_its_stream(
     )
 
 
+async def test_trailers_without_end_stream_reset_only_their_stream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # RFC 9113 8.1: a malformed request (h2 alone ends the connection). Its
+    # request went upstream: that connection is closed.
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    async with h2_edge(tmp_path) as setup:
+        backend = setup.backend
+        client = await RawH2.open(setup.plain_port)
+        bad = client.request("/echo", method="POST", end_stream=False)
+        client.conn.send_data(bad, b"abc")
+        await client.send()
+        await wait_until(lambda: b"\r\nabc\r\n" in backend.received)
+        block = client.conn.encoder.encode([(b"x-sum", b"1")])
+        trailers = HeadersFrame(bad, block, flags=["END_HEADERS"])
+        await client.send(trailers.serialize())
+        after = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: _answered(c, bad, after))
+        resets = {e.stream_id: e.error_code for e in client.of(h2.events.StreamReset)}
+        assert resets == {bad: ErrorCodes.PROTOCOL_ERROR}
+        assert client.status(after) == 200
+        assert client.goaway() is None
+        await wait_until(lambda: backend.closed == 1)
+        await client.aclose()
+    assert b"x-sum" not in bytes(backend.received)
+    reason = "trailers without END_STREAM (RFC 9113 8.1)"
+    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok"]
+    (line,) = [r for r in lines if r["termination"] == "bad_request"]
+    assert line["detail"] == f"malformed request, stream reset: {reason}"
+
+
 async def _over_http2(setup: Setup, case: H2Case) -> tuple[bytes, bool]:
     """*case* over h2c: what reached the backend, and whether the edge
     refused the request (reset the stream or ended the connection)."""
