@@ -40,6 +40,19 @@ to the same field rules (and may hold no pseudo-header); a malformed trailer
 section resets a stream already being served (`StreamMalformed`, so the
 driver closes its upstream connection, which holds half a request).
 
+Two fields of a header block h2 reads itself, whatever its configuration,
+and ends the connection over: a ``content-length`` it cannot parse (not
+digits, or two that differ), and a ``:status`` of 1xx (it takes the block for
+an informational response, which a client may not send). Both make a
+request or trailer section malformed, a stream error. So h2 never sees them:
+our HPACK decoder (`_Decoder`, installed as h2's ``decoder``) decodes each
+header block as h2's own would (the dynamic table stays in step with the
+client's, whatever the block holds), then hides them (`_hidden_from_h2`:
+such a ``content-length`` is renamed `_MALFORMED_CONTENT_LENGTH`, no token;
+such a ``:status`` gets another value), and h2 goes on as with any block.
+`check_request` and `_trailer_section` still refuse the block, and the
+stream is reset as any malformed one.
+
 Framing facts are checked, not trusted (section 8.1.1): a ``content-length``
 must equal the DATA the stream brings, and a stream that breaks it is
 malformed: one that ends with its HEADERS although it declared a length,
@@ -49,9 +62,13 @@ so no such frame reaches it: the scanner notes where each DATA frame of the
 bytes received lies, its stream and its data's length; when one would break
 its stream's count (`_owed`), the bytes before it go to h2 first, the stream
 is reset, and h2 then takes the frame as one on a stream we reset (it still
-counts against the connection's window, which h2 opens again). h2 itself
-checks HPACK, the frame sizes and stream states (connection errors,
-GOAWAY).
+counts against the connection's window, which h2 opens again). Trailers
+without END_STREAM (a HEADERS frame on a stream opened before that does not
+end it) make the request malformed too (section 8.1; h2: a connection
+error): the scanner notes them as well, and the stream is reset the same
+way before h2 takes them (it decodes their block: the HPACK state stays in
+step). h2 itself checks HPACK, the frame sizes and stream states (connection
+errors, GOAWAY).
 
 Limits (``[listeners.http2]``, docs/http2.md). SETTINGS: our HPACK table
 (``header_table_size``), ``max_header_list_size`` (h2's HPACK decoder stops a
@@ -90,9 +107,11 @@ is made here. Streams opened after it are refused; those before it finish.
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 import struct
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
@@ -102,6 +121,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from tlsedge._core.config import Http2Config
@@ -167,6 +187,14 @@ _FIELD_LINE: Final = _NAME + rb"\x00" + FIELD_VALUE
 _FIELD_LINES_RE: Final = re.compile(_FIELD_LINE + rb"(?:\n" + _FIELD_LINE + rb")*")
 _TE_ERROR: Final = "te other than 'trailers' (RFC 9113 8.2.2)"
 _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
+_CONTENT_LENGTH_ERROR: Final = "malformed content-length"
+_OPEN_TRAILERS_ERROR: Final = "trailers without END_STREAM (RFC 9113 8.1)"
+#: The fields h2 parses in a request's header block or trailers, whatever
+#: its configuration (`_hidden_from_h2`).
+_PARSED_BY_H2: Final = frozenset({b"content-length", b":status"})
+#: What `_hidden_from_h2` renames a ``content-length`` h2 would refuse to:
+#: not a token, so no request or trailer section holding it passes our checks.
+_MALFORMED_CONTENT_LENGTH: Final = b"content-length (malformed)"
 # RFC 3986 section 3.1.
 _SCHEME = rb"[A-Za-z][A-Za-z0-9+.-]*"
 _SCHEME_RE: Final = re.compile(_SCHEME)
@@ -290,14 +318,17 @@ class _Calm(Exception):
 class _FrameScanner:
     """Follows the frame headers of the bytes received (after the preface) and
     keeps the counts the flood defences need (see the module docstring), and
-    where each DATA frame completed in the bytes scanned lies (`data_frames`,
-    for `H2Session`'s content-length check)."""
+    where the frames `H2Session` checks before h2 takes them lie in the bytes
+    scanned (`frames`): each DATA frame completed (the content-length check),
+    and each HEADERS frame that neither opens a stream nor ends one (trailers
+    without END_STREAM)."""
 
     __slots__ = (
         "_data",
         "_empty",
         "_header",
         "_limits",
+        "_opened",
         "_pad",
         "_priority",
         "_remaining",
@@ -305,7 +336,7 @@ class _FrameScanner:
         "_window_updates",
         "block",
         "control",
-        "data_frames",
+        "frames",
         "resets",
         "streams",
     )
@@ -326,16 +357,18 @@ class _FrameScanner:
         self.control = 0  # PING and SETTINGS frames in this call to scan
         self.resets = 0  # RST_STREAM frames in this call to scan
         self.streams = 0  # HEADERS frames that may open a stream
-        #: The DATA frames completed in this call to scan, in order: their
-        #: start, stream, END_STREAM and their data's length (padding not
-        #: counted).
-        self.data_frames: list[tuple[int, int, bool, int]] = []
+        self._opened = 0  # the highest stream a HEADERS frame was on
+        #: The frames to check in this call to scan, in order: DATA frames
+        #: completed, as their start, stream, END_STREAM and their data's
+        #: length (padding not counted); HEADERS frames on a stream opened
+        #: before without END_STREAM, as their start, stream, False and -1.
+        self.frames: list[tuple[int, int, bool, int]] = []
 
     def scan(self, data: bytes, data_frames_sent: int) -> None:
         """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
         self.resets = self.control = 0
-        if self.data_frames:
-            self.data_frames = []
+        if self.frames:
+            self.frames = []
         if self._data is not None:
             self._data = (0, *self._data[1:])
         offset = 0
@@ -375,6 +408,12 @@ class _FrameScanner:
                 self._pad = -1 if flags & _PADDED else 0
                 if not remaining:
                     self._data_frame_ends()
+            elif kind == _HEADERS:
+                stream &= _STREAM_ID
+                if stream > self._opened:
+                    self._opened = stream
+                elif not flags & _END_STREAM:
+                    self.frames.append((start, stream, False, -1))
         self._remaining = remaining
 
     def _data_frame_ends(self) -> None:
@@ -385,7 +424,7 @@ class _FrameScanner:
         self._data = None
         size = length - (self._pad + 1 if flags & _PADDED else 0)
         if size >= 0:
-            self.data_frames.append((start, stream, bool(flags & _END_STREAM), size))
+            self.frames.append((start, stream, bool(flags & _END_STREAM), size))
 
     def _frame(self, kind: int, flags: int, length: int, data_frames_sent: int) -> None:
         limits = self._limits
@@ -442,6 +481,54 @@ class _FrameScanner:
             self._empty = 0
 
 
+_DECODE: Final = hpack.Decoder.decode
+_NAME_OF: Final = operator.itemgetter(0)
+
+
+class _Decoder(hpack.Decoder):
+    """HPACK as h2's own decoder, but a header block's fields that h2 would
+    end the connection over come out hidden (`_hidden_from_h2`)."""
+
+    def decode(self, data: bytes, raw: bool = False) -> Iterable[hpack.HeaderTuple]:
+        # (The base method called directly, the names tested in C: a block
+        # of 5 fields then costs 3,500 instructions more than h2's decoder;
+        # 6,600 with `super()` and a comprehension.)
+        fields = _DECODE(self, data, raw)  # (a list, documented)
+        if _PARSED_BY_H2.isdisjoint(map(_NAME_OF, fields)):
+            return fields
+        return _hidden_from_h2(fields)
+
+
+def _hidden_from_h2(fields: Iterable[Header]) -> list[hpack.HeaderTuple]:
+    """A header block's *fields* with what h2 parses itself, whatever its
+    configuration, and ends the connection over, hidden from it; the fields
+    stay malformed in our checks (`check_request`, `_trailer_section`), which
+    reset the stream instead:
+
+    * ``content-length`` fields h2 cannot parse (one not all ASCII digits:
+      empty, a sign, a space...; or two that differ as numbers) are renamed
+      `_MALFORMED_CONTENT_LENGTH`;
+    * a ``:status`` (no request or trailer section may have one) whose value
+      starts with "1" (h2 would take the block for an informational
+      response, which a client cannot send) gets a value that does not (it
+      is not shown: the field alone is the error).
+    """
+    fields = list(fields)
+    lengths = [value for name, value in fields if name == b"content-length"]
+    bad_lengths = bool(lengths) and (
+        not all(map(bytes.isdigit, lengths)) or len(set(map(int, lengths))) > 1
+    )
+    hidden = []
+    for name, value in fields:
+        if name == b"content-length" and bad_lengths:
+            hidden.append(hpack.HeaderTuple(_MALFORMED_CONTENT_LENGTH, value))
+        elif name == b":status" and value[:1] == b"1":
+            hidden.append(hpack.HeaderTuple(name, b"x" + value))
+        else:
+            hidden.append(hpack.HeaderTuple(name, value))
+    return hidden
+
+
 class H2Session:
     """One HTTP/2 client connection, server side (see the module docstring).
 
@@ -466,6 +553,7 @@ class H2Session:
             normalize_outbound_headers=False,
         )
         conn = h2.connection.H2Connection(config=config)
+        conn.decoder = _Decoder()
         # The first SETTINGS holds what applies before the client's ACK too;
         # the window and table sizes apply once ACKed (h2 tracks that).
         conn.local_settings = h2.settings.Settings(
@@ -535,7 +623,7 @@ class H2Session:
         except _Calm as exc:
             return [self._calm(str(exc))]
         events: list[Event] = []
-        if scanner.data_frames:
+        if scanner.frames:
             self._receive_checked(data, scanner, now, events)
         else:
             self._receive(data, now, events)
@@ -559,19 +647,31 @@ class H2Session:
     def _receive_checked(
         self, data: bytes, scanner: _FrameScanner, now: float, events: list[Event]
     ) -> None:
-        """*data*, which completes DATA frames, to h2 so that none reaches it
-        past its stream's ``content-length`` or ending the stream short of it
-        (h2 would end the connection): that stream is reset first (a stream
-        error, RFC 9113 section 8.1.1), and h2 then takes the frame as one on
-        a stream we reset (its bytes count against the connection's window,
-        which h2 opens again). The bytes before such a frame, and before a
-        DATA frame of a stream not known to be served (its HEADERS may be in
-        *data*), go to h2 first, so that `_owed` is up to date when the frame
-        is judged."""
+        """*data*, which holds frames to check (`_FrameScanner.frames`), to h2
+        so that it ends no connection over a malformed request (RFC 9113
+        section 8.1.1 asks a stream error): DATA past its stream's
+        ``content-length`` or ending the stream short of it, and trailers
+        without END_STREAM (section 8.1). Such a frame's stream is reset
+        first, and h2 then takes the frame as one on a stream we reset (the
+        bytes of DATA count against the connection's window, which h2 opens
+        again). The bytes before such a frame, and before a frame of a stream
+        not known to be served (its HEADERS may be in *data*), go to h2
+        first, so that `active` and `_owed` are up to date when the frame is
+        judged."""
         owed = self._owed
         pending: dict[int, int] = {}  # DATA bytes of `owed` streams not fed yet
         fed = 0
-        for start, sid, end_stream, size in scanner.data_frames:
+        for start, sid, end_stream, size in scanner.frames:
+            if size < 0:  # HEADERS on a stream opened before, not ending it
+                if start > fed:
+                    self._receive(data[fed:start], now, events)
+                    fed = start
+                    pending.clear()
+                    if self.ended:
+                        return
+                if sid in self.active:
+                    self._malformed_stream(sid, _OPEN_TRAILERS_ERROR, events)
+                continue
             if start > fed and sid not in self.active:
                 self._receive(data[fed:start], now, events)
                 fed = start
@@ -953,7 +1053,7 @@ def check_request(fields: list[Header], *, end_stream: bool) -> H2Request:
     content_length = None
     if lengths:
         if len(lengths) > 1 or not _CONTENT_LENGTH_RE.fullmatch(lengths[0]):
-            raise MalformedRequestError("malformed content-length", method, path)
+            raise MalformedRequestError(_CONTENT_LENGTH_ERROR, method, path)
         content_length = int(lengths[0])
         if content_length and end_stream:
             raise MalformedRequestError(
@@ -1074,7 +1174,10 @@ def _request_line(pseudo: dict[bytes, bytes]) -> tuple[bytes, bytes, bytes]:
 def _field_error(name: bytes, value: bytes) -> str | None:
     """What makes a field (not a pseudo-header) malformed in HTTP/2, or None:
     the gate's field rules, a lowercase name, no connection-specific field
-    (RFC 9113 section 8.2.2; ``te`` only as ``trailers``)."""
+    (RFC 9113 section 8.2.2; ``te`` only as ``trailers``); a ``content-length``
+    h2 would refuse (`_hidden_from_h2`)."""
+    if name == _MALFORMED_CONTENT_LENGTH:
+        return _CONTENT_LENGTH_ERROR
     if not _NAME_RE.fullmatch(name):
         return f"field name {show_bytes(name)} is not a lowercase token"
     error = field_error(name, value)

@@ -9,8 +9,14 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import h2.utilities
+import hpack
 import pytest
-from hyperframe.frame import ContinuationFrame, HeadersFrame
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    HeadersFrame,
+    SettingsFrame,
+)
 from hypothesis import given, settings, strategies as st
 
 from tlsedge._core.config import Http2Config
@@ -511,6 +517,136 @@ def test_data_beyond_the_content_length_still_reopens_the_connection_window() ->
     assert not pair.session.ended
 
 
+_UNPARSABLE_LENGTHS = [[b"abc"], [b"-1"], [b"1 2"], [b""], [b"+5"], [b"5", b"6"]]
+
+
+@pytest.mark.parametrize("lengths", _UNPARSABLE_LENGTHS)
+def test_a_content_length_h2_cannot_parse_resets_only_its_stream(
+    lengths: list[bytes],
+) -> None:
+    # h2 parses content-length as a stream opens, whatever its configuration,
+    # and ends the connection over one it cannot parse; RFC 9113 8.1.1 asks a
+    # stream error. The bad block's HPACK entries are decoded all the same:
+    # the next request names its field by its index in the dynamic table.
+    pair = Pair()
+    pair.flush()
+    beside = pair.request(BASE, end_stream=False)
+    marker = (b"x-in-the-bad-block", b"1")
+    bad = pair.request(
+        [*BASE, marker, *((b"content-length", v) for v in lengths)], end_stream=False
+    )
+    pair.client.send_data(bad, b"abc", end_stream=True)
+    table = pair.client.encoder.header_table
+    found = table.search(*marker)
+    assert found is not None
+    assert found[0] > len(table.STATIC_TABLE)  # (an index in the dynamic table)
+    after = pair.request([*BASE, marker])
+    pair.client.send_data(beside, b"ok", end_stream=True)
+    events = pair.flush()
+    assert [e for e in events if isinstance(e, StreamMalformed)] == [
+        StreamMalformed(bad, "malformed content-length", b"GET", b"/a?b=1")
+    ]
+    opened = [e for e in events if isinstance(e, StreamOpened)]
+    assert [e.stream_id for e in opened] == [beside, after]
+    assert marker in opened[1].request.headers
+    assert events[-2:] == [RequestData(beside, b"ok", 2), RequestEnd(beside, [])]
+    assert pair.resets() == {bad: ErrorCodes.PROTOCOL_ERROR}
+    assert pair.goaway() is None
+    assert not pair.session.ended
+
+
+@pytest.mark.parametrize("lengths", _UNPARSABLE_LENGTHS)
+def test_a_content_length_h2_cannot_parse_in_trailers_resets_the_stream(
+    lengths: list[bytes],
+) -> None:
+    pair = Pair()
+    pair.flush()
+    sid = _served(pair, BASE)
+    pair.client.send_data(sid, b"abc")
+    pair.client.send_headers(
+        sid, [(b"content-length", v) for v in lengths], end_stream=True
+    )
+    after = pair.request(BASE)
+    events = pair.flush()
+    assert events[:2] == [
+        RequestData(sid, b"abc", 3),
+        StreamMalformed(sid, "trailer malformed content-length", None, None),
+    ]
+    assert [e.stream_id for e in events[2:] if isinstance(e, StreamOpened)] == [after]
+    assert pair.resets() == {sid: ErrorCodes.PROTOCOL_ERROR}
+    assert pair.goaway() is None
+
+
+@pytest.mark.parametrize("end_stream", [False, True])
+def test_a_1xx_status_in_a_request_or_trailers_resets_only_its_stream(
+    end_stream: bool,
+) -> None:
+    # h2 takes a block with a 1xx :status for an informational response and
+    # ends the connection (a client may send none); it is a malformed request.
+    pair = Pair()
+    pair.flush()
+    served = _served(pair, BASE)
+    pair.client.send_data(served, b"abc")
+    pair.flush()
+    status = [(b":status", b"103")]
+    encoder = pair.client.encoder
+    blocks = _headers_frame(encoder, [*status, *BASE], end_stream=end_stream, sid=3)
+    blocks += _headers_frame(encoder, status, end_stream=True, sid=served)
+    blocks += _headers_frame(encoder, BASE, end_stream=True, sid=5)
+    events = pair.session.receive_data(blocks, pair.now)
+    assert events[:2] == [
+        StreamMalformed(3, "unknown pseudo-header ':status'", None, None),
+        StreamMalformed(
+            served,
+            "pseudo-header ':status' in trailers (RFC 9113 8.1)",
+            None,
+            None,
+        ),
+    ]
+    assert [e.stream_id for e in events[2:] if isinstance(e, StreamOpened)] == [5]
+    assert not pair.session.ended
+
+
+@pytest.mark.parametrize("cut", [0, 5, 9, 12])
+def test_trailers_without_end_stream_reset_only_their_stream(cut: int) -> None:
+    # RFC 9113 8.1: a malformed request (h2 alone ends the connection). The
+    # frames may come in the read of the DATA before them, or cut anywhere.
+    pair = Pair()
+    pair.flush()
+    sid = _served(pair, [*BASE, (b"content-length", b"3")])
+    pair.client.send_data(sid, b"abc")
+    data = pair.client.data_to_send()
+    data += _headers_frame(pair.client.encoder, [(b"x", b"1")], end_stream=False)
+    after = _headers_frame(pair.client.encoder, BASE, end_stream=True, sid=3)
+    events: list[object] = []
+    if cut:
+        data, rest = data[: len(data) - cut], data[len(data) - cut :]
+        events += pair.session.receive_data(data, pair.now)
+        data = rest
+    events += pair.session.receive_data(data + after, pair.now)
+    pair.client_events += pair.client.receive_data(pair.session.data_to_send())
+    assert events[:2] == [
+        RequestData(sid, b"abc", 3),
+        StreamMalformed(sid, "trailers without END_STREAM (RFC 9113 8.1)", None, None),
+    ]
+    assert [e.stream_id for e in events[2:] if isinstance(e, StreamOpened)] == [3]
+    assert pair.resets() == {sid: ErrorCodes.PROTOCOL_ERROR}
+    assert pair.goaway() is None
+    # The client's DATA after them is taken as on any stream reset.
+    assert pair.session.receive_data(DataFrame(sid, b"more").serialize(), 1.0) == []
+    assert not pair.session.ended
+
+
+def test_a_content_length_h2_parses_in_trailers_is_a_trailer() -> None:
+    # h2 takes a number there (it counts no DATA after trailers), and so do we.
+    pair = Pair()
+    pair.flush()
+    sid = _served(pair, BASE)
+    pair.client.send_data(sid, b"abc")
+    pair.client.send_headers(sid, [(b"content-length", b"3")], end_stream=True)
+    assert pair.flush()[-1] == RequestEnd(sid, [(b"content-length", b"3")])
+
+
 def test_a_length_with_no_data_to_come_is_malformed() -> None:
     with pytest.raises(MalformedRequestError) as info:
         check_request([*BASE, (b"content-length", b"5")], end_stream=True)
@@ -652,10 +788,6 @@ def test_the_common_pseudo_header_check_is_the_rule_by_rule_one(
 
 # -- h2's own inbound validation, which H2Session switches off -----------------------
 
-_H2_REQUEST_FLAGS = h2.utilities.HeaderValidationFlags(
-    is_client=False, is_trailer=False, is_response_header=False, is_push_promise=False
-)
-_H2_TRAILER_FLAGS = _H2_REQUEST_FLAGS._replace(is_trailer=True)
 _NAMES = st.sampled_from(
     [
         b":method", b":scheme", b":path", b":authority", b":status", b":protocol",
@@ -671,7 +803,8 @@ _VALUES = st.one_of(
             b"GET", b"CONNECT", b"OPTIONS", b"http", b"https", b"/", b"/a?b", b"*",
             b"", b"example.com", b"Example.com", b"other.test", b"trailers",
             b"gzip", b"1", b"a=1", b" a", b"a ", b"\ta", b"a\x00b", b"a\rb",
-            b"a\nb", b"\x01", b"h:1", b"u@h",
+            b"a\nb", b"\x01", b"h:1", b"u@h", b"5", b"05", b"-1", b"+5", b"1 2",
+            b"1,1", b"0x5", b"99999999999999999999", b"\xd9\xa1", b"100",
         ]
     ),
     st.binary(max_size=6),
@@ -697,10 +830,34 @@ def _near_requests(draw: st.DrawFn) -> list[Header]:
     return fields
 
 
-def _h2_refuses(fields: list[Header], flags: object) -> str | None:
-    """Why h2's inbound validation (on) would refuse *fields*, or None."""
+def _headers_frame(
+    encoder: hpack.Encoder, fields: list[Header], *, end_stream: bool, sid: int = 1
+) -> bytes:
+    """A HEADERS frame with *fields* as they are (h2 would not send them all)."""
+    frame = HeadersFrame(sid, encoder.encode(fields), flags=["END_HEADERS"])
+    if end_stream:
+        frame.flags.add("END_STREAM")
+    return bytes(frame.serialize())
+
+
+def _h2_refuses(
+    fields: list[Header], *, end_stream: bool, trailers: bool = False
+) -> str | None:
+    """Why h2 alone (its inbound validation on, as it comes) would end the
+    connection over a request with *fields* (after `BASE` and some DATA, as
+    its trailer section, if *trailers*), or None."""
+    server = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=False, header_encoding=None)
+    )
+    server.initiate_connection()
+    encoder = hpack.Encoder()
+    frames = b""
+    if trailers:
+        frames = _headers_frame(encoder, BASE, end_stream=False)
+        frames += DataFrame(1, b"abc").serialize()
+    frames += _headers_frame(encoder, fields, end_stream=end_stream)
     try:
-        list(h2.utilities.validate_headers(fields, flags))  # type: ignore[arg-type]
+        server.receive_data(h2session.PREFACE + SettingsFrame(0).serialize() + frames)
     except h2.exceptions.ProtocolError as exc:
         return str(exc)
     return None
@@ -711,16 +868,18 @@ def _h2_refuses(fields: list[Header], flags: object) -> str | None:
 def test_every_request_h2s_validation_refuses_check_request_refuses(
     fields: list[Header], end_stream: bool
 ) -> None:
-    # h2's validation is off (`H2Session`): `check_request` covers every rule
-    # of it, as a stream error (h2's would end the connection, which RFC
-    # 9113 8.1.1 does not ask). One difference is ours on purpose: a `host`
+    # h2's validation is off (`H2Session`), and what h2 reads regardless (a
+    # content-length, a 1xx :status) is hidden from it: `check_request`
+    # covers every rule h2 alone ends the connection over, as a stream error
+    # (RFC 9113 8.1.1 does not ask more). One difference is ours on purpose: a `host`
     # that names the `:authority` in another case is the same authority
     # (host names are case-insensitive); h2 compares the bytes.
-    why = _h2_refuses(fields, _H2_REQUEST_FLAGS)
+    why = _h2_refuses(fields, end_stream=end_stream)
     if why is None:
         return
+    hidden: list[Header] = [*h2session._hidden_from_h2(fields)]
     try:
-        check_request(fields, end_stream=end_stream)
+        check_request(hidden, end_stream=end_stream)
     except MalformedRequestError:
         return
     host = dict(fields).get(b"host", b"")
@@ -733,7 +892,43 @@ def test_every_request_h2s_validation_refuses_check_request_refuses(
 def test_every_trailer_section_h2s_validation_refuses_is_refused(
     trailers: list[Header],
 ) -> None:
-    if _h2_refuses(trailers, _H2_TRAILER_FLAGS) is None:
+    # (As `H2Session` checks them: after `_hidden_from_h2`, as decoded.)
+    if _h2_refuses(trailers, end_stream=True, trailers=True) is None:
         return
-    _, error = h2session._trailer_section(trailers)
+    hidden: list[Header] = [*h2session._hidden_from_h2(trailers)]
+    _, error = h2session._trailer_section(hidden)
     assert error is not None, trailers
+
+
+@settings(max_examples=1000, deadline=None)
+@given(fields=st.one_of(_FIELD_LISTS, _near_requests()), end_stream=st.booleans())
+def test_no_request_header_block_ends_the_connection(
+    fields: list[Header], end_stream: bool
+) -> None:
+    # Whatever a request's header block holds, h2 ends no connection over it
+    # in `H2Session` (a malformed request is a stream error, RFC 9113 8.1.1):
+    # the stream is opened or reset, and the next request is served.
+    pair = Pair()
+    pair.flush()
+    block = _headers_frame(pair.client.encoder, fields, end_stream=end_stream)
+    events = pair.session.receive_data(block, 0.0)
+    assert not any(isinstance(e, ConnectionEnded) for e in events), events
+    after = _headers_frame(pair.client.encoder, BASE, end_stream=True, sid=3)
+    (opened,) = pair.session.receive_data(after, 0.0)
+    assert isinstance(opened, StreamOpened)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(trailers=_FIELD_LISTS, end_stream=st.booleans())
+def test_no_trailer_section_ends_the_connection(
+    trailers: list[Header], end_stream: bool
+) -> None:
+    pair = Pair()
+    pair.flush()
+    sid = _served(pair, BASE)
+    pair.client.send_data(sid, b"abc")
+    pair.flush()
+    block = _headers_frame(pair.client.encoder, trailers, end_stream=end_stream)
+    events = pair.session.receive_data(block, 0.0)
+    assert not any(isinstance(e, ConnectionEnded) for e in events), events
+    assert not pair.session.ended

@@ -914,6 +914,141 @@ async def test_data_that_breaks_the_content_length_resets_only_its_stream(
     ]
 
 
+@pytest.mark.parametrize("where", ["headers", "trailers"])
+@pytest.mark.parametrize(
+    "lengths", [("abc",), ("-1",), ("1 2",), ("",), ("+5",), ("5", "6")]
+)
+async def test_a_content_length_h2_cannot_parse_resets_only_its_stream(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    where: str,
+    lengths: tuple[str, ...],
+) -> None:
+    # h2 alone ends the connection over a content-length it cannot parse (in
+    # a request's HEADERS or its trailers); RFC 9113 8.1.1 asks a stream
+    # error. The stream opened before it and the one after go on; the one
+    # after names a field of the bad block by its HPACK dynamic-table index.
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    async with h2_edge(tmp_path) as setup:
+        backend = setup.backend
+        client = await RawH2.open(setup.plain_port, validate=False)
+        beside = client.request("/echo", method="POST", end_stream=False)
+        client.conn.send_data(beside, b"beside")
+        fields = [("content-length", value) for value in lengths]
+        marker = ("x-in-the-bad-block", "1")
+        if where == "headers":
+            bad = client.request(
+                "/echo", method="POST", headers=[marker, *fields], end_stream=False
+            )
+            client.conn.send_data(bad, b"abc", end_stream=True)
+        else:
+            bad = client.request(
+                "/echo", method="POST", headers=[marker], end_stream=False
+            )
+            client.conn.send_data(bad, b"abc")
+            await client.send()
+            await wait_until(lambda: b"\r\nabc\r\n" in backend.received)
+            client.conn.send_headers(
+                bad, [(n.encode(), v.encode()) for n, v in fields], end_stream=True
+            )
+        after = client.request("/echo", headers=[marker])
+        client.conn.send_data(beside, b"!", end_stream=True)
+        await client.send()
+        await client.until(lambda c: _answered(c, bad, beside, after))
+        resets = {e.stream_id: e.error_code for e in client.of(h2.events.StreamReset)}
+        assert resets == {bad: ErrorCodes.PROTOCOL_ERROR}
+        assert client.goaway() is None
+        assert client.status(beside) == 200
+        assert json.loads(client.body(beside))["size"] == 7
+        assert client.status(after) == 200
+        assert list(marker) in json.loads(client.body(after))["headers"]
+        if where == "trailers":
+            # Its request went upstream: that connection is closed.
+            await wait_until(lambda: backend.closed == 1)
+        await client.aclose()
+    received = bytes(backend.received)
+    assert b"content-length" not in received.lower()
+    assert received.count(b"x-in-the-bad-block") == (2 if where == "trailers" else 1)
+    reason = "malformed content-length"
+    if where == "trailers":
+        reason = f"trailer {reason}"
+    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok", "ok"]
+    (line,) = [r for r in lines if r["termination"] == "bad_request"]
+    assert line["detail"] == f"malformed request, stream reset: {reason}"
+    assert [r.getMessage() for r in caplog.records if r.name == "tlsedge.http"] == [
+        f"listener plain: client {line['client']}: HTTP/2 stream {bad} reset: {reason}"
+    ]
+
+
+async def test_a_1xx_status_in_a_request_resets_only_its_stream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # h2 alone takes it for an informational response and ends the connection.
+    # (Sent past the client's h2, which then ignores the stream's reset.)
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port, validate=False)
+        beside = client.request("/echo")
+        bad = client.conn.get_next_available_stream_id()
+        fields = [
+            (b":status", b"103"),
+            (b":method", b"GET"),
+            (b":scheme", b"http"),
+            (b":authority", b"localhost"),
+            (b":path", b"/echo"),
+        ]
+        block = client.conn.encoder.encode(fields)
+        frame = HeadersFrame(bad, block, flags=["END_HEADERS", "END_STREAM"])
+        await client.send(frame.serialize())
+        client.conn.send_headers(bad + 2, [*fields[1:]], end_stream=True)
+        await client.send()
+        await client.until(lambda c: _answered(c, beside, bad + 2))
+        assert client.status(beside) == client.status(bad + 2) == 200
+        assert client.goaway() is None
+        await client.aclose()
+    assert bytes(setup.backend.received).count(b"GET /echo") == 2
+    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok", "ok"]
+    (line,) = [r for r in lines if r["termination"] == "bad_request"]
+    assert line["detail"] == (
+        "malformed request, stream reset: unknown pseudo-header ':status'"
+    )
+
+
+async def test_trailers_without_end_stream_reset_only_their_stream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # RFC 9113 8.1: a malformed request (h2 alone ends the connection). Its
+    # request went upstream: that connection is closed.
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    async with h2_edge(tmp_path) as setup:
+        backend = setup.backend
+        client = await RawH2.open(setup.plain_port)
+        bad = client.request("/echo", method="POST", end_stream=False)
+        client.conn.send_data(bad, b"abc")
+        await client.send()
+        await wait_until(lambda: b"\r\nabc\r\n" in backend.received)
+        block = client.conn.encoder.encode([(b"x-sum", b"1")])
+        trailers = HeadersFrame(bad, block, flags=["END_HEADERS"])
+        await client.send(trailers.serialize())
+        after = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: _answered(c, bad, after))
+        resets = {e.stream_id: e.error_code for e in client.of(h2.events.StreamReset)}
+        assert resets == {bad: ErrorCodes.PROTOCOL_ERROR}
+        assert client.status(after) == 200
+        assert client.goaway() is None
+        await wait_until(lambda: backend.closed == 1)
+        await client.aclose()
+    assert b"x-sum" not in bytes(backend.received)
+    reason = "trailers without END_STREAM (RFC 9113 8.1)"
+    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok"]
+    (line,) = [r for r in lines if r["termination"] == "bad_request"]
+    assert line["detail"] == f"malformed request, stream reset: {reason}"
+
+
 async def _over_http2(setup: Setup, case: H2Case) -> tuple[bytes, bool]:
     """*case* over h2c: what reached the backend, and whether the edge
     refused the request (reset the stream or ended the connection)."""
