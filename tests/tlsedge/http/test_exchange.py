@@ -189,9 +189,11 @@ def test_connections_that_cannot_be_reused(data: bytes) -> None:
 # -- h11 as the oracle ----------------------------------------------------------
 
 
-def h11_body(data: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+def h11_body(
+    data: bytes, method: bytes = b"GET"
+) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
     conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "h")]))
+    conn.send(h11.Request(method=method, target="/", headers=[("Host", "h")]))
     conn.send(h11.EndOfMessage())
     conn.receive_data(data)
     conn.receive_data(b"")
@@ -206,13 +208,28 @@ def h11_body(data: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
             return status, body, list(event.headers.raw_items())
 
 
+# Interim responses before the final one (any number, fields or none).
+informational = st.lists(
+    st.sampled_from(
+        [
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n",
+            b"HTTP/1.1 102 \r\n\r\n",
+        ]
+    ),
+    max_size=2,
+).map(b"".join)
+
+
 @st.composite
 def responses(draw: st.DrawFn) -> bytes:
     body = draw(st.binary(max_size=60))
     framing = draw(st.sampled_from(["length", "chunked", "close"]))
-    head = b"HTTP/1.1 %d OK\r\nServer: t\r\n" % draw(
-        st.sampled_from([200, 201, 404, 500])
-    )
+    status = draw(st.sampled_from([200, 201, 404, 500, 204, 304]))
+    head = draw(informational) + b"HTTP/1.1 %d OK\r\nServer: t\r\n" % status
+    if status in {204, 304}:  # no body, whatever the fields say
+        length = b"Content-Length: %d\r\n" % len(body) if status == 304 else b""
+        return head + draw(st.sampled_from([length, b""])) + b"\r\n"
     if framing == "length":
         return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
     if framing == "close":
@@ -233,11 +250,33 @@ def responses(draw: st.DrawFn) -> bytes:
     )
 
 
-@given(responses(), st.lists(st.integers(0, 200), max_size=4))
+@st.composite
+def head_responses(draw: st.DrawFn) -> bytes:
+    """Responses to HEAD: framing fields, no body."""
+    head = draw(informational) + b"HTTP/1.1 200 OK\r\n"
+    framing = draw(
+        st.sampled_from(
+            [
+                b"",
+                b"Content-Length: 0\r\n",
+                b"Content-Length: 42\r\n",
+                b"Transfer-Encoding: chunked\r\n",
+            ]
+        )
+    )
+    return head + framing + b"\r\n"
+
+
+@given(
+    st.tuples(st.just(b"GET"), responses())
+    | st.tuples(st.just(b"HEAD"), head_responses()),
+    st.lists(st.integers(0, 200), max_size=4),
+)
 def test_response_streams_split_anywhere_agree_with_h11(
-    data: bytes, cuts: list[int]
+    exchanged: tuple[bytes, bytes], cuts: list[int]
 ) -> None:
-    exchange = sent()
+    method, data = exchanged
+    exchange = sent(method)
     status, body, trailers = 0, b"", []
     bounds = sorted({min(c, len(data)) for c in cuts} | {len(data)})
     start = 0
@@ -258,7 +297,7 @@ def test_response_streams_split_anywhere_agree_with_h11(
                 trailers = event.trailers
                 done = True
     assert done
-    assert (status, body, trailers) == h11_body(data)
+    assert (status, body, trailers) == h11_body(data, method)
 
 
 RESPONSE_PIECES = st.one_of(

@@ -309,8 +309,8 @@ class H2Case:
 
 @st.composite
 def h2_cases(draw: st.DrawFn) -> H2Case:
-    """A valid HTTP/2 request with junk in one pseudo-header, field, trailer
-    or content-length."""
+    """A valid HTTP/2 request with junk in one pseudo-header, field, trailer,
+    content-length, cookie crumb or te."""
     case = H2Case(body=draw(st.sampled_from([b"", b"hello"])))
     if draw(st.booleans()):
         case.trailers.append((b"x-sum", b"7"))
@@ -327,6 +327,8 @@ def h2_cases(draw: st.DrawFn) -> H2Case:
                 "tvalue",
                 "length",
                 "sized",
+                "cookie",
+                "te",
                 "none",
             ]
         )
@@ -353,6 +355,14 @@ def h2_cases(draw: st.DrawFn) -> H2Case:
         case.fields.append((b"content-length", draw(digits | JUNK)))
     elif where == "sized":
         case.fields.append((b"content-length", str(len(case.body)).encode()))
+    elif where == "cookie":  # crumbs, joined on their way to HTTP/1.1
+        crumbs = draw(
+            st.lists(st.sampled_from([b"a=1", b"b=2", b""]) | JUNK, max_size=3)
+        )
+        case.fields[1:1] = [(b"cookie", crumb) for crumb in [junk, *crumbs]]
+    elif where == "te":
+        te = draw(st.sampled_from([b"trailers", b"Trailers", b"gzip"]) | JUNK)
+        case.fields.append((b"te", te))
     if case.sized:
         case.trailers = []  # a sized body carries no trailers upstream
     return case

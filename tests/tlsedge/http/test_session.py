@@ -278,6 +278,15 @@ def ours(
     return out
 
 
+# Valid variations in chunked framing: leading zeros, chunk extensions (token
+# or quoted values), trailer fields with OWS or none.
+zeros = st.sampled_from([b"", b"", b"0", b"000"])
+extensions = st.sampled_from([b"", b"", b";a", b";a=b", b';a="q \\" ;"', b";x=1;y"])
+trailers = st.sampled_from(
+    [b"", b"X-Check: ok\r\n", b"X-Check:ok \r\nX-B:\t\r\n", b"A: 1\r\nA: 2\r\n"]
+)
+
+
 @st.composite
 def request_streams(draw: st.DrawFn) -> bytes:
     out = b""
@@ -291,20 +300,32 @@ def request_streams(draw: st.DrawFn) -> bytes:
             for size in sizes:
                 piece, rest = rest[:size], rest[size:]
                 if piece:
-                    chunks += b"%x\r\n%b\r\n" % (len(piece), piece)
+                    chunks += b"%s%x%s\r\n%b\r\n" % (
+                        draw(zeros),
+                        len(piece),
+                        draw(extensions),
+                        piece,
+                    )
             if rest:
                 chunks += b"%X\r\n%b\r\n" % (len(rest), rest)
-            trailer = draw(st.sampled_from([b"", b"X-Check: ok\r\n"]))
+            trailer = draw(trailers)
+            coding = draw(st.sampled_from([b"chunked", b"Chunked", b"chunked "]))
             out += (
                 head
-                + b"Transfer-Encoding: chunked\r\n\r\n"
+                + b"Transfer-Encoding: "
+                + coding
+                + b"\r\n\r\n"
                 + chunks
-                + b"0\r\n"
+                + draw(zeros)
+                + b"0"
+                + draw(extensions)
+                + b"\r\n"
                 + trailer
                 + b"\r\n"
             )
         else:
-            out += head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+            length = draw(zeros) + b"%d" % len(body)
+            out += head + b"Content-Length: %s\r\n\r\n" % length + body
     return out
 
 
