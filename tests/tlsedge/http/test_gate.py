@@ -697,6 +697,10 @@ def read_by_the_session(
 
 
 @given(st.one_of(request_heads(), mutated(request_heads())), _BODIES)
+@example(
+    b"GET / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"3;a=b\r\nabc\r\n0\r\nT: 1\r\nX_Forwarded_For: 1\r\n\r\n",
+)
 def test_an_http11_request_goes_upstream_as_the_session_read_it(
     head: bytes, body: bytes
 ) -> None:
@@ -715,5 +719,6 @@ def test_an_http11_request_goes_upstream_as_the_session_read_it(
     parsed, data, upstream_trailers = _h11_request(sent)
     assert parsed.method == request.head.method
     assert data == b"".join(pieces)
-    if upstream.body is BodyKind.CHUNKED:
-        assert upstream_trailers == REWRITER.clean_trailers(trailers)
+    if upstream.body is BodyKind.CHUNKED:  # (h11 gives names lowercased)
+        cleaned = REWRITER.clean_trailers(trailers)
+        assert upstream_trailers == [(n.lower(), v) for n, v in cleaned]
