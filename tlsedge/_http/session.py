@@ -24,9 +24,9 @@ Writing. `send_response` frames the answer for *this* client: a body that came
 chunked or delimited by the upstream's close goes chunked to an HTTP/1.1
 client and delimited by our close to an HTTP/1.0 one; HEAD answers, 204 and
 304 have none (and a 204 or 1xx no framing field, an HTTP/1.0 client never
-``Transfer-Encoding``). It adds ``Connection: close`` whenever the connection cannot go
-on (HTTP/1.0, the client asked, or the driver says so). `keep_alive` says
-whether a next cycle may start once both directions are complete.
+``Transfer-Encoding``). It adds ``Connection: close`` whenever the connection
+cannot go on (HTTP/1.0, the client asked, or the driver says so). `keep_alive`
+says whether a next cycle may start once both directions are complete.
 
 Upgrade. After `send_informational` with 101 the session is done;
 `trailing_data` is what the client sent beyond the head, to relay as is.
