@@ -47,6 +47,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=100, deadline=None)
+# "deep" is opt-in, for bug hunts: many fresh random examples per run (pass
+# --hypothesis-seed=N to replay one).
+settings.register_profile(
+    "deep",
+    max_examples=20_000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 _SETTLE = 2.0

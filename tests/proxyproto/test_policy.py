@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from ipaddress import IPv4Network, ip_address, ip_network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, ip_address, ip_network
 from typing import Any
 
 import pytest
+from hypothesis import given, strategies as st
 
 from proxyproto import LocalProtocolError, Policy, TrustPolicy, _policy
 
@@ -182,3 +183,77 @@ def test_bad_cidr_is_a_local_error(cidr: str) -> None:
 
 def test_policy_values() -> None:
     assert {p.value for p in Policy} == {"require", "ignore", "use", "skip", "reject"}
+
+
+# -- the rules against a linear scan, written in either form -----------------------
+
+addresses_v4 = st.integers(0, 2**32 - 1).map(IPv4Address)
+addresses_v6 = st.integers(0, 2**128 - 1).map(IPv6Address)
+addresses_mapped = addresses_v4.map(lambda a: IPv6Address(f"::ffff:{a}"))
+addresses = st.one_of(addresses_v4, addresses_v6, addresses_mapped)
+networks = st.one_of(
+    st.tuples(addresses_v4, st.integers(0, 32)),
+    st.tuples(addresses_v6 | addresses_mapped, st.integers(0, 128)),
+).map(lambda a: ip_network(f"{a[0]}/{a[1]}", strict=False))
+rules = st.lists(
+    st.tuples(
+        st.lists(networks, max_size=4).map(tuple),
+        st.none() | st.lists(networks, max_size=3).map(tuple),
+        st.sampled_from(Policy),
+    ),
+    max_size=4,
+).map(tuple)
+
+
+def _forms(address: IPv4Address | IPv6Address) -> list[IPv4Address | IPv6Address]:
+    """*address* and its other form: ``a.b.c.d`` and ``::ffff:a.b.c.d`` are one."""
+    if isinstance(address, IPv4Address):
+        return [address, IPv6Address(f"::ffff:{address}")]
+    return [address] if address.ipv4_mapped is None else [address, address.ipv4_mapped]
+
+
+def _in(address: IPv4Address | IPv6Address, networks: tuple[Any, ...]) -> bool:
+    return any(form in network for form in _forms(address) for network in networks)
+
+
+def _shapes(address: IPv4Address | IPv6Address, port: int) -> list[Any]:
+    """*address* as callers hand it over, in either form: an object, a string,
+    a socket address tuple."""
+    out: list[Any] = []
+    for form in _forms(address):
+        four = form.version == 4
+        out += [form, str(form), (str(form), port) if four else (str(form), port, 0, 0)]
+    return out
+
+
+# An address, and one way of writing it.
+written = st.tuples(addresses, st.integers(0, 65535), st.integers(0, 5)).map(
+    lambda a: (a[0], _shapes(a[0], a[1])[a[2] % len(_shapes(a[0], a[1]))])
+)
+
+
+@given(
+    rules, st.sampled_from(Policy), st.lists(st.tuples(written, written), max_size=6)
+)
+def test_decisions_are_the_first_matching_rule_in_a_linear_scan(
+    rules: Any, default: Policy, connections: list[Any]
+) -> None:
+    policy = TrustPolicy(rules=rules, default=default)
+    # The networks' own edges, as peers and local addresses, in either form.
+    edges = [n[i] for peers, _, _ in rules for n in peers for i in (0, -1)]
+    connections += [
+        ((edge, str(form)), (edge, str(form)))
+        for edge in edges
+        for form in _forms(edge)
+    ]
+    for (peer, peer_written), (local, local_written) in connections:
+        expected = next(
+            (
+                chosen
+                for peers, locals_, chosen in rules
+                if _in(peer, peers) and (locals_ is None or _in(local, locals_))
+            ),
+            default,
+        )
+        assert policy.decide(peer_written, local_written) is expected
+        assert policy.decide(peer_written, local_written) is expected  # remembered

@@ -23,9 +23,10 @@ stay buffered: a pipelined request, read only after this one is answered.
 Writing. `send_response` frames the answer for *this* client: a body that came
 chunked or delimited by the upstream's close goes chunked to an HTTP/1.1
 client and delimited by our close to an HTTP/1.0 one; HEAD answers, 204 and
-304 have none. It adds ``Connection: close`` whenever the connection cannot go
-on (HTTP/1.0, the client asked, or the driver says so). `keep_alive` says
-whether a next cycle may start once both directions are complete.
+304 have none (and a 204 or 1xx no framing field, an HTTP/1.0 client never
+``Transfer-Encoding``). It adds ``Connection: close`` whenever the connection
+cannot go on (HTTP/1.0, the client asked, or the driver says so). `keep_alive`
+says whether a next cycle may start once both directions are complete.
 
 Upgrade. After `send_informational` with 101 the session is done;
 `trailing_data` is what the client sent beyond the head, to relay as is.
@@ -75,6 +76,12 @@ Header = tuple[bytes, bytes]
 _TRANSFER_ENCODING_LINE_RE: Final = re.compile(
     rb"^transfer-encoding:[^\r]*\r\n", re.IGNORECASE | re.MULTILINE
 )
+# A framing field line (Content-Length or Transfer-Encoding), the same way.
+_FRAMING_LINE_RE: Final = re.compile(
+    rb"^(?:content-length|transfer-encoding):[^\r]*\r\n", re.IGNORECASE | re.MULTILINE
+)
+#: Fields a 1xx response may not carry (RFC 9112 sections 6.1 and 6.2).
+_FRAMING_FIELDS: Final = frozenset({b"content-length", b"transfer-encoding"})
 
 
 # The bytes a token (a method) is made of: what a request's first byte must be.
@@ -308,11 +315,15 @@ class ClientSession:
     def send_informational(
         self, status: int, reason: bytes, headers: list[Header]
     ) -> bytes:
-        """A 1xx head for the client (101 switches the connection to bytes)."""
+        """A 1xx head for the client (101 switches the connection to bytes),
+        without framing fields: a 1xx has no body, and a client or an
+        intermediary that believed an upstream's ``Content-Length`` or
+        ``Transfer-Encoding`` there would read the final response as one."""
         self.expects_continue = False
         if status == 101:
             self.phase = _SWITCHED
             self.response_started = True
+        headers = [(n, v) for n, v in headers if n.lower() not in _FRAMING_FIELDS]
         return self._head_bytes(status, reason, headers)
 
     def send_response(
@@ -356,6 +367,13 @@ class ClientSession:
         version_11 = request.version == b"1.1"
         if request.method == b"HEAD" or status in NO_BODY_STATUSES:
             body = NO_BODY
+            # No framing field in a 204, no Transfer-Encoding to an HTTP/1.0
+            # client (RFC 9112 sections 6.1 and 6.2): whoever believed it
+            # would read the next response as this one's body.
+            if status == 204:
+                head = _FRAMING_LINE_RE.sub(b"", head)
+            elif not version_11:
+                head = _TRANSFER_ENCODING_LINE_RE.sub(b"", head)
         elif body is UNTIL_CLOSE_BODY or body is CHUNKED_BODY:
             if version_11:
                 if body is UNTIL_CLOSE_BODY:

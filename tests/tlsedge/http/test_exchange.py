@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import h11
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
+from tests.tlsedge.http.test_head import mutated, response_heads
 from tlsedge._http.body import BodyKind
 from tlsedge._http.events import (
     NEED_DATA,
@@ -21,6 +22,8 @@ from tlsedge._http.exchange import (
 )
 from tlsedge._http.gate import MAX_INFORMATIONAL, UpstreamRequest
 from tlsedge._http.head import RequestRejectedError
+from tlsedge._http.rules import end_to_end_fields, reason_phrase, strip_hop_by_hop
+from tlsedge._http.session import ClientSession
 
 Event = Informational | Response | Body | EndOfBody
 
@@ -189,9 +192,11 @@ def test_connections_that_cannot_be_reused(data: bytes) -> None:
 # -- h11 as the oracle ----------------------------------------------------------
 
 
-def h11_body(data: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+def h11_body(
+    data: bytes, method: bytes = b"GET"
+) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
     conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "h")]))
+    conn.send(h11.Request(method=method, target="/", headers=[("Host", "h")]))
     conn.send(h11.EndOfMessage())
     conn.receive_data(data)
     conn.receive_data(b"")
@@ -206,13 +211,28 @@ def h11_body(data: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
             return status, body, list(event.headers.raw_items())
 
 
+# Interim responses before the final one (any number, fields or none).
+informational = st.lists(
+    st.sampled_from(
+        [
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n",
+            b"HTTP/1.1 102 \r\n\r\n",
+        ]
+    ),
+    max_size=2,
+).map(b"".join)
+
+
 @st.composite
 def responses(draw: st.DrawFn) -> bytes:
     body = draw(st.binary(max_size=60))
     framing = draw(st.sampled_from(["length", "chunked", "close"]))
-    head = b"HTTP/1.1 %d OK\r\nServer: t\r\n" % draw(
-        st.sampled_from([200, 201, 404, 500])
-    )
+    status = draw(st.sampled_from([200, 201, 404, 500, 204, 304]))
+    head = draw(informational) + b"HTTP/1.1 %d OK\r\nServer: t\r\n" % status
+    if status in {204, 304}:  # no body, whatever the fields say
+        length = b"Content-Length: %d\r\n" % len(body) if status == 304 else b""
+        return head + draw(st.sampled_from([length, b""])) + b"\r\n"
     if framing == "length":
         return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
     if framing == "close":
@@ -233,11 +253,33 @@ def responses(draw: st.DrawFn) -> bytes:
     )
 
 
-@given(responses(), st.lists(st.integers(0, 200), max_size=4))
+@st.composite
+def head_responses(draw: st.DrawFn) -> bytes:
+    """Responses to HEAD: framing fields, no body."""
+    head = draw(informational) + b"HTTP/1.1 200 OK\r\n"
+    framing = draw(
+        st.sampled_from(
+            [
+                b"",
+                b"Content-Length: 0\r\n",
+                b"Content-Length: 42\r\n",
+                b"Transfer-Encoding: chunked\r\n",
+            ]
+        )
+    )
+    return head + framing + b"\r\n"
+
+
+@given(
+    st.tuples(st.just(b"GET"), responses())
+    | st.tuples(st.just(b"HEAD"), head_responses()),
+    st.lists(st.integers(0, 200), max_size=4),
+)
 def test_response_streams_split_anywhere_agree_with_h11(
-    data: bytes, cuts: list[int]
+    exchanged: tuple[bytes, bytes], cuts: list[int]
 ) -> None:
-    exchange = sent()
+    method, data = exchanged
+    exchange = sent(method)
     status, body, trailers = 0, b"", []
     bounds = sorted({min(c, len(data)) for c in cuts} | {len(data)})
     start = 0
@@ -258,7 +300,7 @@ def test_response_streams_split_anywhere_agree_with_h11(
                 trailers = event.trailers
                 done = True
     assert done
-    assert (status, body, trailers) == h11_body(data)
+    assert (status, body, trailers) == h11_body(data, method)
 
 
 RESPONSE_PIECES = st.one_of(
@@ -416,3 +458,117 @@ def test_rest_of_body_only_for_a_sized_body_after_its_head() -> None:
     assert isinstance(empty.next_event(), Response)
     assert empty.rest_of_body() is None
     assert empty.next_event() == EndOfBody([])
+
+
+# -- relayed to a client: what it reads is what was relayed ------------------------
+
+_AFTER_HEADS = st.sampled_from(
+    [
+        b"",
+        b"hello",
+        b"5\r\nhello\r\n0\r\n\r\n",
+        b"3;a=b\r\nabc\r\n0\r\nT: 1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx",
+    ]
+) | st.binary(max_size=20)
+_CLIENT_REQUESTS = st.sampled_from(
+    [
+        b"GET / HTTP/1.1\r\nHost: h\r\n\r\n",
+        b"HEAD / HTTP/1.1\r\nHost: h\r\n\r\n",
+        b"GET / HTTP/1.0\r\n\r\n",
+        b"HEAD / HTTP/1.0\r\n\r\n",
+    ]
+)
+_FRAMING = (b"content-length", b"transfer-encoding")
+
+
+def relayed(
+    request: bytes, upstream: bytes, *, spliced: bool
+) -> tuple[bytes, bytes, bool] | None:
+    """The bytes a client that sent *request* gets for the upstream's bytes,
+    the body data relayed, and whether the connection closes after them, as
+    the HTTP/1.1 driver relays them (`tlsedge._pipeline.http.h1`); None when
+    the upstream's bytes cannot be relayed or switch protocols."""
+    exchange = sent(request.split(b" ")[0])
+    session = ClientSession(max_header_bytes=8192, max_headers=50)
+    session.receive_data(request)
+    session.next_event()
+    exchange.receive_data(upstream)
+    exchange.receive_data(b"")
+    out = data = b""
+    try:
+        while (event := exchange.next_event()) is not NEED_DATA:
+            if isinstance(event, Informational):
+                head = event.head
+                if head.status == 101:
+                    return None
+                if b"HTTP/1.0" not in request:
+                    out += session.send_informational(
+                        head.status,
+                        reason_phrase(head.status, head.reason),
+                        strip_hop_by_hop(head.headers, keep_upgrade=False),
+                    )
+            elif isinstance(event, Response):
+                head = event.head
+                if spliced and head.forward is not None:
+                    out += session.send_response_head(
+                        head.forward, head.status, event.body
+                    )
+                else:
+                    out += session.send_response(
+                        head.status,
+                        reason_phrase(head.status, head.reason),
+                        end_to_end_fields(head, keep_upgrade=False),
+                        event.body,
+                    )
+            elif isinstance(event, Body):
+                data += event.data
+                out += session.send_data(event.data)
+            else:
+                trailers = strip_hop_by_hop(event.trailers, keep_upgrade=False)
+                out += session.send_end(trailers)
+                return out, data, session.close_after_response
+    except UpstreamError:
+        return None
+    return None
+
+
+@given(
+    st.one_of(response_heads(), mutated(response_heads())),
+    _AFTER_HEADS,
+    _CLIENT_REQUESTS,
+    st.booleans(),
+)
+@example(
+    b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"",
+    b"GET / HTTP/1.1\r\nHost: h\r\n\r\n",
+    True,
+).via("a 204's Transfer-Encoding went to the client")
+def test_a_client_reads_the_response_that_was_relayed_and_nothing_more(
+    head: bytes, after: bytes, request: bytes, spliced: bool
+) -> None:
+    # h11 as the client: one response, the body relayed, no byte left over (a
+    # response an intermediary would read differently), and no framing field
+    # where RFC 9112 forbids one (1xx, 204).
+    result = relayed(request, head + after, spliced=spliced)
+    if result is None:
+        return
+    out, data, close = result
+    method = request.split(b" ")[0]
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method=method, target="/", headers=[("Host", "h")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(out)
+    if close:
+        client.receive_data(b"")
+    body = b""
+    while not isinstance(event := client.next_event(), h11.EndOfMessage):
+        if isinstance(event, h11.Data):
+            body += event.data
+            continue
+        assert isinstance(event, h11.InformationalResponse | h11.Response), event
+        if event.status_code < 200 or event.status_code == 204:
+            assert not [n for n, _ in event.headers if n in _FRAMING], out
+    assert body == (b"" if method == b"HEAD" else data)
+    assert client.trailing_data == (b"", close)

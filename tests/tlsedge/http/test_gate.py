@@ -13,6 +13,7 @@ import pytest
 from hypothesis import assume, example, given, settings, strategies as st
 
 from tests.tlsedge.http.test_h2session import Pair
+from tests.tlsedge.http.test_head import mutated, request_heads
 from tlsedge._core.config import ForwardedConfig
 from tlsedge._core.forwarded import FORWARDING_HEADERS, ForwardingContext
 from tlsedge._http.body import BodyKind, ChunkedDecoder, encode_chunk
@@ -28,7 +29,7 @@ from tlsedge._http.h2session import (
 )
 from tlsedge._http.head import RequestRejectedError, parse_request_head
 from tlsedge._http.rules import HOP_BY_HOP, RequestRewriter
-from tlsedge._http.session import ClientSession
+from tlsedge._http.session import ClientClosedMidRequestError, ClientSession
 
 Header = tuple[bytes, bytes]
 
@@ -309,8 +310,8 @@ class H2Case:
 
 @st.composite
 def h2_cases(draw: st.DrawFn) -> H2Case:
-    """A valid HTTP/2 request with junk in one pseudo-header, field, trailer
-    or content-length."""
+    """A valid HTTP/2 request with junk in one pseudo-header, field, trailer,
+    content-length, cookie crumb or te."""
     case = H2Case(body=draw(st.sampled_from([b"", b"hello"])))
     if draw(st.booleans()):
         case.trailers.append((b"x-sum", b"7"))
@@ -327,6 +328,8 @@ def h2_cases(draw: st.DrawFn) -> H2Case:
                 "tvalue",
                 "length",
                 "sized",
+                "cookie",
+                "te",
                 "none",
             ]
         )
@@ -353,6 +356,14 @@ def h2_cases(draw: st.DrawFn) -> H2Case:
         case.fields.append((b"content-length", draw(digits | JUNK)))
     elif where == "sized":
         case.fields.append((b"content-length", str(len(case.body)).encode()))
+    elif where == "cookie":  # crumbs, joined on their way to HTTP/1.1
+        crumbs = draw(
+            st.lists(st.sampled_from([b"a=1", b"b=2", b""]) | JUNK, max_size=3)
+        )
+        case.fields[1:1] = [(b"cookie", crumb) for crumb in [junk, *crumbs]]
+    elif where == "te":
+        te = draw(st.sampled_from([b"trailers", b"Trailers", b"gzip"]) | JUNK)
+        case.fields.append((b"te", te))
     if case.sized:
         case.trailers = []  # a sized body carries no trailers upstream
     return case
@@ -649,3 +660,65 @@ def test_a_spliced_http2_head_is_the_written_one(
         written.host,
         written.upgrade,
     )
+
+
+# -- HTTP/1.1: what goes upstream is the request the session read ------------------
+
+_BODIES = st.sampled_from(
+    [
+        b"",
+        b"hello",
+        b"5\r\nhello\r\n0\r\n\r\n",
+        b"3;a=b\r\nabc\r\n0\r\nT: 1\r\nX_Forwarded_For: 1\r\n\r\n",
+        b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n",
+    ]
+) | st.binary(max_size=20)
+
+
+def read_by_the_session(
+    data: bytes,
+) -> tuple[Request, list[bytes], list[Header]] | None:
+    """The first request in *data* (the client then closes), its body pieces
+    and trailers, as the session reads them; None: refused or cut short."""
+    session = ClientSession(max_header_bytes=65536, max_headers=100)
+    session.receive_data(data)
+    session.receive_data(b"")
+    pieces: list[bytes] = []
+    try:
+        request = session.next_event()
+        if not isinstance(request, Request):
+            return None
+        while isinstance(event := session.next_event(), Body):
+            pieces.append(event.data)
+    except (RequestRejectedError, ClientClosedMidRequestError):
+        return None
+    assert isinstance(event, EndOfBody), event
+    return request, pieces, event.trailers
+
+
+@given(st.one_of(request_heads(), mutated(request_heads())), _BODIES)
+@example(
+    b"GET / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"3;a=b\r\nabc\r\n0\r\nT: 1\r\nX_Forwarded_For: 1\r\n\r\n",
+)
+def test_an_http11_request_goes_upstream_as_the_session_read_it(
+    head: bytes, body: bytes
+) -> None:
+    # h11 as the upstream: exactly one request (nothing left over), with the
+    # method, the target and the body the session read, and its trailers
+    # cleaned: whatever the client's head and body, no second request.
+    read = read_by_the_session(head + body)
+    if read is None:
+        return
+    request, pieces, trailers = read
+    try:
+        upstream = from_http1(request.head, REWRITER, max_body_size=0)
+    except RequestRejectedError:
+        return
+    sent = _upstream_bytes(upstream, pieces, REWRITER.clean_trailers(trailers))
+    parsed, data, upstream_trailers = _h11_request(sent)
+    assert parsed.method == request.head.method
+    assert data == b"".join(pieces)
+    if upstream.body is BodyKind.CHUNKED:  # (h11 gives names lowercased)
+        cleaned = REWRITER.clean_trailers(trailers)
+        assert upstream_trailers == [(n.lower(), v) for n, v in cleaned]

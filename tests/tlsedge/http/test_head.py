@@ -159,19 +159,61 @@ _TOKEN_CHARS = (
 tokens = st.sampled_from(
     [b"Accept", b"User-Agent", b"Cookie", b"x", b"If-None-Match", b"a!#$%&'*+.^_`|~-"]
 ) | st.text(_TOKEN_CHARS, min_size=1, max_size=12).map(str.encode)
+# Names that are no token (h11 refuses them too): SP or HTAB before the colon,
+# separators, non-ASCII, a control byte, nothing.
+bad_names = st.sampled_from(
+    [b"Host ", b"Content-Length\t", b"X Y", b"a\xe9", b"(x)", b"a\x00", b"", b'a"b']
+)
 # Field-value bytes: visible ASCII, SP, HTAB, obs-text.
 values = st.binary(max_size=24).map(
     lambda b: bytes(c if c >= 0x20 and c != 0x7F else 0x41 for c in b)
-) | st.sampled_from([b"", b" a ", b"\ta\t", b"a b", b"\xe9t\xe9"])
+) | st.sampled_from([b"", b" a ", b"\ta\t", b"a b", b"\xe9t\xe9", b"\xff\x80"])
+# ... and (rarely) with a control byte, a bare CR or LF, an obs-fold, a NUL.
+bad_values = st.sampled_from(
+    [b"a\x01b", b"\x0b", b"a\x7f", b"a\x00b", b"a\rb", b"a\nb", b"a\r\n b", b"\r\n\tb"]
+)
 # Each: well-formed values or (as often) the malformed ones of the smuggling tests.
 hosts = st.sampled_from(
-    [b"example.com", b"h:8080", b"[::1]:443", b"127.0.0.1", b""]
-) | (st.sampled_from([b"a b", b"u@h", b"a/b", b"h:123456"]))
-lengths = st.sampled_from([b"0", b"5", b"007", b" 12 ", b"123456789012345678"]) | (
-    st.sampled_from([b"5, 5", b"+5", b"-5", b"0x5", b"1 0", b"9" * 19, b""])
+    [b"example.com", b"h:8080", b"[::1]:443", b"127.0.0.1", b"", b"h:", b"h.:0"]
+) | (
+    st.sampled_from(
+        [b"a b", b"u@h", b"a/b", b"h:123456", b"[::1", b"h:1:2", b"a,b", b"h\xe9"]
+    )
+)
+# Boundary lengths (18 digits is the most we take), and what int() would take.
+lengths = st.sampled_from(
+    [b"0", b"5", b"007", b" 12 ", b"123456789012345678", b"0" * 18, b"9" * 18]
+) | (
+    st.sampled_from(
+        [
+            b"5, 5",
+            b"+5",
+            b"-5",
+            b"0x5",
+            b"1 0",
+            b"9" * 19,
+            b"",
+            b"1_0",
+            b"5;",
+            b"\xd9\xa5",
+        ]
+    )
 )
 codings = st.sampled_from([b"chunked", b"Chunked", b"CHUNKED"]) | (
-    st.sampled_from([b"gzip", b"gzip, chunked", b'"chunked"', b""])
+    st.sampled_from(
+        [
+            b"gzip",
+            b"gzip, chunked",
+            b'"chunked"',
+            b"",
+            b"chunked, chunked",
+            b"chunked,",
+            b",chunked",
+            b"chunked;q=1",
+            b"identity",
+            b"chunked\t",
+        ]
+    )
 )
 special = st.one_of(
     st.tuples(st.sampled_from([b"Host", b"host", b"HOST"]), hosts),
@@ -183,19 +225,29 @@ special = st.one_of(
     ),
 )
 # Ordinary fields, and a few framing/routing ones (two may clash), in any order.
+# (One draw in 32 has a bad name or value.)
+field_pairs = st.integers(0, 31).flatmap(
+    lambda n: (
+        st.tuples(tokens, values)
+        if n
+        else st.tuples(bad_names, values) | st.tuples(tokens, bad_values)
+    )
+)
 fields = st.tuples(
-    st.lists(st.tuples(tokens, values), max_size=4), st.lists(special, max_size=2)
+    st.lists(field_pairs, max_size=4), st.lists(special, max_size=3)
 ).flatmap(lambda parts: st.permutations(parts[0] + parts[1]))
 targets = st.one_of(
     st.text("abcxyz019/?=&%.-_~", max_size=20).map(lambda t: b"/" + t.encode()),
-    st.sampled_from([b"*", b"http://h/p?q", b"https://[::1]:8/", b"h:443"]),
+    st.sampled_from(
+        [b"*", b"http://h/p?q", b"https://[::1]:8/", b"h:443", b"/a#f", b"/\xe9", b""]
+    ),
 )
 methods = (
     st.sampled_from([b"GET", b"POST", b"HEAD", b"PUT", b"OPTIONS", b"PATCH"]) | tokens
 )
 # Mostly served versions; HTTP/2.0, 0.9 and 1.2 are accepted by h11, refused by us.
 versions = st.sampled_from(
-    [b"1.1", b"1.1", b"1.1", b"1.0", b"1.0", b"2.0", b"0.9", b"1.2"]
+    [b"1.1", b"1.1", b"1.1", b"1.0", b"1.0", b"2.0", b"0.9", b"1.2", b"1.10", b"1"]
 )
 
 
@@ -235,14 +287,19 @@ def mutated(draw: st.DrawFn, heads: st.SearchStrategy[bytes]) -> bytes:
     for _ in range(draw(st.integers(1, 3))):
         at = draw(st.integers(0, len(data) - 1))
         byte = draw(
-            st.sampled_from([b"\r", b"\n", b" ", b"\t", b"\x00", b":", b"\x7f"])
+            st.sampled_from(
+                [b"\r", b"\n", b" ", b"\t", b"\x00", b":", b"\x7f", b"\x80", b"\xff"]
+            )
+            | st.sampled_from([b"\r\n ", b"\r\n\t", b"\r\n", b"\x0b", b"\x1f"])
         )
         if draw(st.booleans()):
             data[at:at] = byte
         else:
             data[at : at + 1] = byte
-    end = find_head_end(data)
-    return bytes(data[:end]) if end >= 0 else bytes(data) + b"\r\n\r\n"
+    # (A head the edits left without a CRLFCRLF gets one appended, and is cut
+    # at the first one then: an edit may have left a CRLF or CR at its end.)
+    data += b"\r\n\r\n"
+    return bytes(data[: find_head_end(data)])
 
 
 # -- differential tests -----------------------------------------------------------

@@ -194,6 +194,42 @@ def test_response_framing_for_each_client() -> None:
     assert not head_request.keep_alive
 
 
+def test_responses_without_a_body_carry_no_framing_a_client_could_believe() -> None:
+    # An upstream's "Transfer-Encoding: chunked" on a 204 (or on a 1xx, or to
+    # an HTTP/1.0 client) went on as it came: a client or an intermediary that
+    # took it for a chunked body read the next response as its chunks.
+    v11 = new_session(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    drain(v11)
+    assert v11.send_informational(
+        103,
+        b"Early Hints",
+        [
+            (b"Link", b"</a>"),
+            (b"Transfer-Encoding", b"chunked"),
+            (b"content-length", b"5"),
+        ],
+    ) == (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n")
+    out = v11.send_response_head(
+        b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\nX: 1\r\n"
+        b"content-length: 0\r\n",
+        204,
+        BodyKind.CHUNKED,
+    )
+    assert out == b"HTTP/1.1 204 No Content\r\nX: 1\r\n\r\n"
+    assert v11.response_complete
+    # A 304 keeps them: they describe the representation it stands for.
+    v11 = new_session(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    drain(v11)
+    head = b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n"
+    assert v11.send_response_head(head, 304, BodyKind.CHUNKED) == head + b"\r\n"
+    v10 = new_session(b"HEAD / HTTP/1.0\r\n\r\n")
+    drain(v10)
+    out = v10.send_response(
+        200, b"OK", b"Transfer-Encoding: chunked\r\nX: 1\r\n", BodyKind.CHUNKED
+    )
+    assert out == b"HTTP/1.1 200 OK\r\nX: 1\r\nConnection: close\r\n\r\n"
+
+
 def test_error_response_to_head_has_no_body() -> None:
     session = new_session(b"HEAD / HTTP/1.1\r\nHost: h\r\n\r\n")
     drain(session)
@@ -278,6 +314,15 @@ def ours(
     return out
 
 
+# Valid variations in chunked framing: leading zeros, chunk extensions (token
+# or quoted values), trailer fields with OWS or none.
+zeros = st.sampled_from([b"", b"", b"0", b"000"])
+extensions = st.sampled_from([b"", b"", b";a", b";a=b", b';a="q \\" ;"', b";x=1;y"])
+trailers = st.sampled_from(
+    [b"", b"X-Check: ok\r\n", b"X-Check:ok \r\nX-B:\t\r\n", b"A: 1\r\nA: 2\r\n"]
+)
+
+
 @st.composite
 def request_streams(draw: st.DrawFn) -> bytes:
     out = b""
@@ -291,20 +336,32 @@ def request_streams(draw: st.DrawFn) -> bytes:
             for size in sizes:
                 piece, rest = rest[:size], rest[size:]
                 if piece:
-                    chunks += b"%x\r\n%b\r\n" % (len(piece), piece)
+                    chunks += b"%s%x%s\r\n%b\r\n" % (
+                        draw(zeros),
+                        len(piece),
+                        draw(extensions),
+                        piece,
+                    )
             if rest:
                 chunks += b"%X\r\n%b\r\n" % (len(rest), rest)
-            trailer = draw(st.sampled_from([b"", b"X-Check: ok\r\n"]))
+            trailer = draw(trailers)
+            coding = draw(st.sampled_from([b"chunked", b"Chunked", b"chunked "]))
             out += (
                 head
-                + b"Transfer-Encoding: chunked\r\n\r\n"
+                + b"Transfer-Encoding: "
+                + coding
+                + b"\r\n\r\n"
                 + chunks
-                + b"0\r\n"
+                + draw(zeros)
+                + b"0"
+                + draw(extensions)
+                + b"\r\n"
                 + trailer
                 + b"\r\n"
             )
         else:
-            out += head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+            length = draw(zeros) + b"%d" % len(body)
+            out += head + b"Content-Length: %s\r\n\r\n" % length + body
     return out
 
 

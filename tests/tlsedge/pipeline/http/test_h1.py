@@ -1349,6 +1349,37 @@ async def test_h2c_upgrade_is_never_asked_of_the_backend() -> None:
     assert b"server-hello" not in switched
 
 
+async def test_no_framing_field_reaches_the_client_on_a_response_without_a_body() -> (
+    None
+):
+    # A backend's Transfer-Encoding on a 1xx or a 204 went to the client as it
+    # came, the 204 followed by the next response on the same connection: a
+    # client that believed it read that response as chunks.
+    async def framed_wrongly(stream: trio.SocketStream) -> None:
+        for _ in range(2):
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await stream.receive_some(65536)
+            await stream.send_all(
+                b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nContent-Length: 3\r\n\r\n"
+                b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\nX: 1\r\n\r\n"
+            )
+
+    async with trio.open_nursery() as nursery:
+        backend = await Backend(framed_wrongly).start(nursery)
+        async with running_proxy([backend.address]) as proxy:
+            out = await raw(
+                proxy.address,
+                b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n"
+                b"GET /b HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+            )
+        nursery.cancel_scope.cancel()
+    assert out.count(b"HTTP/1.1 204 No Content\r\n") == 2, out
+    assert b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" in out
+    assert b"transfer-encoding" not in out.lower()
+    assert b"content-length" not in out.lower()
+
+
 async def test_informational_responses_beyond_the_cap_are_a_bad_answer() -> None:
     async def chatty(stream: trio.SocketStream) -> None:
         head = b""
