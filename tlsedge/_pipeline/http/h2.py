@@ -182,6 +182,9 @@ _NOT_IN_H2: Final = frozenset({b"transfer-encoding", b"keep-alive", b"upgrade"})
 #: The response fields a head's fields lose in HTTP/2 whatever its
 #: ``Connection`` says: the hop-by-hop ones and those.
 _DROPPED_IN_H2: Final = HOP_BY_HOP | _NOT_IN_H2
+# ... and from a 1xx or a 204 its content-length too, which no response of
+# those may carry (RFC 9110 section 8.6), as the HTTP/1.1 client side does.
+_DROPPED_WITHOUT_CONTENT: Final = _DROPPED_IN_H2 | {b"content-length"}
 #: How a stream fails whose response the client does not take.
 _CLIENT_STALL: Final = Failure(
     Termination.CLIENT_ERROR,
@@ -1170,9 +1173,12 @@ def _response_fields(head: ResponseHead) -> list[Header]:
     """A response head's fields for HTTP/2, in one pass over them: what
     `_h2_fields` keeps, with the ``Connection`` tokens the head's parser
     gathered (a token naming framing or ``host`` drops nothing, as in
-    `strip_hop_by_hop`)."""
+    `strip_hop_by_hop`), and no ``content-length`` in a 1xx or a 204."""
+    status = head.status
+    drop = _DROPPED_WITHOUT_CONTENT if status < 200 or status == 204 else _DROPPED_IN_H2
     named = head.connection - NOT_NAMED_AWAY
-    drop = _DROPPED_IN_H2 | named if named else _DROPPED_IN_H2
+    if named:
+        drop = drop | named
     return [
         (lower, value)
         for name, value in head.headers

@@ -61,7 +61,8 @@ class CaptureBackend:
     ``/echo``: JSON of the request (head, body size and SHA-256, trailers).
     ``/big/<n>``: *n* bytes, chunked in 16 KiB pieces. ``/trailers``: a chunked
     body with a trailer. ``/slow/<s>``: answers after *s* seconds. ``/head``:
-    204. ``/hold``: never answers, waits for the edge to close.
+    204. ``/framed-wrongly``: a 103 and a 204 with a ``Content-Length``, then
+    closes. ``/hold``: never answers, waits for the edge to close.
     """
 
     raw: list[bytearray] = field(default_factory=list)  # per connection
@@ -176,6 +177,12 @@ class CaptureBackend:
             await trio.sleep(float(path.rsplit("/", 1)[1]))
         if path == "/head":
             await send(h11.Response(status_code=204, headers=[]), h11.EndOfMessage())
+            return
+        if path == "/framed-wrongly":  # (h11 would not send these; closes)
+            await stream.send_all(
+                b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nContent-Length: 3\r\n\r\n"
+                b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\nX: 1\r\n\r\n"
+            )
             return
         body = json.dumps(
             {
@@ -653,6 +660,24 @@ async def test_response_trailers_and_informational_headers(tmp_path: Path) -> No
         await client.send()
         await client.until(lambda c: c.ended(head))
         assert client.status(head) == 204
+        await client.aclose()
+
+
+async def test_no_content_length_reaches_the_client_on_a_1xx_or_204(
+    tmp_path: Path,
+) -> None:
+    # RFC 9110 8.6: no 1xx or 204 carries one; the HTTP/1.1 client side drops
+    # it too (test_h1's test_no_framing_field_reaches_the_client_...).
+    async with h2_edge(tmp_path) as setup:
+        client = await RawH2.open(setup.plain_port)
+        sid = client.request("/framed-wrongly")
+        await client.send()
+        await client.until(lambda c: c.ended(sid))
+        assert client.status(sid) == 204
+        (early,) = client.of(h2.events.InformationalResponseReceived, sid)
+        assert early.headers == [(b":status", b"103"), (b"link", b"</a>")]
+        (response,) = client.of(h2.events.ResponseReceived, sid)
+        assert response.headers == [(b":status", b"204"), (b"x", b"1")]
         await client.aclose()
 
 
@@ -1937,3 +1962,5 @@ def test_response_fields_need_none_of_h2s_outbound_validation_or_normalisation(
         assert list(h2.utilities.validate_outbound_headers(sent, sent_flags)) == sent
         normalised = h2.utilities.normalize_outbound_headers(sent, sent_flags)
         assert [(n, v) for n, v in normalised] == sent
+    if status in {b"100", b"103", b"204"}:
+        assert b"content-length" not in [n for n, _ in _response_fields(head)]
