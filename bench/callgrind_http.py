@@ -173,19 +173,13 @@ SANS_IO = textwrap.dedent(
     import pickle, sys
     import h2.config, h2.connection, h2.events
     from tlsedge._core.config import Http2Config
-    from tlsedge._http.h2session import H2Session, StreamOpened
+    from tlsedge._http.h2session import H2_CONFIGURATION, H2Session, StreamOpened
     layer, batches_file = sys.argv[1], sys.argv[2]
     with open(batches_file, "rb") as file:
         batches = pickle.load(file)
     head = [(b"content-length", b"6")]
     if layer == "h2":
-        conn = h2.connection.H2Connection(
-            h2.config.H2Configuration(
-                client_side=False, header_encoding=None,
-                validate_inbound_headers=False, normalize_inbound_headers=False,
-                validate_outbound_headers=False, normalize_outbound_headers=False,
-            )
-        )
+        conn = h2.connection.H2Connection(H2_CONFIGURATION)
         conn.initiate_connection()
         for batch in batches:
             for event in conn.receive_data(batch):

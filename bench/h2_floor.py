@@ -7,13 +7,14 @@ Run: ``python bench/h2_floor.py PORT UPSTREAM_PORT CERT_PEM`` (TLS with ALPN
 Issue 24 asks for HTTP/2 at 0.2x HAProxy and notes that ``h2``, ``hpack`` and
 ``hyperframe`` alone cap a pure-Python path near that. This measures the cap:
 per client connection an ``h2.connection.H2Connection`` configured as
-`tlsedge._http.h2session.H2Session` configures it (h2's own header checks and
-normalisation off), TLS through an ``ssl.SSLObject`` between two
-``MemoryBIO``\\ s, and one upstream connection on which each stream's request
-goes out as an HTTP/1.1 head with ``X-Forwarded-For`` (pipelined: the answers
-come back in order, so each is matched to the oldest stream waiting). Each
-answer's head is validated with one regular expression (as `epoll_floor.py`
-does) and goes back as ``:status``, ``content-length`` and the body.
+`tlsedge._http.h2session.H2Session` configures it (its `H2_CONFIGURATION`:
+h2's own header checks and normalisation off), TLS through an
+``ssl.SSLObject`` between two ``MemoryBIO``\\ s, and one upstream connection
+on which each stream's request goes out as an HTTP/1.1 head with
+``X-Forwarded-For`` (pipelined: the answers come back in order, so each is
+matched to the oldest stream waiting). Each answer's head is validated with
+one regular expression (as `epoll_floor.py` does) and goes back as
+``:status``, ``content-length`` and the body.
 
 A measuring stick, not a proxy: answers with a ``Content-Length`` only
 (nginx's ``return 200`` has one), requests without a body, no checks of the
@@ -33,25 +34,18 @@ import socket
 import ssl
 import sys
 
-import h2.config
 import h2.connection
 import h2.events
 from epoll_floor import FIELD, serve
 from h2.exceptions import H2Error
+
+from tlsedge._http.h2session import H2_CONFIGURATION
 
 READ_SIZE = 65536
 RESPONSE_HEAD = re.compile(
     rb"HTTP/1\.1 ([0-9]{3}) [\t\x20-\x7e\x80-\xff]*\r\n(?:" + FIELD + rb")*\r\n"
 )
 CONTENT_LENGTH = re.compile(rb"\r\ncontent-length[ \t]*:[ \t]*([0-9]+)", re.IGNORECASE)
-CONFIG = h2.config.H2Configuration(
-    client_side=False,
-    header_encoding=None,
-    validate_inbound_headers=False,
-    normalize_inbound_headers=False,
-    validate_outbound_headers=False,
-    normalize_outbound_headers=False,
-)
 
 
 class Client:
@@ -66,7 +60,7 @@ class Client:
         self.outgoing = ssl.MemoryBIO()
         self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
         self.handshaken = False
-        self.h2 = h2.connection.H2Connection(config=CONFIG)
+        self.h2 = h2.connection.H2Connection(config=H2_CONFIGURATION)
         self.upstream = socket.create_connection(("127.0.0.1", upstream_port))
         self.upstream.setblocking(False)
         self.sock.setblocking(False)

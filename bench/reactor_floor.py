@@ -152,10 +152,11 @@ def client_maker(
     now = current_reactor().now
 
     def make(sock: socket.socket) -> Client:
+        host, port = sock.getpeername()
         lines = RequestLines(
             connection="bench",
             listener="web",
-            client=f"{sock.getpeername()[0]}:{sock.getpeername()[1]}",
+            client=f"{host}:{port}",
             backend="app",
             tls="TLSv1.3" if context is not None else None,
             sni=None,

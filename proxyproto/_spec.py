@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "MAX_ALPN_LENGTH",
     "MAX_AUTHORITY_LENGTH",
     "MAX_TLV_VALUE_LENGTH",
     "MAX_UNIQUE_ID_LENGTH",
@@ -60,4 +61,5 @@ class SSLClient(enum.IntFlag):
 # Limits from the spec and from HAProxy's receiver.
 MAX_UNIQUE_ID_LENGTH = 128  # spec: "maximum length of 128 bytes"
 MAX_AUTHORITY_LENGTH = 255  # a DNS name; HAProxy refuses longer
+MAX_ALPN_LENGTH = 255  # an ALPN protocol id is 1..255 bytes (RFC 7301)
 MAX_TLV_VALUE_LENGTH = 0xFFFF  # u16 length field

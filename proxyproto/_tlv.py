@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from proxyproto._errors import LocalProtocolError, RemoteProtocolError
 from proxyproto._spec import (
+    MAX_ALPN_LENGTH,
     MAX_AUTHORITY_LENGTH,
     MAX_UNIQUE_ID_LENGTH,
     SSLClient,
@@ -100,9 +101,9 @@ def _utf8_text(value: bytes, what: str, error: ErrorType) -> str:
 
 
 def _check_alpn(value: bytes, error: ErrorType) -> None:
-    if not 1 <= len(value) <= 255:
+    if not 1 <= len(value) <= MAX_ALPN_LENGTH:
         raise error(
-            f"ALPN TLV must be 1..255 bytes (RFC 7301), got {len(value)}",
+            f"ALPN TLV must be 1..{MAX_ALPN_LENGTH} bytes (RFC 7301), got {len(value)}",
             reason="bad_tlv",
         )
 

@@ -31,7 +31,7 @@ from proxyproto._events import (
     new_inet6_header,
 )
 from proxyproto._options import V2_MAX_LENGTH_FIELD, Options
-from proxyproto._spec import MAX_UNIQUE_ID_LENGTH
+from proxyproto._spec import MAX_ALPN_LENGTH, MAX_UNIQUE_ID_LENGTH
 from proxyproto._tlv import TLV_CHECKS, TLV_HEAD
 
 V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
@@ -53,7 +53,6 @@ _BLOCK_SIZE = {(f, t): size for f, t, size in _FAMILY_BYTES.values()}
 _CRC32C = int(TLVType.CRC32C)
 _UNIQUE_ID = int(TLVType.UNIQUE_ID)
 _ALPN = int(TLVType.ALPN)
-_ALPN_LIMIT = 256  # ALPN protocol ids are 1..255 bytes (RFC 7301)
 _INET4 = struct.Struct("!IIHH")
 # (ver/cmd, family) byte pairs -> what they mean: one lookup validates both.
 _KINDS = {
@@ -282,7 +281,7 @@ def check_tlvs(buf: bytes, pos: int, end: int, options: Options) -> bytes:
                 if length > MAX_UNIQUE_ID_LENGTH:
                     check(buf[pos + 3 : stop], RemoteProtocolError)
             elif tlv_type == _ALPN:
-                if not 0 < length < _ALPN_LIMIT:
+                if not 0 < length <= MAX_ALPN_LENGTH:
                     check(buf[pos + 3 : stop], RemoteProtocolError)
             else:
                 check(buf[pos + 3 : stop], RemoteProtocolError)

@@ -312,9 +312,7 @@ class _Supervisor:
                 # they failed to answer because they are exiting: nothing
                 # was refused, so the record and the ERROR line stay clean.
                 LOGGER.info("reload abandoned: stopping")
-                for worker in taking_part:
-                    if worker.link is not None:
-                        await worker.link.send(Settle(self.serial, False, self.reloads))
+                await self._settle(taking_part, commit=False)
                 return
             if failure is not None:
                 await self._refuse(failure, taking_part)
@@ -323,10 +321,14 @@ class _Supervisor:
             self.reloads = report_applied(
                 self.reloads, running, applied, pending, time.time()
             )
-            for worker in taking_part:
-                if worker.link is not None:
-                    await worker.link.send(Settle(self.serial, True, self.reloads))
+            await self._settle(taking_part, commit=True)
             self._resize(applied.edge.workers)
+
+    async def _settle(self, prepared: Sequence[_Worker], *, commit: bool) -> None:
+        """Have the workers that *prepared* reload `serial` commit or abort it."""
+        for worker in prepared:
+            if worker.link is not None:
+                await worker.link.send(Settle(self.serial, commit, self.reloads))
 
     async def _prepare(self, workers: list[_Worker], text: str) -> str | None:
         """Have *workers* prepare reload `serial` to *text*; why it cannot be

@@ -136,6 +136,7 @@ from tlsedge._http.head import (
 )
 
 __all__ = [
+    "H2_CONFIGURATION",
     "PREFACE",
     "ConnectionEnded",
     "ErrorCodes",
@@ -155,6 +156,19 @@ Header = tuple[bytes, bytes]
 PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 ErrorCodes = h2.errors.ErrorCodes
+
+#: How every session configures h2 (h2 only reads it): inbound fields are
+#: checked by `check_request`; outbound ones are built by the driver
+#: (lowercase names, no connection-specific field), so h2's own header
+#: checks and normalisation are off.
+H2_CONFIGURATION: Final = h2.config.H2Configuration(
+    client_side=False,
+    header_encoding=None,
+    validate_inbound_headers=False,
+    normalize_inbound_headers=False,
+    validate_outbound_headers=False,
+    normalize_outbound_headers=False,
+)
 
 # Frame types and flags (RFC 9113 section 6).
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0, 1, 2, 3, 4
@@ -542,17 +556,7 @@ class H2Session:
         self.limits = limits
         self.max_headers = max_headers
         settings = h2.settings.SettingCodes
-        # Inbound fields are checked by `check_request`; outbound ones are
-        # built here (lowercase names, no connection-specific field).
-        config = h2.config.H2Configuration(
-            client_side=False,
-            header_encoding=None,
-            validate_inbound_headers=False,
-            normalize_inbound_headers=False,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
-        )
-        conn = h2.connection.H2Connection(config=config)
+        conn = h2.connection.H2Connection(config=H2_CONFIGURATION)
         conn.decoder = _Decoder()
         # The first SETTINGS holds what applies before the client's ACK too;
         # the window and table sizes apply once ACKed (h2 tracks that).
@@ -661,23 +665,25 @@ class H2Session:
         owed = self._owed
         pending: dict[int, int] = {}  # DATA bytes of `owed` streams not fed yet
         fed = 0
-        for start, sid, end_stream, size in scanner.frames:
-            if size < 0:  # HEADERS on a stream opened before, not ending it
-                if start > fed:
-                    self._receive(data[fed:start], now, events)
-                    fed = start
-                    pending.clear()
-                    if self.ended:
-                        return
-                if sid in self.active:
-                    self._malformed_stream(sid, _OPEN_TRAILERS_ERROR, events)
-                continue
-            if start > fed and sid not in self.active:
+
+        def fed_to(start: int) -> bool:
+            """*data* up to *start* fed to h2; False once the connection ended."""
+            nonlocal fed
+            if start > fed:
                 self._receive(data[fed:start], now, events)
                 fed = start
                 pending.clear()
-                if self.ended:
+            return not self.ended
+
+        for start, sid, end_stream, size in scanner.frames:
+            if size < 0:  # HEADERS on a stream opened before, not ending it
+                if not fed_to(start):
                     return
+                if sid in self.active:
+                    self._malformed_stream(sid, _OPEN_TRAILERS_ERROR, events)
+                continue
+            if sid not in self.active and not fed_to(start):
+                return
             left = owed.get(sid)
             if left is None:
                 continue
@@ -685,14 +691,10 @@ class H2Session:
             if (size < left and not end_stream) or size == left:
                 pending[sid] = pending.get(sid, 0) + size
                 continue
-            if start > fed:
-                self._receive(data[fed:start], now, events)
-                fed = start
-                pending.clear()
-                if self.ended:
-                    return
-                if sid not in owed:
-                    continue  # reset meanwhile
+            if not fed_to(start):
+                return
+            if sid not in owed:
+                continue  # reset meanwhile
             if size > left:
                 reason = f"DATA {size - left} bytes beyond its content-length"
             else:
@@ -700,8 +702,7 @@ class H2Session:
                     f"the stream ended {left - size} bytes short of its content-length"
                 )
             self._malformed_stream(sid, reason, events)
-        if fed < len(data):
-            self._receive(data[fed:], now, events)
+        fed_to(len(data))
 
     def _count_resets(self, count: int, now: float) -> None:
         self._count(
