@@ -68,7 +68,11 @@ end it) make the request malformed too (section 8.1; h2: a connection
 error): the scanner notes them as well, and the stream is reset the same
 way before h2 takes them (it decodes their block: the HPACK state stays in
 step). h2 itself checks HPACK, the frame sizes and stream states (connection
-errors, GOAWAY).
+errors, GOAWAY). A HEADERS or DATA frame on a stream whose request already
+ended (half-closed, section 5.1) is a stream error of type STREAM_CLOSED:
+the scanner's HEADERS of such a stream go to h2 as they are, h2 resets the
+stream, and a stream still being served is then given up as a malformed one
+(`_CLOSED_STREAM_ERROR`).
 
 Limits (``[listeners.http2]``, docs/http2.md). SETTINGS: our HPACK table
 (``header_table_size``), ``max_header_list_size`` (h2's HPACK decoder stops a
@@ -121,6 +125,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
 import hpack
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
@@ -203,6 +208,7 @@ _TE_ERROR: Final = "te other than 'trailers' (RFC 9113 8.2.2)"
 _CONTENT_LENGTH_RE: Final = re.compile(rb"[0-9]{1,18}")
 _CONTENT_LENGTH_ERROR: Final = "malformed content-length"
 _OPEN_TRAILERS_ERROR: Final = "trailers without END_STREAM (RFC 9113 8.1)"
+_CLOSED_STREAM_ERROR: Final = "a frame after the request ended (RFC 9113 5.1)"
 #: The fields h2 parses in a request's header block or trailers, whatever
 #: its configuration (`_hidden_from_h2`).
 _PARSED_BY_H2: Final = frozenset({b"content-length", b":status"})
@@ -679,7 +685,7 @@ class H2Session:
             if size < 0:  # HEADERS on a stream opened before, not ending it
                 if not fed_to(start):
                     return
-                if sid in self.active:
+                if sid in self.active and not self._request_ended(sid):
                     self._malformed_stream(sid, _OPEN_TRAILERS_ERROR, events)
                 continue
             if sid not in self.active and not fed_to(start):
@@ -783,9 +789,13 @@ class H2Session:
         elif isinstance(event, h2.events.StreamReset):
             sid = event.stream_id
             assert sid is not None
-            if event.remote_reset and sid in self.active:
+            if sid in self.active:
                 self.forget(sid)
-                out.append(StreamCancelled(sid, int(event.error_code or 0)))
+                if event.remote_reset:
+                    out.append(StreamCancelled(sid, int(event.error_code or 0)))
+                else:  # h2 reset it (STREAM_CLOSED): see the module docstring
+                    self._trailers.pop(sid, None)
+                    out.append(StreamMalformed(sid, _CLOSED_STREAM_ERROR, None, None))
         elif isinstance(
             event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)
         ):
@@ -848,6 +858,13 @@ class H2Session:
         self._trailers.pop(sid, None)
         self.conn.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
         out.append(StreamMalformed(sid, reason, None, None))
+
+    def _request_ended(self, stream_id: int) -> bool:
+        """Whether the client ended the stream's request (h2's stream state)."""
+        stream = self.conn.streams.get(stream_id)
+        return stream is not None and (
+            stream.state_machine.state is h2.stream.StreamState.HALF_CLOSED_REMOTE
+        )
 
     def forget(self, stream_id: int) -> None:
         """The stream is no longer served (answered, reset or given up)."""

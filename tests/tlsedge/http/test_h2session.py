@@ -637,6 +637,33 @@ def test_trailers_without_end_stream_reset_only_their_stream(cut: int) -> None:
     assert not pair.session.ended
 
 
+@pytest.mark.parametrize("frame", ["headers", "trailers", "data"])
+def test_a_frame_after_the_request_ended_resets_its_stream_closed(frame: str) -> None:
+    # RFC 9113 5.1: half-closed (remote), a stream error STREAM_CLOSED. The
+    # stream was being served: it is given up (h2 alone would reset it and
+    # leave it served), and the stream beside it is not touched.
+    pair = Pair()
+    pair.flush()
+    sid = pair.request(BASE, end_stream=True)
+    beside = pair.request(BASE, end_stream=True)
+    assert len(pair.flush()) == 2
+    encoder = pair.client.encoder
+    if frame == "data":
+        late = bytes(DataFrame(sid, b"late").serialize())
+    else:
+        late = _headers_frame(encoder, BASE, end_stream=frame == "headers", sid=sid)
+    after = _headers_frame(encoder, BASE, end_stream=True, sid=5)
+    events = pair.session.receive_data(late + after, pair.now)
+    pair.client_events += pair.client.receive_data(pair.session.data_to_send())
+    assert events[0] == StreamMalformed(
+        sid, "a frame after the request ended (RFC 9113 5.1)", None, None
+    )
+    assert [e.stream_id for e in events[1:] if isinstance(e, StreamOpened)] == [5]
+    assert pair.resets() == {sid: ErrorCodes.STREAM_CLOSED}
+    assert pair.goaway() is None
+    assert pair.session.active == {beside, 5}
+
+
 def test_a_content_length_h2_parses_in_trailers_is_a_trailer() -> None:
     # h2 takes a number there (it counts no DATA after trailers), and so do we.
     pair = Pair()
