@@ -580,11 +580,13 @@ class Edge:
                             ", ".join(format_address(a) for a in addresses),
                         )
                     task_status.started(self)
-                    await self._drain_event.wait()
                     # Header reads, handshakes and HTTP connections on the
                     # reactor may still go on in a task of this nursery:
-                    # within its deadline, like the tasks.
+                    # within its deadline, like the tasks. Ended here, in
+                    # its body, also when cancelled from outside: a job
+                    # they start (an upstream connect) finds it open.
                     try:
+                        await self._drain_event.wait()
                         await self._pipeline.in_flight.wait_empty()
                     finally:
                         self._pipeline.in_flight.drain_all()

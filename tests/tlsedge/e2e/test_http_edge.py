@@ -784,7 +784,8 @@ async def test_drain_deadline_ends_silent_busy_and_connecting_connections(
 ) -> None:
     """At the drain deadline a client that sent nothing, one whose request
     is upstream and one whose upstream connect still runs (in a task) all
-    end as ``drained``, and no task is left."""
+    end as ``drained`` (the requests too: they were logged ``ok``), and no
+    task is left."""
     caplog.set_level(logging.INFO, logger="tlsedge.access")
     hang, hanging_now = trio.Event(), trio.Event()
     connect = UpstreamConnections.connect
@@ -819,9 +820,43 @@ async def test_drain_deadline_ends_silent_busy_and_connecting_connections(
             await client.aclose()
         records = await wait_access_records(caplog, 5)
     requests, connections = _split(records)
-    assert sorted(r["target"] for r in requests) == ["/never", "/slow/30"]
+    assert sorted((r["target"], r["termination"]) for r in requests) == [
+        ("/never", "drained"),
+        ("/slow/30", "drained"),
+    ]
+    assert {r["detail"] for r in requests} == {
+        "the connection ended before the response did"
+    }
     assert [c["termination"] for c in connections] == ["drained"] * 3
     assert sorted(c["requests"] for c in connections) == [0, 1, 1]
+
+
+async def test_an_edge_cancelled_with_requests_in_flight_logs_them_drained(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Cancelled from outside while requests wait upstream, the edge ends
+    them as ``drained`` (they were logged ``ok``, with no status), with no
+    error logged. (test_h2 has the twin whose backend's close makes a
+    retry.)"""
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    clients = []
+    with trio.CancelScope() as scope:
+        async with h11_edge() as (_, app, address):
+            for _ in range(3):
+                client = await Client.open(address)
+                await client.stream.send_all(
+                    b"GET /slow/30 HTTP/1.1\r\nHost: h\r\n\r\n"
+                )
+                clients.append(client)
+            await wait_until(lambda: len(app.requests) == 3)
+            scope.cancel()
+            await trio.sleep_forever()
+    for client in clients:
+        await client.aclose()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    requests, connections = _split(access_records(caplog))
+    assert [r["termination"] for r in requests] == ["drained"] * 3
+    assert [c["termination"] for c in connections] == ["drained"] * 3
 
 
 async def test_no_descriptor_left_after_many_http_connections() -> None:

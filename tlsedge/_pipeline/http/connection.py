@@ -62,7 +62,7 @@ from tlsedge._backends.upstream import ConnectFailedError
 from tlsedge._core.accesslog import format_address
 from tlsedge._core.downstream import Downstream
 from tlsedge._core.termination import Termination
-from tlsedge._http.log import HttpConnectionResult, RequestLines
+from tlsedge._http.log import HttpConnectionResult, RequestLines, RequestLog
 from tlsedge._http.rules import RequestRewriter
 from tlsedge._pipeline.http.attempt import UpstreamAttempt, upstream_socket
 from tlsedge._pipeline.http.site import HttpSite
@@ -103,6 +103,9 @@ __all__ = [
 ]
 
 LOGGER = logging.getLogger("tlsedge.http")
+
+#: The connection's causes that mean the edge ended it (`_cut_short`).
+_EDGE_ENDED: Final = frozenset({Termination.UNKNOWN, Termination.DRAINED})
 
 #: How a connection starts a job that must await in a task of its own (a
 #: nursery's ``start_soon``): the edge's connections nursery.
@@ -374,8 +377,9 @@ class ReactorConnection(abc.ABC):
             self._crashed(exc)
 
     def drain(self) -> None:
-        """End the connection now, as ``drained`` (the drain deadline): its
-        jobs are cancelled."""
+        """End the connection now, as ``drained`` (the drain deadline, or the
+        edge cancelled from outside): its jobs are cancelled."""
+        self._end(Termination.DRAINED)
         self._finish()
 
     # -- the reactor's calls ---------------------------------------------------
@@ -614,6 +618,22 @@ class ReactorConnection(abc.ABC):
         if result.termination == Termination.UNKNOWN:
             result.termination = termination
             result.detail = detail
+
+    def _cut_short(self, log: RequestLog) -> None:
+        """*log*'s request is still open as the connection ends. Unless it
+        has a cause of its own, it is ``drained`` when the edge ended it (a
+        drain, or no cause recorded: the edge was cancelled),
+        ``internal_error`` after a bug, else ``client_error``."""
+        if log.termination != Termination.OK:
+            return
+        cause = self.result.termination
+        if self.site.drain.is_set() or cause in _EDGE_ENDED:
+            log.termination = Termination.DRAINED
+        elif cause == Termination.INTERNAL_ERROR:
+            log.termination = cause
+        else:
+            log.termination = Termination.CLIENT_ERROR
+        log.detail = "the connection ended before the response did"
 
     def _finish(self) -> None:
         """The connection is over: every request ended and logged, every

@@ -433,6 +433,7 @@ class _HttpConnection(ReactorConnection):
         ex = self.ex
         if ex is not None:
             ex.abandon()
+            self._cut_short(ex.log)
         self._request_done()
 
     # -- the reactor's calls -------------------------------------------------

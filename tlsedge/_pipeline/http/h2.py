@@ -489,15 +489,11 @@ class _H2Connection(ReactorConnection):
 
     def _cancel_streams(self) -> None:
         """End every stream: nothing more can be read for them."""
-        drained = self.site.drain.is_set()
+        active = self.session.active
         for stream in list(self.streams.values()):
-            log = stream.log
             stream.cancelled = True
-            if log.termination == Termination.OK and stream.id in self.session.active:
-                log.termination = (
-                    Termination.DRAINED if drained else Termination.CLIENT_ERROR
-                )
-                log.detail = "the connection ended before the response did"
+            if stream.id in active:
+                self._cut_short(stream.log)
             self._close_stream(stream)
 
     _end_requests = _cancel_streams

@@ -1074,6 +1074,39 @@ async def test_trailers_without_end_stream_reset_only_their_stream(
     assert line["detail"] == f"malformed request, stream reset: {reason}"
 
 
+async def test_a_frame_after_the_request_ended_resets_its_stream_closed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # RFC 9113 5.1: a HEADERS frame on a stream whose request ended (here
+    # while it waits for its response) is a stream error STREAM_CLOSED. The
+    # edge gives the stream up (h2 alone would reset it and leave it served)
+    # and closes its upstream connection; the stream beside it is served.
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    async with h2_edge(tmp_path) as setup:
+        backend = setup.backend
+        client = await RawH2.open(setup.plain_port, validate=False)
+        held = client.request("/hold")
+        await client.send()
+        await wait_until(lambda: backend.holding == 1)
+        block = client.conn.encoder.encode([(b"x-late", b"1")])
+        late = HeadersFrame(held, block, flags=["END_HEADERS", "END_STREAM"])
+        await client.send(late.serialize())
+        after = client.request("/echo")
+        await client.send()
+        await client.until(lambda c: _answered(c, held, after))
+        resets = {e.stream_id: e.error_code for e in client.of(h2.events.StreamReset)}
+        assert resets == {held: ErrorCodes.STREAM_CLOSED}
+        assert client.status(after) == 200
+        assert client.goaway() is None
+        await wait_until(lambda: backend.eofs == 1)
+        await client.aclose()
+    reason = "a frame after the request ended (RFC 9113 5.1)"
+    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok"]
+    (line,) = [r for r in lines if r["termination"] == "bad_request"]
+    assert line["detail"] == f"malformed request, stream reset: {reason}"
+
+
 async def _over_http2(setup: Setup, case: H2Case) -> tuple[bytes, bool]:
     """*case* over h2c: what reached the backend, and whether the edge
     refused the request (reset the stream or ended the connection)."""
@@ -1665,6 +1698,33 @@ async def test_a_client_gone_with_streams_open_closes_every_upstream(
         await wait_until(lambda: setup.backend.eofs == 10)
         await wait_until(lambda: not (_sockets() & opened))
         assert setup.edge._keepalive_pool("app").idle_count() == 0
+
+
+async def test_an_edge_cancelled_with_requests_in_flight_ends_them_cleanly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Cancelled from outside (no drain first), the edge ends its connections
+    # before their jobs' nursery closes: a backend that closes at that moment
+    # makes a retry, which must not find that nursery closed (it did: the
+    # connection failed with "Nursery is closed to new arrivals" and leaked
+    # its upstream socket, which the leak check would report).
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    with trio.CancelScope() as scope:
+        async with h2_edge(tmp_path) as setup:
+            client = await RawH2.open(setup.plain_port)
+            for _ in range(4):
+                client.request("/hold")
+            await client.send()
+            await wait_until(lambda: setup.backend.holding == 4)
+            scope.cancel()
+            await trio.sleep_forever()
+    await client.aclose()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    records = access_records(caplog)
+    assert [r["termination"] for r in records if "type" not in r] == ["drained"]
+    # The streams too (they were logged as client_error).
+    streams = [r for r in records if r.get("type") == "http"]
+    assert [r["termination"] for r in streams] == ["drained"] * 4
 
 
 async def test_drain_lets_every_stream_in_flight_finish(tmp_path: Path) -> None:
