@@ -468,6 +468,18 @@ def _answered(client: RawH2, *sids: int) -> bool:
     return all(client.ended(sid) for sid in sids)
 
 
+def _the_reset_logged(
+    caplog: pytest.LogCaptureFixture, reason: str, *, served: int
+) -> dict[str, Any]:
+    """The access line of the one stream reset as malformed for *reason*
+    (the other *served* streams' say ``ok``)."""
+    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert sorted(r["termination"] for r in lines) == ["bad_request"] + ["ok"] * served
+    (line,) = [r for r in lines if r["termination"] == "bad_request"]
+    assert line["detail"] == f"malformed request, stream reset: {reason}"
+    return line
+
+
 async def test_httpx_http2_over_tls_concurrent_requests_and_upload(
     tmp_path: Path,
 ) -> None:
@@ -930,10 +942,7 @@ async def test_data_that_breaks_the_content_length_resets_only_its_stream(
     assert dirty.endswith(b"\r\n\r\n" + b"x" * 6)
     assert b"y" not in bytes(backend.received)
     assert len(backend.raw) == 2
-    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
-    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok", "ok"]
-    (line,) = [r for r in lines if r["termination"] == "bad_request"]
-    assert line["detail"] == f"malformed request, stream reset: {reason}"
+    line = _the_reset_logged(caplog, reason, served=2)
     assert [r.getMessage() for r in caplog.records if r.name == "tlsedge.http"] == [
         f"listener plain: client {line['client']}: HTTP/2 stream 1 reset: {reason}"
     ]
@@ -997,10 +1006,7 @@ async def test_a_content_length_h2_cannot_parse_resets_only_its_stream(
     reason = "malformed content-length"
     if where == "trailers":
         reason = f"trailer {reason}"
-    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
-    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok", "ok"]
-    (line,) = [r for r in lines if r["termination"] == "bad_request"]
-    assert line["detail"] == f"malformed request, stream reset: {reason}"
+    line = _the_reset_logged(caplog, reason, served=2)
     assert [r.getMessage() for r in caplog.records if r.name == "tlsedge.http"] == [
         f"listener plain: client {line['client']}: HTTP/2 stream {bad} reset: {reason}"
     ]
@@ -1033,12 +1039,7 @@ async def test_a_1xx_status_in_a_request_resets_only_its_stream(
         assert client.goaway() is None
         await client.aclose()
     assert bytes(setup.backend.received).count(b"GET /echo") == 2
-    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
-    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok", "ok"]
-    (line,) = [r for r in lines if r["termination"] == "bad_request"]
-    assert line["detail"] == (
-        "malformed request, stream reset: unknown pseudo-header ':status'"
-    )
+    _the_reset_logged(caplog, "unknown pseudo-header ':status'", served=2)
 
 
 async def test_trailers_without_end_stream_reset_only_their_stream(
@@ -1068,10 +1069,7 @@ async def test_trailers_without_end_stream_reset_only_their_stream(
         await client.aclose()
     assert b"x-sum" not in bytes(backend.received)
     reason = "trailers without END_STREAM (RFC 9113 8.1)"
-    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
-    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok"]
-    (line,) = [r for r in lines if r["termination"] == "bad_request"]
-    assert line["detail"] == f"malformed request, stream reset: {reason}"
+    _the_reset_logged(caplog, reason, served=1)
 
 
 async def test_a_frame_after_the_request_ended_resets_its_stream_closed(
@@ -1101,10 +1099,7 @@ async def test_a_frame_after_the_request_ended_resets_its_stream_closed(
         await wait_until(lambda: backend.eofs == 1)
         await client.aclose()
     reason = "a frame after the request ended (RFC 9113 5.1)"
-    lines = [r for r in access_records(caplog) if r.get("type") == "http"]
-    assert sorted(r["termination"] for r in lines) == ["bad_request", "ok"]
-    (line,) = [r for r in lines if r["termination"] == "bad_request"]
-    assert line["detail"] == f"malformed request, stream reset: {reason}"
+    _the_reset_logged(caplog, reason, served=1)
 
 
 async def _over_http2(setup: Setup, case: H2Case) -> tuple[bytes, bool]:
