@@ -99,6 +99,11 @@ the connection with GOAWAY ENHANCE_YOUR_CALM:
   payload that do not end anything (DATA without END_STREAM, HEADERS or
   CONTINUATION without END_HEADERS).
 
+A frame longer than SETTINGS_MAX_FRAME_SIZE ends the connection at its
+header as well, with FRAME_SIZE_ERROR (section 4.2): h2 would buffer all of
+it first (up to 16 MiB), and a long HEADERS frame would count as a
+CONTINUATION flood.
+
 Flow control. Request DATA is acknowledged (the client's window reopened)
 only when the driver says it was written upstream (`acknowledge`), so a slow
 upstream slows the client down and at most a window of body per stream is
@@ -182,6 +187,8 @@ _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0, 1, 2, 3, 4
 _PING, _WINDOW_UPDATE, _CONTINUATION = 6, 8, 9
 _END_STREAM, _ACK, _END_HEADERS, _PADDED = 0x1, 0x1, 0x4, 0x8
 _FRAME_HEADER: Final = 9
+# Our SETTINGS_MAX_FRAME_SIZE: the RFC's initial value, which we keep.
+_MAX_FRAME_SIZE: Final = 16384
 # A frame header's length (24 bits: 16 + 8), type, flags and stream (with
 # the reserved bit: `_STREAM_ID` masks it).
 _FRAME_HEADER_UNPACK: Final = struct.Struct(">HBBBL").unpack_from
@@ -333,8 +340,23 @@ Event = (
 )
 
 
-class _Calm(Exception):
+class _Refused(Exception):
+    """Frames refused before h2 sees them: end the connection with GOAWAY
+    `code`."""
+
+    code: ErrorCodes
+
+
+class _Calm(_Refused):
     """A defence tripped: end the connection with ENHANCE_YOUR_CALM."""
+
+    code = ErrorCodes.ENHANCE_YOUR_CALM
+
+
+class _FrameSizeError(_Refused):
+    """A frame of a length RFC 9113 refuses (section 4.2)."""
+
+    code = ErrorCodes.FRAME_SIZE_ERROR
 
 
 class _FrameScanner:
@@ -387,7 +409,8 @@ class _FrameScanner:
         self.frames: list[tuple[int, int, bool, int]] = []
 
     def scan(self, data: bytes, data_frames_sent: int) -> None:
-        """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
+        """Account for *data*'s frames; raise `_Calm` when a limit is passed,
+        `_FrameSizeError` at a frame too long."""
         self.resets = self.control = 0
         if self.frames:
             self.frames = []
@@ -449,6 +472,11 @@ class _FrameScanner:
             self.frames.append((start, stream, bool(flags & _END_STREAM), size))
 
     def _frame(self, kind: int, flags: int, length: int, data_frames_sent: int) -> None:
+        if length > _MAX_FRAME_SIZE:
+            raise _FrameSizeError(
+                f"a frame of {length} bytes, beyond SETTINGS_MAX_FRAME_SIZE "
+                f"({_MAX_FRAME_SIZE}, RFC 9113 4.2)"
+            )
         limits = self._limits
         if kind in {_HEADERS, _CONTINUATION}:
             if kind == _HEADERS:
@@ -645,8 +673,8 @@ class H2Session:
                     what="PING and SETTINGS frames",
                     attack="control frame flood",
                 )
-        except _Calm as exc:
-            return [self._calm(str(exc))]
+        except _Refused as exc:
+            return [self._refuse(str(exc), exc.code)]
         events: list[Event] = []
         if scanner.frames:
             self._receive_checked(data, scanner, now, events)
@@ -757,12 +785,10 @@ class H2Session:
                 f"{self.limits.flood_window:g} s: {attack}"
             )
 
-    def _calm(self, reason: str) -> ConnectionEnded:
+    def _refuse(self, reason: str, code: ErrorCodes) -> ConnectionEnded:
         self.ended = True
-        self.conn.close_connection(
-            ErrorCodes.ENHANCE_YOUR_CALM, additional_data=reason.encode()
-        )
-        return ConnectionEnded(reason, calm=True)
+        self.conn.close_connection(code, additional_data=reason.encode())
+        return ConnectionEnded(reason, calm=code is ErrorCodes.ENHANCE_YOUR_CALM)
 
     def _translate(self, event: h2.events.Event, out: list[Event], now: float) -> None:
         if isinstance(event, h2.events.RequestReceived):
@@ -849,7 +875,7 @@ class H2Session:
             try:
                 self._count_resets(1, now)
             except _Calm as exc:
-                out.append(self._calm(str(exc)))
+                out.append(self._refuse(str(exc), exc.code))
             return
         try:
             request = check_request(fields, end_stream=end_stream)
