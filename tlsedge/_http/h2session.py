@@ -102,7 +102,8 @@ the connection with GOAWAY ENHANCE_YOUR_CALM:
 A frame longer than SETTINGS_MAX_FRAME_SIZE ends the connection at its
 header as well, with FRAME_SIZE_ERROR (section 4.2): h2 would buffer all of
 it first (up to 16 MiB), and a long HEADERS frame would count as a
-CONTINUATION flood.
+CONTINUATION flood. So does a SETTINGS ACK with a payload (section 6.5; h2:
+PROTOCOL_ERROR).
 
 Flow control. Request DATA is acknowledged (the client's window reopened)
 only when the driver says it was written upstream (`acknowledge`), so a slow
@@ -354,7 +355,7 @@ class _Calm(_Refused):
 
 
 class _FrameSizeError(_Refused):
-    """A frame of a length RFC 9113 refuses (section 4.2)."""
+    """A frame of a length RFC 9113 refuses (sections 4.2 and 6.5)."""
 
     code = ErrorCodes.FRAME_SIZE_ERROR
 
@@ -501,6 +502,11 @@ class _FrameScanner:
             if kind in {_PING, _SETTINGS}:
                 if not flags & _ACK:
                     self.control += 1
+                elif kind == _SETTINGS and length:
+                    # (h2 would say PROTOCOL_ERROR.)
+                    raise _FrameSizeError(
+                        f"a SETTINGS ACK with {length} bytes (RFC 9113 6.5)"
+                    )
             elif kind == _WINDOW_UPDATE:
                 self._window_updates += 1
                 allowed = 100 + 2 * (

@@ -1148,21 +1148,7 @@ async def _connect(setup: Setup, case: Case) -> FrameClient:
     return FrameClient(await trio.open_tcp_stream("127.0.0.1", setup.plain_port))
 
 
-_NOT_YET = {
-    "6.5 SETTINGS ACK with a payload": "PROTOCOL_ERROR",
-}
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_NOT_YET[str(c)]))
-        if str(c) in _NOT_YET
-        else c
-        for c in CASES
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("case", CASES, ids=str)
 async def test_h2spec_case(tmp_path: Path, case: Case) -> None:
     async with h2_edge(tmp_path, http2=case.http2) as setup:
         client = await _connect(setup, case)
