@@ -111,6 +111,11 @@ upstream slows the client down and at most a window of body per stream is
 held. Response DATA goes out only as far as the client's windows allow
 (`sendable`).
 
+The client's GOAWAY ends the connection (h2 sends nothing after it): the
+frames after it are not read, as h2 would take any of them (a PING, the
+RST_STREAM of a stream the client gives up) for a protocol error and answer
+GOAWAY PROTOCOL_ERROR.
+
 Drain. `goaway` sends GOAWAY (NO_ERROR) with the last stream accepted; h2 has
 no graceful GOAWAY (its own closes the connection for sending), so the frame
 is made here. Streams opened after it are refused; those before it finish.
@@ -185,7 +190,7 @@ H2_CONFIGURATION: Final = h2.config.H2Configuration(
 
 # Frame types and flags (RFC 9113 section 6).
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0, 1, 2, 3, 4
-_PING, _WINDOW_UPDATE, _CONTINUATION = 6, 8, 9
+_PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 6, 7, 8, 9
 _END_STREAM, _ACK, _END_HEADERS, _PADDED = 0x1, 0x1, 0x4, 0x8
 _FRAME_HEADER: Final = 9
 # Our SETTINGS_MAX_FRAME_SIZE: the RFC's initial value, which we keep.
@@ -366,11 +371,13 @@ class _FrameScanner:
     where the frames `H2Session` checks before h2 takes them lie in the bytes
     scanned (`frames`): each DATA frame completed (the content-length check),
     and each HEADERS frame that neither opens a stream nor ends one (trailers
-    without END_STREAM)."""
+    without END_STREAM); and where the client's GOAWAY ends (`goaway_end`,
+    where the scan stops)."""
 
     __slots__ = (
         "_data",
         "_empty",
+        "_goaway",
         "_header",
         "_limits",
         "_opened",
@@ -382,6 +389,7 @@ class _FrameScanner:
         "block",
         "control",
         "frames",
+        "goaway_end",
         "resets",
         "streams",
     )
@@ -403,6 +411,9 @@ class _FrameScanner:
         self.resets = 0  # RST_STREAM frames in this call to scan
         self.streams = 0  # HEADERS frames that may open a stream
         self._opened = 0  # the highest stream a HEADERS frame was on
+        self._goaway = False  # the frame in progress is a GOAWAY
+        #: Where the client's GOAWAY ended in the bytes scanned (-1: it did not).
+        self.goaway_end = -1
         #: The frames to check in this call to scan, in order: DATA frames
         #: completed, as their start, stream, END_STREAM and their data's
         #: length (padding not counted); HEADERS frames on a stream opened
@@ -432,6 +443,9 @@ class _FrameScanner:
                 offset += take
                 if not remaining and self._data is not None:
                     self._data_frame_ends()
+                elif not remaining and self._goaway:
+                    self.goaway_end = offset
+                    break  # (the connection ends at it)
                 continue
             start = offset
             if not self._header and end - offset >= _FRAME_HEADER:
@@ -460,6 +474,11 @@ class _FrameScanner:
                     self._opened = stream
                 elif not flags & _END_STREAM:
                     self.frames.append((start, stream, False, -1))
+            elif kind == _GOAWAY:
+                self._goaway = True
+                if not remaining:
+                    self.goaway_end = offset
+                    break
         self._remaining = remaining
 
     def _data_frame_ends(self) -> None:
@@ -681,6 +700,10 @@ class H2Session:
                 )
         except _Refused as exc:
             return [self._refuse(str(exc), exc.code)]
+        if scanner.goaway_end >= 0:
+            # The client's GOAWAY ends the connection: nothing after it is
+            # read (h2 would take a frame after it for a protocol error).
+            data = data[: scanner.goaway_end]
         events: list[Event] = []
         if scanner.frames:
             self._receive_checked(data, scanner, now, events)

@@ -15,6 +15,7 @@ from hyperframe.frame import (
     ContinuationFrame,
     DataFrame,
     HeadersFrame,
+    PingFrame,
     SettingsFrame,
 )
 from hypothesis import given, settings, strategies as st
@@ -367,6 +368,22 @@ def test_the_clients_goaway_ends_the_connection() -> None:
     pair.client.close_connection(ErrorCodes.NO_ERROR)
     (ended,) = pair.flush()
     assert ended == ConnectionEnded("client sent GOAWAY (NO_ERROR)", by_client=True)
+
+
+@pytest.mark.parametrize("cut", [0, 5, 13])
+def test_frames_after_the_clients_goaway_are_not_read(cut: int) -> None:
+    # h2 would take the PING after the GOAWAY (in the same read, or with the
+    # GOAWAY's end in the next) for a protocol error: GOAWAY PROTOCOL_ERROR.
+    pair = Pair()
+    pair.flush()
+    pair.client.close_connection(ErrorCodes.NO_ERROR)
+    sent = (
+        pair.client.data_to_send() + PingFrame(0, opaque_data=b"12345678").serialize()
+    )
+    events = pair.session.receive_data(sent[:cut], 0.0) if cut else []
+    events += pair.session.receive_data(sent[cut:], 0.0)
+    assert events == [ConnectionEnded("client sent GOAWAY (NO_ERROR)", by_client=True)]
+    assert pair.session.data_to_send() == b""
 
 
 # -- framing facts and trailers, checked -------------------------------------------

@@ -269,7 +269,7 @@ class ResetWith:
 @dataclass(frozen=True)
 class PingAck:
     """The edge answers the PING *payload* (and no other) with an ACK, and
-    serves on; *or_close*: or it closes the connection."""
+    serves on; *or_close*: or it closes the connection, sending nothing."""
 
     payload: bytes = b"h2spec!!"
     or_close: bool = False
@@ -277,6 +277,7 @@ class PingAck:
     async def check(self, client: FrameClient) -> None:
         await client.until(lambda c: bool(c.of(PingFrame)) or c.goaway() is not None)
         if self.or_close and (client.closed or client.goaway() is not None):
+            assert client.goaway() is None, str(client)
             return
         pings = [(set(f.flags), f.opaque_data) for f in client.of(PingFrame)]
         assert pings == [({"ACK"}, self.payload)], str(client)
@@ -945,6 +946,17 @@ CASES = [
             ).serialize(),
         ),
         GoawayWith(ErrorCodes.PROTOCOL_ERROR),
+    ),
+    Case(
+        "6.8",
+        "GOAWAY, then RST_STREAM in the same write",
+        sends(
+            headers(1, _HOLD),
+            raw_frame(_GOAWAY, 0, 0, struct.pack(">LL", 0, ErrorCodes.NO_ERROR)),
+            raw_frame(_RST_STREAM, 0, 1, struct.pack(">L", ErrorCodes.CANCEL)),
+            ping(),
+        ),
+        PingAck(or_close=True),
     ),
     # 7 Error codes
     Case(
