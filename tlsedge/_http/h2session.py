@@ -99,11 +99,12 @@ the connection with GOAWAY ENHANCE_YOUR_CALM:
   payload that do not end anything (DATA without END_STREAM, HEADERS or
   CONTINUATION without END_HEADERS).
 
-A frame longer than SETTINGS_MAX_FRAME_SIZE ends the connection at its
-header as well, with FRAME_SIZE_ERROR (section 4.2): h2 would buffer all of
-it first (up to 16 MiB), and a long HEADERS frame would count as a
-CONTINUATION flood. So does a SETTINGS ACK with a payload (section 6.5; h2:
-PROTOCOL_ERROR).
+A preface whose first frame is not a SETTINGS frame ends the connection with
+PROTOCOL_ERROR (section 3.4; h2 does not check it). A frame longer than
+SETTINGS_MAX_FRAME_SIZE ends the connection at its header, with
+FRAME_SIZE_ERROR (section 4.2): h2 would buffer all of it first (up to 16
+MiB), and a long HEADERS frame would count as a CONTINUATION flood. So does a
+SETTINGS ACK with a payload (section 6.5; h2: PROTOCOL_ERROR).
 
 Flow control. Request DATA is acknowledged (the client's window reopened)
 only when the driver says it was written upstream (`acknowledge`), so a slow
@@ -359,6 +360,13 @@ class _Calm(_Refused):
     code = ErrorCodes.ENHANCE_YOUR_CALM
 
 
+class _PrefaceError(_Refused):
+    """The preface went on with another frame than a SETTINGS frame (RFC 9113
+    section 3.4; h2 does not check it)."""
+
+    code = ErrorCodes.PROTOCOL_ERROR
+
+
 class _FrameSizeError(_Refused):
     """A frame of a length RFC 9113 refuses (sections 4.2 and 6.5)."""
 
@@ -384,6 +392,7 @@ class _FrameScanner:
         "_pad",
         "_priority",
         "_remaining",
+        "_settings_due",
         "_skip",
         "_window_updates",
         "block",
@@ -397,6 +406,7 @@ class _FrameScanner:
     def __init__(self, limits: Http2Config) -> None:
         self._limits = limits
         self._skip = len(PREFACE)
+        self._settings_due = True  # the preface's SETTINGS frame is to come
         self._header = bytearray()
         self._remaining = 0  # payload bytes of the current frame still to come
         #: The DATA frame in progress: its start in the bytes scanned (0 when
@@ -422,7 +432,8 @@ class _FrameScanner:
 
     def scan(self, data: bytes, data_frames_sent: int) -> None:
         """Account for *data*'s frames; raise `_Calm` when a limit is passed,
-        `_FrameSizeError` at a frame too long."""
+        `_FrameSizeError` at a frame too long, `_PrefaceError` if the first
+        frame is not a SETTINGS frame."""
         self.resets = self.control = 0
         if self.frames:
             self.frames = []
@@ -492,6 +503,10 @@ class _FrameScanner:
             self.frames.append((start, stream, bool(flags & _END_STREAM), size))
 
     def _frame(self, kind: int, flags: int, length: int, data_frames_sent: int) -> None:
+        if self._settings_due:
+            if kind != _SETTINGS or flags & _ACK:
+                raise _PrefaceError("a preface without its SETTINGS (RFC 9113 3.4)")
+            self._settings_due = False
         if length > _MAX_FRAME_SIZE:
             raise _FrameSizeError(
                 f"a frame of {length} bytes, beyond SETTINGS_MAX_FRAME_SIZE "

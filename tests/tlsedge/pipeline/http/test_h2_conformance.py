@@ -53,7 +53,7 @@ _HOLD: Fields = [*_GET[:2], (b":path", b"/hold"), _GET[3]]
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE = 0, 1, 2, 3, 4, 5
 _PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION, _UNKNOWN = 6, 7, 8, 9, 0x16
 _END_STREAM, _END_HEADERS, _PADDED, _WITH_PRIORITY = 0x1, 0x4, 0x8, 0x20
-_ENABLE_PUSH, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 2, 4, 5
+_HEADER_TABLE_SIZE, _ENABLE_PUSH, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 1, 2, 4, 5
 
 
 def raw_frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -105,7 +105,7 @@ class FrameClient:
     statuses: dict[int, int] = field(default_factory=dict)
     closed: bool = False
     _buffer: bytearray = field(default_factory=bytearray)
-    _decoder: hpack.Decoder = field(default_factory=hpack.Decoder)
+    decoder: hpack.Decoder = field(default_factory=hpack.Decoder)
 
     async def handshake(self, *pairs: tuple[int, int]) -> None:
         await self.send(PREFACE + settings(*pairs))
@@ -140,7 +140,7 @@ class FrameClient:
                 with contextlib.suppress(trio.BrokenResourceError):
                     await self.send(SettingsFrame(0, flags=["ACK"]).serialize())
             elif isinstance(frame, HeadersFrame):
-                fields = dict(self._decoder.decode(frame.data, raw=True))
+                fields = dict(self.decoder.decode(frame.data, raw=True))
                 if b":status" in fields:
                     self.statuses[frame.stream_id] = int(fields[b":status"])
 
@@ -314,6 +314,7 @@ class Case:
     expected: Expected
     settings: tuple[tuple[int, int], ...] = ()
     tls: bool = False
+    handshake: bool = True
     http2: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -345,6 +346,19 @@ def after_data(count: int, *then: bytes) -> Steps:
         await client.send(headers(1))
         await client.until(lambda c: len(c.data_sizes(1)) >= count)
         await client.send(*then)
+
+    return steps
+
+
+def small_table() -> Steps:
+    """Two requests read with an HPACK table of 0 bytes: a response that
+    indexes a field or refers to one breaks the second's decoding."""
+
+    async def steps(client: FrameClient) -> None:
+        client.decoder.header_table_size = 0
+        client.decoder.max_allowed_table_size = 0
+        await client.send(headers(1), headers(3))
+        await client.until(lambda c: c.ended(1) and c.ended(3))
 
     return steps
 
@@ -384,6 +398,13 @@ CASES = [
         # (RFC 9113 3.4: the GOAWAY may be omitted.)
         GoawayWith(ErrorCodes.PROTOCOL_ERROR, or_close=True),
         tls=True,
+    ),
+    Case(
+        "3.4",
+        "preface without SETTINGS",
+        sends(PREFACE, ping()),
+        GoawayWith(ErrorCodes.PROTOCOL_ERROR, or_close=True),
+        handshake=False,
     ),
     # 4.1 Frame format
     Case(
@@ -810,6 +831,13 @@ CASES = [
         sends(settings((_MAX_FRAME_SIZE, 2**24))),
         GoawayWith(ErrorCodes.PROTOCOL_ERROR),
     ),
+    Case(
+        "6.5.2",
+        "SETTINGS_HEADER_TABLE_SIZE of 0: responses without the dynamic table",
+        small_table(),
+        Ignored(next=5),
+        settings=((_HEADER_TABLE_SIZE, 0),),
+    ),
     # 6.5.3 Settings synchronization
     Case(
         "6.5.3",
@@ -888,6 +916,16 @@ CASES = [
         ResetWith((ErrorCodes.FLOW_CONTROL_ERROR,), or_connection=True),
     ),
     # 6.9.2 Initial flow-control window size
+    Case(
+        "6.9.2",
+        "SETTINGS_INITIAL_WINDOW_SIZE taking a window beyond 2^31-1",
+        sends(
+            headers(1, _HOLD),
+            window_update(1, 2**31 - 1 - 65535),
+            settings((_INITIAL_WINDOW_SIZE, 65536)),
+        ),
+        GoawayWith(ErrorCodes.FLOW_CONTROL_ERROR),
+    ),
     Case(
         "6.9.2",
         "SETTINGS_INITIAL_WINDOW_SIZE changed after HEADERS",
@@ -1084,8 +1122,20 @@ CASES = [
             ("two :scheme", [*_GET, (b":scheme", b"http")]),
             ("two :path", [*_GET, (b":path", b"/")]),
             ("host naming another authority", fields_of((b"host", b"other.test"))),
+            ("neither :authority nor host", without(b":authority")),
         ]
     ],
+    Case(
+        "8.3",
+        "host instead of :authority, OPTIONS *",
+        sends(
+            headers(1, [*without(b":authority"), (b"host", b"localhost")]),
+            headers(
+                3, [(b":method", b"OPTIONS"), *_GET[1:2], (b":path", b"*"), _GET[3]]
+            ),
+        ),
+        Ignored(next=5),
+    ),
     # 8.4 Server push
     Case(
         "8.4",
@@ -1185,7 +1235,7 @@ async def test_h2spec_case(tmp_path: Path, case: Case) -> None:
     async with h2_edge(tmp_path, http2=case.http2) as setup:
         client = await _connect(setup, case)
         try:
-            if not case.tls:  # (over TLS: the preface is the case)
+            if case.handshake and not case.tls:
                 await client.handshake(*case.settings)
             await case.steps(client)
             await case.expected.check(client)
