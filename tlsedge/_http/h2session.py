@@ -915,7 +915,7 @@ class H2Session:
         if self.goaway_sent is not None or len(self.active) >= (
             self.limits.max_concurrent_streams
         ):
-            self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            self._reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             try:
                 self._count_resets(1, now)
             except _Calm as exc:
@@ -924,7 +924,7 @@ class H2Session:
         try:
             request = check_request(fields, end_stream=end_stream)
         except MalformedRequestError as exc:
-            self.conn.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+            self._reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
             out.append(StreamMalformed(sid, str(exc), exc.method, exc.target))
             return
         self.active.add(sid)
@@ -941,8 +941,15 @@ class H2Session:
         """A stream being served turned out malformed: reset it and say so."""
         self.forget(sid)
         self._trailers.pop(sid, None)
-        self.conn.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+        self._reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
         out.append(StreamMalformed(sid, reason, None, None))
+
+    def _reset_stream(self, sid: int, code: ErrorCodes) -> None:
+        """RST_STREAM *code* on a stream we judged from h2's events, unless
+        the client reset it in the bytes h2 took with them (h2 has closed it:
+        its RST_STREAM event comes later)."""
+        with contextlib.suppress(h2.exceptions.StreamClosedError):
+            self.conn.reset_stream(sid, code)
 
     def _request_ended(self, stream_id: int) -> bool:
         """Whether the client ended the stream's request (h2's stream state)."""

@@ -370,6 +370,25 @@ def test_the_clients_goaway_ends_the_connection() -> None:
     assert ended == ConnectionEnded("client sent GOAWAY (NO_ERROR)", by_client=True)
 
 
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_stream_the_client_resets_in_the_same_read_is_not_reset_again(
+    refused: bool,
+) -> None:
+    # h2 takes the HEADERS and the RST_STREAM at once: the stream is closed
+    # when its request is refused or found malformed (h2 raised
+    # StreamClosedError at our RST_STREAM, out of receive_data).
+    pair = Pair()
+    pair.flush()
+    if refused:
+        pair.session.goaway()  # (streams after it are refused)
+    sid = pair.request([*BASE, (b"X-Upper", b"1")])
+    pair.client.reset_stream(sid, ErrorCodes.CANCEL)
+    events = pair.flush()
+    assert [type(e) for e in events] == ([] if refused else [StreamMalformed])
+    assert pair.resets() == {}
+    assert not pair.session.ended
+
+
 @pytest.mark.parametrize("cut", [0, 5, 13])
 def test_frames_after_the_clients_goaway_are_not_read(cut: int) -> None:
     # h2 would take the PING after the GOAWAY (in the same read, or with the
