@@ -432,6 +432,15 @@ CASES = [
     Case("4.1", "PING with undefined flags", sends(ping(flags=0x16)), PingAck()),
     Case(
         "4.1",
+        "HEADERS and DATA with undefined flags",
+        sends(
+            raw_frame(_HEADERS, _END_HEADERS | 0xD2, 1, block(_POST)),
+            raw_frame(_DATA, _END_STREAM | 0xF6, 1, b"x"),
+        ),
+        Ignored(next=3),
+    ),
+    Case(
+        "4.1",
         "reserved bit of the stream identifier set",
         sends(raw_frame(_HEADERS, _END_STREAM | _END_HEADERS, 0x80000001, block(_GET))),
         Ignored(next=3),
@@ -904,6 +913,12 @@ CASES = [
         Ignored(next=5),
         settings=((_HEADER_TABLE_SIZE, 0),),
     ),
+    Case(
+        "6.5.2",
+        "SETTINGS_ENABLE_CONNECT_PROTOCOL of 2 (RFC 8441 3)",
+        sends(settings((8, 2))),
+        GoawayWith(ErrorCodes.PROTOCOL_ERROR),
+    ),
     # 6.5.3 Settings synchronization
     Case(
         "6.5.3",
@@ -1228,6 +1243,19 @@ CASES = [
                     [*_GET, hpack.NeverIndexedHeaderTuple(b"x-secret", b"1")],
                     huffman=True,
                 ),
+            )
+        ),
+        Ignored(next=3),
+    ),
+    Case(
+        "HPACK",
+        "two table size updates at the start of a block",
+        sends(
+            raw_frame(
+                _HEADERS,
+                _END_STREAM | _END_HEADERS,
+                1,
+                b"\x20\x3f\xe1\x1f" + block(_GET),  # to 0, then to 4096
             )
         ),
         Ignored(next=3),
