@@ -701,6 +701,12 @@ CASES = [
         sends(raw_frame(_PRIORITY, 0, 3, struct.pack(">LB", 0, 15))),
         Ignored(next=3),
     ),
+    Case(
+        "5.1",
+        "idle: PRIORITY leaves lower streams idle",
+        sends(raw_frame(_PRIORITY, 0, 5, struct.pack(">LB", 0, 15)), headers(1)),
+        Ignored(next=3),
+    ),
     # 5.1.1 Stream identifiers
     Case(
         "5.1.1",
