@@ -68,8 +68,10 @@ end it) make the request malformed too (section 8.1; h2: a connection
 error): the scanner notes them as well, and the stream is reset the same
 way before h2 takes them (it decodes their block: the HPACK state stays in
 step). h2 itself checks HPACK, the frame sizes and stream states (connection
-errors, GOAWAY). A HEADERS or DATA frame on a stream whose request already
-ended (half-closed, section 5.1) is a stream error of type STREAM_CLOSED:
+errors, GOAWAY); a header block that does not decode is a COMPRESSION_ERROR
+(section 4.3: our decoder says so, where h2 would say PROTOCOL_ERROR). A
+HEADERS or DATA frame on a stream whose request already ended (half-closed,
+section 5.1) is a stream error of type STREAM_CLOSED:
 the scanner's HEADERS of such a stream go to h2 as they are, h2 resets the
 stream, and a stream still being served is then given up as a malformed one
 (`_CLOSED_STREAM_ERROR`).
@@ -97,11 +99,23 @@ the connection with GOAWAY ENHANCE_YOUR_CALM:
   payload that do not end anything (DATA without END_STREAM, HEADERS or
   CONTINUATION without END_HEADERS).
 
+A preface whose first frame is not a SETTINGS frame ends the connection with
+PROTOCOL_ERROR (section 3.4; h2 does not check it). A frame longer than
+SETTINGS_MAX_FRAME_SIZE ends the connection at its header, with
+FRAME_SIZE_ERROR (section 4.2): h2 would buffer all of it first (up to 16
+MiB), and a long HEADERS frame would count as a CONTINUATION flood. So does a
+SETTINGS ACK with a payload (section 6.5; h2: PROTOCOL_ERROR).
+
 Flow control. Request DATA is acknowledged (the client's window reopened)
 only when the driver says it was written upstream (`acknowledge`), so a slow
 upstream slows the client down and at most a window of body per stream is
 held. Response DATA goes out only as far as the client's windows allow
 (`sendable`).
+
+The client's GOAWAY ends the connection (h2 sends nothing after it): the
+frames after it are not read, as h2 would take any of them (a PING, the
+RST_STREAM of a stream the client gives up) for a protocol error and answer
+GOAWAY PROTOCOL_ERROR.
 
 Drain. `goaway` sends GOAWAY (NO_ERROR) with the last stream accepted; h2 has
 no graceful GOAWAY (its own closes the connection for sending), so the frame
@@ -177,9 +191,11 @@ H2_CONFIGURATION: Final = h2.config.H2Configuration(
 
 # Frame types and flags (RFC 9113 section 6).
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0, 1, 2, 3, 4
-_PING, _WINDOW_UPDATE, _CONTINUATION = 6, 8, 9
+_PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 6, 7, 8, 9
 _END_STREAM, _ACK, _END_HEADERS, _PADDED = 0x1, 0x1, 0x4, 0x8
 _FRAME_HEADER: Final = 9
+# Our SETTINGS_MAX_FRAME_SIZE: the RFC's initial value, which we keep.
+_MAX_FRAME_SIZE: Final = 16384
 # A frame header's length (24 bits: 16 + 8), type, flags and stream (with
 # the reserved bit: `_STREAM_ID` masks it).
 _FRAME_HEADER_UNPACK: Final = struct.Struct(">HBBBL").unpack_from
@@ -331,8 +347,30 @@ Event = (
 )
 
 
-class _Calm(Exception):
+class _Refused(Exception):
+    """Frames refused before h2 sees them: end the connection with GOAWAY
+    `code`."""
+
+    code: ErrorCodes
+
+
+class _Calm(_Refused):
     """A defence tripped: end the connection with ENHANCE_YOUR_CALM."""
+
+    code = ErrorCodes.ENHANCE_YOUR_CALM
+
+
+class _PrefaceError(_Refused):
+    """The preface went on with another frame than a SETTINGS frame (RFC 9113
+    section 3.4; h2 does not check it)."""
+
+    code = ErrorCodes.PROTOCOL_ERROR
+
+
+class _FrameSizeError(_Refused):
+    """A frame of a length RFC 9113 refuses (sections 4.2 and 6.5)."""
+
+    code = ErrorCodes.FRAME_SIZE_ERROR
 
 
 class _FrameScanner:
@@ -341,22 +379,26 @@ class _FrameScanner:
     where the frames `H2Session` checks before h2 takes them lie in the bytes
     scanned (`frames`): each DATA frame completed (the content-length check),
     and each HEADERS frame that neither opens a stream nor ends one (trailers
-    without END_STREAM)."""
+    without END_STREAM); and where the client's GOAWAY ends (`goaway_end`,
+    where the scan stops)."""
 
     __slots__ = (
         "_data",
         "_empty",
+        "_goaway",
         "_header",
         "_limits",
         "_opened",
         "_pad",
         "_priority",
         "_remaining",
+        "_settings_due",
         "_skip",
         "_window_updates",
         "block",
         "control",
         "frames",
+        "goaway_end",
         "resets",
         "streams",
     )
@@ -364,6 +406,7 @@ class _FrameScanner:
     def __init__(self, limits: Http2Config) -> None:
         self._limits = limits
         self._skip = len(PREFACE)
+        self._settings_due = True  # the preface's SETTINGS frame is to come
         self._header = bytearray()
         self._remaining = 0  # payload bytes of the current frame still to come
         #: The DATA frame in progress: its start in the bytes scanned (0 when
@@ -378,6 +421,9 @@ class _FrameScanner:
         self.resets = 0  # RST_STREAM frames in this call to scan
         self.streams = 0  # HEADERS frames that may open a stream
         self._opened = 0  # the highest stream a HEADERS frame was on
+        self._goaway = False  # the frame in progress is a GOAWAY
+        #: Where the client's GOAWAY ended in the bytes scanned (-1: it did not).
+        self.goaway_end = -1
         #: The frames to check in this call to scan, in order: DATA frames
         #: completed, as their start, stream, END_STREAM and their data's
         #: length (padding not counted); HEADERS frames on a stream opened
@@ -385,7 +431,9 @@ class _FrameScanner:
         self.frames: list[tuple[int, int, bool, int]] = []
 
     def scan(self, data: bytes, data_frames_sent: int) -> None:
-        """Account for *data*'s frames; raise `_Calm` when a limit is passed."""
+        """Account for *data*'s frames; raise `_Calm` when a limit is passed,
+        `_FrameSizeError` at a frame too long, `_PrefaceError` if the first
+        frame is not a SETTINGS frame."""
         self.resets = self.control = 0
         if self.frames:
             self.frames = []
@@ -406,6 +454,9 @@ class _FrameScanner:
                 offset += take
                 if not remaining and self._data is not None:
                     self._data_frame_ends()
+                elif not remaining and self._goaway:
+                    self.goaway_end = offset
+                    break  # (the connection ends at it)
                 continue
             start = offset
             if not self._header and end - offset >= _FRAME_HEADER:
@@ -434,6 +485,11 @@ class _FrameScanner:
                     self._opened = stream
                 elif not flags & _END_STREAM:
                     self.frames.append((start, stream, False, -1))
+            elif kind == _GOAWAY:
+                self._goaway = True
+                if not remaining:
+                    self.goaway_end = offset
+                    break
         self._remaining = remaining
 
     def _data_frame_ends(self) -> None:
@@ -447,6 +503,15 @@ class _FrameScanner:
             self.frames.append((start, stream, bool(flags & _END_STREAM), size))
 
     def _frame(self, kind: int, flags: int, length: int, data_frames_sent: int) -> None:
+        if self._settings_due:
+            if kind != _SETTINGS or flags & _ACK:
+                raise _PrefaceError("a preface without its SETTINGS (RFC 9113 3.4)")
+            self._settings_due = False
+        if length > _MAX_FRAME_SIZE:
+            raise _FrameSizeError(
+                f"a frame of {length} bytes, beyond SETTINGS_MAX_FRAME_SIZE "
+                f"({_MAX_FRAME_SIZE}, RFC 9113 4.2)"
+            )
         limits = self._limits
         if kind in {_HEADERS, _CONTINUATION}:
             if kind == _HEADERS:
@@ -471,6 +536,11 @@ class _FrameScanner:
             if kind in {_PING, _SETTINGS}:
                 if not flags & _ACK:
                     self.control += 1
+                elif kind == _SETTINGS and length:
+                    # (h2 would say PROTOCOL_ERROR.)
+                    raise _FrameSizeError(
+                        f"a SETTINGS ACK with {length} bytes (RFC 9113 6.5)"
+                    )
             elif kind == _WINDOW_UPDATE:
                 self._window_updates += 1
                 allowed = 100 + 2 * (
@@ -505,15 +575,28 @@ _DECODE: Final = hpack.Decoder.decode
 _NAME_OF: Final = operator.itemgetter(0)
 
 
+class _CompressionError(h2.exceptions.ProtocolError):
+    """A header block HPACK cannot decode: a connection error of type
+    COMPRESSION_ERROR (RFC 9113 section 4.3; h2 reports PROTOCOL_ERROR)."""
+
+    error_code = ErrorCodes.COMPRESSION_ERROR
+
+
 class _Decoder(hpack.Decoder):
     """HPACK as h2's own decoder, but a header block's fields that h2 would
-    end the connection over come out hidden (`_hidden_from_h2`)."""
+    end the connection over come out hidden (`_hidden_from_h2`), and a block
+    that does not decode is a `_CompressionError`."""
 
     def decode(self, data: bytes, raw: bool = False) -> Iterable[hpack.HeaderTuple]:
         # (The base method called directly, the names tested in C: a block
         # of 5 fields then costs 3,500 instructions more than h2's decoder;
         # 6,600 with `super()` and a comprehension.)
-        fields = _DECODE(self, data, raw)  # (a list, documented)
+        try:
+            fields = _DECODE(self, data, raw)  # (a list, documented)
+        except hpack.OversizedHeaderListError:
+            raise  # (h2: ENHANCE_YOUR_CALM, an HPACK bomb)
+        except hpack.HPACKDecodingError as exc:
+            raise _CompressionError(f"Error decoding header block: {exc}") from exc
         if _PARSED_BY_H2.isdisjoint(map(_NAME_OF, fields)):
             return fields
         return _hidden_from_h2(fields)
@@ -630,8 +713,12 @@ class H2Session:
                     what="PING and SETTINGS frames",
                     attack="control frame flood",
                 )
-        except _Calm as exc:
-            return [self._calm(str(exc))]
+        except _Refused as exc:
+            return [self._refuse(str(exc), exc.code)]
+        if scanner.goaway_end >= 0:
+            # The client's GOAWAY ends the connection: nothing after it is
+            # read (h2 would take a frame after it for a protocol error).
+            data = data[: scanner.goaway_end]
         events: list[Event] = []
         if scanner.frames:
             self._receive_checked(data, scanner, now, events)
@@ -742,12 +829,10 @@ class H2Session:
                 f"{self.limits.flood_window:g} s: {attack}"
             )
 
-    def _calm(self, reason: str) -> ConnectionEnded:
+    def _refuse(self, reason: str, code: ErrorCodes) -> ConnectionEnded:
         self.ended = True
-        self.conn.close_connection(
-            ErrorCodes.ENHANCE_YOUR_CALM, additional_data=reason.encode()
-        )
-        return ConnectionEnded(reason, calm=True)
+        self.conn.close_connection(code, additional_data=reason.encode())
+        return ConnectionEnded(reason, calm=code is ErrorCodes.ENHANCE_YOUR_CALM)
 
     def _translate(self, event: h2.events.Event, out: list[Event], now: float) -> None:
         if isinstance(event, h2.events.RequestReceived):
@@ -830,16 +915,16 @@ class H2Session:
         if self.goaway_sent is not None or len(self.active) >= (
             self.limits.max_concurrent_streams
         ):
-            self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            self._reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             try:
                 self._count_resets(1, now)
             except _Calm as exc:
-                out.append(self._calm(str(exc)))
+                out.append(self._refuse(str(exc), exc.code))
             return
         try:
             request = check_request(fields, end_stream=end_stream)
         except MalformedRequestError as exc:
-            self.conn.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+            self._reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
             out.append(StreamMalformed(sid, str(exc), exc.method, exc.target))
             return
         self.active.add(sid)
@@ -856,8 +941,15 @@ class H2Session:
         """A stream being served turned out malformed: reset it and say so."""
         self.forget(sid)
         self._trailers.pop(sid, None)
-        self.conn.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+        self._reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
         out.append(StreamMalformed(sid, reason, None, None))
+
+    def _reset_stream(self, sid: int, code: ErrorCodes) -> None:
+        """RST_STREAM *code* on a stream we judged from h2's events, unless
+        the client reset it in the bytes h2 took with them (h2 has closed it:
+        its RST_STREAM event comes later)."""
+        with contextlib.suppress(h2.exceptions.StreamClosedError):
+            self.conn.reset_stream(sid, code)
 
     def _request_ended(self, stream_id: int) -> bool:
         """Whether the client ended the stream's request (h2's stream state)."""

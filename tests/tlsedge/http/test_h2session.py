@@ -15,6 +15,7 @@ from hyperframe.frame import (
     ContinuationFrame,
     DataFrame,
     HeadersFrame,
+    PingFrame,
     SettingsFrame,
 )
 from hypothesis import given, settings, strategies as st
@@ -367,6 +368,41 @@ def test_the_clients_goaway_ends_the_connection() -> None:
     pair.client.close_connection(ErrorCodes.NO_ERROR)
     (ended,) = pair.flush()
     assert ended == ConnectionEnded("client sent GOAWAY (NO_ERROR)", by_client=True)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_stream_the_client_resets_in_the_same_read_is_not_reset_again(
+    refused: bool,
+) -> None:
+    # h2 takes the HEADERS and the RST_STREAM at once: the stream is closed
+    # when its request is refused or found malformed (h2 raised
+    # StreamClosedError at our RST_STREAM, out of receive_data).
+    pair = Pair()
+    pair.flush()
+    if refused:
+        pair.session.goaway()  # (streams after it are refused)
+    sid = pair.request([*BASE, (b"X-Upper", b"1")])
+    pair.client.reset_stream(sid, ErrorCodes.CANCEL)
+    events = pair.flush()
+    assert [type(e) for e in events] == ([] if refused else [StreamMalformed])
+    assert pair.resets() == {}
+    assert not pair.session.ended
+
+
+@pytest.mark.parametrize("cut", [0, 5, 13])
+def test_frames_after_the_clients_goaway_are_not_read(cut: int) -> None:
+    # h2 would take the PING after the GOAWAY (in the same read, or with the
+    # GOAWAY's end in the next) for a protocol error: GOAWAY PROTOCOL_ERROR.
+    pair = Pair()
+    pair.flush()
+    pair.client.close_connection(ErrorCodes.NO_ERROR)
+    sent = (
+        pair.client.data_to_send() + PingFrame(0, opaque_data=b"12345678").serialize()
+    )
+    events = pair.session.receive_data(sent[:cut], 0.0) if cut else []
+    events += pair.session.receive_data(sent[cut:], 0.0)
+    assert events == [ConnectionEnded("client sent GOAWAY (NO_ERROR)", by_client=True)]
+    assert pair.session.data_to_send() == b""
 
 
 # -- framing facts and trailers, checked -------------------------------------------
