@@ -430,6 +430,11 @@ async def _denied_lingering(world: World) -> Client:
     return client
 
 
+async def _finish_eof(world: World, client: Client) -> bytes:
+    await client.send_eof()
+    return b""
+
+
 # What an access-log record says: the connection's termination, then each
 # request's, in order.
 Lines = tuple[str, tuple[str, ...]]
@@ -557,6 +562,15 @@ STAGES = [
         DRAINED,
         listener={**HTTP, "http2": {"cleartext": "prior-knowledge"}},
         backend="http",
+    ),
+    Stage(
+        "http-denied-403-lingering",
+        _denied_lingering,
+        ("denied", ()),
+        _finish_eof,
+        ("denied", ()),
+        {**HTTP, "allow": ["192.0.2.0/24"], "denied": "403"},
+        "http",
     ),
     Stage(
         "upstream-tls-handshake",
