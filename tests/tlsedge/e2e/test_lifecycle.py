@@ -42,6 +42,7 @@ from tests.tlsedge.helpers import (
     make_config,
     wait_until,
 )
+from tests.tlsedge.pipeline.http.test_h2 import RawH2
 from tests.tlsedge.pipeline.test_udp import (
     Client as UdpClient,
     servers as udp_servers,
@@ -430,6 +431,15 @@ async def _denied_lingering(world: World) -> Client:
     return client
 
 
+async def _bad_request_lingering(world: World) -> Client:
+    client = await world.open()
+    await client.stream.send_all(
+        b"GET / HTTP/1.1\r\nHost: h\r\nContent-Length: x\r\n\r\n"
+    )
+    await client.receive_until(b"\n")
+    return client
+
+
 async def _finish_eof(world: World, client: Client) -> bytes:
     await client.send_eof()
     return b""
@@ -570,6 +580,15 @@ STAGES = [
         _finish_eof,
         ("denied", ()),
         {**HTTP, "allow": ["192.0.2.0/24"], "denied": "403"},
+        "http",
+    ),
+    Stage(
+        "http-400-lingering",
+        _bad_request_lingering,
+        ("bad_request", ("bad_request",)),
+        _finish_eof,
+        ("bad_request", ("bad_request",)),
+        HTTP,
         "http",
     ),
     Stage(
@@ -811,6 +830,101 @@ async def test_a_udp_flow_ended_each_way(
     (record,) = access_records(caplog)
     assert record["termination"] == "drained"
     assert record["requests"] == (2 if ending == "reload-without-it" else 1)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+# -- http/2 streams --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [
+        "reload-without-it",
+        "cancelled-as-the-backend-closes",
+        "cancelled-as-the-client-resets",
+    ],
+)
+async def test_http2_streams_ended_each_way(
+    ending: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four streams on one h2c connection: two wait upstream, two connect
+    to a server that never answers the SYN (round-robin over both). test_h2
+    has their drain, drain deadline and cancel."""
+    backend = ScriptedBackend("http")
+    async with trio.open_nursery() as nursery:
+        await backend.start(nursery)
+        with blackhole() as hole:
+            config = make_config(
+                [
+                    {
+                        "name": "in",
+                        "backend": "b",
+                        **HTTP,
+                        "http2": {"cleartext": "prior-knowledge"},
+                    }
+                ],
+                [
+                    {
+                        "name": "b",
+                        "servers": [backend.address, hole],
+                        "connect_timeout": 30.0,
+                    }
+                ],
+                {"drain_timeout": DRAIN_TIMEOUT},
+            )
+            edge = Edge(config)
+            scope = trio.CancelScope()
+            returned = trio.Event()
+
+            async def run() -> None:
+                with scope:
+                    await edge.run()
+                returned.set()
+
+            nursery.start_soon(run)
+            await wait_until(lambda: edge.ready)
+            client = await RawH2.open(address_of(edge, "in")[1])
+            streams = [client.request("/hold") for _ in range(4)]
+            await client.send()
+            await wait_until(lambda: backend.reached == 2)
+            with trio.fail_after(10):
+                if ending == "reload-without-it":
+                    await edge.reload(
+                        make_config(
+                            [{"name": "other", "backend": "other", **HTTP}],
+                            [{"name": "other", "servers": [backend.address]}],
+                            {"drain_timeout": DRAIN_TIMEOUT},
+                        )
+                    )
+                    backend.release()
+                    await client.until(lambda c: sum(c.ended(s) for s in streams) == 2)
+                    assert sorted(client.body(s) for s in streams) == [
+                        b"",
+                        b"",
+                        b"held",
+                        b"held",
+                    ]
+                    edge.drain()  # the connecting ones are cut at its deadline
+                elif ending == "cancelled-as-the-backend-closes":
+                    backend.end(reset=False)
+                    scope.cancel()
+                else:
+                    set_abortive_close(client.stream)
+                    await client.aclose()
+                    scope.cancel()
+                await returned.wait()
+            await client.aclose()
+        nursery.cancel_scope.cancel()
+    records = access_records(caplog)
+    (connection,) = [r["termination"] for r in records if "type" not in r]
+    requests = sorted(r["termination"] for r in records if r.get("type") == "http")
+    if ending == "reload-without-it":
+        assert (connection, requests) == ("drained", ["drained", "drained", "ok", "ok"])
+    elif ending == "cancelled-as-the-backend-closes":
+        assert (connection, requests) == ("drained", ["drained"] * 4)
+    else:
+        assert connection in {"drained", "client_error"}
+        assert requests == [connection] * 4
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
