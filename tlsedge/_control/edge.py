@@ -16,7 +16,9 @@ Splitting the nurseries is what makes drain work: ``drain()`` closes the
 listening sockets (new connections are refused by the kernel, not left
 hanging), the accept loops end, and the connections nursery gets a deadline
 of ``drain_timeout``. Connections that finish before it end normally; those
-still open are cancelled at the deadline and logged as ``drained``. PROXY
+still open are cancelled at the deadline and logged as ``drained``. A drain
+can come while ``run()`` is still starting (the signal handlers are up
+first): the listeners bound since are then closed instead of served. PROXY
 header reads, TLS handshakes and HTTP connections on the reactor (the
 pipeline's `InFlight`) are waited for within the same deadline (one may
 still need a task of that nursery), then ended as ``drained``. A tcp-mode
@@ -422,13 +424,17 @@ class Edge:
             self.active_connections,
             self.config.edge.drain_timeout,
         )
+        self._relays_deadline = trio.current_time() + self.config.edge.drain_timeout
+        self._stop_serving()
+        self._drain_event.set()
+
+    def _stop_serving(self) -> None:
+        """Close the listeners; the connections get until the drain deadline
+        (`drain`, or `run` when a drain came while it was starting)."""
         for listener in self._listeners.values():
             self._close_listener(listener)
-        deadline = trio.current_time() + self.config.edge.drain_timeout
         if self._connections is not None:
-            self._connections.cancel_scope.deadline = deadline
-        self._relays_deadline = deadline
-        self._drain_event.set()
+            self._connections.cancel_scope.deadline = self._relays_deadline
 
     def stop(self) -> None:
         """Close everything at once (a second SIGTERM, or SIGINT)."""
@@ -570,15 +576,20 @@ class Edge:
                     await services.start(self._run_admin, self.admin, self._admin_scope)
                 async with trio.open_nursery() as connections:
                     self._connections = self._pipeline.nursery = connections
-                    for listener in self._listeners.values():
-                        self._start_listener(listener)
-                    self.ready = True
-                    for name, addresses in self.listen_addresses.items():
-                        LOGGER.info(
-                            "listener %s on %s",
-                            name,
-                            ", ".join(format_address(a) for a in addresses),
-                        )
+                    if self.draining:
+                        # Drained (a SIGTERM) while starting: the listeners
+                        # bound since are closed, not served.
+                        self._stop_serving()
+                    else:
+                        for listener in self._listeners.values():
+                            self._start_listener(listener)
+                        self.ready = True
+                        for name, addresses in self.listen_addresses.items():
+                            LOGGER.info(
+                                "listener %s on %s",
+                                name,
+                                ", ".join(format_address(a) for a in addresses),
+                            )
                     task_status.started(self)
                     # Header reads, handshakes and HTTP connections on the
                     # reactor may still go on in a task of this nursery:

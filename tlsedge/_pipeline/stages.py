@@ -644,11 +644,14 @@ class Pipeline:
         leftover: bytes,
         denial: Refused,
     ) -> None:
-        """``denied = "403"``: answer the client, then refuse it."""
+        """``denied = "403"``: refuse the client, then answer it. (Refused
+        first: a drain deadline or a stop that cuts the answer's linger
+        leaves the connection ``denied``, not ``drained``.)"""
         assert isinstance(client, trio.abc.HalfCloseableStream)
         conn.log.bytes_from_client = len(leftover)
+        refusal = Refused(denial.termination, f"{denial.detail}; answered 403")
+        failed(conn.log, refusal, self._metrics)
         await _answer_forbidden(client, conn.log)
-        raise Refused(denial.termination, f"{denial.detail}; answered 403")
 
     async def _sniff_then_serve(
         self,
