@@ -469,12 +469,15 @@ class _H2Connection(ReactorConnection):
     def _start(self) -> None:
         initial_data, self.initial_data = self.initial_data, b""
         self.arm(self.started + self.http.request_header_timeout)
-        self.site.drain.call_on_set(self._drained)
         if initial_data and self.state is OPEN:
             self._received(initial_data)
         if self.client.tls is not None and self.state is OPEN:
             # Records its engine read past the handshake.
             self._read_client(read_socket=False)
+        if self.state is OPEN:
+            # After the first bytes: when the edge drains already, the
+            # streams they open are served and named by the GOAWAY.
+            self.site.drain.call_on_set(self._drained)
         self._settle()
 
     def _connecting(self, attempt: UpstreamAttempt) -> None:
