@@ -479,8 +479,10 @@ class Edge:
             ConfigError: the new configuration cannot be applied; nothing was
                 changed and nothing stays open.
         """
-        if self.draining or self._services is None:
-            raise ConfigError("edge: cannot reload while draining or stopped")
+        if self._services is None:
+            raise ConfigError("edge: cannot reload while starting or once stopped")
+        if self.draining:
+            raise ConfigError("edge: cannot reload while draining")
         prepared = PreparedReload(self, config)
         try:
             await prepared.prepare()

@@ -263,6 +263,23 @@ async def test_reload_while_draining_is_refused(nursery: trio.Nursery) -> None:
         await running.returned.wait()
 
 
+async def test_reload_before_start_or_after_stop_is_refused_as_such(
+    nursery: trio.Nursery,
+) -> None:
+    # (A SIGHUP during start-up was refused "while draining or stopped".)
+    backend = await Backend(tag_handler("ok")).start(nursery)
+    config = config_for({"b": backend}, {"in": "b"})
+    running = RunningEdge(config)
+    with pytest.raises(ConfigError, match="while starting or once stopped"):
+        await running.edge.reload(config)
+    edge = await running.start(nursery)
+    edge.stop()
+    with trio.fail_after(5):
+        await running.returned.wait()
+    with pytest.raises(ConfigError, match="while starting or once stopped"):
+        await edge.reload(config)
+
+
 async def test_a_reload_refused_at_bind_leaves_the_backends_as_they_were(
     nursery: trio.Nursery,
 ) -> None:
