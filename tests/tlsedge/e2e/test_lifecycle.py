@@ -14,17 +14,20 @@ the edge is cancelled (either cause may win the race), a graceful drain or a
 reload that removes the listener and its backend while the connection
 completes what it was doing (its ``completed`` lines, and what its client
 receives last). Every case checks that nothing was logged at ERROR, that
-nothing hangs (each wait is bounded) and, through the suite's leak check
-(tests/conftest.py), that no descriptor was left open.
+nothing hangs (each wait is bounded), that the edge's metrics agree with its
+access log (`assert_metrics_agree`: each line moved its counters by exactly
+one, its bytes by its byte fields, and every gauge is back to 0) and, through
+the suite's leak check (tests/conftest.py), that no descriptor was left open.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +53,7 @@ from tests.tlsedge.pipeline.test_udp import (
 )
 from tlsedge._backends.upstream import BackendPool
 from tlsedge._control.edge import Edge
+from tlsedge._core.metrics import REFUSED_TERMINATIONS
 from tlsedge._reactor.relay import set_abortive_close
 from tlsedge._tls.stream import TLSStream
 
@@ -84,6 +88,77 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> Certificate:
     client = ssl.create_default_context()
     ca.configure_trust(client)
     return Certificate(str(folder / "site.pem"), str(folder / "site.key"), client)
+
+
+# -- the metrics agree with the access log --------------------------------------------
+
+#: The counters checked against the access log, and the labels compared.
+COUNTERS = {
+    "tlsedge_connections_total": ("listener",),
+    "tlsedge_connections_closed_total": ("listener", "termination"),
+    "tlsedge_connections_refused_total": ("listener", "reason"),
+    "tlsedge_client_bytes_received_total": ("listener",),
+    "tlsedge_client_bytes_sent_total": ("listener",),
+    "tlsedge_server_bytes_sent_total": ("backend", "server"),
+    "tlsedge_server_bytes_received_total": ("backend", "server"),
+    "tlsedge_http_requests_total": ("listener", "code"),
+    "tlsedge_server_http_requests_total": ("server", "code"),
+}
+#: The gauges that are back to 0 once every connection ended.
+GAUGES = frozenset({"tlsedge_connections_active", "tlsedge_server_active_connections"})
+
+Sample = tuple[str, dict[str, str], float]
+Series = tuple[str, tuple[str, ...]]
+
+
+def expected_counts(records: Iterable[dict[str, Any]]) -> dict[Series, int]:
+    """What `COUNTERS` say after the access-log *records*: a connection line
+    counts one accepted and one closed connection with its termination (one
+    refused with it as the reason, if it refuses), and its bytes; a request
+    line with a status counts one request of its status class."""
+    counts: collections.Counter[Series] = collections.Counter()
+    for record in records:
+        if record.get("type") == "http":
+            status = record["status"]
+            if status is not None:
+                code = f"{status // 100}xx"
+                counts["tlsedge_http_requests_total", (record["listener"], code)] += 1
+                if record["server"] is not None:
+                    server = (record["server"], code)
+                    counts["tlsedge_server_http_requests_total", server] += 1
+            continue
+        listener, termination = record["listener"], record["termination"]
+        counts["tlsedge_connections_total", (listener,)] += 1
+        counts["tlsedge_connections_closed_total", (listener, termination)] += 1
+        if termination in REFUSED_TERMINATIONS:
+            counts["tlsedge_connections_refused_total", (listener, termination)] += 1
+        received, sent = record["bytes_from_client"], record["bytes_from_server"]
+        counts["tlsedge_client_bytes_received_total", (listener,)] += received
+        counts["tlsedge_client_bytes_sent_total", (listener,)] += sent
+        if record["server"] is not None:
+            server = (record["backend"], record["server"])
+            counts["tlsedge_server_bytes_sent_total", server] += received
+            counts["tlsedge_server_bytes_received_total", server] += sent
+    return {series: count for series, count in counts.items() if count}
+
+
+def assert_metrics_agree(
+    samples: Iterable[Sample], records: Iterable[dict[str, Any]]
+) -> None:
+    """The counters of *samples* (``EdgeMetrics.samples()``, or a parsed
+    ``/metrics``) are what the access-log *records* say, and every gauge of
+    `GAUGES` is 0."""
+    counts: collections.Counter[Series] = collections.Counter()
+    gauges: dict[Series, float] = {}
+    for name, labels, value in samples:
+        if name in COUNTERS:
+            counts[name, tuple(labels[label] for label in COUNTERS[name])] += int(value)
+        elif name in GAUGES and value:
+            gauges[name, tuple(labels.values())] = value
+    assert {series: count for series, count in counts.items() if count} == (
+        expected_counts(records)
+    )
+    assert gauges == {}
 
 
 # -- the backend -----------------------------------------------------------------------
@@ -737,6 +812,7 @@ async def _end_at(
             await wait_until(lambda: edge.ready)
             world = World(edge, backend, certificate, scope, stage)
             client = await stage.drive(world)
+            edge.metrics.flush()  # a scrape: counts the bytes so far
             with trio.fail_after(10):
                 await ending(world, client)
                 await returned.wait()
@@ -744,6 +820,7 @@ async def _end_at(
             await trio.aclose_forcefully(client.stream)
         nursery.cancel_scope.cancel()
     records = access_records(caplog)
+    assert_metrics_agree(edge.metrics.samples(), records)
     (connection,) = [r for r in records if "type" not in r]
     requests = tuple(r["termination"] for r in records if r.get("type") == "http")
     return connection["termination"], requests
@@ -810,6 +887,7 @@ async def test_a_udp_flow_ended_each_way(
         await wait_until(lambda: edge.ready)
         address = address_of(edge, "dns")
         assert await client.ask(address, b"1") == b"a|1"
+        edge.metrics.flush()  # a scrape: counts the flow's bytes so far
         if ending == "cancelled":
             scope.cancel()
         elif ending == "stopped":
@@ -830,6 +908,15 @@ async def test_a_udp_flow_ended_each_way(
     (record,) = access_records(caplog)
     assert record["termination"] == "drained"
     assert record["requests"] == (2 if ending == "reload-without-it" else 1)
+    samples = list(edge.metrics.samples())
+    assert_metrics_agree(samples, [record])
+    datagrams = {
+        labels["direction"]: value
+        for name, labels, value in samples
+        if name == "tlsedge_udp_datagrams_total"
+    }
+    answered = record["requests"]  # each datagram was answered once
+    assert datagrams == {"from_client": answered, "from_server": answered}
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
@@ -887,6 +974,7 @@ async def test_http2_streams_ended_each_way(
             streams = [client.request("/hold") for _ in range(4)]
             await client.send()
             await wait_until(lambda: backend.reached == 2)
+            edge.metrics.flush()  # a scrape: counts the bytes so far
             with trio.fail_after(10):
                 if ending == "reload-without-it":
                     await edge.reload(
@@ -916,6 +1004,7 @@ async def test_http2_streams_ended_each_way(
             await client.aclose()
         nursery.cancel_scope.cancel()
     records = access_records(caplog)
+    assert_metrics_agree(edge.metrics.samples(), records)
     (connection,) = [r["termination"] for r in records if "type" not in r]
     requests = sorted(r["termination"] for r in records if r.get("type") == "http")
     if ending == "reload-without-it":
@@ -970,3 +1059,4 @@ async def test_a_drain_while_the_edge_starts_serves_nothing_and_returns(
     assert not edge.ready
     assert [s.fileno() for s in edge._listeners["in"].sockets] == [-1]
     assert "listener in on" not in caplog.text
+    assert_metrics_agree(edge.metrics.samples(), access_records(caplog))
