@@ -1,8 +1,9 @@
-"""With ``workers = 2``, the counters in the shared metrics directory agree
-with the workers' access log once they drained and exited: the counts of
-connections that ended during the drain (each worker's last flush, in
-`Edge.run`) are neither lost nor counted twice, and every live gauge is
-back to 0."""
+"""With ``workers = 2``, the counters agree with the workers' access log:
+on ``/metrics`` while they run (each worker's counts flushed periodically,
+every live gauge back to 0 once its connections ended), and in the shared
+metrics directory once they drained and exited: the counts of connections
+that ended during the drain (each worker's last flush, in `Edge.run`) are
+neither lost nor counted twice."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 from prometheus_client import CollectorRegistry, multiprocess
 
 from tests.peers import free_port
-from tests.tlsedge.control.test_admin import supervisor
+from tests.tlsedge.control.test_admin import metric_values, scrape, supervisor, total
 from tests.tlsedge.e2e.test_lifecycle import (
     OK,
     REQUEST,
@@ -42,9 +44,9 @@ async def _close_clients() -> AsyncIterator[None]:
     await close_clients()
 
 
-def _config(port: int, web: int, *, tcp: str, http: str, log: Path) -> str:
+def _config(port: int, web: int, admin: int, *, tcp: str, http: str, log: Path) -> str:
     return (
-        "[edge]\nworkers = 2\n"
+        f'[edge]\nworkers = 2\nadmin = "127.0.0.1:{admin}"\n'
         f'access_log = "{log}"\ndrain_timeout = 0.5\n\n'
         f'[[listeners]]\nname = "in"\nbind = "127.0.0.1:{port}"\nbackend = "b"\n\n'
         f'[[listeners]]\nname = "web"\nbind = "127.0.0.1:{web}"\nbackend = "h"\n'
@@ -52,6 +54,22 @@ def _config(port: int, web: int, *, tcp: str, http: str, log: Path) -> str:
         f'[[backends]]\nname = "b"\nservers = ["{tcp}"]\n\n'
         f'[[backends]]\nname = "h"\nservers = ["{http}"]\n'
     )
+
+
+def _lines(access_log: Path) -> int:
+    return len(access_log.read_text().splitlines()) if access_log.exists() else 0
+
+
+def _records(access_log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in access_log.read_text().splitlines()]
+
+
+def _scraped(text: str) -> list[Sample]:
+    """The samples of a ``/metrics`` body."""
+    return [
+        (name, dict(labels), value)
+        for (name, labels), value in metric_values(text).items()
+    ]
 
 
 def _samples(directory: Path) -> list[Sample]:
@@ -71,40 +89,52 @@ async def test_the_counts_of_two_workers_agree_with_the_access_log_after_a_drain
     tcp = await Backend(tag_handler("hi", hold=True)).start(nursery)
     http = ScriptedBackend("http")
     await http.start(nursery)
-    port, web = free_port(), free_port()
+    port, web, admin_port = free_port(), free_port(), free_port()
     access_log = tmp_path / "access.log"
     path = tmp_path / "edge.toml"
     path.write_text(
-        _config(port, web, tcp=tcp.address, http=http.address, log=access_log)
+        _config(
+            port, web, admin_port, tcp=tcp.address, http=http.address, log=access_log
+        )
     )
     metrics_dir = tmp_path / "metrics"
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
     log = tmp_path / "log"
+    admin = ("127.0.0.1", admin_port)
     ended, held, requests = 16, 6, 8
     async with supervisor(path, log, env) as process:
         await wait_until(lambda: log.read_text().count("listener in on") == 2, 30, 0.05)
+        await wait_until(lambda: log.read_text().count("admin endpoint on") == 2, 30)
         for _ in range(ended):
             await exchange(("127.0.0.1", port), b"x")
+        # A scrape answered by either worker shows both workers' counts
+        # (the other's at its last periodic flush): wait for the last one.
+        await wait_until(lambda: _lines(access_log) == ended)
+        with trio.fail_after(10):
+            while True:
+                text = await scrape(admin)
+                if total(text, "tlsedge_connections_closed_total") == ended:
+                    break
+                await trio.sleep(0.05)
+        assert_metrics_agree(_scraped(text), _records(access_log))
         # Open at the drain: relays and idle HTTP keep-alive connections,
-        # ended (and counted) by the drain as the workers exit.
-        open_clients = []
+        # ended (and counted) by the drain as the workers exit (the clients
+        # are closed after the test: `close_clients`).
         for _ in range(held):
             client = await connect(("127.0.0.1", port))
             await Client(client, client).receive_until(b"hi")
-            open_clients.append(client)
         for _ in range(requests // 2):
             client = await connect(("127.0.0.1", web))
             for _ in range(2):
                 await client.send_all(REQUEST)
                 await Client(client, client).receive_until(OK)
-            open_clients.append(client)
         accepted = ended + held + requests // 2
         # Both workers served some (SO_REUSEPORT spreads by source port).
         assert len(list(metrics_dir.glob("counter_*.db"))) == 2
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(30):
             assert await process.wait() == 0
-    records = [json.loads(line) for line in access_log.read_text().splitlines()]
+    records = _records(access_log)
     assert sum("type" not in r for r in records) == accepted
     assert sum(r.get("termination") == "drained" for r in records) == (
         held + requests // 2
