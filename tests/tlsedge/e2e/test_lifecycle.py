@@ -103,7 +103,13 @@ COUNTERS = {
     "tlsedge_server_bytes_received_total": ("backend", "server"),
     "tlsedge_http_requests_total": ("listener", "code"),
     "tlsedge_server_http_requests_total": ("server", "code"),
+    "tlsedge_tls_handshakes_total": ("listener", "version"),
+    "tlsedge_tls_handshake_failures_total": ("listener",),
+    "tlsedge_backend_connect_failures_total": ("backend",),
+    "tlsedge_backend_no_server_total": ("backend",),
 }
+#: The terminations of a failed TLS handshake with the client.
+TLS_FAILURES = frozenset({"tls_error", "tls_handshake_timeout"})
 #: The gauges that are back to 0 once every connection ended.
 GAUGES = frozenset({"tlsedge_connections_active", "tlsedge_server_active_connections"})
 
@@ -114,8 +120,10 @@ Series = tuple[str, tuple[str, ...]]
 def expected_counts(records: Iterable[dict[str, Any]]) -> dict[Series, int]:
     """What `COUNTERS` say after the access-log *records*: a connection line
     counts one accepted and one closed connection with its termination (one
-    refused with it as the reason, if it refuses), and its bytes; a request
-    line with a status counts one request of its status class."""
+    refused with it as the reason, if it refuses), its bytes, its TLS
+    handshake (done, or failed), and a connect failure or no server (with
+    no server to name); a request line with a status counts one request of
+    its status class."""
     counts: collections.Counter[Series] = collections.Counter()
     for record in records:
         if record.get("type") == "http":
@@ -135,10 +143,19 @@ def expected_counts(records: Iterable[dict[str, Any]]) -> dict[Series, int]:
         received, sent = record["bytes_from_client"], record["bytes_from_server"]
         counts["tlsedge_client_bytes_received_total", (listener,)] += received
         counts["tlsedge_client_bytes_sent_total", (listener,)] += sent
+        if record["tls"] is not None:
+            version = record["tls"].split(" ", 1)[0]
+            counts["tlsedge_tls_handshakes_total", (listener, version)] += 1
+        elif termination in TLS_FAILURES:
+            counts["tlsedge_tls_handshake_failures_total", (listener,)] += 1
         if record["server"] is not None:
             server = (record["backend"], record["server"])
             counts["tlsedge_server_bytes_sent_total", server] += received
             counts["tlsedge_server_bytes_received_total", server] += sent
+        elif termination == "connect_failed":
+            counts["tlsedge_backend_connect_failures_total", (record["backend"],)] += 1
+        elif termination == "no_server":
+            counts["tlsedge_backend_no_server_total", (record["backend"],)] += 1
     return {series: count for series, count in counts.items() if count}
 
 
@@ -769,9 +786,10 @@ def _server(blackholed: bool, backend: ScriptedBackend) -> Iterator[str]:
 
 def _listener(settings: dict[str, Any], certificate: Certificate) -> dict[str, Any]:
     listener = dict(settings)
-    if listener.pop("tls", False):
+    if tls := listener.pop("tls", False):
         listener["tls"] = {
-            "certificates": [{"cert": certificate.cert, "key": certificate.key}]
+            "certificates": [{"cert": certificate.cert, "key": certificate.key}],
+            **(tls if isinstance(tls, dict) else {}),
         }
     return listener
 
@@ -952,6 +970,35 @@ async def _h2c_two_streams(world: World) -> None:
     await client.aclose()
 
 
+async def _silent(world: World) -> None:
+    """Connect, send nothing, read until the edge ends it."""
+    await _refused_after(world, b"")
+
+
+async def _echo_then_idle(world: World) -> None:
+    client = await world.open()
+    await client.stream.send_all(b"ping")
+    await client.receive_until(b"ping")
+    await client.read_to_end()
+    await trio.aclose_forcefully(client.stream)
+
+
+async def _request_then_idle(world: World) -> None:
+    client = await world.open()
+    await client.stream.send_all(REQUEST)
+    await client.receive_until(OK)
+    await client.read_to_end()
+    await trio.aclose_forcefully(client.stream)
+
+
+async def _held_past_the_response_timeout(world: World) -> None:
+    client = await world.open()
+    await client.stream.send_all(b"GET /hold HTTP/1.1\r\nHost: h\r\n\r\n")
+    await client.read_to_end()
+    assert client.received.startswith(b"HTTP/1.1 504 ")
+    await trio.aclose_forcefully(client.stream)
+
+
 async def _untrusted_header(world: World) -> None:
     await _refused_after(world, HEADER + b"ping")
 
@@ -981,6 +1028,32 @@ PATHS = [
     Path("proxy-header-error", _bad_header, (("header_error",), ()), TRUSTED),
     Path("tls-error", _bad_handshake, (("tls_error",), ()), TLS),
     Path("tcp-connect-failed", _refused, (("connect_failed",), ()), refusing=True),
+    Path(
+        "tls-handshake-timeout",
+        _silent,
+        (("tls_handshake_timeout",), ()),
+        {"tls": {"handshake_timeout": 0.2}},
+    ),
+    Path(
+        "tcp-idle-timeout",
+        _echo_then_idle,
+        (("idle_timeout",), ()),
+        {"idle_timeout": 0.2},
+    ),
+    Path(
+        "http-keepalive-timeout",
+        _request_then_idle,
+        (("keepalive_timeout",), ("ok",)),
+        {**HTTP, "http": {"keepalive_timeout": 0.2}},
+        "http",
+    ),
+    Path(
+        "http-504",
+        _held_past_the_response_timeout,
+        (("response_timeout",), ("response_timeout",)),
+        {**HTTP, "http": {"response_timeout": 0.2}},
+        "http",
+    ),
     Path(
         "tcp-denied",
         _refused,
