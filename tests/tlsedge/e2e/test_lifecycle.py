@@ -97,11 +97,13 @@ COUNTERS = {
     "tlsedge_connections_total": ("listener",),
     "tlsedge_connections_closed_total": ("listener", "termination"),
     "tlsedge_connections_refused_total": ("listener", "reason"),
+    "tlsedge_connection_duration_seconds_count": ("listener",),
     "tlsedge_client_bytes_received_total": ("listener",),
     "tlsedge_client_bytes_sent_total": ("listener",),
     "tlsedge_server_bytes_sent_total": ("backend", "server"),
     "tlsedge_server_bytes_received_total": ("backend", "server"),
     "tlsedge_http_requests_total": ("listener", "code"),
+    "tlsedge_http_request_duration_seconds_count": ("listener",),
     "tlsedge_server_http_requests_total": ("server", "code"),
     "tlsedge_tls_handshakes_total": ("listener", "version"),
     "tlsedge_tls_handshake_failures_total": ("listener",),
@@ -120,17 +122,20 @@ Series = tuple[str, tuple[str, ...]]
 def expected_counts(records: Iterable[dict[str, Any]]) -> dict[Series, int]:
     """What `COUNTERS` say after the access-log *records*: a connection line
     counts one accepted and one closed connection with its termination (one
-    refused with it as the reason, if it refuses), its bytes, its TLS
+    refused with it as the reason, if it refuses) and its duration, its
+    bytes, its TLS
     handshake (done, or failed), and a connect failure or no server (with
     no server to name); a request line with a status counts one request of
-    its status class."""
+    its status class and its duration."""
     counts: collections.Counter[Series] = collections.Counter()
     for record in records:
         if record.get("type") == "http":
             status = record["status"]
             if status is not None:
                 code = f"{status // 100}xx"
-                counts["tlsedge_http_requests_total", (record["listener"], code)] += 1
+                listener = record["listener"]
+                counts["tlsedge_http_requests_total", (listener, code)] += 1
+                counts["tlsedge_http_request_duration_seconds_count", (listener,)] += 1
                 if record["server"] is not None:
                     server = (record["server"], code)
                     counts["tlsedge_server_http_requests_total", server] += 1
@@ -138,6 +143,7 @@ def expected_counts(records: Iterable[dict[str, Any]]) -> dict[Series, int]:
         listener, termination = record["listener"], record["termination"]
         counts["tlsedge_connections_total", (listener,)] += 1
         counts["tlsedge_connections_closed_total", (listener, termination)] += 1
+        counts["tlsedge_connection_duration_seconds_count", (listener,)] += 1
         if termination in REFUSED_TERMINATIONS:
             counts["tlsedge_connections_refused_total", (listener, termination)] += 1
         received, sent = record["bytes_from_client"], record["bytes_from_server"]
