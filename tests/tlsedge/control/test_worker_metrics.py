@@ -7,6 +7,7 @@ neither lost nor counted twice."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +37,7 @@ from tests.tlsedge.helpers import (
     tag_handler,
     wait_until,
 )
+from tests.tlsedge.pipeline.test_udp import Client as UdpClient, servers
 
 
 @pytest.fixture(autouse=True)
@@ -44,16 +46,27 @@ async def _close_clients() -> AsyncIterator[None]:
     await close_clients()
 
 
-def _config(port: int, web: int, admin: int, *, tcp: str, http: str, log: Path) -> str:
-    return (
-        f'[edge]\nworkers = 2\nadmin = "127.0.0.1:{admin}"\n'
+def _config(ports: dict[str, int], servers: dict[str, str], log: Path) -> str:
+    """Listeners ``in`` (tcp), ``web`` (http) and ``dns`` (udp) on *ports*
+    (and ``admin``), each to its backend's server in *servers*."""
+    text = (
+        f'[edge]\nworkers = 2\nadmin = "127.0.0.1:{ports["admin"]}"\n'
         f'access_log = "{log}"\ndrain_timeout = 0.5\n\n'
-        f'[[listeners]]\nname = "in"\nbind = "127.0.0.1:{port}"\nbackend = "b"\n\n'
-        f'[[listeners]]\nname = "web"\nbind = "127.0.0.1:{web}"\nbackend = "h"\n'
-        'mode = "http"\n\n'
-        f'[[backends]]\nname = "b"\nservers = ["{tcp}"]\n\n'
-        f'[[backends]]\nname = "h"\nservers = ["{http}"]\n'
     )
+    for name, mode in (("in", "tcp"), ("web", "http"), ("dns", "udp")):
+        text += (
+            f'[[listeners]]\nname = "{name}"\nbind = "127.0.0.1:{ports[name]}"\n'
+            f'backend = "{name}"\nmode = "{mode}"\n\n'
+            f'[[backends]]\nname = "{name}"\nservers = ["{servers[name]}"]\n\n'
+        )
+    return text
+
+
+async def _udp_server(*, task_status: trio.TaskStatus[list[Any]]) -> None:
+    """A udp echo server (answers ``u|<datagram>``), until cancelled."""
+    async with servers("u") as started:
+        task_status.started(started)
+        await trio.sleep_forever()
 
 
 def _lines(access_log: Path) -> int:
@@ -89,21 +102,23 @@ async def test_the_counts_of_two_workers_agree_with_the_access_log_after_a_drain
     tcp = await Backend(tag_handler("hi", hold=True)).start(nursery)
     http = ScriptedBackend("http")
     await http.start(nursery)
-    port, web, admin_port = free_port(), free_port(), free_port()
+    (udp,) = await nursery.start(_udp_server)
+    ports = {name: free_port() for name in ("in", "web", "dns", "admin")}
+    port, web, dns = ports["in"], ports["web"], ("127.0.0.1", ports["dns"])
     access_log = tmp_path / "access.log"
     path = tmp_path / "edge.toml"
-    path.write_text(
-        _config(
-            port, web, admin_port, tcp=tcp.address, http=http.address, log=access_log
-        )
-    )
+    servers = {"in": tcp.address, "web": http.address, "dns": udp.address}
+    path.write_text(_config(ports, servers, access_log))
     metrics_dir = tmp_path / "metrics"
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
     log = tmp_path / "log"
-    admin = ("127.0.0.1", admin_port)
-    ended, held, requests = 16, 6, 8
+    admin = ("127.0.0.1", ports["admin"])
+    ended, held, requests, flows = 16, 6, 8, 6
     async with supervisor(path, log, env) as process:
-        await wait_until(lambda: log.read_text().count("listener in on") == 2, 30, 0.05)
+        started = ["listener in on", "listener web on", "listener dns on"]
+        await wait_until(
+            lambda: all(log.read_text().count(line) == 2 for line in started), 30, 0.05
+        )
         await wait_until(lambda: log.read_text().count("admin endpoint on") == 2, 30)
         for _ in range(ended):
             await exchange(("127.0.0.1", port), b"x")
@@ -117,9 +132,9 @@ async def test_the_counts_of_two_workers_agree_with_the_access_log_after_a_drain
                     break
                 await trio.sleep(0.05)
         assert_metrics_agree(_scraped(text), _records(access_log))
-        # Open at the drain: relays and idle HTTP keep-alive connections,
-        # ended (and counted) by the drain as the workers exit (the clients
-        # are closed after the test: `close_clients`).
+        # Open at the drain: relays, idle HTTP keep-alive connections and
+        # udp flows, ended (and counted) by the drain as the workers exit
+        # (the tcp clients are closed after the test: `close_clients`).
         for _ in range(held):
             client = await connect(("127.0.0.1", port))
             await Client(client, client).receive_until(b"hi")
@@ -128,7 +143,12 @@ async def test_the_counts_of_two_workers_agree_with_the_access_log_after_a_drain
             for _ in range(2):
                 await client.send_all(REQUEST)
                 await Client(client, client).receive_until(OK)
-        accepted = ended + held + requests // 2
+        async with contextlib.AsyncExitStack() as udp_clients:
+            for _ in range(flows):
+                flow = await udp_clients.enter_async_context(UdpClient())
+                assert await flow.ask(dns, b"1") == b"u|1"
+                assert await flow.ask(dns, b"2") == b"u|2"
+        accepted = ended + held + requests // 2 + flows
         # Both workers served some (SO_REUSEPORT spreads by source port).
         assert len(list(metrics_dir.glob("counter_*.db"))) == 2
         process.send_signal(signal.SIGTERM)
@@ -137,7 +157,14 @@ async def test_the_counts_of_two_workers_agree_with_the_access_log_after_a_drain
     records = _records(access_log)
     assert sum("type" not in r for r in records) == accepted
     assert sum(r.get("termination") == "drained" for r in records) == (
-        held + requests // 2
+        held + requests // 2 + flows
     )
     assert sum(r.get("type") == "http" for r in records) == requests
-    assert_metrics_agree(_samples(metrics_dir), records)
+    samples = _samples(metrics_dir)
+    assert_metrics_agree(samples, records)
+    datagrams = {
+        labels["direction"]: value
+        for name, labels, value in samples
+        if name == "tlsedge_udp_datagrams_total"
+    }
+    assert datagrams == {"from_client": 2 * flows, "from_server": 2 * flows}
