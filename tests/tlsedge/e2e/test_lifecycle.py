@@ -1010,7 +1010,7 @@ async def _untrusted_header(world: World) -> None:
 
 
 @dataclass(frozen=True)
-class Path:
+class PlainPath:
     """Traffic that ends by itself, then a graceful drain."""
 
     name: str
@@ -1028,79 +1028,79 @@ class Path:
 
 
 PATHS = [
-    Path("tcp", _echo_through, (("client_closed",), ())),
-    Path("tls", _echo_through, (("client_closed",), ()), TLS),
-    Path("proxy", _echo_through, (("client_closed",), ()), TRUSTED),
-    Path("proxy-header-error", _bad_header, (("header_error",), ()), TRUSTED),
-    Path("tls-error", _bad_handshake, (("tls_error",), ()), TLS),
-    Path("tcp-connect-failed", _refused, (("connect_failed",), ()), refusing=True),
-    Path(
+    PlainPath("tcp", _echo_through, (("client_closed",), ())),
+    PlainPath("tls", _echo_through, (("client_closed",), ()), TLS),
+    PlainPath("proxy", _echo_through, (("client_closed",), ()), TRUSTED),
+    PlainPath("proxy-header-error", _bad_header, (("header_error",), ()), TRUSTED),
+    PlainPath("tls-error", _bad_handshake, (("tls_error",), ()), TLS),
+    PlainPath("tcp-connect-failed", _refused, (("connect_failed",), ()), refusing=True),
+    PlainPath(
         "tls-handshake-timeout",
         _silent,
         (("tls_handshake_timeout",), ()),
         {"tls": {"handshake_timeout": 0.2}},
     ),
-    Path(
+    PlainPath(
         "tcp-idle-timeout",
         _echo_then_idle,
         (("idle_timeout",), ()),
         {"idle_timeout": 0.2},
     ),
-    Path(
+    PlainPath(
         "http-keepalive-timeout",
         _request_then_idle,
         (("keepalive_timeout",), ("ok",)),
         {**HTTP, "http": {"keepalive_timeout": 0.2}},
         "http",
     ),
-    Path(
+    PlainPath(
         "http-504",
         _held_past_the_response_timeout,
         (("response_timeout",), ("response_timeout",)),
         {**HTTP, "http": {"response_timeout": 0.2}},
         "http",
     ),
-    Path(
+    PlainPath(
         "tcp-denied",
         _refused,
         (("denied",), ()),
         {"allow": ["192.0.2.0/24"]},
     ),
-    Path(
+    PlainPath(
         "proxy-from-an-untrusted-peer",
         _untrusted_header,
         (("rejected",), ()),
         {"proxy_protocol": {"trusted": ["192.0.2.0/24"]}},
     ),
-    Path(
+    PlainPath(
         "http-keepalive",
         _two_requests_then_close,
         (("client_closed",), ("ok", "ok")),
         HTTP,
         "http",
     ),
-    Path(
+    PlainPath(
         "https",
         _two_requests_then_close,
         (("client_closed",), ("ok", "ok")),
         {**HTTP, **TLS},
         "http",
     ),
-    Path(
+    PlainPath(
         "http-upgrade",
         _upgrade_through,
         (("upgraded:client_closed",), ("upgraded:client_closed",)),
         HTTP,
         "http",
     ),
-    Path(
+    PlainPath(
         "h2c",
         _h2c_two_streams,
         (("client_closed",), ("ok", "ok")),
         {**HTTP, "http2": {"cleartext": "prior-knowledge"}},
         "http",
     ),
-    Path(
+    PlainPath(
         "http-502",
         _one_request_then_close,
         (("connect_failed",), ("connect_failed",)),
@@ -1113,22 +1113,24 @@ PATHS = [
 
 @pytest.mark.parametrize("path", PATHS, ids=str)
 async def test_the_metrics_agree_after_each_plain_path(
-    path: Path, certificate: Certificate, caplog: pytest.LogCaptureFixture
+    path: PlainPath, certificate: Certificate, caplog: pytest.LogCaptureFixture
 ) -> None:
     refusing = closed_port()
-    if True:
-        async with _running(
-            path.listener,
-            path.backend,
-            certificate,
-            server=refusing if path.refusing else None,
-        ) as (world, returned):
-            with trio.fail_after(10):
-                await path.traffic(world)
-                world.edge.drain()
-                await returned.wait()
+    async with _running(
+        path.listener,
+        path.backend,
+        certificate,
+        server=refusing if path.refusing else None,
+    ) as (world, returned):
+        with trio.fail_after(10):
+            await path.traffic(world)
+            # Every connection ended: the gauges are back to 0 while the
+            # edge runs on (its idle upstream connections pooled).
+            await wait_until(lambda: world.edge._pipeline.active == 0)
+            assert_metrics_agree(world.edge.metrics.samples(), access_records(caplog))
+            world.edge.drain()
+            await returned.wait()
     records = access_records(caplog)
-
     assert_metrics_agree(world.edge.metrics.samples(), records)
     connections = sorted(r["termination"] for r in records if "type" not in r)
     requests = sorted(r["termination"] for r in records if r.get("type") == "http")
