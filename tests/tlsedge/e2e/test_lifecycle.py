@@ -18,6 +18,10 @@ nothing hangs (each wait is bounded), that the edge's metrics agree with its
 access log (`assert_metrics_agree`: each line moved its counters by exactly
 one, its bytes by its byte fields, and every gauge is back to 0) and, through
 the suite's leak check (tests/conftest.py), that no descriptor was left open.
+`test_the_metrics_agree_after_each_plain_path` is the same check after
+traffic that ends by itself (served, refused, timed out), while the edge
+runs on and after its drain; tests/tlsedge/control/test_worker_metrics.py
+makes it with ``workers = 2``.
 """
 
 from __future__ import annotations
