@@ -31,8 +31,9 @@ from tlsedge._control.logs import reopen_logs, switch_access_log
 from tlsedge._core.accesslog import ACCESS_LOG_OFF, AccessLogWriter
 from tlsedge._core.config import Config, ConfigError, load_config
 from tlsedge._core.reload import (
+    applied_record,
     keep_running_values,
-    report_applied,
+    log_applied,
     report_refused,
     restart_only_changes,
 )
@@ -140,9 +141,8 @@ async def reload_from_file(edge: Edge, config_path: str) -> None:
         metrics.reloads = report_refused(metrics.reloads, str(exc), time.time())
         return
     reload.commit()
-    metrics.reloads = report_applied(
-        metrics.reloads, running, applied, pending, time.time()
-    )
+    log_applied(running, applied, pending)
+    metrics.reloads = applied_record(metrics.reloads, pending, time.time())
 
 
 async def _handle_signals(

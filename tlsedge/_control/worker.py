@@ -16,8 +16,8 @@ Then it follows the link, one message at a time:
 - `Prepare`: validate the text and prepare the reload
   (`tlsedge._control.run.prepare_process_reload`: everything that can fail, nothing
   changed), answer `Prepared` or `PrepareFailed`;
-- `Settle`: commit or abort the prepared reload of that serial, and take the
-  edge's reload record;
+- `Settle`: commit (answer `Committed`) or abort the prepared reload of that
+  serial, and take the edge's reload record;
 - `Record`: take the edge's reload record (a reload the supervisor refused
   itself).
 
@@ -44,6 +44,7 @@ from tlsedge._control.run import (
     tune_gc,
 )
 from tlsedge._control.worker_link import (
+    Committed,
     Link,
     Prepare,
     Prepared,
@@ -159,6 +160,7 @@ async def _follow(link: Link, edge: Edge, config_path: str) -> None:
                 if prepared is not None and prepared[0] == message.serial:
                     if message.commit:
                         prepared[1].commit()
+                        await link.send(Committed(message.serial))
                     else:
                         prepared[1].abort()
                     prepared = None

@@ -105,6 +105,13 @@ class Prepared:
 
 
 @dataclass(frozen=True, slots=True)
+class Committed:
+    """Worker: reload *serial* is committed: new connections get it."""
+
+    serial: int
+
+
+@dataclass(frozen=True, slots=True)
 class PrepareFailed:
     """Worker: reload *serial* cannot be applied; *message* says why."""
 
@@ -113,7 +120,15 @@ class PrepareFailed:
 
 
 Message: TypeAlias = (
-    Start | Prepare | Settle | Record | Ready | StartFailed | Prepared | PrepareFailed
+    Start
+    | Prepare
+    | Settle
+    | Record
+    | Ready
+    | StartFailed
+    | Prepared
+    | Committed
+    | PrepareFailed
 )
 
 _TYPES: Final[dict[str, type[Message]]] = {
@@ -126,6 +141,7 @@ _TYPES: Final[dict[str, type[Message]]] = {
         Ready,
         StartFailed,
         Prepared,
+        Committed,
         PrepareFailed,
     )
 }

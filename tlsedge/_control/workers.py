@@ -29,7 +29,8 @@ ports. The keys no worker applies are the supervisor's: ``edge.workers``
 starts or drains workers after the commit; ``edge.log_format`` waits for a
 restart (`tlsedge._core.reload`). The edge's one `ReloadRecord` goes to every
 worker with the commit or abort (and in ``Start``), so every worker's
-``/metrics`` and ``/status`` report the same reloads. A stop signal that
+``/metrics`` and ``/status`` report the same reloads; the reload is logged
+once every worker answered that it committed it (``Committed``). A stop signal that
 comes while the workers prepare abandons the reload (every worker aborts it,
 one INFO line): their failing to answer because they exit is not a refusal.
 
@@ -65,6 +66,7 @@ import trio
 
 from tlsedge._control.logs import reopen_logs
 from tlsedge._control.worker_link import (
+    Committed,
     Link,
     Message,
     Prepare,
@@ -80,8 +82,9 @@ from tlsedge._core.config import Config, ConfigError, parse_config, read_config_
 from tlsedge._core.metrics import multiprocess_directory, worker_exited
 from tlsedge._core.reload import (
     ReloadRecord,
+    applied_record,
     keep_running_values,
-    report_applied,
+    log_applied,
     report_refused,
     restart_only_changes,
 )
@@ -105,7 +108,8 @@ class _Worker:
     index: int
     process: trio.Process | None = None
     link: Link | None = None
-    #: The current process's answers to reloads (`Prepared`, `PrepareFailed`);
+    #: The current process's answers to reloads (`Prepared`, `PrepareFailed`,
+    #: `Committed`);
     #: closed when its link closes.
     answers: trio.MemoryReceiveChannel[Message] | None = None
     #: A reload lowered ``workers`` below this one: drain, do not restart.
@@ -245,7 +249,7 @@ class _Supervisor:
                     self.starting.discard(worker.index)
                 elif isinstance(message, StartFailed):
                     failure = message.message
-                elif isinstance(message, Prepared | PrepareFailed):
+                elif isinstance(message, Prepared | PrepareFailed | Committed):
                     answers.send_nowait(message)
                 else:
                     LOGGER.error(
@@ -318,10 +322,10 @@ class _Supervisor:
                 await self._refuse(failure, taking_part)
                 return
             running, self.config, self.text = self.config, applied, text
-            self.reloads = report_applied(
-                self.reloads, running, applied, pending, time.time()
-            )
+            self.reloads = applied_record(self.reloads, pending, time.time())
             await self._settle(taking_part, commit=True)
+            await self._committed(taking_part)
+            log_applied(running, applied, pending)
             self._resize(applied.edge.workers)
 
     async def _settle(self, prepared: Sequence[_Worker], *, commit: bool) -> None:
@@ -329,6 +333,15 @@ class _Supervisor:
         for worker in prepared:
             if worker.link is not None:
                 await worker.link.send(Settle(self.serial, commit, self.reloads))
+
+    async def _committed(self, workers: Sequence[_Worker]) -> None:
+        """Wait until *workers* (those still running) committed reload
+        `serial`, so that it is logged once in force (for at most
+        `RELOAD_TIMEOUT`: a commit cannot fail)."""
+        with trio.move_on_after(RELOAD_TIMEOUT):
+            for worker in workers:
+                if worker.answers is not None:
+                    await self._answer(worker.answers, (Committed,))
 
     async def _prepare(self, workers: list[_Worker], text: str) -> str | None:
         """Have *workers* prepare reload `serial` to *text*; why it cannot be
@@ -345,7 +358,7 @@ class _Supervisor:
         prepared = 0
         with trio.move_on_after(RELOAD_TIMEOUT):
             for answers in asked:
-                answer = await self._answer(answers)
+                answer = await self._answer(answers, (Prepared, PrepareFailed))
                 if isinstance(answer, PrepareFailed):
                     return answer.message
                 if answer is not None:  # None: the worker died meanwhile
@@ -356,16 +369,17 @@ class _Supervisor:
         return f"the workers did not prepare it within {RELOAD_TIMEOUT:g} s"
 
     async def _answer(
-        self, answers: trio.MemoryReceiveChannel[Message]
+        self,
+        answers: trio.MemoryReceiveChannel[Message],
+        kinds: tuple[type[Prepared | PrepareFailed | Committed], ...],
     ) -> Message | None:
-        """A worker's answer to reload `serial` (older ones are dropped: a
-        reload that timed out); None if its process ended first."""
+        """A worker's answer of one of *kinds* to reload `serial` (older ones
+        are dropped: a reload that timed out); None if its process ended
+        first."""
         try:
             while True:
                 answer = await answers.receive()
-                if isinstance(answer, Prepared | PrepareFailed) and (
-                    answer.serial == self.serial
-                ):
+                if isinstance(answer, kinds) and answer.serial == self.serial:
                     return answer
         except trio.EndOfChannel:
             return None

@@ -27,9 +27,9 @@ workers the supervisor keeps it and hands it to every worker with each
 reload's outcome and when it starts one, so every worker reports the same
 values: one record for the edge.
 
-`report_refused` and `report_applied` log a reload's outcome the same way
-with or without a supervisor (once per edge, not once per worker) and give
-the record that follows it.
+`report_refused` and `log_applied` log a reload's outcome the same way with
+or without a supervisor (once per edge, not once per worker); the former and
+`applied_record` give the record that follows it.
 
 This module is pure (records, comparisons and log lines; no I/O framework).
 """
@@ -49,9 +49,10 @@ __all__ = [
     "PendingKey",
     "ReloadRecord",
     "ReloadResult",
+    "applied_record",
     "edge_changes",
     "keep_running_values",
-    "report_applied",
+    "log_applied",
     "report_refused",
     "restart_only_changes",
 ]
@@ -216,25 +217,37 @@ def report_refused(record: ReloadRecord, reason: str, at: float) -> ReloadRecord
     return record.after(ReloadResult.REFUSED, at, reason)
 
 
-def report_applied(
-    record: ReloadRecord,
-    running: Config,
-    applied: Config,
-    pending: tuple[PendingKey, ...],
-    at: float,
+def applied_record(
+    record: ReloadRecord, pending: tuple[PendingKey, ...], at: float
 ) -> ReloadRecord:
-    """Log an applied reload; the record after it.
+    """The record after an applied reload (`log_applied` logs it).
+
+    Args:
+        record: The record before this reload.
+        pending: The keys that wait for a restart (`restart_only_changes`).
+        at: When the reload ended (seconds since the epoch).
+    """
+    if not pending:
+        return record.after(ReloadResult.APPLIED, at)
+    return record.after(
+        ReloadResult.PARTIAL, at, "; ".join(str(key) for key in pending)
+    )
+
+
+def log_applied(
+    running: Config, applied: Config, pending: tuple[PendingKey, ...]
+) -> None:
+    """Log an applied reload, once it is in force (with workers: in every
+    one of them).
 
     One WARNING per *pending* key, then one line: INFO when every key is in
     force, WARNING when some wait for a restart. It names the ``[edge]`` keys
     that changed (listeners and backends are counted).
 
     Args:
-        record: The record before this reload.
         running: The configuration in force before.
         applied: The one in force now (`keep_running_values`).
         pending: The keys that wait for a restart (`restart_only_changes`).
-        at: When the reload ended (seconds since the epoch).
     """
     for key in pending:
         LOGGER.warning("reload: %s; the running value stays until then", key)
@@ -242,14 +255,11 @@ def report_applied(
     changes = "".join(f"; {change}" for change in edge_changes(running, applied))
     if not pending:
         LOGGER.info("configuration reloaded: %s%s", summary, changes)
-        return record.after(ReloadResult.APPLIED, at)
+        return
     keys = ", ".join(key.key for key in pending)
     LOGGER.warning(
         "configuration reloaded except what needs a restart (%s): %s%s",
         keys,
         summary,
         changes,
-    )
-    return record.after(
-        ReloadResult.PARTIAL, at, "; ".join(str(key) for key in pending)
     )

@@ -10,6 +10,7 @@ import trio.lowlevel
 
 from tlsedge._control.worker_link import (
     MAX_MESSAGE,
+    Committed,
     Link,
     LinkError,
     Message,
@@ -38,6 +39,7 @@ MESSAGES: list[Message] = [
     Ready(),
     StartFailed("listeners[0].bind: cannot bind"),
     Prepared(7),
+    Committed(7),
     PrepareFailed(7, "edge.admin: in use"),
 ]
 

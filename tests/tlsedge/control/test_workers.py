@@ -27,7 +27,14 @@ from tests.tlsedge.helpers import (
     wait_until,
 )
 from tlsedge._control.cli import main
-from tlsedge._control.worker_link import Link, Message, Prepare, Settle
+from tlsedge._control.worker_link import (
+    Committed,
+    Link,
+    Message,
+    Prepare,
+    Prepared,
+    Settle,
+)
 from tlsedge._control.workers import _Supervisor, _Worker
 from tlsedge._core.config import parse_config
 from tlsedge._core.metrics import multiprocess_directory
@@ -506,6 +513,46 @@ async def test_a_stop_while_workers_prepare_abandons_the_reload_unrefused(
     assert supervisor.reloads == before
     assert "reload refused" not in caplog.text
     assert "reload abandoned: stopping" in caplog.text
+
+
+async def test_a_reload_is_logged_once_every_worker_committed_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "configuration reloaded" means in force: logged once every worker
+    answered `Committed` (it was logged before the commits went out, and a
+    client could still meet the old configuration after the line)."""
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    path = tmp_path / "edge.toml"
+    text = config_text(free_port(), "127.0.0.1:9", workers=1)
+    path.write_text(text)
+    with multiprocess_directory() as metrics_dir:
+        supervisor = _Supervisor(
+            [],
+            config_path=str(path),
+            text=text,
+            config=parse_config(text, str(path)),
+            log_format="text",
+            metrics_dir=metrics_dir,
+        )
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        answers_in, answers = trio.open_memory_channel[Message](math.inf)
+        link = Link(ours)
+        worker = _Worker(0, link=link, answers=answers)
+        supervisor.running.add(worker)
+        supervisor.workers[0] = worker
+        async with Link(theirs) as worker_end, link, trio.open_nursery() as nursery:
+            supervisor.nursery = nursery
+            nursery.start_soon(supervisor.reload)
+            prepare = await worker_end.receive()
+            assert isinstance(prepare, Prepare)
+            answers_in.send_nowait(Prepared(prepare.serial))
+            settle = await worker_end.receive()
+            assert isinstance(settle, Settle)
+            assert settle.commit
+            await trio.sleep(0.1)
+            assert "configuration reloaded" not in caplog.text
+            answers_in.send_nowait(Committed(prepare.serial))
+    assert "configuration reloaded: 1 listeners, 1 backends" in caplog.text
 
 
 def running(pid: int) -> bool:

@@ -12,9 +12,10 @@ from tlsedge._core.config import Config
 from tlsedge._core.reload import (
     ReloadRecord,
     ReloadResult,
+    applied_record,
     edge_changes,
     keep_running_values,
-    report_applied,
+    log_applied,
     report_refused,
     restart_only_changes,
 )
@@ -119,7 +120,8 @@ def test_an_applied_reload_says_what_changed(caplog: pytest.LogCaptureFixture) -
     caplog.set_level(logging.INFO, logger="tlsedge.reload")
     running = config()
     new = config(admin="127.0.0.1:9901")
-    record = report_applied(ReloadRecord(loaded=1.0), running, new, (), 2.0)
+    log_applied(running, new, ())
+    record = applied_record(ReloadRecord(loaded=1.0), (), 2.0)
     assert (record.last_result, record.applied) == (ReloadResult.APPLIED, 1)
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (
@@ -138,7 +140,8 @@ def test_a_partial_reload_warns_for_each_pending_key(
     new = config(workers=4, log_format="json")
     pending = restart_only_changes(running, new, supervised=False)
     applied = keep_running_values(new, running, pending)
-    record = report_applied(ReloadRecord(loaded=1.0), running, applied, pending, 2.0)
+    log_applied(running, applied, pending)
+    record = applied_record(ReloadRecord(loaded=1.0), pending, 2.0)
     assert (record.last_result, record.partial) == (ReloadResult.PARTIAL, 1)
     assert record.detail == (
         'edge.log_format: "text" -> "json" needs a restart; '
