@@ -1,0 +1,331 @@
+"""What a misbehaving backend's response can do to the clients behind the edge.
+
+A scripted backend answers each request with the exact bytes of a case; real
+clients go through a real edge: raw HTTP/1.1 keep-alive clients (a second
+client after the first, so that a pooled upstream connection is reused across
+clients) and HTTP/2 (`RawH2`). Each case checks what the client sees and
+whether the upstream connection the response came on is used again: a response
+whose framing leaves bytes over (a second "response" smuggled behind it) or
+cannot be trusted must never leave its connection to the next request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import pytest
+import trio
+
+from tests.tlsedge.pipeline.http.test_h1 import (
+    Proxy,
+    Response,
+    running_proxy,
+    wait_results,
+)
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+#: What a buggy backend sends behind a response: another one.
+SMUGGLED = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nEVIL!!"
+
+#: A case's answer: its bytes, or a coroutine that writes them.
+Answer = bytes | Callable[[trio.SocketStream], Awaitable[None]]
+
+
+@dataclass
+class ScriptedBackend:
+    """Answers each request with the bytes its target maps to (``OK`` for
+    any other target); ``seen`` records (connection number, target). An
+    answer ending in ``CLOSE`` closes the connection after the bytes before
+    it. With ``read_body`` False the request body is not read."""
+
+    script: dict[bytes, Answer]
+    read_body: bool = True
+    seen: list[tuple[int, bytes]] = field(default_factory=list)
+    port: int = 0
+    connections: int = 0
+
+    CLOSE = b"<close>"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def connection_of(self, target: bytes) -> int:
+        (number,) = [n for n, t in self.seen if t == target]
+        return number
+
+    async def start(self, nursery: trio.Nursery) -> ScriptedBackend:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, self.handle, 0, host="127.0.0.1")
+        )
+        self.port = listeners[0].socket.getsockname()[1]
+        return self
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        number = self.connections
+        buffer = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buffer += data
+                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                target = head.split(b" ")[1]
+                self.seen.append((number, target))
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.lower() == b"content-length":
+                        length = int(value)
+                if self.read_body:
+                    while len(buffer) < length:
+                        data = await stream.receive_some(65536)
+                        if not data:
+                            return
+                        buffer += data
+                    buffer = buffer[length:]
+                answer = self.script.get(target, OK)
+                if not isinstance(answer, bytes):
+                    await answer(stream)
+                    continue
+                await stream.send_all(answer.removesuffix(self.CLOSE))
+                if answer.endswith(self.CLOSE):
+                    return
+        except trio.BrokenResourceError:
+            pass
+
+
+@asynccontextmanager
+async def scripted(
+    script: dict[bytes, Answer], *, read_body: bool = True
+) -> AsyncIterator[tuple[ScriptedBackend, Proxy]]:
+    async with trio.open_nursery() as nursery:
+        backend = await ScriptedBackend(script, read_body).start(nursery)
+        async with running_proxy([backend.address]) as proxy:
+            yield backend, proxy
+        nursery.cancel_scope.cancel()
+
+
+def request(target: bytes, method: bytes = b"GET", fields: bytes = b"") -> bytes:
+    return method + b" " + target + b" HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n"
+
+
+def parse_responses(data: bytes, methods: list[bytes]) -> list[Response]:
+    """The complete final responses at the start of *data* (an HTTP/1.1
+    client's view: 1xx skipped, a body framed by Content-Length, chunked, or
+    none for HEAD, 204 and 304; a body until the close is never complete),
+    one per method."""
+    out: list[Response] = []
+    rest = data
+    for method in methods:
+        while True:
+            head, found, after = rest.partition(b"\r\n\r\n")
+            if not found:
+                return out
+            lines = head.split(b"\r\n")
+            status = int(lines[0].split(b" ")[1])
+            headers = [
+                (name.strip().lower(), value.strip())
+                for name, _, value in (line.partition(b":") for line in lines[1:])
+            ]
+            rest = after
+            if status >= 200:
+                break
+        fields = dict(headers)
+        body = b""
+        trailers: list[tuple[bytes, bytes]] = []
+        if method == b"HEAD" or status in {204, 304}:
+            pass
+        elif b"content-length" in fields:
+            length = int(fields[b"content-length"])
+            if len(rest) < length:
+                return out
+            body, rest = rest[:length], rest[length:]
+        elif fields.get(b"transfer-encoding") == b"chunked":
+            while True:
+                line, found, after = rest.partition(b"\r\n")
+                if not found:
+                    return out
+                size = int(line.split(b";")[0], 16)
+                if not size:
+                    if after[:2] == b"\r\n":
+                        rest = after[2:]
+                        break
+                    section, found, rest = after.partition(b"\r\n\r\n")
+                    if not found:
+                        return out
+                    trailers = [
+                        (name.strip().lower(), value.strip())
+                        for name, _, value in (
+                            line.partition(b":") for line in section.split(b"\r\n")
+                        )
+                    ]
+                    break
+                if len(after) < size + 2:
+                    return out
+                body += after[:size]
+                rest = after[size + 2 :]
+        else:
+            return out
+        out.append(Response(status, headers, body, trailers))
+    return out
+
+
+async def exchange(
+    address: tuple[str, int],
+    data: bytes,
+    *,
+    responses: int,
+    methods: list[bytes] | None = None,
+) -> tuple[bytes, list[Response], bool]:
+    """Send *data* on a new connection; read until *responses* complete
+    responses came, or the edge closed (or reset) it. The raw bytes, the
+    responses, and whether it was closed."""
+    methods = methods or [b"GET"] * responses
+    stream = await trio.open_tcp_stream(*address)
+    out = b""
+    closed = False
+    try:
+        await stream.send_all(data)
+        with trio.fail_after(10):
+            while len(parse_responses(out, methods)) < responses:
+                try:
+                    chunk = await stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    chunk = b""
+                if not chunk:
+                    closed = True
+                    break
+                out += chunk
+    finally:
+        await stream.aclose()
+    return out, parse_responses(out, methods), closed
+
+
+async def next_client_gets_ok(backend: ScriptedBackend, proxy: Proxy) -> int:
+    """Another client's request is answered ``ok``: the upstream connection
+    it went on."""
+    _, (response,), _ = await exchange(proxy.address, request(b"/next"), responses=1)
+    assert (response.status, response.body) == (200, b"ok")
+    return backend.connection_of(b"/next")
+
+
+# -- responses refused: 502, their connection closed ------------------------------
+
+REFUSED = {
+    "two equal Content-Length": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nhi",
+        "more than one Content-Length in the response",
+    ),
+    "two different Content-Length": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nhi!",
+        "more than one Content-Length in the response",
+    ),
+    "a Content-Length list": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nhi",
+        "malformed Content-Length in the response",
+    ),
+    "a signed Content-Length": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nhi",
+        "malformed Content-Length in the response",
+    ),
+    "Content-Length and Transfer-Encoding": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\nhi\r\n0\r\n\r\n",
+        "both Content-Length and Transfer-Encoding in the response",
+    ),
+    "a coding other than chunked": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nhi",
+        "response Transfer-Encoding other than a single 'chunked'",
+    ),
+    "chunked not the only coding": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+        b"2\r\nhi\r\n0\r\n\r\n",
+        "response Transfer-Encoding other than a single 'chunked'",
+    ),
+    "chunked, chunked": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, chunked\r\n\r\n"
+        b"2\r\nhi\r\n0\r\n\r\n",
+        "response Transfer-Encoding other than a single 'chunked'",
+    ),
+    "two Transfer-Encoding fields": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+        "response Transfer-Encoding other than a single 'chunked'",
+    ),
+    "Transfer-Encoding in HTTP/1.0": (
+        b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + SMUGGLED,
+        "Transfer-Encoding in an HTTP/1.0 response",
+    ),
+    "obs-fold": (
+        b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 2\r\n\r\nhi",
+        "obs-fold in the response head",
+    ),
+    "bare LF line ends": (
+        b"HTTP/1.1 200 OK\nContent-Length: 2\n\nhi",
+        "bare LF in the head",
+    ),
+    "a bare LF": (
+        b"HTTP/1.1 200 OK\r\nX: a\nContent-Length: 2\r\n\r\nhi",
+        "bare CR or LF in the response head",
+    ),
+    "a bare CR": (
+        b"HTTP/1.1 200 OK\r\nX: a\rContent-Length: 9\r\nContent-Length: 2\r\n\r\nhi",
+        "bare CR or LF in the response head",
+    ),
+    "NUL in a field": (
+        b"HTTP/1.1 200 OK\r\nX: a\x00b\r\nContent-Length: 2\r\n\r\nhi",
+        "control character in the response head",
+    ),
+    "space before the colon": (
+        b"HTTP/1.1 200 OK\r\nContent-Length : 6\r\nContent-Length: 2\r\n\r\nhi",
+        "malformed response header field",
+    ),
+    "HTTP/2.0": (
+        b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\nhi",
+        "response version HTTP/2.0",
+    ),
+    "status 600": (
+        b"HTTP/1.1 600 X\r\nContent-Length: 2\r\n\r\nhi",
+        "response status 600 (expected 100-599)",
+    ),
+    "a head over 64 KiB": (
+        b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000 + b"\r\nContent-Length: 2\r\n\r\nhi",
+        "response head larger than 65536 bytes",
+    ),
+    "101 to a request that asked no upgrade": (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: evil\r\n"
+        b"Connection: upgrade\r\n\r\n" + SMUGGLED,
+        "unexpected 101 from upstream: no upgrade was asked",
+    ),
+    "33 informational responses": (
+        b"HTTP/1.1 103 Early Hints\r\n\r\n" * 33 + OK,
+        "more than 32 informational (1xx) responses",
+    ),
+}
+
+
+@pytest.mark.parametrize(("answer", "reason"), REFUSED.values(), ids=REFUSED.keys())
+async def test_a_response_refused_is_a_502_and_its_connection_is_closed(
+    answer: bytes, reason: str
+) -> None:
+    async with scripted({b"/case": answer}) as (backend, proxy):
+        raw, (response,), closed = await exchange(
+            proxy.address, request(b"/case") + request(b"/second"), responses=2
+        )
+        assert response.status == 502
+        assert reason in response.body.decode()
+        assert closed
+        assert b"EVIL" not in raw
+        (result,) = await wait_results(proxy)
+        assert result.termination == "server_error"
+        assert result.detail is not None
+        assert reason in result.detail
+        assert await next_client_gets_ok(backend, proxy) == 2
+        assert b"/second" not in [target for _, target in backend.seen]
