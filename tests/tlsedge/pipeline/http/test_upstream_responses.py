@@ -16,15 +16,19 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
+import h2.events
 import pytest
 import trio
 
+from tests.tlsedge.helpers import make_config
 from tests.tlsedge.pipeline.http.test_h1 import (
     Proxy,
     Response,
     running_proxy,
     wait_results,
 )
+from tests.tlsedge.pipeline.http.test_h2 import RawH2
+from tlsedge._control.edge import Edge
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 #: What a buggy backend sends behind a response: another one.
@@ -329,3 +333,76 @@ async def test_a_response_refused_is_a_502_and_its_connection_is_closed(
         assert reason in result.detail
         assert await next_client_gets_ok(backend, proxy) == 2
         assert b"/second" not in [target for _, target in backend.seen]
+
+
+# -- trailers -----------------------------------------------------------------------
+
+FORBIDDEN_TRAILERS = (
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n"
+    b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\nHost: evil\r\n"
+    b"Trailer: X-T\r\nConnection: x-gone\r\nX-Gone: 1\r\nKeep-Alive: 5\r\n"
+    b"X-T: 1\r\n\r\n"
+)
+
+
+async def test_response_trailers_lose_framing_routing_and_hop_by_hop_fields() -> None:
+    async with scripted({b"/case": FORBIDDEN_TRAILERS}) as (backend, proxy):
+        _, (response, second), closed = await exchange(
+            proxy.address,
+            request(b"/case", fields=b"TE: trailers\r\n") + request(b"/second"),
+            responses=2,
+        )
+        assert (response.body, response.trailers) == (b"hi", [(b"x-t", b"1")])
+        assert (second.body, closed) == (b"ok", False)
+        assert backend.connection_of(b"/second") == 1
+
+
+@asynccontextmanager
+async def scripted_h2(
+    script: dict[bytes, Answer],
+) -> AsyncIterator[tuple[ScriptedBackend, RawH2]]:
+    """The scripted backend behind an edge serving h2c (prior knowledge),
+    and a client connected to it."""
+    async with trio.open_nursery() as nursery:
+        backend = await ScriptedBackend(script).start(nursery)
+        config = make_config(
+            [
+                {
+                    "name": "plain",
+                    "backend": "app",
+                    "mode": "http",
+                    "http2": {"cleartext": "prior-knowledge"},
+                }
+            ],
+            [{"name": "app", "servers": [backend.address]}],
+            {"drain_timeout": 1.0},
+        )
+        edge: Edge = await nursery.start(Edge(config).run)
+        client = await RawH2.open(edge.listen_addresses["plain"][0][1])
+        try:
+            yield backend, client
+        finally:
+            await client.aclose()
+            edge.drain()
+            nursery.cancel_scope.cancel()
+
+
+async def h2_get(client: RawH2, path: str, method: str = "GET") -> int:
+    sid = client.request(path, method=method, headers=[("te", "trailers")])
+    await client.send()
+    await client.until(lambda c: c.ended(sid))
+    return sid
+
+
+async def test_http2_response_trailers_lose_framing_routing_and_hop_by_hop_fields() -> (
+    None
+):
+    async with scripted_h2({b"/case": FORBIDDEN_TRAILERS}) as (backend, client):
+        sid = await h2_get(client, "/case")
+        assert client.body(sid) == b"hi"
+        (trailers,) = client.of(h2.events.TrailersReceived, sid)
+        assert trailers.headers == [(b"x-t", b"1")]
+        second = await h2_get(client, "/second")
+        assert client.body(second) == b"ok"
+        assert backend.connection_of(b"/second") == 1
+        assert not client.of(h2.events.StreamReset)
