@@ -19,6 +19,7 @@ from functools import partial
 import h2.events
 import pytest
 import trio
+import trio.lowlevel
 
 from tests.tlsedge.helpers import make_config
 from tests.tlsedge.pipeline.http.test_h1 import (
@@ -151,7 +152,7 @@ def parse_responses(data: bytes, methods: list[bytes]) -> list[Response]:
             if len(rest) < length:
                 return out
             body, rest = rest[:length], rest[length:]
-        elif fields.get(b"transfer-encoding") == b"chunked":
+        elif fields.get(b"transfer-encoding", b"").lower() == b"chunked":
             while True:
                 line, found, after = rest.partition(b"\r\n")
                 if not found:
@@ -405,4 +406,286 @@ async def test_http2_response_trailers_lose_framing_routing_and_hop_by_hop_field
         second = await h2_get(client, "/second")
         assert client.body(second) == b"ok"
         assert backend.connection_of(b"/second") == 1
+        assert not client.of(h2.events.StreamReset)
+
+
+# -- a body whose framing breaks after the head went out: the client is cut --------
+
+CUT = {
+    "a chunk size over 16 hex digits": (
+        b"10000000000000002\r\nhi\r\n0\r\n\r\n",
+        "malformed chunk size line",
+    ),
+    "a 0x chunk size": (b"0x2\r\nhi\r\n0\r\n\r\n", "malformed chunk size line"),
+    "a negative chunk size": (b"-2\r\nhi\r\n0\r\n\r\n", "malformed chunk size line"),
+    "a space after the chunk size": (
+        b"2 \r\nhi\r\n0\r\n\r\n",
+        "malformed chunk size line",
+    ),
+    "a CR in a quoted chunk extension": (
+        b'2;a="x\ry"\r\nhi\r\n0\r\n\r\n',
+        "bare CR or LF in chunked framing",
+    ),
+    "chunk data longer than its size": (
+        b"2\r\nhix\r\n0\r\n\r\n",
+        "chunk data longer than its size",
+    ),
+    "a forbidden trailer line": (
+        b"2\r\nhi\r\n0\r\n bad\r\n\r\n",
+        "malformed trailer field",
+    ),
+}
+
+
+@pytest.mark.parametrize(("body", "reason"), CUT.values(), ids=CUT.keys())
+async def test_a_chunked_body_that_breaks_its_framing_cuts_the_client(
+    body: bytes, reason: str
+) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body + SMUGGLED
+    async with scripted({b"/case": answer}) as (backend, proxy):
+        raw, responses, closed = await exchange(
+            proxy.address, request(b"/case") + request(b"/second"), responses=1
+        )
+        assert (responses, closed) == ([], True)
+        assert raw.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert b"EVIL" not in raw
+        (result,) = await wait_results(proxy)
+        assert (result.termination, result.detail) == (
+            "server_aborted",
+            f"bad chunked response body: {reason}",
+        )
+        assert await next_client_gets_ok(backend, proxy) == 2
+
+
+async def test_a_body_short_of_its_content_length_then_a_close_cuts_the_client() -> (
+    None
+):
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhi" + ScriptedBackend.CLOSE
+    async with scripted({b"/case": answer}) as (backend, proxy):
+        raw, responses, closed = await exchange(
+            proxy.address, request(b"/case"), responses=1
+        )
+        assert (raw, responses, closed) == (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhi",
+            [],
+            True,
+        )
+        (result,) = await wait_results(proxy)
+        assert result.detail == "upstream closed the connection mid-response"
+        assert await next_client_gets_ok(backend, proxy) == 2
+
+
+# -- bytes beyond the response: relayed as framed, the connection never reused -----
+
+BEYOND = {
+    "a body longer than its Content-Length": (
+        b"GET",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi" + SMUGGLED,
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi",
+    ),
+    "bytes after the last chunk": (
+        b"GET",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"
+        + SMUGGLED,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+    ),
+    "a 204 with a body": (
+        b"GET",
+        b"HTTP/1.1 204 No Content\r\n\r\n" + SMUGGLED,
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+    ),
+    "a 304 with a sized body": (
+        b"GET",
+        b"HTTP/1.1 304 Not Modified\r\nContent-Length: 6\r\n\r\nEVIL!!",
+        b"HTTP/1.1 304 Not Modified\r\nContent-Length: 6\r\n\r\n",
+    ),
+    "a 304 with a chunked body": (
+        b"GET",
+        b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"6\r\nEVIL!!\r\n0\r\n\r\n",
+        b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n",
+    ),
+    "a HEAD response with a body": (
+        b"HEAD",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nEVIL!!",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n",
+    ),
+    "a chunked HEAD response with a body": (
+        b"HEAD",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"6\r\nEVIL!!\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+    ),
+    "more bytes after Connection: close": (
+        b"GET",
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi"
+        + SMUGGLED,
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi",
+    ),
+    "an HTTP/1.0 response with a Content-Length": (
+        b"GET",
+        b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nhi",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi",
+    ),
+}
+
+
+@pytest.mark.parametrize(("method", "answer", "relayed"), BEYOND.values(), ids=BEYOND)
+async def test_bytes_beyond_a_response_never_reach_the_next_request(
+    method: bytes, answer: bytes, relayed: bytes
+) -> None:
+    async with scripted({b"/case": answer}) as (backend, proxy):
+        raw, (_, second), closed = await exchange(
+            proxy.address,
+            request(b"/case", method) + request(b"/second"),
+            responses=2,
+            methods=[method, b"GET"],
+        )
+        assert raw == relayed + OK
+        assert (second.body, closed) == (b"ok", False)
+        assert backend.connection_of(b"/second") == 2
+        assert await next_client_gets_ok(backend, proxy) == 2
+
+
+# -- well-formed oddities: relayed, the connection reused ---------------------------
+
+REUSED = {
+    "a status line without a reason": (
+        b"HTTP/1.1 200\r\nContent-Length: 2\r\n\r\nhi",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi",
+    ),
+    "a status line with an empty reason": (
+        b"HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\nhi",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi",
+    ),
+    "a 100 the client did not ask for": (
+        b"HTTP/1.1 100 Continue\r\n\r\n" + OK,
+        OK,
+    ),
+    "32 103 Early Hints": (
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" * 32 + OK,
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" * 32 + OK,
+    ),
+    "a 103 with a Content-Length": (
+        b"HTTP/1.1 103 Early Hints\r\nContent-Length: 5\r\n\r\n" + OK,
+        b"HTTP/1.1 103 Early Hints\r\n\r\n" + OK,
+    ),
+    "Transfer-Encoding: Chunked": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+    ),
+    "a quoted chunk extension with a semicolon": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'2;a="x;y"\r\nhi\r\n0\r\n\r\n',
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+    ),
+}
+
+
+@pytest.mark.parametrize(("answer", "relayed"), REUSED.values(), ids=REUSED)
+async def test_a_well_formed_oddity_is_relayed_and_its_connection_reused(
+    answer: bytes, relayed: bytes
+) -> None:
+    async with scripted({b"/case": answer}) as (backend, proxy):
+        raw, _, closed = await exchange(
+            proxy.address, request(b"/case") + request(b"/second"), responses=2
+        )
+        assert (raw, closed) == (relayed + OK, False)
+        assert backend.connection_of(b"/second") == 1
+
+
+async def test_a_response_in_one_byte_writes_is_relayed_whole() -> None:
+    answer = (
+        b"HTTP/1.1 103 Early Hints\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;x=y\r\nhi\r\n0\r\n"
+        b"X-T: 1\r\n\r\n"
+    )
+
+    async def trickle(stream: trio.SocketStream) -> None:
+        for byte in answer:
+            await stream.send_all(bytes([byte]))
+            await trio.lowlevel.checkpoint()  # a write per byte, each its own segment
+
+    async with scripted({b"/case": trickle}) as (backend, proxy):
+        _, (response, second), closed = await exchange(
+            proxy.address,
+            request(b"/case", fields=b"TE: trailers\r\n") + request(b"/second"),
+            responses=2,
+        )
+        assert (response.body, response.trailers) == (b"hi", [(b"x-t", b"1")])
+        assert (second.body, closed) == (b"ok", False)
+        assert backend.connection_of(b"/second") == 1
+
+
+# -- unsolicited bytes on an idle pooled connection ---------------------------------
+
+
+async def test_bytes_on_an_idle_pooled_connection_retire_it() -> None:
+    sent = trio.Event()
+
+    async def answer_then_stray(stream: trio.SocketStream) -> None:
+        await stream.send_all(OK)
+        await sent.wait()  # the client has its response and has gone
+        await stream.send_all(SMUGGLED)
+        stray.set()
+
+    stray = trio.Event()
+    async with scripted({b"/case": answer_then_stray}) as (backend, proxy):
+        _, (response,), _ = await exchange(
+            proxy.address, request(b"/case"), responses=1
+        )
+        assert response.body == b"ok"
+        await wait_results(proxy)
+        assert proxy.keepalive.idle_count() == 1
+        sent.set()
+        await stray.wait()
+        assert await next_client_gets_ok(backend, proxy) == 2
+
+
+# -- an answer before the request body was sent -------------------------------------
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["sized", "chunked"])
+async def test_an_early_answer_to_an_upload_closes_both_connections(
+    chunked: bool,
+) -> None:
+    early = b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 3\r\n\r\nbig"
+    if chunked:
+        upload = request(b"/case", b"POST", b"Transfer-Encoding: chunked\r\n")
+        upload += b"10\r\n" + b"x" * 16 + b"\r\n"
+    else:
+        upload = request(b"/case", b"POST", b"Content-Length: 100000\r\n") + b"x" * 16
+    async with scripted({b"/case": early}, read_body=False) as (backend, proxy):
+        raw, (response,), _ = await exchange(
+            proxy.address, upload, responses=1, methods=[b"POST"]
+        )
+        assert (response.status, response.body) == (413, b"big")
+        assert response.header(b"connection") == b"close"
+        assert b"EVIL" not in raw
+        assert await next_client_gets_ok(backend, proxy) == 2
+
+
+# -- HTTP/2 clients -------------------------------------------------------------------
+
+
+async def test_http2_refused_responses_and_bytes_beyond_one_never_reach_a_stream() -> (
+    None
+):
+    script: dict[bytes, Answer] = {
+        b"/http10-chunked": REFUSED["Transfer-Encoding in HTTP/1.0"][0],
+        b"/longer": BEYOND["a body longer than its Content-Length"][1],
+        b"/head": BEYOND["a HEAD response with a body"][1],
+    }
+    async with scripted_h2(script) as (backend, client):
+        refused = await h2_get(client, "/http10-chunked")
+        assert client.status(refused) == 502
+        assert b"Transfer-Encoding in an HTTP/1.0 response" in client.body(refused)
+        longer = await h2_get(client, "/longer")
+        assert (client.status(longer), client.body(longer)) == (200, b"hi")
+        head = await h2_get(client, "/head", "HEAD")
+        assert (client.status(head), client.body(head)) == (200, b"")
+        second = await h2_get(client, "/second")
+        assert client.body(second) == b"ok"
+        connections = [number for number, _ in backend.seen]
+        assert connections == [1, 2, 3, 4]
         assert not client.of(h2.events.StreamReset)
