@@ -418,7 +418,7 @@ def parse_response_head(head: bytes, *, max_headers: int) -> ResponseHead:
     The same byte and field rules as requests, plus: HTTP/1.0 or 1.1, a
     three-digit status from 100 to 599, and for framing at most one valid
     ``Content-Length``, never with ``Transfer-Encoding``, which may only be
-    ``chunked`` (h11 cannot relay other codings either).
+    ``chunked`` (h11 cannot relay other codings either) and only in HTTP/1.1.
 
     Raises:
         ResponseRejectedError: the response cannot be relayed safely (502).
@@ -514,6 +514,9 @@ def _response_head(
             raise ResponseRejectedError(
                 "both Content-Length and Transfer-Encoding in the response"
             )
+        if version == b"1.0":
+            # RFC 9112 section 6.1: its framing is faulty.
+            raise ResponseRejectedError("Transfer-Encoding in an HTTP/1.0 response")
         if len(codings) > 1 or codings[0].lower() != b"chunked":
             raise ResponseRejectedError(
                 "response Transfer-Encoding other than a single 'chunked'"

@@ -60,6 +60,7 @@ __all__ = [
     "may_retry",
     "origin_form",
     "reason_phrase",
+    "response_trailers",
     "strip_hop_by_hop",
 ]
 
@@ -74,7 +75,9 @@ IDEMPOTENT_METHODS: Final = frozenset(
 )
 #: Fields a ``Connection`` header may not make us drop: framing and routing.
 _PROTECTED: Final = frozenset({b"host", b"content-length", b"transfer-encoding"})
-#: Fields dropped from trailers: framing, routing, hop-by-hop.
+#: Fields dropped from trailers, a request's or a response's: framing,
+#: routing, hop-by-hop (RFC 9110 section 6.5.1; HTTP/2 makes a stream whose
+#: trailers carry one malformed).
 _NOT_IN_TRAILERS: Final = NOT_NAMED_AWAY | {b"trailer", b"expect"}
 # The first bytes of every hop-by-hop name, either case: other names are kept
 # without lowercasing them.
@@ -204,6 +207,16 @@ def strip_hop_by_hop(
     if keep_upgrade:
         out.append((b"Connection", b"upgrade"))
     return out
+
+
+def response_trailers(trailers: Sequence[Header]) -> list[Header]:
+    """A response's trailers for the client: what `strip_hop_by_hop` keeps,
+    without the framing and routing fields, as request trailers lose them."""
+    return [
+        (name, value)
+        for name, value in strip_hop_by_hop(trailers, keep_upgrade=False)
+        if name.lower() not in _NOT_IN_TRAILERS
+    ]
 
 
 def end_to_end_fields(head: ResponseHead, *, keep_upgrade: bool) -> bytes:

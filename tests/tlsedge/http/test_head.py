@@ -61,6 +61,8 @@ STRICTER_THAN_H11_RESPONSE: frozenset[str] = frozenset(
         "more than one Content-Length in the response",
         "malformed Content-Length in the response",
         "both Content-Length and Transfer-Encoding in the response",
+        # h11 takes chunked framing from HTTP/1.0 (RFC 9112 section 6.1: faulty).
+        "Transfer-Encoding in an HTTP/1.0 response",
         # h11 takes any HTTP/x.y and statuses up to 999.
         "response version HTTP/2.0",
         "response status 600 (expected 100-599)",

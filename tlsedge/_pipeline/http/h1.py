@@ -140,6 +140,7 @@ from tlsedge._http.rules import (
     end_to_end_fields,
     log_text,
     reason_phrase,
+    response_trailers,
     strip_hop_by_hop,
 )
 from tlsedge._http.session import ClientSession, Phase
@@ -283,7 +284,7 @@ class _Exchange(UpstreamAttempt):
                     pending.append(session.send_data(event.data))
                 elif isinstance(event, EndOfBody):
                     trailers = (
-                        strip_hop_by_hop(event.trailers, keep_upgrade=False)
+                        response_trailers(event.trailers)
                         if ex.trailers_ok and event.trailers
                         else []
                     )

@@ -127,7 +127,7 @@ from tlsedge._http.log import HttpConnectionResult, RequestLog
 from tlsedge._http.rules import (
     error_body,
     log_text,
-    strip_hop_by_hop,
+    response_trailers,
 )
 from tlsedge._pipeline.http.attempt import (
     BODY,
@@ -1159,13 +1159,9 @@ class _H2Connection(ReactorConnection):
 
 
 def _h2_fields(headers: list[Header]) -> list[Header]:
-    """Trailer fields for HTTP/2: no hop-by-hop or connection-specific
-    field, names in lowercase."""
-    return [
-        (lower, value)
-        for name, value in strip_hop_by_hop(headers, keep_upgrade=False)
-        if (lower := name.lower()) not in _NOT_IN_H2
-    ]
+    """Trailer fields for HTTP/2: `response_trailers` (no hop-by-hop,
+    connection-specific, framing or routing field), names in lowercase."""
+    return [(name.lower(), value) for name, value in response_trailers(headers)]
 
 
 def _response_fields(head: ResponseHead) -> list[Header]:
