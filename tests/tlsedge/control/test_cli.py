@@ -300,9 +300,11 @@ async def test_sighup_without_workers_moves_admin_and_access_log(
                 'access_log = "access.log"\nworkers = 2\n',
             )
         )
-        reloaded_at = time.time()
         edge.signal(signal.SIGHUP)
         await edge.wait_for_log("configuration reloaded")
+        # After the line (the reload is in force): wait_for_port's probe may
+        # be accepted after the SIGHUP, and logged on stderr before the commit.
+        reloaded_at = time.time()
         await wait_refused(first_admin)
         metrics = await scrape(("127.0.0.1", moved_admin))
         assert total(metrics, "tlsedge_config_last_reload_successful") == 0
