@@ -276,7 +276,10 @@ def from_http1(
         body = LENGTH_BODY
     else:
         body = NO_BODY
-    asks_upgrade = head.upgrade and b"upgrade" in head.connection
+    # (RFC 9110 section 7.8: an Upgrade in an HTTP/1.0 request is ignored.)
+    asks_upgrade = (
+        head.upgrade and b"upgrade" in head.connection and head.version == b"1.1"
+    )
     if authority is None and not asks_upgrade and not _names_a_field(head):
         spliced = rewriter.splice(head.field_lines, host=head.host)
         if spliced is not None:

@@ -206,6 +206,17 @@ def test_h2c_is_taken_out_of_an_upgrade_that_names_another_protocol() -> None:
     assert b"\r\nUpgrade: websocket\r\n" in plain.data
 
 
+def test_an_upgrade_in_an_http10_request_is_ignored() -> None:
+    # RFC 9110 section 7.8: a server MUST ignore it (it was forwarded, and a
+    # 101 relayed).
+    request = _h1(
+        b"GET / HTTP/1.0\r\nHost: h\r\nConnection: upgrade\r\n"
+        b"Upgrade: websocket\r\n\r\n"
+    )
+    assert not request.upgrade
+    assert b"upgrade" not in request.data.lower()
+
+
 # -- anything the gate lets through is one request, as it was meant -------------------
 
 _PIECES = st.sampled_from(

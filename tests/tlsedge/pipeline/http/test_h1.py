@@ -1349,6 +1349,39 @@ async def test_h2c_upgrade_is_never_asked_of_the_backend() -> None:
     assert b"server-hello" not in switched
 
 
+async def test_an_upgrade_in_an_http10_request_is_ignored() -> None:
+    # RFC 9110 section 7.8: a server MUST ignore it. It went to the backend,
+    # which switched, and the 101 was relayed to the HTTP/1.0 client.
+    heads: list[bytes] = []
+
+    async def switching(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        heads.append(head)
+        if b"\r\nupgrade:" in head.lower():
+            await stream.send_all(
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                b"Upgrade: websocket\r\n\r\nserver-hello"
+            )
+        else:
+            await stream.send_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await stream.receive_some(65536)
+
+    async with trio.open_nursery() as nursery:
+        backend = await Backend(switching).start(nursery)
+        async with running_proxy([backend.address]) as proxy:
+            answer = await raw(
+                proxy.address,
+                b"GET /ws HTTP/1.0\r\nHost: h\r\nConnection: upgrade\r\n"
+                b"Upgrade: websocket\r\n\r\n",
+            )
+        nursery.cancel_scope.cancel()
+    assert answer.startswith(b"HTTP/1.1 204 "), answer
+    (head,) = heads
+    assert b"upgrade" not in head.lower()
+
+
 async def test_no_framing_field_reaches_the_client_on_a_response_without_a_body() -> (
     None
 ):
