@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -478,50 +479,19 @@ async def test_a_refused_reload_changes_no_worker_and_every_worker_reports_it(
     assert f"listeners[1].bind: cannot bind 127.0.0.1:{taken_port}" in refused[1]
 
 
-async def test_a_stop_while_workers_prepare_abandons_the_reload_unrefused(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """SIGHUP then SIGTERM: the workers exit instead of answering the
-    reload; that is no refusal (no ERROR line, the record unchanged), and
-    the reload is aborted in every worker that was asked."""
-    caplog.set_level(logging.INFO, logger="tlsedge.workers")
-    path = tmp_path / "edge.toml"
-    text = config_text(free_port(), "127.0.0.1:9", workers=1)
-    path.write_text(text)
-    with multiprocess_directory() as metrics_dir:
-        supervisor = _Supervisor(
-            [],
-            config_path=str(path),
-            text=text,
-            config=parse_config(text, str(path)),
-            log_format="text",
-            metrics_dir=metrics_dir,
-        )
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        answers_in, answers = trio.open_memory_channel[Message](math.inf)
-        link = Link(ours)
-        supervisor.running.add(_Worker(0, link=link, answers=answers))
-        before = supervisor.reloads
-        async with Link(theirs) as worker_end, link, trio.open_nursery() as nursery:
-            nursery.start_soon(supervisor.reload)
-            assert isinstance(await worker_end.receive(), Prepare)
-            supervisor.stopping = True  # SIGTERM, forwarded
-            answers_in.close()  # the worker's link closed as it exited
-            settle = await worker_end.receive()
-    assert isinstance(settle, Settle)
-    assert not settle.commit
-    assert supervisor.reloads == before
-    assert "reload refused" not in caplog.text
-    assert "reload abandoned: stopping" in caplog.text
+@dataclass
+class LinkedWorker:
+    """A supervisor whose one worker is the test: the worker's end of the
+    link, and what the supervisor reads as the worker's answers."""
+
+    supervisor: _Supervisor
+    end: Link
+    answers: trio.MemorySendChannel[Message]
 
 
-async def test_a_reload_is_logged_once_every_worker_committed_it(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """ "configuration reloaded" means in force: logged once every worker
-    answered `Committed` (it was logged before the commits went out, and a
-    client could still meet the old configuration after the line)."""
-    caplog.set_level(logging.INFO, logger="tlsedge")
+@contextlib.asynccontextmanager
+async def linked_supervisor(tmp_path: Path) -> AsyncIterator[LinkedWorker]:
+    """A `LinkedWorker`; the supervisor's tasks run in its nursery."""
     path = tmp_path / "edge.toml"
     text = config_text(free_port(), "127.0.0.1:9", workers=1)
     path.write_text(text)
@@ -540,18 +510,54 @@ async def test_a_reload_is_logged_once_every_worker_committed_it(
         worker = _Worker(0, link=link, answers=answers)
         supervisor.running.add(worker)
         supervisor.workers[0] = worker
-        async with Link(theirs) as worker_end, link, trio.open_nursery() as nursery:
+        async with Link(theirs) as end, link, trio.open_nursery() as nursery:
             supervisor.nursery = nursery
-            nursery.start_soon(supervisor.reload)
-            prepare = await worker_end.receive()
-            assert isinstance(prepare, Prepare)
-            answers_in.send_nowait(Prepared(prepare.serial))
-            settle = await worker_end.receive()
-            assert isinstance(settle, Settle)
-            assert settle.commit
-            await trio.sleep(0.1)
-            assert "configuration reloaded" not in caplog.text
-            answers_in.send_nowait(Committed(prepare.serial))
+            yield LinkedWorker(supervisor, end, answers_in)
+
+
+async def test_a_stop_while_workers_prepare_abandons_the_reload_unrefused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGHUP then SIGTERM: the workers exit instead of answering the
+    reload; that is no refusal (no ERROR line, the record unchanged), and
+    the reload is aborted in every worker that was asked."""
+    caplog.set_level(logging.INFO, logger="tlsedge.workers")
+    async with linked_supervisor(tmp_path) as linked:
+        supervisor = linked.supervisor
+        before = supervisor.reloads
+        assert supervisor.nursery is not None
+        supervisor.nursery.start_soon(supervisor.reload)
+        assert isinstance(await linked.end.receive(), Prepare)
+        supervisor.stopping = True  # SIGTERM, forwarded
+        linked.answers.close()  # the worker's link closed as it exited
+        settle = await linked.end.receive()
+    assert isinstance(settle, Settle)
+    assert not settle.commit
+    assert supervisor.reloads == before
+    assert "reload refused" not in caplog.text
+    assert "reload abandoned: stopping" in caplog.text
+
+
+async def test_a_reload_is_logged_once_every_worker_committed_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "configuration reloaded" means in force: logged once every worker
+    answered `Committed` (it was logged before the commits went out, and a
+    client could still meet the old configuration after the line)."""
+    caplog.set_level(logging.INFO, logger="tlsedge")
+    async with linked_supervisor(tmp_path) as linked:
+        supervisor = linked.supervisor
+        assert supervisor.nursery is not None
+        supervisor.nursery.start_soon(supervisor.reload)
+        prepare = await linked.end.receive()
+        assert isinstance(prepare, Prepare)
+        linked.answers.send_nowait(Prepared(prepare.serial))
+        settle = await linked.end.receive()
+        assert isinstance(settle, Settle)
+        assert settle.commit
+        await trio.sleep(0.1)
+        assert "configuration reloaded" not in caplog.text
+        linked.answers.send_nowait(Committed(prepare.serial))
     assert "configuration reloaded: 1 listeners, 1 backends" in caplog.text
 
 

@@ -1309,26 +1309,39 @@ async def test_upgrade_survives_an_upstream_reset_while_the_client_lags() -> Non
     )
 
 
-async def test_h2c_upgrade_is_never_asked_of_the_backend() -> None:
-    # After a 101 the edge would relay bytes: HTTP/2 requests inside would
-    # pass without X-Forwarded-For, request ids or access-log lines. The h2c
-    # upgrade is dropped (as nginx does): the backend sees a plain request,
-    # and a backend that switches anyway is not relayed.
-    heads: list[bytes] = []
+def switching_backend(
+    heads: list[bytes], switches: Callable[[bytes], bool], protocol: bytes
+) -> Callable[[trio.SocketStream], Awaitable[None]]:
+    """A backend's handler that records each request head in *heads* and
+    answers ``101`` to *protocol* (then ``server-hello``) when *switches*
+    says so of the head, else ``204``."""
 
     async def switching(stream: trio.SocketStream) -> None:
         head = b""
         while b"\r\n\r\n" not in head:
             head += await stream.receive_some(65536)
         heads.append(head)
-        if head.startswith(b"GET /upgrade "):
+        if switches(head):
             await stream.send_all(
                 b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
-                b"Upgrade: h2c\r\n\r\nserver-hello"
+                b"Upgrade: %s\r\n\r\nserver-hello" % protocol
             )
         else:
             await stream.send_all(b"HTTP/1.1 204 No Content\r\n\r\n")
         await stream.receive_some(65536)
+
+    return switching
+
+
+async def test_h2c_upgrade_is_never_asked_of_the_backend() -> None:
+    # After a 101 the edge would relay bytes: HTTP/2 requests inside would
+    # pass without X-Forwarded-For, request ids or access-log lines. The h2c
+    # upgrade is dropped (as nginx does): the backend sees a plain request,
+    # and a backend that switches anyway is not relayed.
+    heads: list[bytes] = []
+    switching = switching_backend(
+        heads, lambda head: head.startswith(b"GET /upgrade "), b"h2c"
+    )
 
     h2c = (
         b"Host: h\r\nConnection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\n"
@@ -1353,20 +1366,9 @@ async def test_an_upgrade_in_an_http10_request_is_ignored() -> None:
     # RFC 9110 section 7.8: a server MUST ignore it. It went to the backend,
     # which switched, and the 101 was relayed to the HTTP/1.0 client.
     heads: list[bytes] = []
-
-    async def switching(stream: trio.SocketStream) -> None:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += await stream.receive_some(65536)
-        heads.append(head)
-        if b"\r\nupgrade:" in head.lower():
-            await stream.send_all(
-                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
-                b"Upgrade: websocket\r\n\r\nserver-hello"
-            )
-        else:
-            await stream.send_all(b"HTTP/1.1 204 No Content\r\n\r\n")
-        await stream.receive_some(65536)
+    switching = switching_backend(
+        heads, lambda head: b"\r\nupgrade:" in head.lower(), b"websocket"
+    )
 
     async with trio.open_nursery() as nursery:
         backend = await Backend(switching).start(nursery)
