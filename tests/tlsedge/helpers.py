@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import ssl
 import struct
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -36,6 +38,7 @@ __all__ = [
     "connect",
     "describe_header",
     "exchange",
+    "exchange_then_close_notify",
     "make_config",
     "open_client",
     "proxy_echo_handler",
@@ -220,6 +223,41 @@ async def exchange(address: tuple[str, int], data: bytes = b"") -> bytes:
         return await read_all(client)
     finally:
         await client.aclose()
+
+
+async def exchange_then_close_notify(
+    address: tuple[str, int], context: ssl.SSLContext, data: bytes
+) -> bytes:
+    """Connect over TLS; send *data* and a close_notify in one write (one
+    read for the peer), TCP left open; the plaintext received until the
+    peer closes."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    engine = context.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    tcp = await connect(address)
+    try:
+        while True:
+            try:
+                engine.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await tcp.send_all(outgoing.read())
+                incoming.write(await tcp.receive_some(65536))
+        await tcp.send_all(outgoing.read())
+        engine.write(data)
+        with contextlib.suppress(ssl.SSLWantReadError):
+            engine.unwrap()  # the close_notify, behind *data*
+        await tcp.send_all(outgoing.read())
+        while chunk := await tcp.receive_some(65536):
+            incoming.write(chunk)
+        incoming.write_eof()
+        received = b""
+        # (The end: the peer's close_notify, or its FIN alone.)
+        with contextlib.suppress(ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            while True:
+                received += engine.read(65536)
+        return received
+    finally:
+        await tcp.aclose()
 
 
 @asynccontextmanager

@@ -84,7 +84,11 @@ class RawStream:
     def receive(self, *, read_socket: bool = True) -> bytes | None:
         """What arrived: plaintext, ``b""`` at the peer's EOF, or None when
         nothing can be returned without waiting. Without *read_socket*, only
-        what the TLS engine already holds."""
+        what the TLS engine already holds.
+
+        Over TLS, plaintext may come with `eof` set already: the close_notify
+        was in the same read, and no socket event will say it again (the
+        caller takes the EOF from `eof`; a next call returns ``b""``)."""
         if self.eof:
             return b""
         tls = self.tls

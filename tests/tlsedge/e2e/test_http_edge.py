@@ -28,6 +28,7 @@ from tests.tlsedge.helpers import (
     Backend,
     access_records,
     address_of,
+    exchange_then_close_notify,
     in_flight,
     make_config,
     read_proxy,
@@ -727,6 +728,30 @@ async def test_upgrade_over_tls_relays_both_ways_and_half_closes(
                 rest += chunk
         assert rest == b"server-hello|EARLY-FRAME|FRAME2|bye"
         await stream.aclose()
+
+
+async def test_a_close_notify_in_the_request_s_read_ends_the_connection(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request and the client's close_notify in one segment, TCP left
+    open: the edge answers, then ends the connection as ``client_closed``
+    (the EOF came with the request's read: no socket event says it again).
+    """
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    tls, ca = _tls_files(tmp_path)
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    # Without the EOF, the connection would end at the keep-alive timeout.
+    listener = {"tls": tls, "http": {"keepalive_timeout": 0.5}}
+    async with h11_edge(listener) as (_, _, address):
+        with trio.fail_after(10):
+            received = await exchange_then_close_notify(
+                address, context, b"GET /a HTTP/1.1\r\nHost: localhost\r\n\r\n"
+            )
+        assert received.startswith(b"HTTP/1.1 200 "), received
+        requests, connections = _split(await wait_access_records(caplog, 2))
+        assert [r["termination"] for r in requests] == ["ok"]
+        assert [r["termination"] for r in connections] == ["client_closed"]
 
 
 async def test_nginx_backend_sees_x_forwarded_for() -> None:

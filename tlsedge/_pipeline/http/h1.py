@@ -586,11 +586,15 @@ class _HttpConnection(ReactorConnection):
         state = self.state
         if state is LINGER:
             self.lingered += len(data)
-            if not data or self.lingered >= LINGER_MAX_BYTES:
+            if client.eof or self.lingered >= LINGER_MAX_BYTES:
                 self._finish()
             return
         self.result.bytes_from_client += len(data)
         self.session.receive_data(data)
+        if data and client.eof:
+            # The EOF came in the same read (a close_notify right behind
+            # the bytes): no socket event will say it again.
+            self.session.receive_data(b"")
         if state is HEAD:
             self._advance_head()
         elif state is EXCHANGE and self.session.phase is _BODY_PHASE:

@@ -674,11 +674,13 @@ class _H2Connection(ReactorConnection):
             return
         if data is None:
             return
-        if not data:
+        if data:
+            self._received(data)
+        # (With data: the EOF came in the same read, a close_notify right
+        # behind the bytes, and no socket event will say it again.)
+        if self.client.eof and self.state is OPEN:
             self._end(Termination.CLIENT_CLOSED)
             self._shut_down()
-            return
-        self._received(data)
 
     def _received(self, data: bytes) -> None:
         """Client bytes to the session, its events dispatched."""

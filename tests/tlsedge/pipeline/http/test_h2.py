@@ -42,9 +42,11 @@ from tests.tlsedge.control.test_admin import admin_address, http_get, total
 from tests.tlsedge.helpers import (
     access_records,
     address_of,
+    exchange_then_close_notify,
     in_flight,
     make_config,
     running_edge,
+    wait_access_records,
     wait_until,
 )
 from tests.tlsedge.http.test_gate import H2Case, h2_cases
@@ -547,6 +549,27 @@ async def _tls_client(setup: Setup, alpn: str) -> trio.SSLStream[trio.SocketStre
     await stream.do_handshake()
     assert stream.selected_alpn_protocol() == alpn
     return stream
+
+
+async def test_a_close_notify_in_the_preface_s_read_ends_the_connection(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The preface and the client's close_notify in one segment, TCP left
+    open: the connection ends as ``client_closed`` (the EOF came with the
+    preface's read: no socket event says it again)."""
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    # Without the EOF, the connection would end at the header timeout.
+    async with h2_edge(tmp_path, http={"request_header_timeout": 0.5}) as setup:
+        context = ssl.create_default_context(cafile=str(setup.ca_file))
+        context.set_alpn_protocols(["h2"])
+        client = h2.connection.H2Connection()
+        client.initiate_connection()
+        with trio.fail_after(10):
+            await exchange_then_close_notify(
+                ("127.0.0.1", setup.tls_port), context, client.data_to_send()
+            )
+        (connection,) = await wait_access_records(caplog, 1)
+    assert connection["termination"] == "client_closed"
 
 
 # The same requests, field for field, as HTTP/1.1 text and as HTTP/2 fields.
