@@ -566,6 +566,42 @@ async def test_a_tls_backend_that_closes_is_not_reused(
     assert not [r for r in caplog.records if "retrying" in r.getMessage()]
 
 
+async def test_a_response_ended_by_a_close_notify_in_its_read_ends_at_once(
+    certs: Certs, nursery: trio.Nursery
+) -> None:
+    """A TLS backend whose response ends at its EOF, sent with the
+    close_notify in one write and TCP left open: the client gets it whole at
+    once. (The EOF came in the same read as the body, and no socket event
+    said it again: the response waited for a timeout.)"""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs.cert, certs.key)
+
+    async def answer(stream: trio.SocketStream) -> None:
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        engine = context.wrap_bio(incoming, outgoing, server_side=True)
+        request = b""
+        while b"\r\n\r\n" not in request:
+            try:
+                engine.do_handshake()
+                request += engine.read(65536)
+            except ssl.SSLWantReadError:
+                await stream.send_all(outgoing.read())
+                incoming.write(await stream.receive_some(65536))
+        engine.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+        with contextlib.suppress(ssl.SSLWantReadError):
+            engine.unwrap()  # the close_notify, behind the body
+        await stream.send_all(outgoing.read())
+        await stream.receive_some(65536)  # TCP open until the edge closes
+
+    backend = await Backend(answer).start(nursery)
+    async with running_proxy([backend.address], backend=_tls_backend(certs)) as proxy:
+        client = await Client.open(proxy.address)
+        with trio.fail_after(10):
+            response = await client.request("GET", "/")
+        await client.aclose()
+    assert (response.status, response.body) == (200, b"all of it")
+
+
 async def test_upgrade_relays_over_the_tls_upstream_with_half_close(
     certs: Certs, nursery: trio.Nursery
 ) -> None:

@@ -645,10 +645,13 @@ class UpstreamAttempt(abc.ABC):
             return
         if data is None:
             return
-        if not data:
+        eof = raw.eof  # with data: a close_notify right behind it (RawStream)
+        if eof:
             self.host.interest_changed(self)
         self.read_progress = self.host.now()
         conn.receive_data(data)
+        if data and eof:
+            conn.receive_data(b"")
         self._relay_response()
 
     def upstream_failed(self, exc: UpstreamError) -> None:
