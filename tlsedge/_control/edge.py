@@ -357,9 +357,11 @@ class Edge:
         self._drain_event = Drain()
         self._metrics = EdgeMetrics(self.snapshot)
         # tcp-mode connections whose relay the reactor runs (their tasks
-        # ended), and when they are cut at the latest (set by drain/stop).
+        # ended).
         self._relays = DetachedRelays()
-        self._relays_deadline = math.inf
+        # When the connections (tasks, and relays on the reactor) are cut at
+        # the latest (set by drain/stop).
+        self._drain_deadline = math.inf
         # Each accepted connection's stages.
         self._pipeline = Pipeline(
             metrics=self._metrics,
@@ -424,7 +426,7 @@ class Edge:
             self.active_connections,
             self.config.edge.drain_timeout,
         )
-        self._relays_deadline = trio.current_time() + self.config.edge.drain_timeout
+        self._drain_deadline = trio.current_time() + self.config.edge.drain_timeout
         self._stop_serving()
         self._drain_event.set()
 
@@ -434,14 +436,14 @@ class Edge:
         for listener in self._listeners.values():
             self._close_listener(listener)
         if self._connections is not None:
-            self._connections.cancel_scope.deadline = self._relays_deadline
+            self._connections.cancel_scope.deadline = self._drain_deadline
 
     def stop(self) -> None:
         """Close everything at once (a second SIGTERM, or SIGINT)."""
         self.drain()
         if self._connections is not None:
             self._connections.cancel_scope.cancel()
-        self._relays_deadline = -math.inf
+        self._drain_deadline = -math.inf
         self._pipeline.in_flight.drain_all()
         self._relays.drain_all()
 
@@ -604,7 +606,7 @@ class Edge:
                     finally:
                         self._pipeline.in_flight.drain_all()
                 # Relays on the reactor get the rest of the drain timeout.
-                with trio.move_on_at(self._relays_deadline):
+                with trio.move_on_at(self._drain_deadline):
                     await self._relays.wait_empty()
                 self._relays.drain_all()
                 services.cancel_scope.cancel()

@@ -30,9 +30,10 @@ starts or drains workers after the commit; ``edge.log_format`` waits for a
 restart (`tlsedge._core.reload`). The edge's one `ReloadRecord` goes to every
 worker with the commit or abort (and in ``Start``), so every worker's
 ``/metrics`` and ``/status`` report the same reloads; the reload is logged
-once every worker answered that it committed it (``Committed``). A stop signal that
-comes while the workers prepare abandons the reload (every worker aborts it,
-one INFO line): their failing to answer because they exit is not a refusal.
+once every worker answered that it committed it (``Committed``). A stop
+signal that comes while the workers prepare abandons the reload (every
+worker aborts it, one INFO line): their failing to answer because they exit
+is not a refusal.
 
 One lock orders reloads and worker starts: a worker is started, and handed
 the running configuration, either before a reload (it takes part in it) or

@@ -875,12 +875,11 @@ class H2Session:
             sid = event.stream_id
             assert sid is not None
             if sid in self.active:
-                self.forget(sid)
                 if event.remote_reset:
+                    self.forget(sid)
                     out.append(StreamCancelled(sid, int(event.error_code or 0)))
                 else:  # h2 reset it (STREAM_CLOSED): see the module docstring
-                    self._trailers.pop(sid, None)
-                    out.append(StreamMalformed(sid, _CLOSED_STREAM_ERROR, None, None))
+                    self._given_up(sid, _CLOSED_STREAM_ERROR, out)
         elif isinstance(
             event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)
         ):
@@ -939,9 +938,14 @@ class H2Session:
 
     def _malformed_stream(self, sid: int, reason: str, out: list[Event]) -> None:
         """A stream being served turned out malformed: reset it and say so."""
+        self._reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+        self._given_up(sid, reason, out)
+
+    def _given_up(self, sid: int, reason: str, out: list[Event]) -> None:
+        """A stream being served was reset (by us or by h2) as malformed:
+        no longer served, and said so."""
         self.forget(sid)
         self._trailers.pop(sid, None)
-        self._reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
         out.append(StreamMalformed(sid, reason, None, None))
 
     def _reset_stream(self, sid: int, code: ErrorCodes) -> None:

@@ -22,7 +22,6 @@ import h2.connection
 import h2.events
 import h2.utilities
 import h11
-import hpack
 import httpx
 import pytest
 import trio
@@ -30,10 +29,7 @@ import trustme
 from hyperframe.frame import (
     ContinuationFrame,
     DataFrame,
-    Frame,
-    GoAwayFrame,
     HeadersFrame,
-    SettingsFrame,
 )
 from hypothesis import assume, example, given, settings, strategies as st
 
@@ -52,7 +48,6 @@ from tests.tlsedge.helpers import (
 from tests.tlsedge.http.test_gate import H2Case, h2_cases
 from tlsedge._control.cli import main
 from tlsedge._control.edge import Edge
-from tlsedge._http.h2session import PREFACE
 from tlsedge._http.head import ResponseRejectedError, parse_response_head
 from tlsedge._http.rules import strip_hop_by_hop
 from tlsedge._pipeline.http.h2 import _h2_fields, _response_fields
@@ -1958,63 +1953,6 @@ async def test_drain_deadline_ends_h2_streams_in_flight_and_connecting(
     )
     assert streams == [("/never", "drained"), ("/slow/30", "drained")]
     assert [r["termination"] for r in records if "type" not in r] == ["drained"] * 2
-
-
-async def test_a_preface_that_ends_during_a_drain_gets_its_first_streams_served(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """An h2c connection accepted before the drain whose preface and first
-    request come after it: its first streams are served, as an HTTP/1.1
-    connection's first request is then (with ``Connection: close``), and the
-    GOAWAY names them (it named none: the request was refused)."""
-    caplog.set_level(logging.INFO, logger="tlsedge.access")
-    async with h2_edge(tmp_path) as setup:
-        stream = await trio.open_tcp_stream("127.0.0.1", setup.plain_port)
-        try:
-            await stream.send_all(PREFACE[:16])
-            await wait_until(lambda: _connection_tasks(setup.edge) == 1)  # sniffing
-            setup.edge.drain()
-            fields = [
-                (b":method", b"GET"),
-                (b":scheme", b"http"),
-                (b":authority", b"localhost"),
-                (b":path", b"/echo"),
-            ]
-            block = hpack.Encoder().encode(fields)
-            request = HeadersFrame(1, block, flags=["END_HEADERS", "END_STREAM"])
-            await stream.send_all(
-                PREFACE[16:] + SettingsFrame(0).serialize() + request.serialize()
-            )
-            received = bytearray()
-            with trio.fail_after(10):
-                while data := await stream.receive_some(65536):
-                    received += data
-        finally:
-            await stream.aclose()
-    frames = _frames(bytes(received))
-    # The drain's GOAWAY, then the one of the close.
-    goaways = [f.last_stream_id for f in frames if isinstance(f, GoAwayFrame)]
-    assert goaways == [1, 1]
-    decoder = hpack.Decoder()
-    heads = [
-        list(decoder.decode(f.data, raw=True))
-        for f in frames
-        if isinstance(f, HeadersFrame)
-    ]
-    assert (b":status", b"200") in heads[0]
-    (line,) = [r for r in access_records(caplog) if r.get("type") == "http"]
-    assert (line["target"], line["termination"]) == ("/echo", "ok")
-
-
-def _frames(data: bytes) -> list[Frame]:
-    """The frames *data* holds, whole."""
-    frames = []
-    while len(data) >= 9:
-        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
-        frame.parse_body(memoryview(data[9 : 9 + length]))
-        frames.append(frame)
-        data = data[9 + length :]
-    return frames
 
 
 # -- a response head's fields as HTTP/2 sends them ------------------------------------

@@ -34,7 +34,13 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
-from tests.tlsedge.pipeline.http.test_h2 import Setup, _tls_client, h2_edge
+from tests.tlsedge.helpers import access_records, wait_until
+from tests.tlsedge.pipeline.http.test_h2 import (
+    Setup,
+    _connection_tasks,
+    _tls_client,
+    h2_edge,
+)
 from tlsedge._http.h2session import PREFACE
 
 ErrorCodes = h2.errors.ErrorCodes
@@ -1345,3 +1351,28 @@ async def test_h2spec_case(
             await trio.aclose_forcefully(client.stream)
     # Whatever the client sent, the edge's own code did not fail.
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_preface_that_ends_during_a_drain_gets_its_first_streams_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An h2c connection accepted before the drain whose preface and first
+    request come after it: its first streams are served, as an HTTP/1.1
+    connection's first request is then (with ``Connection: close``), and the
+    GOAWAY names them (it named none: the request was refused)."""
+    caplog.set_level(logging.INFO, logger="tlsedge.access")
+    async with h2_edge(tmp_path) as setup:
+        client = FrameClient(await trio.open_tcp_stream("127.0.0.1", setup.plain_port))
+        try:
+            await client.send(PREFACE[:16])
+            await wait_until(lambda: _connection_tasks(setup.edge) == 1)  # sniffing
+            setup.edge.drain()
+            await client.send(PREFACE[16:], settings(), headers(1))
+            await client.until(lambda c: False)  # until the edge closes
+        finally:
+            await trio.aclose_forcefully(client.stream)
+    # The drain's GOAWAY, then the one of the close.
+    assert [f.last_stream_id for f in client.of(GoAwayFrame)] == [1, 1]
+    assert client.statuses[1] == 200
+    (line,) = [r for r in access_records(caplog) if r.get("type") == "http"]
+    assert (line["target"], line["termination"]) == ("/echo", "ok")
